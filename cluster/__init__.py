@@ -1,0 +1,1 @@
+"""Composition: configuration, the Serve app builder and the `loraplex` command line."""

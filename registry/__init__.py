@@ -1,0 +1,1 @@
+"""etcd-backed adapter metadata, artifact store, validation and the tenant API."""

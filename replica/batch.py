@@ -1,0 +1,125 @@
+"""Per-step metadata, built once per step from the scheduled sequences; layers only read it.
+
+Sequences are ordered by adapter, so the tokens of one adapter form one contiguous
+segment of the batch (the LoRA kernels' segments). Attention runs in two groups: decode
+rows (one new token) and extend rows (a prefill chunk), each padded only to its own width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.kernels.attention import attention_mask, paged_attention
+from loraplex.kernels.lora import Segment
+from loraplex.replica.kv_cache import KVCache
+from loraplex.replica.model.llama import LORA_GROUPS
+from loraplex.replica.sequence import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionGroup:
+    token_idx: torch.Tensor  # [B, Q] rows of the step's tokens, padded by repeating a valid row
+    out_rows: torch.Tensor  # [N] step rows the group produces
+    src_rows: torch.Tensor  # [N] their rows in the flattened [B*Q] output
+    block_tables: torch.Tensor  # [B, max_blocks]
+    mask: torch.Tensor  # [B, 1, Q, max_blocks * block_size]
+
+
+@dataclass(frozen=True, slots=True)
+class StepBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    kv_pages: torch.Tensor  # [T] page of each token's KV slot
+    kv_offsets: torch.Tensor  # [T] offset inside that page
+    groups: tuple[AttentionGroup, ...]
+    lora: list[list[list[Segment]]]  # [layer][lora group] -> segments with an adapter
+    sample_idx: torch.Tensor  # [S] rows whose logits are needed
+    sampled: tuple[Sequence, ...]  # the sequences those rows belong to, in order
+
+    def attention(self, q: torch.Tensor, k_cache, v_cache, scale: float) -> torch.Tensor:
+        """q [T, H, D] -> [T, H, D] over the paged cache."""
+        out = torch.empty_like(q)
+        for g in self.groups:
+            res = paged_attention(q[g.token_idx], k_cache, v_cache, g.block_tables, g.mask, scale)
+            out[g.out_rows] = res.reshape(-1, *q.shape[1:])[g.src_rows]
+        return out
+
+
+def adapter_order(item: tuple[Sequence, int]) -> tuple[int, str]:
+    seq = item[0]
+    return (0, "") if seq.adapter is None else (1, seq.adapter)
+
+
+def build_step_batch(
+    scheduled: list[tuple[Sequence, int]], kv: KVCache, num_layers: int, sliding_window: int | None
+) -> StepBatch:
+    scheduled = sorted(scheduled, key=adapter_order)
+    ids, positions, pages, offsets, sample_rows, sampled = [], [], [], [], [], []
+    starts = []
+    for seq, n in scheduled:
+        start = seq.num_computed
+        starts.append(len(ids))
+        ids.extend(seq.token_ids(start, start + n))
+        positions.extend(range(start, start + n))
+        p, o = kv.slots(seq, start, start + n)
+        pages.extend(p)
+        offsets.extend(o)
+        if start + n == seq.num_tokens:
+            sample_rows.append(len(ids) - 1)
+            sampled.append(seq)
+
+    decode = [(i, s, n) for i, (s, n) in enumerate(scheduled) if n == 1]
+    extend = [(i, s, n) for i, (s, n) in enumerate(scheduled) if n > 1]
+    groups = tuple(
+        _attention_group(part, starts, kv, sliding_window) for part in (decode, extend) if part
+    )
+    return StepBatch(
+        input_ids=torch.tensor(ids, dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        kv_pages=torch.tensor(pages, dtype=torch.int64),
+        kv_offsets=torch.tensor(offsets, dtype=torch.int64),
+        groups=groups,
+        lora=_lora_segments(scheduled, starts, len(ids), num_layers),
+        sample_idx=torch.tensor(sample_rows, dtype=torch.int64),
+        sampled=tuple(sampled),
+    )
+
+
+def _attention_group(part, starts, kv: KVCache, sliding_window: int | None) -> AttentionGroup:
+    q_max = max(n for _, _, n in part)
+    token_idx, out_rows, src_rows = [], [], []
+    for b, (i, _, n) in enumerate(part):
+        rows = list(range(starts[i], starts[i] + n))
+        token_idx.append(rows + [rows[-1]] * (q_max - n))
+        out_rows.extend(rows)
+        src_rows.extend(range(b * q_max, b * q_max + n))
+    seqs = [s for _, s, _ in part]
+    block_tables = kv.block_table_tensor(seqs)
+    q_start = torch.tensor([s.num_computed for s in seqs], dtype=torch.int64)
+    ctx_lens = q_start + torch.tensor([n for _, _, n in part], dtype=torch.int64)
+    mask = attention_mask(q_start, q_max, ctx_lens, block_tables.shape[1] * kv.block_size, sliding_window)
+    return AttentionGroup(
+        token_idx=torch.tensor(token_idx, dtype=torch.int64),
+        out_rows=torch.tensor(out_rows, dtype=torch.int64),
+        src_rows=torch.tensor(src_rows, dtype=torch.int64),
+        block_tables=block_tables,
+        mask=mask,
+    )
+
+
+def _lora_segments(scheduled, starts, num_tokens: int, num_layers: int) -> list[list[list[Segment]]]:
+    """Contiguous runs of tokens sharing a resident adapter, resolved per layer and group."""
+    runs = []  # (start, end, resident)
+    for (seq, _), start, end in zip(scheduled, starts, starts[1:] + [num_tokens], strict=True):
+        if seq.lora is None:
+            continue
+        if runs and runs[-1][2] is seq.lora and runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], end, seq.lora)
+        else:
+            runs.append((start, end, seq.lora))
+    return [
+        [[(s, e, w) for s, e, r in runs if (w := r.groups[layer][g]) is not None] for g in LORA_GROUPS]
+        for layer in range(num_layers)
+    ]

@@ -1,0 +1,35 @@
+"""Engine settings (one replica). Operator-facing YAML configuration lives in cluster/."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from loraplex.replica.scheduler import SchedulerConfig
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str  # Hugging Face checkpoint folder
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # auto: the checkpoint's
+    device: str = "cpu"
+    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 8192
+    pool_bytes: int | None = None  # the unified arena; None: 512 MiB on CPU, 90% of free memory on CUDA
+    page_bytes: int | None = None  # None: the smallest power of two >= 16 tokens of KV (>= 64 KiB)
+    max_lora_rank: int = 128
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    seed: int = 0  # seeds requests that set no seed of their own
+
+    def __post_init__(self):
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        if not 1 <= self.max_lora_rank <= 1024:
+            raise ValueError(f"max_lora_rank must be in [1, 1024], got {self.max_lora_rank}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        for name in ("pool_bytes", "page_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < 1024:
+                raise ValueError(f"{name} must be >= 1024 bytes, got {value}")

@@ -1,0 +1,351 @@
+"""The engine of one replica.
+
+`LLMEngine` is the synchronous core: add requests, `step()` runs one iteration (schedule →
+forward → sample) and returns what each request produced. `Engine` runs that loop on its own
+thread and offers async streaming generation, adapter registration and cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from loraplex.replica.adapter_cache import AdapterCache, UnknownAdapter
+from loraplex.replica.adapters import AdapterError, AdapterWeights, load_adapter
+from loraplex.replica.batch import build_step_batch
+from loraplex.replica.config import MiB, EngineConfig
+from loraplex.replica.kv_cache import KVCache
+from loraplex.replica.model.config import DTYPES, ModelConfig
+from loraplex.replica.model.llama import LlamaModel
+from loraplex.replica.model.loader import load_weights
+from loraplex.replica.pool import RowPacker, UnifiedPool
+from loraplex.replica.sampling import SamplingParams, sample
+from loraplex.replica.scheduler import Scheduler
+from loraplex.replica.sequence import RequestOutput, Sequence
+from loraplex.replica.tokenizer import Tokenizer
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as given; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterInfo:
+    name: str
+    rank: int
+    targets: tuple[str, ...]
+    host_bytes: int
+    pool_pages: int
+
+
+class LLMEngine:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        device = torch.device(cfg.device)
+        dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
+        self.model_config = mc = ModelConfig.from_pretrained(Path(cfg.model), dtype)
+        self.max_model_len = cfg.max_model_len or min(mc.max_position_embeddings, 8192)
+        self.model = LlamaModel(mc, load_weights(Path(cfg.model), mc, device), self.max_model_len)
+        has_tokenizer = (Path(cfg.model) / "tokenizer.json").is_file()
+        self.tokenizer = Tokenizer(Path(cfg.model)) if has_tokenizer else None
+        elem = torch.empty((), dtype=mc.dtype).element_size()
+        page_bytes = cfg.page_bytes or _auto_page_bytes(mc.kv_elems_per_token() * elem)
+        pool_bytes = cfg.pool_bytes or _auto_pool_bytes(device)
+        self.pool = UnifiedPool(pool_bytes // page_bytes, page_bytes // elem, mc.dtype, device)
+        self.kv = KVCache(self.pool, mc)
+        self.adapters = AdapterCache(self.pool, mc, self.model.output_columns)
+        self.scheduler = Scheduler(cfg.scheduler, self.kv, self.adapters)
+        eos = set(mc.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_ids = frozenset(eos)
+        self.requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._seeds = random.Random(cfg.seed)  # for requests that bring no seed
+
+    # adapters
+
+    def add_adapter(self, name: str, path: Path) -> AdapterInfo:
+        return self.register_adapter(self.read_adapter(name, path))
+
+    def read_adapter(self, name: str, path: Path) -> AdapterWeights:
+        """Read and validate; touches no engine state (safe off the engine thread)."""
+        weights = load_adapter(Path(path), name, self.model_config, self.cfg.max_lora_rank)
+        pages = self._pages_for(weights)
+        if pages > self.pool.num_pages // 2:
+            raise AdapterError(
+                f"adapter {name!r} needs {pages} pages; at most half the pool "
+                f"({self.pool.num_pages // 2} pages) may hold one adapter"
+            )
+        return weights
+
+    def register_adapter(self, weights: AdapterWeights) -> AdapterInfo:
+        self.adapters.add(weights)
+        return AdapterInfo(weights.name, weights.rank, weights.targets, weights.nbytes, self._pages_for(weights))
+
+    def _pages_for(self, weights: AdapterWeights) -> int:
+        packer = RowPacker(self.pool.page_elems)
+        for a, bt in weights.modules.values():
+            packer.add(*a.shape)
+            packer.add(*bt.shape)
+        return packer.num_pages
+
+    def remove_adapter(self, name: str) -> None:
+        self.adapters.remove(name)
+
+    # requests
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        adapter: str | None = None,
+        request_id: str | None = None,
+        arrival: float = 0.0,
+    ) -> Sequence:
+        ids = self.encode(prompt)
+        self._check(ids, params, adapter)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        generator = torch.Generator().manual_seed(seed)
+        seq = Sequence(request_id, ids, params, adapter, arrival, generator)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        return seq
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer.json; send prompt_token_ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def _check(self, ids: list[int], params: SamplingParams, adapter: str | None) -> None:
+        if not ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise RequestError(f"prompt token ids must be integers in [0, {vocab})")
+        if len(ids) + params.max_tokens > self.max_model_len:
+            raise RequestError(
+                f"prompt of {len(ids)} tokens plus max_tokens {params.max_tokens} exceeds the "
+                f"context window of {self.max_model_len} tokens"
+            )
+        if self.kv.blocks_for(len(ids) + params.max_tokens) > self.pool.num_pages:
+            raise RequestError(f"the request needs more KV pages than the pool has ({self.pool.num_pages})")
+        if adapter is not None and adapter not in self.adapters:
+            raise UnknownAdapter(adapter)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its pages now."""
+        seq = self.requests.pop(request_id, None)
+        if seq is not None and not seq.finished:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            return []
+        batch = build_step_batch(scheduled, self.kv, self.model_config.num_layers, self.model_config.sliding_window)
+        logits = self.model.forward(batch, self.kv.view)
+        for seq, n in scheduled:
+            seq.num_computed += n
+        seqs = batch.sampled
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        return [
+            self._append(seq, token, logits[i] if seq.params.return_logits else None)
+            for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True))
+        ]
+
+    def _append(self, seq: Sequence, token: int, logits: torch.Tensor | None) -> RequestOutput:
+        p = seq.params
+        seq.output_ids.append(token)
+        reason = None
+        if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
+            reason = "stop"
+        text_ids = seq.output_ids[:-1] if reason else seq.output_ids
+        text = self.tokenizer.decode(text_ids) if self.tokenizer is not None else ""
+        if p.stop and reason is None:
+            cut = _find_stop(text, p.stop, len(seq.text))
+            if cut is not None:
+                text, reason = text[:cut], "stop"
+        if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+            reason = "length"
+        if reason is None:
+            text = _stable_prefix(text, p.stop)
+        new_text = text[len(seq.text) :] if text.startswith(seq.text) else text
+        seq.text = text
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self.requests.pop(seq.request_id, None)
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=[token],
+            new_text=new_text,
+            token_ids=list(seq.output_ids),
+            text=seq.text,
+            finished=reason is not None,
+            finish_reason=reason,
+            num_prompt_tokens=len(seq.prompt_ids),
+            logits=logits,
+        )
+
+    def generate(
+        self,
+        prompts: list[str | list[int]],
+        params: list[SamplingParams],
+        adapters: list[str | None],
+        on_output: Callable[[RequestOutput], None] | None = None,
+    ) -> list[RequestOutput]:
+        """Offline: run every request to completion; final outputs in input order."""
+        ids = [self.add_request(p, sp, a).request_id for p, sp, a in zip(prompts, params, adapters, strict=True)]
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished():
+            for out in self.step():
+                if on_output is not None:
+                    on_output(out)
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def stats(self) -> dict:
+        pool = self.pool.stats()
+        return {
+            "pool": {f: getattr(pool, f) for f in pool.__slots__},
+            "adapters": {
+                "registered": len(self.adapters.host),
+                "resident": sorted(self.adapters.resident),
+                **{f: getattr(self.adapters.stats, f) for f in self.adapters.stats.__slots__},
+            },
+            "waiting": len(self.scheduler.waiting),
+            "running": len(self.scheduler.running),
+            "preemptions": self.scheduler.num_preemptions,
+            "kv_block_size": self.kv.block_size,
+        }
+
+
+def _find_stop(text: str, stops: tuple[str, ...], seen: int) -> int | None:
+    """Index where the earliest stop string starts, searching only text that is new."""
+    start = max(0, seen - max(len(s) for s in stops) + 1)
+    hits = [i for s in stops if (i := text.find(s, start)) != -1]
+    return min(hits) if hits else None
+
+
+def _stable_prefix(text: str, stops: tuple[str, ...]) -> str:
+    """Text safe to stream: no half-decoded character, no possible start of a stop string."""
+    text = text.rstrip("\ufffd")
+    if stops:
+        hold = max(len(s) for s in stops) - 1
+        text = text[: len(text) - hold] if hold else text
+    return text
+
+
+def _auto_page_bytes(kv_bytes_per_token: int) -> int:
+    page = 64 * 1024
+    while page < 16 * kv_bytes_per_token:
+        page *= 2
+    return page
+
+
+def _auto_pool_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * 0.9)
+    return 512 * MiB
+
+
+class Engine:
+    """`LLMEngine` on a background thread, with async streaming for servers."""
+
+    def __init__(self, cfg: EngineConfig):
+        self.core = LLMEngine(cfg)
+        self._lock = threading.Lock()
+        self._work = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._closed = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._closed:
+            with self._lock:
+                busy = self.core.has_unfinished()
+                try:
+                    outputs = self.core.step() if busy else []
+                except BaseException as e:  # the engine is broken: fail every stream, stop
+                    self._error = e
+                    outputs = []
+            if self._error is not None:
+                for loop, queue in list(self._streams.values()):
+                    loop.call_soon_threadsafe(queue.put_nowait, self._error)
+                return
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream[0].call_soon_threadsafe(stream[1].put_nowait, out)
+            if not busy:
+                self._work.wait(0.1)
+                self._work.clear()
+
+    async def _locked(self, fn, *args):
+        def call():
+            with self._lock:
+                return fn(*args)
+
+        return await asyncio.to_thread(call)
+
+    async def add_adapter(self, name: str, path: Path) -> AdapterInfo:
+        weights = await asyncio.to_thread(self.core.read_adapter, name, path)
+        return await self._locked(self.core.register_adapter, weights)
+
+    async def remove_adapter(self, name: str) -> None:
+        await self._locked(self.core.remove_adapter, name)
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        adapter: str | None = None,
+        request_id: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs step by step. Closing the iterator early (or
+        cancelling the task) aborts the request and frees its pages."""
+        if self._error is not None or self._closed:
+            raise RuntimeError(f"the engine is stopped: {self._error!r}")
+        queue: asyncio.Queue = asyncio.Queue()
+        seq = await self._locked(self.core.add_request, prompt, params, adapter, request_id)
+        self._streams[seq.request_id] = (asyncio.get_running_loop(), queue)
+        self._work.set()
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise RuntimeError("the engine failed") from out
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(seq.request_id, None)
+            if not finished:
+                await asyncio.shield(self._locked(self.core.abort, seq.request_id))
+
+    async def stats(self) -> dict:
+        return await self._locked(self.core.stats)
+
+    def shutdown(self) -> None:
+        self._closed = True
+        self._work.set()
+        self._thread.join(timeout=30)

@@ -1,0 +1,54 @@
+"""KV-cache blocks in the unified pool: one block is one page holding `block_size` tokens of
+K and V for every layer."""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.replica.model.config import ModelConfig
+from loraplex.replica.pool import PageKind, UnifiedPool
+from loraplex.replica.sequence import Sequence
+
+
+class KVCache:
+    def __init__(self, pool: UnifiedPool, cfg: ModelConfig):
+        per_token = cfg.kv_elems_per_token()
+        self.block_size = pool.page_elems // per_token
+        if self.block_size < 1:
+            raise ValueError(
+                f"a page of {pool.page_bytes} bytes cannot hold one token's KV "
+                f"({per_token * pool.arena.element_size()} bytes); raise page_bytes"
+            )
+        self.pool = pool
+        n = pool.num_pages
+        self.view = pool.arena[:, : self.block_size * per_token].view(
+            n, cfg.num_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim
+        )
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def ensure(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give `seq` blocks for `num_tokens` tokens. False (nothing changed) if the pool,
+        after reclaiming idle adapter pages, cannot."""
+        missing = self.blocks_for(num_tokens) - len(seq.block_table)
+        if missing <= 0:
+            return True
+        if not self.pool.can_allocate(missing):
+            return False
+        seq.block_table.extend(self.pool.allocate(missing, PageKind.KV))
+        return True
+
+    def free(self, seq: Sequence) -> None:
+        self.pool.free(seq.block_table)
+        seq.block_table = []
+
+    def slots(self, seq: Sequence, start: int, end: int) -> tuple[list[int], list[int]]:
+        """(page, offset) of positions start..end-1 of `seq`."""
+        bs, table = self.block_size, seq.block_table
+        return [table[p // bs] for p in range(start, end)], [p % bs for p in range(start, end)]
+
+    def block_table_tensor(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(s.block_table) for s in seqs)
+        rows = [s.block_table + [s.block_table[0]] * (width - len(s.block_table)) for s in seqs]
+        return torch.tensor(rows, dtype=torch.int64)

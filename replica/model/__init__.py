@@ -1,0 +1,1 @@
+"""Llama-family decoder and its weight loader."""

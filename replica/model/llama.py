@@ -1,0 +1,100 @@
+"""Llama-family decoder (Llama 2/3, Mistral): GQA, RoPE, RMSNorm, SwiGLU, tied or untied
+embeddings. Weights are plain tensors in the fused layout of `loader.py`; the KV cache is a
+view of the unified pool; LoRA goes through `kernels.lora` on views of the pool.
+
+The forward pass reads the per-step metadata in `StepBatch` and does no per-request work.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.kernels.attention import write_kv
+from loraplex.kernels.lora import lora_sgmv
+from loraplex.replica.model.config import ModelConfig
+from loraplex.replica.model.rope import RotaryEmbedding, apply_rotary
+
+if TYPE_CHECKING:
+    from loraplex.replica.batch import StepBatch
+
+QKV, O, GATE_UP, DOWN = range(4)
+LORA_GROUPS = {  # group -> its targets in the order their outputs sit in the fused weight
+    QKV: ("q_proj", "k_proj", "v_proj"),
+    O: ("o_proj",),
+    GATE_UP: ("gate_proj", "up_proj"),
+    DOWN: ("down_proj",),
+}
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+class LlamaModel:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int):
+        self.cfg = cfg
+        self.w = weights
+        device = weights["embed"].device
+        self.rope = RotaryEmbedding(cfg, max_positions, device)
+        self.layers = [
+            {k: weights[f"layers.{i}.{k}"] for k in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down")}
+            for i in range(cfg.num_layers)
+        ]
+        self.scale = cfg.head_dim**-0.5
+
+    def output_columns(self, group: int) -> dict[str, tuple[int, int]]:
+        """Columns of the fused output that each target of a LoRA group writes."""
+        cfg = self.cfg
+        widths = {
+            QKV: (cfg.q_size, cfg.kv_size, cfg.kv_size),
+            O: (cfg.hidden_size,),
+            GATE_UP: (cfg.intermediate_size, cfg.intermediate_size),
+            DOWN: (cfg.hidden_size,),
+        }[group]
+        cols, start = {}, 0
+        for target, width in zip(LORA_GROUPS[group], widths, strict=True):
+            cols[target] = (start, start + width)
+            start += width
+        return cols
+
+    @torch.inference_mode()
+    def forward(self, batch: StepBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """Logits [len(batch.sample_idx), vocab] in float32.
+
+        kv_cache: [num_pages, num_layers, 2, block_size, kv_heads, head_dim] view of the pool.
+        """
+        cfg = self.cfg
+        t = batch.input_ids.shape[0]
+        h = self.w["embed"][batch.input_ids]
+        cos, sin = self.rope.tables(batch.positions)
+        for i, layer in enumerate(self.layers):
+            lora = batch.lora[i]
+            x = rms_norm(h, layer["input_norm"], cfg.rms_norm_eps)
+            qkv = F.linear(x, layer["qkv"])
+            lora_sgmv(qkv, x, lora[QKV])
+            q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
+            q = apply_rotary(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
+            k = apply_rotary(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+            v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+            k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]
+            write_kv(k_cache, v_cache, k, v, batch.kv_pages, batch.kv_offsets)
+            attn = batch.attention(q, k_cache, v_cache, self.scale).view(t, cfg.q_size)
+            o = F.linear(attn, layer["o"])
+            lora_sgmv(o, attn, lora[O])
+            h = h + o
+
+            x = rms_norm(h, layer["post_norm"], cfg.rms_norm_eps)
+            gate_up = F.linear(x, layer["gate_up"])
+            lora_sgmv(gate_up, x, lora[GATE_UP])
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+            down = F.linear(act, layer["down"])
+            lora_sgmv(down, act, lora[DOWN])
+            h = h + down
+        h = rms_norm(h[batch.sample_idx], self.w["norm"], cfg.rms_norm_eps)
+        return F.linear(h, self.w["lm_head"]).float()

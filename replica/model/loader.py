@@ -1,0 +1,79 @@
+"""Reads a Hugging Face Llama checkpoint (single or sharded safetensors) into the engine's
+fused layout: q/k/v stacked into one [q+2kv, hidden] weight, gate/up into one [2i, hidden]."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from loraplex.replica.model.config import ModelConfig, ModelConfigError
+
+
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [model_dir / name for name in sorted(set(weight_map.values()))]
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    if any(model_dir.glob("*.bin")):
+        raise ModelConfigError(f"{model_dir} holds only .bin (pickle) weights; convert them to safetensors")
+    raise ModelConfigError(f"{model_dir} has no model.safetensors or model.safetensors.index.json")
+
+
+def iter_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_weights(model_dir: Path, cfg: ModelConfig, device: torch.device) -> dict[str, torch.Tensor]:
+    raw = {name.removeprefix("model."): t for name, t in iter_tensors(model_dir)}
+    expected = _expected_shapes(cfg)
+    missing = [n for n in expected if n not in raw and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
+    if missing:
+        raise ModelConfigError(f"checkpoint {model_dir} lacks tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    for name, shape in expected.items():
+        if name in raw and tuple(raw[name].shape) != shape:
+            raise ModelConfigError(f"tensor {name}: expected shape {shape}, found {tuple(raw[name].shape)}")
+
+    def take(name: str) -> torch.Tensor:
+        return raw[name].to(device=device, dtype=cfg.dtype)
+
+    weights = {"embed": take("embed_tokens.weight"), "norm": take("norm.weight")}
+    weights["lm_head"] = weights["embed"] if cfg.tie_word_embeddings else take("lm_head.weight")
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        weights[p + "input_norm"] = take(p + "input_layernorm.weight")
+        weights[p + "post_norm"] = take(p + "post_attention_layernorm.weight")
+        weights[p + "qkv"] = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous()
+        weights[p + "o"] = take(p + "self_attn.o_proj.weight")
+        weights[p + "gate_up"] = torch.cat(
+            [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+        ).contiguous()
+        weights[p + "down"] = take(p + "mlp.down_proj.weight")
+    return weights
+
+
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    h = cfg.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "embed_tokens.weight": (cfg.vocab_size, h),
+        "norm.weight": (h,),
+        "lm_head.weight": (cfg.vocab_size, h),
+    }
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        for name, (fan_in, fan_out) in cfg.projection_shapes().items():
+            group = "self_attn" if name[0] in "qkvo" else "mlp"
+            shapes[f"{p}{group}.{name}.weight"] = (fan_out, fan_in)
+    return shapes

@@ -1,0 +1,1 @@
+"""HTTP ingress (OpenAI-compatible) and adapter-affinity replica selection."""

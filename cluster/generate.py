@@ -1,0 +1,147 @@
+"""`loraplex generate`: offline batch generation (like vLLM's batch runner).
+
+Every input line is validated before the engine starts, and the output file is written
+whole (temp file + rename) only when every request has finished, so a bad line or a
+crash never leaves a half-written result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from loraplex.cluster.cli import CLIError, engine_config
+
+
+class GenerateRequest(BaseModel):
+    """One line of the input file."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str | int | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    adapter: str | None = Field(None, description="a folder name under --adapters; null for the base model")
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    @model_validator(mode="after")
+    def _one_prompt(self):
+        if (self.prompt is None) == (self.prompt_token_ids is None):
+            raise ValueError("give exactly one of 'prompt' (text) or 'prompt_token_ids'")
+        return self
+
+    def sampling_params(self):
+        from loraplex.replica.sampling import SamplingParams
+
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        return SamplingParams(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=stop,
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+def read_requests(path: Path) -> list[GenerateRequest]:
+    if not path.is_file():
+        raise CLIError(f"input file {path} does not exist")
+    requests = []
+    for lineno, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            req = GenerateRequest.model_validate_json(line)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "line"
+            raise CLIError(f"{path}:{lineno}: {where}: {first['msg']}") from None
+        requests.append(req if req.id is not None else req.model_copy(update={"id": lineno}))
+    if not requests:
+        raise CLIError(f"{path} holds no requests")
+    return requests
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from loraplex.replica.adapters import AdapterError, is_adapter_dir
+    from loraplex.replica.engine import LLMEngine, RequestError
+    from loraplex.replica.model.config import ModelConfigError
+
+    requests = read_requests(args.input)
+    wanted = sorted({r.adapter for r in requests if r.adapter is not None})
+    available = {p.name for p in args.adapters.iterdir() if is_adapter_dir(p)} if args.adapters else set()
+    missing = [a for a in wanted if a not in available]
+    if missing:
+        where = f"under {args.adapters}" if args.adapters else "(no --adapters folder given)"
+        raise CLIError(f"requests name adapters not found {where}: {missing}")
+    if not args.model.is_dir():
+        raise CLIError(f"--model {args.model} is not a folder")
+
+    try:
+        engine = LLMEngine(engine_config(args))
+        for name in wanted:
+            engine.add_adapter(name, args.adapters / name)
+        params = [r.sampling_params() for r in requests]
+        seqs = [
+            engine.add_request(r.prompt if r.prompt is not None else r.prompt_token_ids, p, r.adapter)
+            for r, p in zip(requests, params, strict=True)
+        ]
+    except (ModelConfigError, AdapterError, RequestError, ValueError) as e:
+        raise CLIError(str(e)) from None
+
+    results = _run(engine, [s.request_id for s in seqs])
+    lines = [
+        json.dumps({"id": r.id, "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason})
+        for r, out in zip(requests, results, strict=True)
+    ]
+    _write_atomic(args.output, "\n".join(lines) + "\n")
+    print(f"wrote {len(lines)} results to {args.output}", file=sys.stderr)
+    return 0
+
+
+def _run(engine, request_ids: list[str]):
+    total, done, tokens = len(request_ids), 0, 0
+    final = {}
+    start = last = time.monotonic()
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens += 1
+            if out.finished:
+                final[out.request_id] = out
+                done += 1
+        now = time.monotonic()
+        if now - last >= 1.0 or done == total:
+            last = now
+            rate = tokens / max(now - start, 1e-9)
+            print(f"\r{done}/{total} requests done, {tokens} tokens, {rate:.1f} tok/s", end="", file=sys.stderr)
+    print(file=sys.stderr)
+    return [final[i] for i in request_ids]
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# One-time, idempotent set-up: a virtualenv in .venv with loraplex and its test extras.
+# On a machine without an NVIDIA GPU, torch==2.13.0 (CPU build) is installed first so
+# that resolving the other packages never pulls a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3.11}
+command -v "$PY" >/dev/null || PY=python3
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+  .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q torch==2.13.0
+fi
+.venv/bin/pip install -q -e '.[test,dev]'

@@ -25,15 +25,15 @@ import torch.nn.functional as F
 
 
 def write_kv(
-    k_cache: torch.Tensor,  # [num_pages, block_size, kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [num_pages, block_size, kv_heads, head_dim]
+    cache_rows: torch.Tensor,  # [num_rows, kv_heads * head_dim] the pool seen as KV rows
     k: torch.Tensor,  # [T, kv_heads, head_dim]
     v: torch.Tensor,  # [T, kv_heads, head_dim]
-    pages: torch.Tensor,  # [T] int64
-    offsets: torch.Tensor,  # [T] int64
+    k_rows: torch.Tensor,  # [T] int64 row of each token's K slot
+    v_rows: torch.Tensor,  # [T] int64 row of each token's V slot
 ) -> None:
-    k_cache[pages, offsets] = k
-    v_cache[pages, offsets] = v
+    """cache_rows[k_rows[t]] = k[t]; cache_rows[v_rows[t]] = v[t]."""
+    cache_rows.index_copy_(0, k_rows, k.reshape(k.shape[0], -1))
+    cache_rows.index_copy_(0, v_rows, v.reshape(v.shape[0], -1))
 
 
 def attention_mask(

@@ -31,8 +31,7 @@ class AttentionGroup:
 class StepBatch:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    kv_pages: torch.Tensor  # [T] page of each token's KV slot
-    kv_offsets: torch.Tensor  # [T] offset inside that page
+    kv_rows: torch.Tensor  # [num_layers, 2, T] pool rows each token's K and V are written to
     groups: tuple[AttentionGroup, ...]
     lora: list[list[list[Segment]]]  # [layer][lora group] -> segments with an adapter
     sample_idx: torch.Tensor  # [S] rows whose logits are needed
@@ -78,8 +77,7 @@ def build_step_batch(
     return StepBatch(
         input_ids=torch.tensor(ids, dtype=torch.int64),
         positions=torch.tensor(positions, dtype=torch.int64),
-        kv_pages=torch.tensor(pages, dtype=torch.int64),
-        kv_offsets=torch.tensor(offsets, dtype=torch.int64),
+        kv_rows=kv.write_rows(pages, offsets),
         groups=groups,
         lora=_lora_segments(scheduled, starts, len(ids), num_layers),
         sample_idx=torch.tensor(sample_rows, dtype=torch.int64),

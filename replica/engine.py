@@ -56,7 +56,7 @@ class LLMEngine:
         has_tokenizer = (Path(cfg.model) / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer(Path(cfg.model)) if has_tokenizer else None
         elem = torch.empty((), dtype=mc.dtype).element_size()
-        page_bytes = cfg.page_bytes or _auto_page_bytes(mc.kv_elems_per_token() * elem)
+        page_bytes = cfg.page_bytes or _auto_page_bytes(mc.kv_elems_per_token() * elem, mc.kv_size * elem)
         pool_bytes = cfg.pool_bytes or _auto_pool_bytes(device)
         self.pool = UnifiedPool(pool_bytes // page_bytes, page_bytes // elem, mc.dtype, device)
         self.kv = KVCache(self.pool, mc)
@@ -159,7 +159,7 @@ class LLMEngine:
         if not scheduled:
             return []
         batch = build_step_batch(scheduled, self.kv, self.model_config.num_layers, self.model_config.sliding_window)
-        logits = self.model.forward(batch, self.kv.view)
+        logits = self.model.forward(batch, self.kv.view, self.kv.rows)
         for seq, n in scheduled:
             seq.num_computed += n
         seqs = batch.sampled
@@ -252,11 +252,13 @@ def _stable_prefix(text: str, stops: tuple[str, ...]) -> str:
     return text
 
 
-def _auto_page_bytes(kv_bytes_per_token: int) -> int:
+def _auto_page_bytes(kv_bytes_per_token: int, kv_row_bytes: int) -> int:
+    """The smallest power of two >= 64 KiB holding 16 tokens of KV, made a multiple of one
+    KV row (kv_heads * head_dim) when that row is not a power of two."""
     page = 64 * 1024
     while page < 16 * kv_bytes_per_token:
         page *= 2
-    return page
+    return -(-page // kv_row_bytes) * kv_row_bytes
 
 
 def _auto_pool_bytes(device: torch.device) -> int:

@@ -63,10 +63,11 @@ class LlamaModel:
         return cols
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+    def forward(self, batch: StepBatch, kv_cache: torch.Tensor, kv_rows: torch.Tensor) -> torch.Tensor:
         """Logits [len(batch.sample_idx), vocab] in float32.
 
-        kv_cache: [num_pages, num_layers, 2, block_size, kv_heads, head_dim] view of the pool.
+        kv_cache: [num_pages, num_layers, 2, block_size, kv_heads, head_dim] view of the pool;
+        kv_rows: the same memory as [rows, kv_heads * head_dim], where new K/V are written.
         """
         cfg = self.cfg
         t = batch.input_ids.shape[0]
@@ -82,7 +83,7 @@ class LlamaModel:
             k = apply_rotary(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]
-            write_kv(k_cache, v_cache, k, v, batch.kv_pages, batch.kv_offsets)
+            write_kv(kv_rows, k, v, batch.kv_rows[i, 0], batch.kv_rows[i, 1])
             attn = batch.attention(q, k_cache, v_cache, self.scale).view(t, cfg.q_size)
             o = F.linear(attn, layer["o"])
             lora_sgmv(o, attn, lora[O])

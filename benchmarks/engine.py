@@ -1,0 +1,314 @@
+"""`loraplex bench engine`: the replica engine measured side by side in one run.
+
+- speedup_vs_peft: a trace-shaped workload (lengths from an Azure LLM inference trace,
+  scaled down; adapters drawn Zipf-like) served by the engine with continuous batching vs
+  transformers + peft `generate` in mixed-adapter static batches; generated tokens / s.
+- lora_overhead: decode step with LoRA / the same step base-only - 1 (8 adapters, rank 16,
+  q/k/v/o; batch 32).
+- lora_overhead_heavy beside lora_traffic_bound: 32 adapters of ranks 8-64 on all seven
+  projections; the bound is the distinct adapters' weight bytes / the base weight bytes a
+  decode step reads.
+- gemm_efficiency: the step's base GEMMs alone (plain torch matmuls) / the engine's step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from loraplex.cluster.demo_assets import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
+from loraplex.replica.config import MiB, EngineConfig
+from loraplex.replica.engine import LLMEngine
+from loraplex.replica.sampling import SamplingParams
+from loraplex.replica.scheduler import SchedulerConfig
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
+DEFAULT_TRACE = Path(__file__).resolve().parents[1].parent / "shared/traces/azure_llm_inference_conv_2023.csv"
+
+
+@dataclass(frozen=True, slots=True)
+class BenchShape:
+    model: ModelSpec
+    num_requests: int
+    prompt_scale: float  # trace context tokens are multiplied by this ...
+    output_scale: float  # ... and generated tokens by this
+    max_prompt: int
+    max_output: int
+    decode_context: int  # tokens already in each sequence when decode steps are timed
+    timed_steps: int
+
+
+FULL = BenchShape(
+    model=ModelSpec(
+        hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+        num_key_value_heads=4, vocab_size=16384, rope_scaling=None,
+    ),
+    num_requests=128, prompt_scale=1 / 16, output_scale=1 / 4, max_prompt=256, max_output=96,
+    decode_context=128, timed_steps=12,
+)
+QUICK = BenchShape(
+    model=ModelSpec(
+        hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8,
+        num_key_value_heads=4, vocab_size=8192, rope_scaling=None,
+    ),
+    num_requests=64, prompt_scale=1 / 32, output_scale=1 / 8, max_prompt=128, max_output=48,
+    decode_context=64, timed_steps=6,
+)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    shape = QUICK if args.quick else FULL
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory(prefix="loraplex-bench-") as tmp:
+        root = Path(tmp)
+        _log(f"building a {_params(shape.model) / 1e6:.0f}M-parameter model and adapters in {root}")
+        model_dir, heavy, light = _build_assets(root, shape.model)
+        results = {"model_parameters": _params(shape.model), "quick": bool(args.quick)}
+        results.update(_step_overheads(model_dir, heavy, light, shape))
+        results.update(_speedup_vs_peft(model_dir, heavy, shape, args.trace))
+    _print_table(results)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+        _log(f"wrote {args.json}")
+    return 0
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _params(spec: ModelSpec) -> int:
+    per_layer = sum(o * i for o, i in spec.projection_shapes().values())
+    return spec.num_hidden_layers * per_layer + 2 * spec.vocab_size * spec.hidden_size
+
+
+def _build_assets(root: Path, spec: ModelSpec) -> tuple[Path, dict[str, Path], dict[str, Path]]:
+    model_dir = root / "model"
+    write_checkpoint(model_dir, spec, seed=0, with_tokenizer=False)
+    ranks = np.random.default_rng(0).integers(8, 65, size=32)
+    heavy, light = {}, {}
+    for i, rank in enumerate(ranks):
+        name = f"heavy-{i:02d}-r{rank}"
+        write_adapter(root / name, spec, AdapterSpec(name, int(rank), 2.0 * rank, ALL, seed=1000 + i))
+        heavy[name] = root / name
+    for i in range(8):
+        name = f"light-{i}-r16"
+        write_adapter(root / name, spec, AdapterSpec(name, 16, 32.0, ATTN, seed=2000 + i))
+        light[name] = root / name
+    return model_dir, heavy, light
+
+
+def _engine(model_dir: Path, adapters: dict[str, Path], max_seqs: int = 32) -> LLMEngine:
+    adapter_bytes = sum((p / "adapter_model.safetensors").stat().st_size for p in adapters.values())
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            pool_bytes=256 * MiB + int(1.1 * adapter_bytes),
+            scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=4096, max_loras_per_batch=32),
+        )
+    )
+    for name, path in adapters.items():
+        engine.add_adapter(name, path)
+    return engine
+
+
+# -- step overheads -----------------------------------------------------------------------
+
+
+def _decode_batch(engine: LLMEngine, adapters: list[str | None], shape: BenchShape) -> None:
+    """Fill a batch of len(adapters) sequences and run until every one is decoding."""
+    vocab = engine.model_config.vocab_size
+    rng = np.random.default_rng(1)
+    for adapter in adapters:
+        prompt = rng.integers(10, vocab, size=shape.decode_context).tolist()
+        engine.add_request(prompt, SamplingParams(max_tokens=512, temperature=0, ignore_eos=True), adapter)
+    while any(s.num_computed < len(s.prompt_ids) for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+
+
+def _timed_steps(engines: list[LLMEngine], steps: int) -> list[list[float]]:
+    """Interleave the engines' steps so drift on the machine hits each alike."""
+    times = [[] for _ in engines]
+    for _ in range(steps):
+        for engine, out in zip(engines, times, strict=True):
+            start = time.perf_counter()
+            engine.step()
+            out.append(time.perf_counter() - start)
+    return times
+
+
+def _gemm_time(engine: LLMEngine, batch: int, reps: int) -> float:
+    """The decode step's base GEMMs alone: plain F.linear on the same weights and shapes."""
+    weights = [w for layer in engine.model.layers for w in (layer["qkv"], layer["o"], layer["gate_up"], layer["down"])]
+    weights.append(engine.model.w["lm_head"])
+    inputs = [torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights]
+    samples = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for x, w in zip(inputs, weights, strict=True):
+            F.linear(x, w)
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def _base_bytes(engine: LLMEngine) -> int:
+    layers = engine.model.layers
+    return sum(layer[k].nbytes for layer in layers for k in ("qkv", "o", "gate_up", "down")) + engine.model.w["lm_head"].nbytes
+
+
+def _step_overheads(model_dir: Path, heavy: dict[str, Path], light: dict[str, Path], shape: BenchShape) -> dict:
+    batch = 32
+    _log("timing decode steps: base-only vs 8 adapters r16 q/k/v/o vs 32 adapters r8-64 on all projections")
+    base_engine = _engine(model_dir, {})
+    light_engine = _engine(model_dir, light)
+    heavy_engine = _engine(model_dir, heavy)
+    light_names, heavy_names = list(light), list(heavy)
+    _decode_batch(base_engine, [None] * batch, shape)
+    _decode_batch(light_engine, [light_names[i % 8] for i in range(batch)], shape)
+    _decode_batch(heavy_engine, heavy_names[:batch], shape)
+    _timed_steps([base_engine, light_engine, heavy_engine], 2)  # warm-up
+    base_t, light_t, heavy_t = (statistics.median(t) for t in _timed_steps([base_engine, light_engine, heavy_engine], shape.timed_steps))
+    gemm_t = _gemm_time(base_engine, batch, shape.timed_steps)
+    adapter_bytes = sum(heavy_engine.adapters.host[n].nbytes for n in heavy_names[:batch])
+    bound = adapter_bytes / _base_bytes(base_engine)
+    return {
+        "lora_overhead": light_t / base_t - 1,
+        "lora_overhead_heavy": heavy_t / base_t - 1,
+        "lora_traffic_bound": bound,
+        "lora_overhead_heavy_vs_bound": (heavy_t / base_t - 1) / bound,
+        "gemm_efficiency": gemm_t / base_t,
+        "timings_ms": {
+            "decode_step_base": base_t * 1e3,
+            "decode_step_lora_8x_r16_qkvo": light_t * 1e3,
+            "decode_step_lora_32x_r8_64_all": heavy_t * 1e3,
+            "base_gemms_only": gemm_t * 1e3,
+            "batch": batch,
+            "context_tokens": shape.decode_context,
+            "adapter_bytes_heavy": adapter_bytes,
+            "base_weight_bytes": _base_bytes(base_engine),
+        },
+    }
+
+
+# -- serving workload vs transformers + peft ------------------------------------------------
+
+
+def trace_lengths(path: Path | None, n: int, shape: BenchShape) -> tuple[list[tuple[int, int]], str]:
+    """(prompt, output) lengths: the first n rows of an Azure-format trace, scaled down;
+    without a trace, a lognormal fit of the conv trace's published moments."""
+    rows = []
+    source = "synthetic lognormal (no trace file found)"
+    if path is not None and path.is_file():
+        with path.open(newline="") as f:
+            for row in csv.DictReader(f):
+                rows.append((int(row["ContextTokens"]), int(row["GeneratedTokens"])))
+                if len(rows) == n:
+                    break
+        source = str(path)
+    else:
+        rng = np.random.default_rng(0)
+        ctx = rng.lognormal(np.log(1020), 0.55, size=n)  # conv trace: mean 1155, p50 1020
+        gen = rng.lognormal(np.log(129), 0.95, size=n)  # mean 211, p50 129
+        rows = list(zip(ctx.astype(int).tolist(), gen.astype(int).tolist(), strict=True))
+    lengths = [
+        (int(min(max(c * shape.prompt_scale, 4), shape.max_prompt)), int(min(max(g * shape.output_scale, 1), shape.max_output)))
+        for c, g in rows
+    ]
+    return lengths, source
+
+
+def zipf_adapters(names: list[str], n: int, seed: int = 0, a: float = 1.1) -> list[str]:
+    weights = 1.0 / np.arange(1, len(names) + 1) ** a
+    picks = np.random.default_rng(seed).choice(len(names), size=n, p=weights / weights.sum())
+    return [names[i] for i in picks]
+
+
+def _speedup_vs_peft(model_dir: Path, heavy: dict[str, Path], shape: BenchShape, trace: Path | None) -> dict:
+    lengths, source = trace_lengths(trace or DEFAULT_TRACE, shape.num_requests, shape)
+    names = list(heavy)
+    adapters = zipf_adapters(names, len(lengths))
+    vocab = shape.model.vocab_size
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(10, vocab, size=p).tolist() for p, _ in lengths]
+    useful = sum(o for _, o in lengths)
+    _log(f"serving {len(lengths)} requests ({useful} output tokens) from {source}")
+
+    engine = _engine(model_dir, {n: heavy[n] for n in set(adapters)})
+    params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in lengths]
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params, adapters)
+    ours = time.perf_counter() - start
+    assert sum(len(o.token_ids) for o in outs) == useful
+    del engine
+
+    peft_t = _peft_generate(model_dir, heavy, prompts, [o for _, o in lengths], adapters)
+    return {
+        "speedup_vs_peft": (useful / ours) / (useful / peft_t),
+        "serving": {
+            "requests": len(lengths),
+            "output_tokens": useful,
+            "prompt_tokens": sum(p for p, _ in lengths),
+            "distinct_adapters": len(set(adapters)),
+            "loraplex_s": ours,
+            "peft_s": peft_t,
+            "loraplex_tok_per_s": useful / ours,
+            "peft_tok_per_s": useful / peft_t,
+            "trace": source,
+        },
+    }
+
+
+def _peft_generate(model_dir: Path, adapter_dirs: dict[str, Path], prompts, outputs, adapters, batch: int = 32) -> float:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    used = sorted(set(adapters))
+    peft = PeftModel.from_pretrained(model, adapter_dirs[used[0]], adapter_name=used[0])
+    for name in used[1:]:
+        peft.load_adapter(adapter_dirs[name], adapter_name=name)
+    peft.eval()
+    _log(f"transformers + peft: static batches of {batch}")
+    start = time.perf_counter()
+    for lo in range(0, len(prompts), batch):
+        chunk = prompts[lo : lo + batch]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        with torch.inference_mode():
+            peft.generate(
+                input_ids=ids, attention_mask=mask, adapter_names=adapters[lo : lo + batch],
+                max_new_tokens=max(outputs[lo : lo + batch]), do_sample=False, eos_token_id=None, pad_token_id=0,
+            )
+    return time.perf_counter() - start
+
+
+def _print_table(r: dict) -> None:
+    rows = [
+        ("speedup_vs_peft", r["speedup_vs_peft"], ">= 3"),
+        ("lora_overhead", r["lora_overhead"], "<= 0.15"),
+        ("lora_overhead_heavy", r["lora_overhead_heavy"], "<= 1.5 x bound"),
+        ("lora_traffic_bound", r["lora_traffic_bound"], ""),
+        ("lora_overhead_heavy_vs_bound", r["lora_overhead_heavy_vs_bound"], "<= 1.5"),
+        ("gemm_efficiency", r["gemm_efficiency"], ">= 0.6"),
+    ]
+    print(f"{'metric':32} {'value':>10}  target")
+    for name, value, target in rows:
+        print(f"{name:32} {value:10.3f}  {target}")
+    for name, value in r["timings_ms"].items():
+        print(f"  {name:30} {value:10.2f}" if isinstance(value, float) else f"  {name:30} {value:10}")
+    s = r["serving"]
+    print(f"  serving: loraplex {s['loraplex_tok_per_s']:.1f} tok/s vs peft {s['peft_tok_per_s']:.1f} tok/s ({s['requests']} requests)")

@@ -112,6 +112,8 @@ class AdapterCache:
         """Evict unpinned resident adapters, least recently used first, until
         `pages_needed` pages are freed or none is left to evict."""
         idle = sorted((n for n, r in self.resident.items() if r.pins == 0), key=self.last_used.__getitem__)
+        if sum(len(self.resident[n].pages) for n in idle) < pages_needed:
+            return  # evicting would not be enough: keep the cache warm
         freed = 0
         for name in idle:
             if freed >= pages_needed:

@@ -21,8 +21,9 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(
-    r"^base_model\.model\.model\.layers\.(\d+)\.(?:self_attn|mlp)\."
-    r"(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.lora_([AB])\.weight$"
+    r"^base_model\.model\.model\.layers\.(0|[1-9]\d*)\."
+    r"(?:self_attn\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(gate_proj|up_proj|down_proj))"
+    r"\.lora_([AB])\.weight$"
 )
 _FLOAT_DTYPES = ("F32", "F16", "BF16")
 
@@ -61,7 +62,7 @@ def read_adapter_config(path: Path) -> dict:
     return cfg
 
 
-def _check_config(cfg: dict, max_rank: int) -> tuple[float, bool]:
+def _check_config(cfg: dict, max_rank: int) -> tuple[int, float, bool]:
     if cfg.get("peft_type", "LORA") != "LORA":
         raise AdapterError(f"peft_type {cfg.get('peft_type')!r} unsupported; only 'LORA'")
     unsupported = {
@@ -76,14 +77,14 @@ def _check_config(cfg: dict, max_rank: int) -> tuple[float, bool]:
     if bad:
         raise AdapterError(f"adapter_config.json sets unsupported options: {bad}")
     r = cfg.get("r")
-    if not isinstance(r, int) or r < 1:
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
         raise AdapterError(f"adapter_config.json 'r' must be a positive integer, found {r!r}")
     if r > max_rank:
         raise AdapterError(f"rank {r} exceeds the configured maximum {max_rank}")
     alpha = cfg.get("lora_alpha", r)
-    if not isinstance(alpha, int | float):
+    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
         raise AdapterError(f"adapter_config.json 'lora_alpha' must be a number, found {alpha!r}")
-    return float(alpha), bool(cfg.get("use_rslora", False))
+    return r, float(alpha), bool(cfg.get("use_rslora", False))
 
 
 def load_adapter(path: Path, name: str, model: ModelConfig, max_rank: int) -> AdapterWeights:
@@ -92,7 +93,9 @@ def load_adapter(path: Path, name: str, model: ModelConfig, max_rank: int) -> Ad
     if not path.is_dir():
         raise AdapterError(f"adapter path {path} is not a folder")
     cfg = read_adapter_config(path)
-    alpha, rslora = _check_config(cfg, max_rank)
+    config_rank, alpha, rslora = _check_config(cfg, max_rank)
+    declared = cfg.get("target_modules")
+    declared = set(declared) if isinstance(declared, list) else None  # a regex string: not checked
     weights_path = path / WEIGHTS_FILE
     if not weights_path.is_file():
         hint = " (.bin pickle files are refused; save with safetensors)" if (path / "adapter_model.bin").exists() else ""
@@ -104,7 +107,9 @@ def load_adapter(path: Path, name: str, model: ModelConfig, max_rank: int) -> Ad
         m = _KEY.match(key)
         if m is None:
             raise AdapterError(f"tensor {key!r} is not a LoRA weight of a Llama projection")
-        layer, target, which = int(m[1]), m[2], m[3]
+        layer, target, which = int(m[1]), m[2] or m[3], m[4]
+        if declared is not None and target not in declared:
+            raise AdapterError(f"tensor {key!r}: {target} is not in adapter_config.json target_modules {sorted(declared)}")
         if layer >= model.num_layers:
             raise AdapterError(f"tensor {key!r}: layer {layer} but the base model has {model.num_layers}")
         pairs.setdefault((layer, target), {})[which] = tensor
@@ -123,6 +128,10 @@ def load_adapter(path: Path, name: str, model: ModelConfig, max_rank: int) -> Ad
             raise AdapterError(f"{prefix}.lora_A: expected shape [r<={max_rank}, {fan_in}], found {list(a.shape)}")
         if tuple(b.shape) != (fan_out, r):
             raise AdapterError(f"{prefix}.lora_B: expected shape [{fan_out}, {r}], found {list(b.shape)}")
+        if r != config_rank:
+            raise AdapterError(f"{prefix}.lora_A: rank {r} but adapter_config.json says r = {config_rank}")
+        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+            raise AdapterError(f"{prefix}: lora_A or lora_B holds NaN or infinite values")
         scale = alpha / (math.sqrt(r) if rslora else r)
         a = a.to(model.dtype).contiguous()
         bt = (b.float().T * scale).to(model.dtype).contiguous()
@@ -146,6 +155,24 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise AdapterError(f"{path} is not a valid safetensors file: {e}") from None
 
 
+def plan_layout(weights: AdapterWeights, page_elems: int, num_layers: int) -> tuple[RowPacker, list]:
+    """Row layout of an adapter in pages: per layer and LoRA group, the group's A matrices
+    stacked in one placement, then each target's Bt. Returns the packer and the plan
+    [(layer, group, a_placement, [(target, bt_placement, rank)])]."""
+    packer = RowPacker(page_elems)
+    plan = []
+    for layer in range(num_layers):
+        for group, targets in LORA_GROUPS.items():
+            present = [t for t in targets if (layer, t) in weights.modules]
+            if not present:
+                continue
+            mods = [weights.modules[(layer, t)] for t in present]
+            a_index = packer.add(sum(a.shape[0] for a, _ in mods), mods[0][0].shape[1])
+            outs = [(t, packer.add(*bt.shape), bt.shape[0]) for t, (_, bt) in zip(present, mods, strict=True)]
+            plan.append((layer, group, a_index, outs))
+    return packer, plan
+
+
 class ResidentAdapter:
     """An adapter placed in pool pages. `groups[layer][group]` are the kernel views."""
 
@@ -153,17 +180,7 @@ class ResidentAdapter:
         self.name = weights.name
         self.rank = weights.rank
         self.pins = 0  # running requests using it; its pages are pinned while > 0
-        packer = RowPacker(pool.page_elems)
-        plan = []  # (layer, group, a_index, [(target, bt_index, rows)])
-        for layer in range(model.num_layers):
-            for group, targets in LORA_GROUPS.items():
-                present = [t for t in targets if (layer, t) in weights.modules]
-                if not present:
-                    continue
-                mods = [weights.modules[(layer, t)] for t in present]
-                a_index = packer.add(sum(a.shape[0] for a, _ in mods), mods[0][0].shape[1])
-                outs = [(t, packer.add(*bt.shape), bt.shape[0]) for t, (_, bt) in zip(present, mods, strict=True)]
-                plan.append((layer, group, a_index, outs))
+        packer, plan = plan_layout(weights, pool.page_elems, model.num_layers)
         self.fragmentation = packer.fragmentation()
         self.pages = pool.allocate(packer.num_pages, PageKind.ADAPTER)
         self.nbytes = packer.num_pages * pool.page_bytes

@@ -18,14 +18,14 @@ from pathlib import Path
 import torch
 
 from loraplex.replica.adapter_cache import AdapterCache, UnknownAdapter
-from loraplex.replica.adapters import AdapterError, AdapterWeights, load_adapter
+from loraplex.replica.adapters import AdapterError, AdapterWeights, load_adapter, plan_layout
 from loraplex.replica.batch import build_step_batch
 from loraplex.replica.config import MiB, EngineConfig
 from loraplex.replica.kv_cache import KVCache
 from loraplex.replica.model.config import DTYPES, ModelConfig
 from loraplex.replica.model.llama import LlamaModel
 from loraplex.replica.model.loader import load_weights
-from loraplex.replica.pool import RowPacker, UnifiedPool
+from loraplex.replica.pool import UnifiedPool
 from loraplex.replica.sampling import SamplingParams, sample
 from loraplex.replica.scheduler import Scheduler
 from loraplex.replica.sequence import RequestOutput, Sequence
@@ -91,11 +91,7 @@ class LLMEngine:
         return AdapterInfo(weights.name, weights.rank, weights.targets, weights.nbytes, self._pages_for(weights))
 
     def _pages_for(self, weights: AdapterWeights) -> int:
-        packer = RowPacker(self.pool.page_elems)
-        for a, bt in weights.modules.values():
-            packer.add(*a.shape)
-            packer.add(*bt.shape)
-        return packer.num_pages
+        return plan_layout(weights, self.pool.page_elems, self.model_config.num_layers)[0].num_pages
 
     def remove_adapter(self, name: str) -> None:
         self.adapters.remove(name)

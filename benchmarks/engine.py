@@ -28,14 +28,16 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.cluster.demo_assets import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
-from loraplex.replica.config import MiB, EngineConfig
+from loraplex.replica.config import EngineConfig, MiB
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.sampling import SamplingParams
 from loraplex.replica.scheduler import SchedulerConfig
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
-DEFAULT_TRACE = Path(__file__).resolve().parents[1].parent / "shared/traces/azure_llm_inference_conv_2023.csv"
+DEFAULT_TRACE = (
+    Path(__file__).resolve().parents[1].parent / "shared/traces/azure_llm_inference_conv_2023.csv"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,19 +54,39 @@ class BenchShape:
 
 FULL = BenchShape(
     model=ModelSpec(
-        hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-        num_key_value_heads=4, vocab_size=16384, rope_scaling=None,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        vocab_size=16384,
+        rope_scaling=None,
     ),
-    num_requests=128, prompt_scale=1 / 16, output_scale=1 / 4, max_prompt=256, max_output=96,
-    decode_context=128, timed_steps=12,
+    num_requests=128,
+    prompt_scale=1 / 16,
+    output_scale=1 / 4,
+    max_prompt=256,
+    max_output=96,
+    decode_context=128,
+    timed_steps=12,
 )
 QUICK = BenchShape(
     model=ModelSpec(
-        hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8,
-        num_key_value_heads=4, vocab_size=8192, rope_scaling=None,
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=8192,
+        rope_scaling=None,
     ),
-    num_requests=64, prompt_scale=1 / 32, output_scale=1 / 8, max_prompt=128, max_output=48,
-    decode_context=64, timed_steps=6,
+    num_requests=64,
+    prompt_scale=1 / 32,
+    output_scale=1 / 8,
+    max_prompt=128,
+    max_output=48,
+    decode_context=64,
+    timed_steps=6,
 )
 
 
@@ -102,7 +124,9 @@ def _build_assets(root: Path, spec: ModelSpec) -> tuple[Path, dict[str, Path], d
     heavy, light = {}, {}
     for i, rank in enumerate(ranks):
         name = f"heavy-{i:02d}-r{rank}"
-        write_adapter(root / name, spec, AdapterSpec(name, int(rank), 2.0 * rank, ALL, seed=1000 + i))
+        write_adapter(
+            root / name, spec, AdapterSpec(name, int(rank), 2.0 * rank, ALL, seed=1000 + i)
+        )
         heavy[name] = root / name
     for i in range(8):
         name = f"light-{i}-r16"
@@ -117,7 +141,9 @@ def _engine(model_dir: Path, adapters: dict[str, Path], max_seqs: int = 32) -> L
         EngineConfig(
             model=str(model_dir),
             pool_bytes=256 * MiB + int(1.1 * adapter_bytes),
-            scheduler=SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=4096, max_loras_per_batch=32),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_seqs, max_num_batched_tokens=4096, max_loras_per_batch=32
+            ),
         )
     )
     for name, path in adapters.items():
@@ -134,8 +160,13 @@ def _decode_batch(engine: LLMEngine, adapters: list[str | None], shape: BenchSha
     rng = np.random.default_rng(1)
     for adapter in adapters:
         prompt = rng.integers(10, vocab, size=shape.decode_context).tolist()
-        engine.add_request(prompt, SamplingParams(max_tokens=512, temperature=0, ignore_eos=True), adapter)
-    while any(s.num_computed < len(s.prompt_ids) for s in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.add_request(
+            prompt, SamplingParams(max_tokens=512, temperature=0, ignore_eos=True), adapter
+        )
+    while (
+        any(s.num_computed < len(s.prompt_ids) for s in engine.scheduler.running)
+        or engine.scheduler.waiting
+    ):
         engine.step()
 
 
@@ -152,7 +183,11 @@ def _timed_steps(engines: list[LLMEngine], steps: int) -> list[list[float]]:
 
 def _gemm_time(engine: LLMEngine, batch: int, reps: int) -> float:
     """The decode step's base GEMMs alone: plain F.linear on the same weights and shapes."""
-    weights = [w for layer in engine.model.layers for w in (layer["qkv"], layer["o"], layer["gate_up"], layer["down"])]
+    weights = [
+        w
+        for layer in engine.model.layers
+        for w in (layer["qkv"], layer["o"], layer["gate_up"], layer["down"])
+    ]
     weights.append(engine.model.w["lm_head"])
     inputs = [torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights]
     samples = []
@@ -166,12 +201,19 @@ def _gemm_time(engine: LLMEngine, batch: int, reps: int) -> float:
 
 def _base_bytes(engine: LLMEngine) -> int:
     layers = engine.model.layers
-    return sum(layer[k].nbytes for layer in layers for k in ("qkv", "o", "gate_up", "down")) + engine.model.w["lm_head"].nbytes
+    return (
+        sum(layer[k].nbytes for layer in layers for k in ("qkv", "o", "gate_up", "down"))
+        + engine.model.w["lm_head"].nbytes
+    )
 
 
-def _step_overheads(model_dir: Path, heavy: dict[str, Path], light: dict[str, Path], shape: BenchShape) -> dict:
+def _step_overheads(
+    model_dir: Path, heavy: dict[str, Path], light: dict[str, Path], shape: BenchShape
+) -> dict:
     batch = 32
-    _log("timing decode steps: base-only vs 8 adapters r16 q/k/v/o vs 32 adapters r8-64 on all projections")
+    _log(
+        "timing decode steps: base-only vs 8 adapters r16 q/k/v/o vs 32 adapters r8-64 on all projections"
+    )
     base_engine = _engine(model_dir, {})
     light_engine = _engine(model_dir, light)
     heavy_engine = _engine(model_dir, heavy)
@@ -180,7 +222,10 @@ def _step_overheads(model_dir: Path, heavy: dict[str, Path], light: dict[str, Pa
     _decode_batch(light_engine, [light_names[i % 8] for i in range(batch)], shape)
     _decode_batch(heavy_engine, heavy_names[:batch], shape)
     _timed_steps([base_engine, light_engine, heavy_engine], 2)  # warm-up
-    base_t, light_t, heavy_t = (statistics.median(t) for t in _timed_steps([base_engine, light_engine, heavy_engine], shape.timed_steps))
+    base_t, light_t, heavy_t = (
+        statistics.median(t)
+        for t in _timed_steps([base_engine, light_engine, heavy_engine], shape.timed_steps)
+    )
     gemm_t = _gemm_time(base_engine, batch, shape.timed_steps)
     adapter_bytes = sum(heavy_engine.adapters.host[n].nbytes for n in heavy_names[:batch])
     bound = adapter_bytes / _base_bytes(base_engine)
@@ -206,7 +251,9 @@ def _step_overheads(model_dir: Path, heavy: dict[str, Path], light: dict[str, Pa
 # -- serving workload vs transformers + peft ------------------------------------------------
 
 
-def trace_lengths(path: Path | None, n: int, shape: BenchShape) -> tuple[list[tuple[int, int]], str]:
+def trace_lengths(
+    path: Path | None, n: int, shape: BenchShape
+) -> tuple[list[tuple[int, int]], str]:
     """(prompt, output) lengths: the first n rows of an Azure-format trace, scaled down;
     without a trace, a lognormal fit of the conv trace's published moments."""
     rows = []
@@ -224,7 +271,10 @@ def trace_lengths(path: Path | None, n: int, shape: BenchShape) -> tuple[list[tu
         gen = rng.lognormal(np.log(129), 0.95, size=n)  # mean 211, p50 129
         rows = list(zip(ctx.astype(int).tolist(), gen.astype(int).tolist(), strict=True))
     lengths = [
-        (int(min(max(c * shape.prompt_scale, 4), shape.max_prompt)), int(min(max(g * shape.output_scale, 1), shape.max_output)))
+        (
+            int(min(max(c * shape.prompt_scale, 4), shape.max_prompt)),
+            int(min(max(g * shape.output_scale, 1), shape.max_output)),
+        )
         for c, g in rows
     ]
     return lengths, source
@@ -236,7 +286,9 @@ def zipf_adapters(names: list[str], n: int, seed: int = 0, a: float = 1.1) -> li
     return [names[i] for i in picks]
 
 
-def _speedup_vs_peft(model_dir: Path, heavy: dict[str, Path], shape: BenchShape, trace: Path | None) -> dict:
+def _speedup_vs_peft(
+    model_dir: Path, heavy: dict[str, Path], shape: BenchShape, trace: Path | None
+) -> dict:
     lengths, source = trace_lengths(trace or DEFAULT_TRACE, shape.num_requests, shape)
     names = list(heavy)
     adapters = zipf_adapters(names, len(lengths))
@@ -271,7 +323,9 @@ def _speedup_vs_peft(model_dir: Path, heavy: dict[str, Path], shape: BenchShape,
     }
 
 
-def _peft_generate(model_dir: Path, adapter_dirs: dict[str, Path], prompts, outputs, adapters, batch: int = 32) -> float:
+def _peft_generate(
+    model_dir: Path, adapter_dirs: dict[str, Path], prompts, outputs, adapters, batch: int = 32
+) -> float:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -290,8 +344,13 @@ def _peft_generate(model_dir: Path, adapter_dirs: dict[str, Path], prompts, outp
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
         with torch.inference_mode():
             peft.generate(
-                input_ids=ids, attention_mask=mask, adapter_names=adapters[lo : lo + batch],
-                max_new_tokens=max(outputs[lo : lo + batch]), do_sample=False, eos_token_id=None, pad_token_id=0,
+                input_ids=ids,
+                attention_mask=mask,
+                adapter_names=adapters[lo : lo + batch],
+                max_new_tokens=max(outputs[lo : lo + batch]),
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
             )
     return time.perf_counter() - start
 
@@ -309,6 +368,10 @@ def _print_table(r: dict) -> None:
     for name, value, target in rows:
         print(f"{name:32} {value:10.3f}  {target}")
     for name, value in r["timings_ms"].items():
-        print(f"  {name:30} {value:10.2f}" if isinstance(value, float) else f"  {name:30} {value:10}")
+        print(
+            f"  {name:30} {value:10.2f}" if isinstance(value, float) else f"  {name:30} {value:10}"
+        )
     s = r["serving"]
-    print(f"  serving: loraplex {s['loraplex_tok_per_s']:.1f} tok/s vs peft {s['peft_tok_per_s']:.1f} tok/s ({s['requests']} requests)")
+    print(
+        f"  serving: loraplex {s['loraplex_tok_per_s']:.1f} tok/s vs peft {s['peft_tok_per_s']:.1f} tok/s ({s['requests']} requests)"
+    )

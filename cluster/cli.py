@@ -13,7 +13,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="loraplex", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo-assets", help="write a small Llama checkpoint, tokenizer and PEFT adapters")
+    demo = sub.add_parser(
+        "demo-assets", help="write a small Llama checkpoint, tokenizer and PEFT adapters"
+    )
     demo.add_argument("dir", type=Path)
 
     gen = sub.add_parser("generate", help="offline batch generation from a JSONL file of requests")
@@ -75,7 +77,9 @@ def engine_config(args: argparse.Namespace):
             pool_bytes=args.pool_mib * MiB if args.pool_mib else None,
             page_bytes=args.page_kib * 1024 if args.page_kib else None,
             max_lora_rank=args.max_lora_rank,
-            scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, args.max_loras_per_batch),
+            scheduler=SchedulerConfig(
+                args.max_num_seqs, args.max_num_batched_tokens, args.max_loras_per_batch
+            ),
             seed=args.seed,
         )
     except ValueError as e:

@@ -28,7 +28,9 @@ class GenerateRequest(BaseModel):
     id: str | int | None = None
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
-    adapter: str | None = Field(None, description="a folder name under --adapters; null for the base model")
+    adapter: str | None = Field(
+        None, description="a folder name under --adapters; null for the base model"
+    )
     max_tokens: int = Field(16, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=100.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
@@ -86,7 +88,9 @@ def run_generate(args: argparse.Namespace) -> int:
 
     requests = read_requests(args.input)
     wanted = sorted({r.adapter for r in requests if r.adapter is not None})
-    available = {p.name for p in args.adapters.iterdir() if is_adapter_dir(p)} if args.adapters else set()
+    available = (
+        {p.name for p in args.adapters.iterdir() if is_adapter_dir(p)} if args.adapters else set()
+    )
     missing = [a for a in wanted if a not in available]
     if missing:
         where = f"under {args.adapters}" if args.adapters else "(no --adapters folder given)"
@@ -100,7 +104,9 @@ def run_generate(args: argparse.Namespace) -> int:
             engine.add_adapter(name, args.adapters / name)
         params = [r.sampling_params() for r in requests]
         seqs = [
-            engine.add_request(r.prompt if r.prompt is not None else r.prompt_token_ids, p, r.adapter)
+            engine.add_request(
+                r.prompt if r.prompt is not None else r.prompt_token_ids, p, r.adapter
+            )
             for r, p in zip(requests, params, strict=True)
         ]
     except (ModelConfigError, AdapterError, RequestError, ValueError) as e:
@@ -108,7 +114,14 @@ def run_generate(args: argparse.Namespace) -> int:
 
     results = _run(engine, [s.request_id for s in seqs])
     lines = [
-        json.dumps({"id": r.id, "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason})
+        json.dumps(
+            {
+                "id": r.id,
+                "token_ids": out.token_ids,
+                "text": out.text,
+                "finish_reason": out.finish_reason,
+            }
+        )
         for r, out in zip(requests, results, strict=True)
     ]
     _write_atomic(args.output, "\n".join(lines) + "\n")
@@ -130,7 +143,11 @@ def _run(engine, request_ids: list[str]):
         if now - last >= 1.0 or done == total:
             last = now
             rate = tokens / max(now - start, 1e-9)
-            print(f"\r{done}/{total} requests done, {tokens} tokens, {rate:.1f} tok/s", end="", file=sys.stderr)
+            print(
+                f"\r{done}/{total} requests done, {tokens} tokens, {rate:.1f} tok/s",
+                end="",
+                file=sys.stderr,
+            )
     print(file=sys.stderr)
     return [final[i] for i in request_ids]
 

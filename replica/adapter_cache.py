@@ -111,7 +111,9 @@ class AdapterCache:
     def reclaim(self, pages_needed: int) -> None:
         """Evict unpinned resident adapters, least recently used first, until
         `pages_needed` pages are freed or none is left to evict."""
-        idle = sorted((n for n, r in self.resident.items() if r.pins == 0), key=self.last_used.__getitem__)
+        idle = sorted(
+            (n for n, r in self.resident.items() if r.pins == 0), key=self.last_used.__getitem__
+        )
         if sum(len(self.resident[n].pages) for n in idle) < pages_needed:
             return  # evicting would not be enough: keep the cache warm
         freed = 0

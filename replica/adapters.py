@@ -54,7 +54,9 @@ def read_adapter_config(path: Path) -> dict:
     try:
         cfg = json.loads((path / CONFIG_FILE).read_text())
     except FileNotFoundError:
-        raise AdapterError(f"{path} has no {CONFIG_FILE}; expected a PEFT LoRA adapter folder") from None
+        raise AdapterError(
+            f"{path} has no {CONFIG_FILE}; expected a PEFT LoRA adapter folder"
+        ) from None
     except json.JSONDecodeError as e:
         raise AdapterError(f"{path / CONFIG_FILE} is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
@@ -98,7 +100,11 @@ def load_adapter(path: Path, name: str, model: ModelConfig, max_rank: int) -> Ad
     declared = set(declared) if isinstance(declared, list) else None  # a regex string: not checked
     weights_path = path / WEIGHTS_FILE
     if not weights_path.is_file():
-        hint = " (.bin pickle files are refused; save with safetensors)" if (path / "adapter_model.bin").exists() else ""
+        hint = (
+            " (.bin pickle files are refused; save with safetensors)"
+            if (path / "adapter_model.bin").exists()
+            else ""
+        )
         raise AdapterError(f"{path} has no {WEIGHTS_FILE}{hint}")
     tensors = _read_tensors(weights_path)
     shapes = model.projection_shapes()
@@ -109,9 +115,13 @@ def load_adapter(path: Path, name: str, model: ModelConfig, max_rank: int) -> Ad
             raise AdapterError(f"tensor {key!r} is not a LoRA weight of a Llama projection")
         layer, target, which = int(m[1]), m[2] or m[3], m[4]
         if declared is not None and target not in declared:
-            raise AdapterError(f"tensor {key!r}: {target} is not in adapter_config.json target_modules {sorted(declared)}")
+            raise AdapterError(
+                f"tensor {key!r}: {target} is not in adapter_config.json target_modules {sorted(declared)}"
+            )
         if layer >= model.num_layers:
-            raise AdapterError(f"tensor {key!r}: layer {layer} but the base model has {model.num_layers}")
+            raise AdapterError(
+                f"tensor {key!r}: layer {layer} but the base model has {model.num_layers}"
+            )
         pairs.setdefault((layer, target), {})[which] = tensor
     if not pairs:
         raise AdapterError(f"{weights_path} holds no LoRA weights")
@@ -125,11 +135,17 @@ def load_adapter(path: Path, name: str, model: ModelConfig, max_rank: int) -> Ad
         fan_in, fan_out = shapes[target]
         r = a.shape[0] if a.dim() == 2 else -1
         if a.dim() != 2 or a.shape[1] != fan_in or not 1 <= r <= max_rank:
-            raise AdapterError(f"{prefix}.lora_A: expected shape [r<={max_rank}, {fan_in}], found {list(a.shape)}")
+            raise AdapterError(
+                f"{prefix}.lora_A: expected shape [r<={max_rank}, {fan_in}], found {list(a.shape)}"
+            )
         if tuple(b.shape) != (fan_out, r):
-            raise AdapterError(f"{prefix}.lora_B: expected shape [{fan_out}, {r}], found {list(b.shape)}")
+            raise AdapterError(
+                f"{prefix}.lora_B: expected shape [{fan_out}, {r}], found {list(b.shape)}"
+            )
         if r != config_rank:
-            raise AdapterError(f"{prefix}.lora_A: rank {r} but adapter_config.json says r = {config_rank}")
+            raise AdapterError(
+                f"{prefix}.lora_A: rank {r} but adapter_config.json says r = {config_rank}"
+            )
         if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
             raise AdapterError(f"{prefix}: lora_A or lora_B holds NaN or infinite values")
         scale = alpha / (math.sqrt(r) if rslora else r)
@@ -147,7 +163,9 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
             for key in f.keys():
                 dtype = f.get_slice(key).get_dtype()
                 if dtype not in _FLOAT_DTYPES:
-                    raise AdapterError(f"tensor {key!r} has dtype {dtype}; expected one of {_FLOAT_DTYPES}")
+                    raise AdapterError(
+                        f"tensor {key!r} has dtype {dtype}; expected one of {_FLOAT_DTYPES}"
+                    )
             return {key: f.get_tensor(key) for key in f.keys()}
     except AdapterError:
         raise
@@ -155,7 +173,9 @@ def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
         raise AdapterError(f"{path} is not a valid safetensors file: {e}") from None
 
 
-def plan_layout(weights: AdapterWeights, page_elems: int, num_layers: int) -> tuple[RowPacker, list]:
+def plan_layout(
+    weights: AdapterWeights, page_elems: int, num_layers: int
+) -> tuple[RowPacker, list]:
     """Row layout of an adapter in pages: per layer and LoRA group, the group's A matrices
     stacked in one placement, then each target's Bt. Returns the packer and the plan
     [(layer, group, a_placement, [(target, bt_placement, rank)])]."""
@@ -168,7 +188,10 @@ def plan_layout(weights: AdapterWeights, page_elems: int, num_layers: int) -> tu
                 continue
             mods = [weights.modules[(layer, t)] for t in present]
             a_index = packer.add(sum(a.shape[0] for a, _ in mods), mods[0][0].shape[1])
-            outs = [(t, packer.add(*bt.shape), bt.shape[0]) for t, (_, bt) in zip(present, mods, strict=True)]
+            outs = [
+                (t, packer.add(*bt.shape), bt.shape[0])
+                for t, (_, bt) in zip(present, mods, strict=True)
+            ]
             plan.append((layer, group, a_index, outs))
     return packer, plan
 
@@ -184,7 +207,9 @@ class ResidentAdapter:
         self.fragmentation = packer.fragmentation()
         self.pages = pool.allocate(packer.num_pages, PageKind.ADAPTER)
         self.nbytes = packer.num_pages * pool.page_bytes
-        self.groups: list[list[LoraGroupWeights | None]] = [[None] * len(LORA_GROUPS) for _ in range(model.num_layers)]
+        self.groups: list[list[LoraGroupWeights | None]] = [
+            [None] * len(LORA_GROUPS) for _ in range(model.num_layers)
+        ]
         for layer, group, a_index, outs in plan:
             a_views = chunk_views(pool.arena, packer.placements[a_index], self.pages)
             a_rows = torch.cat([weights.modules[(layer, t)][0] for t, _, _ in outs])

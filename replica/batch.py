@@ -97,7 +97,9 @@ def _attention_group(part, starts, kv: KVCache, sliding_window: int | None) -> A
     block_tables = kv.block_table_tensor(seqs)
     q_start = torch.tensor([s.num_computed for s in seqs], dtype=torch.int64)
     ctx_lens = q_start + torch.tensor([n for _, _, n in part], dtype=torch.int64)
-    mask = attention_mask(q_start, q_max, ctx_lens, block_tables.shape[1] * kv.block_size, sliding_window)
+    mask = attention_mask(
+        q_start, q_max, ctx_lens, block_tables.shape[1] * kv.block_size, sliding_window
+    )
     return AttentionGroup(
         token_idx=torch.tensor(token_idx, dtype=torch.int64),
         out_rows=torch.tensor(out_rows, dtype=torch.int64),
@@ -107,7 +109,9 @@ def _attention_group(part, starts, kv: KVCache, sliding_window: int | None) -> A
     )
 
 
-def _lora_segments(scheduled, starts, num_tokens: int, num_layers: int) -> list[list[list[Segment]]]:
+def _lora_segments(
+    scheduled, starts, num_tokens: int, num_layers: int
+) -> list[list[list[Segment]]]:
     """Contiguous runs of tokens sharing a resident adapter, resolved per layer and group."""
     runs = []  # (start, end, resident)
     for (seq, _), start, end in zip(scheduled, starts, starts[1:] + [num_tokens], strict=True):
@@ -118,6 +122,9 @@ def _lora_segments(scheduled, starts, num_tokens: int, num_layers: int) -> list[
         else:
             runs.append((start, end, seq.lora))
     return [
-        [[(s, e, w) for s, e, r in runs if (w := r.groups[layer][g]) is not None] for g in LORA_GROUPS]
+        [
+            [(s, e, w) for s, e, r in runs if (w := r.groups[layer][g]) is not None]
+            for g in LORA_GROUPS
+        ]
         for layer in range(num_layers)
     ]

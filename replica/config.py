@@ -16,7 +16,9 @@ class EngineConfig:
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # auto: the checkpoint's
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 8192
-    pool_bytes: int | None = None  # the unified arena; None: 512 MiB on CPU, 90% of free memory on CUDA
+    pool_bytes: int | None = (
+        None  # the unified arena; None: 512 MiB on CPU, 90% of free memory on CUDA
+    )
     page_bytes: int | None = None  # None: the smallest power of two >= 16 tokens of KV (>= 64 KiB)
     max_lora_rank: int = 128
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -24,7 +26,9 @@ class EngineConfig:
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+            raise ValueError(
+                f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}"
+            )
         if not 1 <= self.max_lora_rank <= 1024:
             raise ValueError(f"max_lora_rank must be in [1, 1024], got {self.max_lora_rank}")
         if self.max_model_len is not None and self.max_model_len < 2:

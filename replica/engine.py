@@ -20,7 +20,7 @@ import torch
 from loraplex.replica.adapter_cache import AdapterCache, UnknownAdapter
 from loraplex.replica.adapters import AdapterError, AdapterWeights, load_adapter, plan_layout
 from loraplex.replica.batch import build_step_batch
-from loraplex.replica.config import MiB, EngineConfig
+from loraplex.replica.config import EngineConfig, MiB
 from loraplex.replica.kv_cache import KVCache
 from loraplex.replica.model.config import DTYPES, ModelConfig
 from loraplex.replica.model.llama import LlamaModel
@@ -56,7 +56,9 @@ class LLMEngine:
         has_tokenizer = (Path(cfg.model) / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer(Path(cfg.model)) if has_tokenizer else None
         elem = torch.empty((), dtype=mc.dtype).element_size()
-        page_bytes = cfg.page_bytes or _auto_page_bytes(mc.kv_elems_per_token() * elem, mc.kv_size * elem)
+        page_bytes = cfg.page_bytes or _auto_page_bytes(
+            mc.kv_elems_per_token() * elem, mc.kv_size * elem
+        )
         pool_bytes = cfg.pool_bytes or _auto_pool_bytes(device)
         self.pool = UnifiedPool(pool_bytes // page_bytes, page_bytes // elem, mc.dtype, device)
         self.kv = KVCache(self.pool, mc)
@@ -88,7 +90,9 @@ class LLMEngine:
 
     def register_adapter(self, weights: AdapterWeights) -> AdapterInfo:
         self.adapters.add(weights)
-        return AdapterInfo(weights.name, weights.rank, weights.targets, weights.nbytes, self._pages_for(weights))
+        return AdapterInfo(
+            weights.name, weights.rank, weights.targets, weights.nbytes, self._pages_for(weights)
+        )
 
     def _pages_for(self, weights: AdapterWeights) -> int:
         return plan_layout(weights, self.pool.page_elems, self.model_config.num_layers)[0].num_pages
@@ -137,7 +141,9 @@ class LLMEngine:
                 f"context window of {self.max_model_len} tokens"
             )
         if self.kv.blocks_for(len(ids) + params.max_tokens) > self.pool.num_pages:
-            raise RequestError(f"the request needs more KV pages than the pool has ({self.pool.num_pages})")
+            raise RequestError(
+                f"the request needs more KV pages than the pool has ({self.pool.num_pages})"
+            )
         if adapter is not None and adapter not in self.adapters:
             raise UnknownAdapter(adapter)
 
@@ -154,7 +160,9 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled:
             return []
-        batch = build_step_batch(scheduled, self.kv, self.model_config.num_layers, self.model_config.sliding_window)
+        batch = build_step_batch(
+            scheduled, self.kv, self.model_config.num_layers, self.model_config.sliding_window
+        )
         logits = self.model.forward(batch, self.kv.view, self.kv.rows)
         for seq, n in scheduled:
             seq.num_computed += n
@@ -177,7 +185,9 @@ class LLMEngine:
             cut = _find_stop(text, p.stop, len(seq.text))
             if cut is not None:
                 text, reason = text[:cut], "stop"
-        if reason is None and (len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len):
+        if reason is None and (
+            len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
             reason = "length"
         if reason is None:
             text = _stable_prefix(text, p.stop)
@@ -206,7 +216,10 @@ class LLMEngine:
         on_output: Callable[[RequestOutput], None] | None = None,
     ) -> list[RequestOutput]:
         """Offline: run every request to completion; final outputs in input order."""
-        ids = [self.add_request(p, sp, a).request_id for p, sp, a in zip(prompts, params, adapters, strict=True)]
+        ids = [
+            self.add_request(p, sp, a).request_id
+            for p, sp, a in zip(prompts, params, adapters, strict=True)
+        ]
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished():
             for out in self.step():

@@ -59,7 +59,9 @@ class KVCache:
 
     def write_rows(self, pages: list[int], offsets: list[int]) -> torch.Tensor:
         """[num_layers, 2, T] rows of `self.rows` where each token's K and V go, per layer."""
-        base = torch.tensor(pages, dtype=torch.int64) * self.rows_per_page + torch.tensor(offsets, dtype=torch.int64)
+        base = torch.tensor(pages, dtype=torch.int64) * self.rows_per_page + torch.tensor(
+            offsets, dtype=torch.int64
+        )
         layer_kv = torch.arange(self.num_layers * 2, dtype=torch.int64).view(self.num_layers, 2, 1)
         return base[None, None, :] + layer_kv * self.block_size
 

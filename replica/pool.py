@@ -49,7 +49,9 @@ class UnifiedPool:
 
     def __init__(self, num_pages: int, page_elems: int, dtype: torch.dtype, device: torch.device):
         if num_pages < 1 or page_elems < 1:
-            raise ValueError(f"pool needs >= 1 page of >= 1 element, got {num_pages} x {page_elems}")
+            raise ValueError(
+                f"pool needs >= 1 page of >= 1 element, got {num_pages} x {page_elems}"
+            )
         self.arena = torch.zeros(num_pages, page_elems, dtype=dtype, device=device)
         self.num_pages = num_pages
         self.page_elems = page_elems
@@ -161,7 +163,9 @@ class RowPacker:
 
     def add(self, rows: int, row_len: int) -> int:
         if row_len > self.page_elems:
-            raise ValueError(f"a row of {row_len} elements does not fit a page of {self.page_elems}")
+            raise ValueError(
+                f"a row of {row_len} elements does not fit a page of {self.page_elems}"
+            )
         chunks = []
         row = 0
         while row < rows:
@@ -187,7 +191,9 @@ class RowPacker:
         return 0.0 if total == 0 else 1.0 - self.used_elems / total
 
 
-def chunk_views(arena: torch.Tensor, placement: MatrixPlacement, pages: list[int]) -> list[torch.Tensor]:
+def chunk_views(
+    arena: torch.Tensor, placement: MatrixPlacement, pages: list[int]
+) -> list[torch.Tensor]:
     """Views [rows_i, row_len] into the arena for each chunk of a placed matrix."""
     views = []
     for c in placement.chunks:

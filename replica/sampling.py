@@ -17,7 +17,9 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
-    return_logits: bool = False  # attach each step's float32 logits to the output (oracles, debugging)
+    return_logits: bool = (
+        False  # attach each step's float32 logits to the output (oracles, debugging)
+    )
 
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
@@ -27,7 +29,9 @@ class SamplingParams:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k must be an integer >= -1 (0 or -1 disable it), got {self.top_k!r}")
+            raise ValueError(
+                f"top_k must be an integer >= -1 (0 or -1 disable it), got {self.top_k!r}"
+            )
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
         if self.seed is not None and not isinstance(self.seed, int):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from loraplex.replica.adapter_cache import AdapterCache
 from loraplex.replica.kv_cache import KVCache
-from loraplex.replica.sequence import Sequence, SeqStatus
+from loraplex.replica.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,7 +53,9 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True
+    ) -> list[int]:
         """Token ids of the rendered conversation (the template adds BOS itself)."""
         if self._template is None:
             raise ChatTemplateError("this model's tokenizer_config.json has no chat_template")

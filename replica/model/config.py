@@ -45,7 +45,9 @@ class ModelConfig:
             )
         rope_type = (self.rope_scaling or {}).get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise ModelConfigError(f"rope type {rope_type!r} unsupported; supported: {SUPPORTED_ROPE_TYPES}")
+            raise ModelConfigError(
+                f"rope type {rope_type!r} unsupported; supported: {SUPPORTED_ROPE_TYPES}"
+            )
 
     @property
     def q_size(self) -> int:
@@ -75,18 +77,28 @@ class ModelConfig:
     def num_parameters(self) -> int:
         per_layer = sum(a * b for a, b in self.projection_shapes().values()) + 2 * self.hidden_size
         embed = self.vocab_size * self.hidden_size
-        return self.num_layers * per_layer + embed * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+        return (
+            self.num_layers * per_layer
+            + embed * (1 if self.tie_word_embeddings else 2)
+            + self.hidden_size
+        )
 
     @classmethod
     def from_dict(cls, raw: dict, dtype: torch.dtype | None = None) -> ModelConfig:
         model_type = raw.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ModelConfigError(f"model_type {model_type!r} unsupported; supported: {SUPPORTED_MODEL_TYPES}")
+            raise ModelConfigError(
+                f"model_type {model_type!r} unsupported; supported: {SUPPORTED_MODEL_TYPES}"
+            )
         for flag in ("attention_bias", "mlp_bias"):
             if raw.get(flag):
-                raise ModelConfigError(f"{flag}=true is not supported (Llama/Mistral have no biases)")
+                raise ModelConfigError(
+                    f"{flag}=true is not supported (Llama/Mistral have no biases)"
+                )
         if raw.get("hidden_act", "silu") != "silu":
-            raise ModelConfigError(f"hidden_act {raw['hidden_act']!r} unsupported; only 'silu' (SwiGLU)")
+            raise ModelConfigError(
+                f"hidden_act {raw['hidden_act']!r} unsupported; only 'silu' (SwiGLU)"
+            )
         heads = raw["num_attention_heads"]
         # transformers 5 moved rope settings into `rope_parameters`; 4.x used rope_theta + rope_scaling.
         rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
@@ -123,5 +135,7 @@ class ModelConfig:
     def from_pretrained(cls, model_dir: Path, dtype: torch.dtype | None = None) -> ModelConfig:
         path = Path(model_dir) / "config.json"
         if not path.is_file():
-            raise ModelConfigError(f"{model_dir} has no config.json; expected a Hugging Face checkpoint folder")
+            raise ModelConfigError(
+                f"{model_dir} has no config.json; expected a Hugging Face checkpoint folder"
+            )
         return cls.from_dict(json.loads(path.read_text()), dtype)

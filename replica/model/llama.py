@@ -20,10 +20,10 @@ from loraplex.replica.model.rope import RotaryEmbedding, apply_rotary
 if TYPE_CHECKING:
     from loraplex.replica.batch import StepBatch
 
-QKV, O, GATE_UP, DOWN = range(4)
+QKV, OUT, GATE_UP, DOWN = range(4)
 LORA_GROUPS = {  # group -> its targets in the order their outputs sit in the fused weight
     QKV: ("q_proj", "k_proj", "v_proj"),
-    O: ("o_proj",),
+    OUT: ("o_proj",),
     GATE_UP: ("gate_proj", "up_proj"),
     DOWN: ("down_proj",),
 }
@@ -42,7 +42,10 @@ class LlamaModel:
         device = weights["embed"].device
         self.rope = RotaryEmbedding(cfg, max_positions, device)
         self.layers = [
-            {k: weights[f"layers.{i}.{k}"] for k in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down")}
+            {
+                k: weights[f"layers.{i}.{k}"]
+                for k in ("input_norm", "post_norm", "qkv", "o", "gate_up", "down")
+            }
             for i in range(cfg.num_layers)
         ]
         self.scale = cfg.head_dim**-0.5
@@ -52,7 +55,7 @@ class LlamaModel:
         cfg = self.cfg
         widths = {
             QKV: (cfg.q_size, cfg.kv_size, cfg.kv_size),
-            O: (cfg.hidden_size,),
+            OUT: (cfg.hidden_size,),
             GATE_UP: (cfg.intermediate_size, cfg.intermediate_size),
             DOWN: (cfg.hidden_size,),
         }[group]
@@ -63,7 +66,9 @@ class LlamaModel:
         return cols
 
     @torch.inference_mode()
-    def forward(self, batch: StepBatch, kv_cache: torch.Tensor, kv_rows: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, batch: StepBatch, kv_cache: torch.Tensor, kv_rows: torch.Tensor
+    ) -> torch.Tensor:
         """Logits [len(batch.sample_idx), vocab] in float32.
 
         kv_cache: [num_pages, num_layers, 2, block_size, kv_heads, head_dim] view of the pool;
@@ -86,7 +91,7 @@ class LlamaModel:
             write_kv(kv_rows, k, v, batch.kv_rows[i, 0], batch.kv_rows[i, 1])
             attn = batch.attention(q, k_cache, v_cache, self.scale).view(t, cfg.q_size)
             o = F.linear(attn, layer["o"])
-            lora_sgmv(o, attn, lora[O])
+            lora_sgmv(o, attn, lora[OUT])
             h = h + o
 
             x = rms_norm(h, layer["post_norm"], cfg.rms_norm_eps)

@@ -23,7 +23,9 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     if single.is_file():
         return [single]
     if any(model_dir.glob("*.bin")):
-        raise ModelConfigError(f"{model_dir} holds only .bin (pickle) weights; convert them to safetensors")
+        raise ModelConfigError(
+            f"{model_dir} holds only .bin (pickle) weights; convert them to safetensors"
+        )
     raise ModelConfigError(f"{model_dir} has no model.safetensors or model.safetensors.index.json")
 
 
@@ -34,15 +36,25 @@ def iter_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_weights(model_dir: Path, cfg: ModelConfig, device: torch.device) -> dict[str, torch.Tensor]:
+def load_weights(
+    model_dir: Path, cfg: ModelConfig, device: torch.device
+) -> dict[str, torch.Tensor]:
     raw = {name.removeprefix("model."): t for name, t in iter_tensors(model_dir)}
     expected = _expected_shapes(cfg)
-    missing = [n for n in expected if n not in raw and not (n == "lm_head.weight" and cfg.tie_word_embeddings)]
+    missing = [
+        n
+        for n in expected
+        if n not in raw and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
+    ]
     if missing:
-        raise ModelConfigError(f"checkpoint {model_dir} lacks tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+        raise ModelConfigError(
+            f"checkpoint {model_dir} lacks tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
+        )
     for name, shape in expected.items():
         if name in raw and tuple(raw[name].shape) != shape:
-            raise ModelConfigError(f"tensor {name}: expected shape {shape}, found {tuple(raw[name].shape)}")
+            raise ModelConfigError(
+                f"tensor {name}: expected shape {shape}, found {tuple(raw[name].shape)}"
+            )
 
     def take(name: str) -> torch.Tensor:
         return raw[name].to(device=device, dtype=cfg.dtype)
@@ -53,7 +65,9 @@ def load_weights(model_dir: Path, cfg: ModelConfig, device: torch.device) -> dic
         p = f"layers.{i}."
         weights[p + "input_norm"] = take(p + "input_layernorm.weight")
         weights[p + "post_norm"] = take(p + "post_attention_layernorm.weight")
-        weights[p + "qkv"] = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]).contiguous()
+        weights[p + "qkv"] = torch.cat(
+            [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+        ).contiguous()
         weights[p + "o"] = take(p + "self_attn.o_proj.weight")
         weights[p + "gate_up"] = torch.cat(
             [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]

@@ -82,12 +82,12 @@ class AdapterCache:
             raise UnknownAdapter(name)
         resident = self.resident.get(name)
         if resident is None:
-            self.stats.misses += 1
             try:
                 resident = ResidentAdapter(self.host[name], self.pool, self.model, self.columns)
             except PoolExhausted:
                 return None
             self.resident[name] = resident
+            self.stats.misses += 1  # counted once per load, not per retry while pages are short
             self.stats.loads += 1
             self.stats.bytes_loaded += self.host[name].nbytes
         else:

@@ -1,0 +1,101 @@
+"""Shared fixtures: the demo assets (built once per session) and a transformers + PEFT oracle."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraplex.cluster.demo_assets import DemoAssets, make_demo_assets
+
+BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed batch (adapter_names=)
+
+OracleLogits = Callable[..., list[torch.Tensor]]
+
+
+@pytest.fixture(scope="session")
+def demo_assets(tmp_path_factory: pytest.TempPathFactory) -> DemoAssets:
+    """dest/model (checkpoint + tokenizer) and dest/adapters/<name> for every DEMO_ADAPTERS."""
+    return make_demo_assets(tmp_path_factory.mktemp("demo_assets"))
+
+
+def load_peft_model(
+    model_dir: Path,
+    adapters: dict[str, Path],
+    dtype: torch.dtype = torch.float32,
+    **model_kwargs,
+):
+    """transformers model from `model_dir` with every adapter in `adapters` loaded into one
+    PeftModel, in eval mode. Fresh base weights each call: PEFT wraps its base in place."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, **model_kwargs)
+    if not adapters:
+        return model.eval()
+    (first, first_path), *rest = adapters.items()
+    peft_model = PeftModel.from_pretrained(model, first_path, adapter_name=first)
+    for name, path in rest:
+        peft_model.load_adapter(path, adapter_name=name)
+    return peft_model.eval()
+
+
+@pytest.fixture(scope="session")
+def peft_oracle(demo_assets: DemoAssets):
+    """The demo base model with ALL demo adapters loaded (float32). Shared: do not mutate."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    adapters = {name: demo_assets.adapters_dir / name for name in demo_assets.adapter_names}
+    return load_peft_model(demo_assets.model_dir, adapters)
+
+
+@torch.inference_mode()
+def mixed_batch_logits(
+    model,
+    token_ids: Sequence[Sequence[int]],
+    adapters: Sequence[str | None],
+) -> list[torch.Tensor]:
+    """Logits [len(ids_i), vocab] (float32) for every position of every sequence, from ONE
+    forward over the mixed batch: right padding + attention_mask, and PEFT's per-row
+    `adapter_names` (None -> the base model). Without PEFT (a plain transformers model)
+    every adapter must be None."""
+    if len(token_ids) != len(adapters):
+        raise ValueError("one adapter (or None) per sequence")
+    lengths = [len(ids) for ids in token_ids]
+    width = max(lengths)
+    input_ids = torch.zeros(len(token_ids), width, dtype=torch.int64)
+    attention_mask = torch.zeros(len(token_ids), width, dtype=torch.int64)
+    for row, ids in enumerate(token_ids):
+        input_ids[row, : len(ids)] = torch.tensor(list(ids), dtype=torch.int64)
+        attention_mask[row, : len(ids)] = 1
+    kwargs = {}
+    if hasattr(model, "peft_config"):
+        kwargs["adapter_names"] = [BASE_ADAPTER if a is None else a for a in adapters]
+    elif any(a is not None for a in adapters):
+        raise ValueError("adapters need a PeftModel")
+    logits = model(
+        input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **kwargs
+    ).logits
+    return [logits[row, :n].float() for row, n in enumerate(lengths)]
+
+
+@pytest.fixture(scope="session")
+def oracle_model_loader() -> Callable[..., object]:
+    """`load(model_dir, {name: adapter_dir}, dtype=torch.float32, **from_pretrained_kwargs)`:
+    a fresh transformers (+ PEFT) model for checkpoints other than the demo's."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    return load_peft_model
+
+
+@pytest.fixture(scope="session")
+def oracle_logits(peft_oracle) -> OracleLogits:
+    """`oracle_logits(token_ids, adapters, model=None)`: `mixed_batch_logits` on `model`,
+    by default the shared demo `peft_oracle`."""
+
+    def run(token_ids, adapters, model=None) -> list[torch.Tensor]:
+        return mixed_batch_logits(peft_oracle if model is None else model, token_ids, adapters)
+
+    return run

@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from loraplex.cluster.errors import CLIError
 from loraplex.replica.config import MiB
 
 
@@ -45,10 +46,6 @@ def main(argv: list[str] | None = None) -> int:
     except CLIError as e:
         print(f"loraplex: error: {e}", file=sys.stderr)
         return 2
-
-
-class CLIError(Exception):
-    """A user error: printed as one line, exit code 2."""
 
 
 def _engine_options(p: argparse.ArgumentParser) -> None:

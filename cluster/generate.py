@@ -17,7 +17,8 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from loraplex.cluster.cli import CLIError, engine_config
+from loraplex.cluster.cli import engine_config
+from loraplex.cluster.errors import CLIError
 
 
 class GenerateRequest(BaseModel):
@@ -62,7 +63,8 @@ class GenerateRequest(BaseModel):
         )
 
 
-def read_requests(path: Path) -> list[GenerateRequest]:
+def read_requests(path: Path) -> list[tuple[int, GenerateRequest]]:
+    """(line number, request) for every non-blank line; the first bad line is an error."""
     if not path.is_file():
         raise CLIError(f"input file {path} does not exist")
     requests = []
@@ -75,7 +77,9 @@ def read_requests(path: Path) -> list[GenerateRequest]:
             first = e.errors()[0]
             where = ".".join(str(p) for p in first["loc"]) or "line"
             raise CLIError(f"{path}:{lineno}: {where}: {first['msg']}") from None
-        requests.append(req if req.id is not None else req.model_copy(update={"id": lineno}))
+        requests.append(
+            (lineno, req if req.id is not None else req.model_copy(update={"id": lineno}))
+        )
     if not requests:
         raise CLIError(f"{path} holds no requests")
     return requests
@@ -86,15 +90,18 @@ def run_generate(args: argparse.Namespace) -> int:
     from loraplex.replica.engine import LLMEngine, RequestError
     from loraplex.replica.model.config import ModelConfigError
 
-    requests = read_requests(args.input)
+    numbered = read_requests(args.input)
+    requests = [r for _, r in numbered]
+    if args.adapters is not None and not args.adapters.is_dir():
+        raise CLIError(f"--adapters {args.adapters} is not a folder")
     wanted = sorted({r.adapter for r in requests if r.adapter is not None})
     available = (
         {p.name for p in args.adapters.iterdir() if is_adapter_dir(p)} if args.adapters else set()
     )
-    missing = [a for a in wanted if a not in available]
-    if missing:
-        where = f"under {args.adapters}" if args.adapters else "(no --adapters folder given)"
-        raise CLIError(f"requests name adapters not found {where}: {missing}")
+    for lineno, r in numbered:
+        if r.adapter is not None and r.adapter not in available:
+            where = f"under {args.adapters}" if args.adapters else "(no --adapters folder given)"
+            raise CLIError(f"{args.input}:{lineno}: adapter {r.adapter!r} not found {where}")
     if not args.model.is_dir():
         raise CLIError(f"--model {args.model} is not a folder")
 
@@ -102,15 +109,15 @@ def run_generate(args: argparse.Namespace) -> int:
         engine = LLMEngine(engine_config(args))
         for name in wanted:
             engine.add_adapter(name, args.adapters / name)
-        params = [r.sampling_params() for r in requests]
-        seqs = [
-            engine.add_request(
-                r.prompt if r.prompt is not None else r.prompt_token_ids, p, r.adapter
-            )
-            for r, p in zip(requests, params, strict=True)
-        ]
     except (ModelConfigError, AdapterError, RequestError, ValueError) as e:
         raise CLIError(str(e)) from None
+    seqs = []
+    for lineno, r in numbered:
+        try:
+            prompt = r.prompt if r.prompt is not None else r.prompt_token_ids
+            seqs.append(engine.add_request(prompt, r.sampling_params(), r.adapter))
+        except (RequestError, ValueError) as e:
+            raise CLIError(f"{args.input}:{lineno}: {e}") from None
 
     results = _run(engine, [s.request_id for s in seqs])
     lines = [

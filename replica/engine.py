@@ -69,6 +69,7 @@ class LLMEngine:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
         self.requests: dict[str, Sequence] = {}
+        self._pending: list[RequestOutput] = []
         self._ids = itertools.count()
         self._seeds = random.Random(cfg.seed)  # for requests that bring no seed
 
@@ -98,7 +99,13 @@ class LLMEngine:
         return plan_layout(weights, self.pool.page_elems, self.model_config.num_layers)[0].num_pages
 
     def remove_adapter(self, name: str) -> None:
+        """Unregister an adapter. Running requests that hold it finish; queued ones are
+        aborted (their final output, reason "abort", comes with the next step)."""
         self.adapters.remove(name)
+        for seq in [s for s in self.scheduler.waiting if s.adapter == name]:
+            self.scheduler.finish(seq, "abort")
+            self.requests.pop(seq.request_id, None)
+            self._pending.append(_final(seq))
 
     # requests
 
@@ -140,12 +147,15 @@ class LLMEngine:
                 f"prompt of {len(ids)} tokens plus max_tokens {params.max_tokens} exceeds the "
                 f"context window of {self.max_model_len} tokens"
             )
-        if self.kv.blocks_for(len(ids) + params.max_tokens) > self.pool.num_pages:
-            raise RequestError(
-                f"the request needs more KV pages than the pool has ({self.pool.num_pages})"
-            )
         if adapter is not None and adapter not in self.adapters:
             raise UnknownAdapter(adapter)
+        kv_pages = self.kv.blocks_for(len(ids) + params.max_tokens)
+        adapter_pages = self._pages_for(self.adapters.host[adapter]) if adapter is not None else 0
+        if kv_pages + adapter_pages > self.pool.num_pages:
+            raise RequestError(
+                f"the request needs {kv_pages} KV pages + {adapter_pages} adapter pages; "
+                f"the pool has {self.pool.num_pages}"
+            )
 
     def abort(self, request_id: str) -> None:
         """Stop a request and free its pages now."""
@@ -154,12 +164,13 @@ class LLMEngine:
             self.scheduler.finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or bool(self._pending)
 
     def step(self) -> list[RequestOutput]:
+        pending, self._pending = self._pending, []
         scheduled = self.scheduler.schedule()
         if not scheduled:
-            return []
+            return pending
         batch = build_step_batch(
             scheduled, self.kv, self.model_config.num_layers, self.model_config.sliding_window
         )
@@ -168,7 +179,7 @@ class LLMEngine:
             seq.num_computed += n
         seqs = batch.sampled
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        return [
+        return pending + [
             self._append(seq, token, logits[i] if seq.params.return_logits else None)
             for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True))
         ]
@@ -245,6 +256,19 @@ class LLMEngine:
         }
 
 
+def _final(seq: Sequence) -> RequestOutput:
+    return RequestOutput(
+        request_id=seq.request_id,
+        new_token_ids=[],
+        new_text="",
+        token_ids=list(seq.output_ids),
+        text=seq.text,
+        finished=True,
+        finish_reason=seq.finish_reason,
+        num_prompt_tokens=len(seq.prompt_ids),
+    )
+
+
 def _find_stop(text: str, stops: tuple[str, ...], seen: int) -> int | None:
     """Index where the earliest stop string starts, searching only text that is new."""
     start = max(0, seen - max(len(s) for s in stops) + 1)
@@ -257,7 +281,7 @@ def _stable_prefix(text: str, stops: tuple[str, ...]) -> str:
     text = text.rstrip("\ufffd")
     if stops:
         hold = max(len(s) for s in stops) - 1
-        text = text[: len(text) - hold] if hold else text
+        text = text[: max(0, len(text) - hold)] if hold else text
     return text
 
 
@@ -337,8 +361,14 @@ class Engine:
         if self._error is not None or self._closed:
             raise RuntimeError(f"the engine is stopped: {self._error!r}")
         queue: asyncio.Queue = asyncio.Queue()
-        seq = await self._locked(self.core.add_request, prompt, params, adapter, request_id)
-        self._streams[seq.request_id] = (asyncio.get_running_loop(), queue)
+        loop = asyncio.get_running_loop()
+
+        def add():
+            seq = self.core.add_request(prompt, params, adapter, request_id)
+            self._streams[seq.request_id] = (loop, queue)
+            return seq
+
+        seq = await self._locked(add)
         self._work.set()
         finished = False
         try:
@@ -357,6 +387,10 @@ class Engine:
         return await self._locked(self.core.stats)
 
     def shutdown(self) -> None:
+        """Stop the loop; streams still open end with an error instead of waiting forever."""
         self._closed = True
         self._work.set()
         self._thread.join(timeout=30)
+        stopped = RuntimeError("the engine was shut down")
+        for loop, queue in list(self._streams.values()):
+            loop.call_soon_threadsafe(queue.put_nowait, stopped)

@@ -32,6 +32,8 @@ class SamplingParams:
             raise ValueError(
                 f"top_k must be an integer >= -1 (0 or -1 disable it), got {self.top_k!r}"
             )
+        if isinstance(self.stop, str):
+            raise ValueError(f"stop must be a tuple of strings, not the string {self.stop!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
         if self.seed is not None and not isinstance(self.seed, int):

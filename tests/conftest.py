@@ -15,6 +15,17 @@ BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed batch (adap
 OracleLogits = Callable[..., list[torch.Tensor]]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def one_torch_thread():
+    """The test models' matrices are tiny: one intra-op thread is as fast, and it keeps the
+    suite from slowing down 10-30x when other processes compete for the cores (OpenMP
+    threads spin at barriers while their partner is descheduled)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="session")
 def demo_assets(tmp_path_factory: pytest.TempPathFactory) -> DemoAssets:
     """dest/model (checkpoint + tokenizer) and dest/adapters/<name> for every DEMO_ADAPTERS."""

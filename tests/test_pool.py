@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+
 from loraplex.replica.adapter_cache import AdapterCache
 from loraplex.replica.adapters import TARGETS, AdapterWeights, ResidentAdapter
 from loraplex.replica.kv_cache import KVCache
@@ -334,8 +335,12 @@ def fixed_weights(
 
 
 def pages_needed(weights: AdapterWeights, cfg: ModelConfig, page_elems: int) -> int:
-    """The layout ResidentAdapter documents: per layer and LoRA group, the group's A rows back
-    to back, then each target's Bt."""
+    return expected_layout(weights, cfg, page_elems).num_pages
+
+
+def expected_layout(weights: AdapterWeights, cfg: ModelConfig, page_elems: int) -> RowPacker:
+    """The layout ResidentAdapter documents, written out independently: per layer and LoRA
+    group, the group's A rows back to back, then each target's Bt."""
     packer = RowPacker(page_elems)
     for layer in range(cfg.num_layers):
         for targets in LORA_GROUPS.values():
@@ -344,7 +349,7 @@ def pages_needed(weights: AdapterWeights, cfg: ModelConfig, page_elems: int) -> 
                 packer.add(sum(a.shape[0] for a, _ in mods), mods[0][0].shape[1])
                 for _, bt in mods:
                     packer.add(*bt.shape)
-    return packer.num_pages
+    return packer
 
 
 def assert_resident_data(
@@ -652,14 +657,7 @@ def test_llama7b_adapters_waste_under_two_percent_of_2mib_pages():
             for t in targets
         }
         weights = AdapterWeights(label, rank, targets, modules)
-        packer = RowPacker(page_elems)
-        for layer in range(cfg.num_layers):
-            for group_targets in LORA_GROUPS.values():
-                present = [t for t in group_targets if t in targets]
-                if present:
-                    packer.add(rank * len(present), shapes[present[0]][0])
-                    for t in present:
-                        packer.add(rank, shapes[t][1])
+        packer = expected_layout(weights, cfg, page_elems)
         check_layout(packer, [(p.rows, p.row_len) for p in packer.placements])
         # The real ResidentAdapter on a meta-device pool lays it out the same way.
         pool = UnifiedPool(packer.num_pages, page_elems, cfg.dtype, torch.device("meta"))

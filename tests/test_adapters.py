@@ -15,13 +15,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from loraplex.cluster.demo_assets import LORA_TARGETS, AdapterSpec, ModelSpec, write_adapter
 from loraplex.replica.adapter_cache import AdapterCache
 from loraplex.replica.adapters import AdapterError, load_adapter
 from loraplex.replica.model.config import ModelConfig
 from loraplex.replica.model.llama import LORA_GROUPS, LlamaModel
 from loraplex.replica.pool import UnifiedPool
-from safetensors.torch import load_file, save_file
 
 SPEC = ModelSpec(
     hidden_size=64,

@@ -5,6 +5,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+
 from loraplex.cluster.demo_assets import (
     ATTENTION_TARGETS,
     BOS_TOKEN,
@@ -23,8 +26,6 @@ from loraplex.cluster.demo_assets import (
     write_adapter,
     write_checkpoint,
 )
-from safetensors.torch import load_file
-from tokenizers import Tokenizer
 
 PROMPTS = ("The capital of France is", "Once upon a time there was")
 SMALL = ModelSpec(vocab_size=320, num_hidden_layers=2)

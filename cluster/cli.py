@@ -27,10 +27,10 @@ def main(argv: list[str] | None = None) -> int:
     _engine_options(gen)
 
     bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
-    bench.add_argument("suite", choices=["engine"])
+    bench.add_argument("suite", choices=["engine", "registry"])
     bench.add_argument("--quick", action="store_true", help="smaller model and workload (< 2 min)")
     bench.add_argument("--json", type=Path, help="write the figures here")
-    bench.add_argument("--trace", type=Path, help="Azure LLM inference trace CSV for the workload")
+    bench.add_argument("--trace", type=Path, help="engine: Azure LLM inference trace CSV")
 
     args = parser.parse_args(argv)
     try:
@@ -40,8 +40,10 @@ def main(argv: list[str] | None = None) -> int:
             from loraplex.cluster.generate import run_generate
 
             return run_generate(args)
-        from loraplex.benchmarks.engine import run_bench
-
+        if args.suite == "registry":
+            from loraplex.benchmarks.registry import run_bench
+        else:
+            from loraplex.benchmarks.engine import run_bench
         return run_bench(args)
     except CLIError as e:
         print(f"loraplex: error: {e}", file=sys.stderr)

@@ -3,29 +3,27 @@ adapter out in the unified pool as views the LoRA kernels read in place."""
 
 from __future__ import annotations
 
-import json
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors.torch import load_file
 
 from loraplex.kernels.lora import LoraGroupWeights, LoraOut
+from loraplex.registry.validation import (
+    CONFIG_FILE,
+    TENSOR_NAME,
+    WEIGHTS_FILE,
+    AdapterRejected,
+    BaseModelShape,
+    validate_adapter_dir,
+)
 from loraplex.replica.model.config import ModelConfig
 from loraplex.replica.model.llama import LORA_GROUPS
 from loraplex.replica.pool import PageKind, RowPacker, UnifiedPool, chunk_views
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_KEY = re.compile(
-    r"^base_model\.model\.model\.layers\.(0|[1-9]\d*)\."
-    r"(?:self_attn\.(q_proj|k_proj|v_proj|o_proj)|mlp\.(gate_proj|up_proj|down_proj))"
-    r"\.lora_([AB])\.weight$"
-)
-_FLOAT_DTYPES = ("F32", "F16", "BF16")
+MAX_ADAPTER_BYTES = 64 << 30  # the engine's own bound; the registry API sets tighter limits
 
 
 class AdapterError(ValueError):
@@ -50,127 +48,38 @@ def is_adapter_dir(path: Path) -> bool:
     return (path / CONFIG_FILE).is_file()
 
 
-def read_adapter_config(path: Path) -> dict:
-    try:
-        cfg = json.loads((path / CONFIG_FILE).read_text())
-    except FileNotFoundError:
-        raise AdapterError(
-            f"{path} has no {CONFIG_FILE}; expected a PEFT LoRA adapter folder"
-        ) from None
-    except json.JSONDecodeError as e:
-        raise AdapterError(f"{path / CONFIG_FILE} is not valid JSON: {e}") from None
-    if not isinstance(cfg, dict):
-        raise AdapterError(f"{path / CONFIG_FILE} must hold a JSON object")
-    return cfg
-
-
-def _check_config(cfg: dict, max_rank: int) -> tuple[int, float, bool]:
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise AdapterError(f"peft_type {cfg.get('peft_type')!r} unsupported; only 'LORA'")
-    unsupported = {
-        "use_dora": bool(cfg.get("use_dora")),
-        "modules_to_save": bool(cfg.get("modules_to_save")),
-        "fan_in_fan_out": bool(cfg.get("fan_in_fan_out")),
-        "rank_pattern": bool(cfg.get("rank_pattern")),
-        "alpha_pattern": bool(cfg.get("alpha_pattern")),
-        "bias": cfg.get("bias", "none") != "none",
-    }
-    bad = [k for k, v in unsupported.items() if v]
-    if bad:
-        raise AdapterError(f"adapter_config.json sets unsupported options: {bad}")
-    r = cfg.get("r")
-    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-        raise AdapterError(f"adapter_config.json 'r' must be a positive integer, found {r!r}")
-    if r > max_rank:
-        raise AdapterError(f"rank {r} exceeds the configured maximum {max_rank}")
-    alpha = cfg.get("lora_alpha", r)
-    if not isinstance(alpha, int | float) or isinstance(alpha, bool):
-        raise AdapterError(f"adapter_config.json 'lora_alpha' must be a number, found {alpha!r}")
-    return r, float(alpha), bool(cfg.get("use_rslora", False))
+def base_shape(model: ModelConfig) -> BaseModelShape:
+    return BaseModelShape(
+        hidden_size=model.hidden_size,
+        intermediate_size=model.intermediate_size,
+        num_layers=model.num_layers,
+        num_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+    )
 
 
 def load_adapter(path: Path, name: str, model: ModelConfig, max_rank: int) -> AdapterWeights:
-    """Read and validate a PEFT adapter folder. Reads safetensors only (never pickle)."""
+    """Validate a PEFT adapter folder (the registry's checks: safetensors header, config,
+    names and shapes against the base model, finite values; never pickle), then read it."""
     path = Path(path)
     if not path.is_dir():
         raise AdapterError(f"adapter path {path} is not a folder")
-    cfg = read_adapter_config(path)
-    config_rank, alpha, rslora = _check_config(cfg, max_rank)
-    declared = cfg.get("target_modules")
-    declared = set(declared) if isinstance(declared, list) else None  # a regex string: not checked
-    weights_path = path / WEIGHTS_FILE
-    if not weights_path.is_file():
-        hint = (
-            " (.bin pickle files are refused; save with safetensors)"
-            if (path / "adapter_model.bin").exists()
-            else ""
-        )
-        raise AdapterError(f"{path} has no {WEIGHTS_FILE}{hint}")
-    tensors = _read_tensors(weights_path)
-    shapes = model.projection_shapes()
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in tensors.items():
-        m = _KEY.match(key)
-        if m is None:
-            raise AdapterError(f"tensor {key!r} is not a LoRA weight of a Llama projection")
-        layer, target, which = int(m[1]), m[2] or m[3], m[4]
-        if declared is not None and target not in declared:
-            raise AdapterError(
-                f"tensor {key!r}: {target} is not in adapter_config.json target_modules {sorted(declared)}"
-            )
-        if layer >= model.num_layers:
-            raise AdapterError(
-                f"tensor {key!r}: layer {layer} but the base model has {model.num_layers}"
-            )
-        pairs.setdefault((layer, target), {})[which] = tensor
-    if not pairs:
-        raise AdapterError(f"{weights_path} holds no LoRA weights")
-
-    modules = {}
-    for (layer, target), ab in sorted(pairs.items()):
-        prefix = f"layers.{layer}.{target}"
-        if set(ab) != {"A", "B"}:
-            raise AdapterError(f"{prefix}: lora_A and lora_B must both be present")
-        a, b = ab["A"], ab["B"]
-        fan_in, fan_out = shapes[target]
-        r = a.shape[0] if a.dim() == 2 else -1
-        if a.dim() != 2 or a.shape[1] != fan_in or not 1 <= r <= max_rank:
-            raise AdapterError(
-                f"{prefix}.lora_A: expected shape [r<={max_rank}, {fan_in}], found {list(a.shape)}"
-            )
-        if tuple(b.shape) != (fan_out, r):
-            raise AdapterError(
-                f"{prefix}.lora_B: expected shape [{fan_out}, {r}], found {list(b.shape)}"
-            )
-        if r != config_rank:
-            raise AdapterError(
-                f"{prefix}.lora_A: rank {r} but adapter_config.json says r = {config_rank}"
-            )
-        if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
-            raise AdapterError(f"{prefix}: lora_A or lora_B holds NaN or infinite values")
-        scale = alpha / (math.sqrt(r) if rslora else r)
-        a = a.to(model.dtype).contiguous()
-        bt = (b.float().T * scale).to(model.dtype).contiguous()
-        modules[(layer, target)] = (a, bt)
-    targets = tuple(t for t in TARGETS if any(k[1] == t for k in modules))
-    rank = max(a.shape[0] for a, _ in modules.values())
-    return AdapterWeights(name=name, rank=rank, targets=targets, modules=modules)
-
-
-def _read_tensors(path: Path) -> dict[str, torch.Tensor]:
     try:
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                dtype = f.get_slice(key).get_dtype()
-                if dtype not in _FLOAT_DTYPES:
-                    raise AdapterError(
-                        f"tensor {key!r} has dtype {dtype}; expected one of {_FLOAT_DTYPES}"
-                    )
-            return {key: f.get_tensor(key) for key in f.keys()}
-    except AdapterError:
-        raise
-    except Exception as e:  # safetensors raises its own error types for corrupt headers
-        raise AdapterError(f"{path} is not a valid safetensors file: {e}") from None
+        summary = validate_adapter_dir(path, base_shape(model), max_rank, MAX_ADAPTER_BYTES)
+    except AdapterRejected as e:
+        raise AdapterError(f"adapter {name!r}: {e.message}") from None
+    scale = summary.alpha / (math.sqrt(summary.rank) if summary.use_rslora else summary.rank)
+    tensors = load_file(str(path / WEIGHTS_FILE))
+    modules = {}
+    for key, a in tensors.items():
+        m = TENSOR_NAME.match(key)
+        if m[4] != "A":
+            continue
+        b = tensors[key.removesuffix("lora_A.weight") + "lora_B.weight"]
+        bt = (b.float().T * scale).to(model.dtype).contiguous()
+        modules[(int(m[1]), m[2] or m[3])] = (a.to(model.dtype).contiguous(), bt)
+    return AdapterWeights(name, summary.rank, summary.target_modules, dict(sorted(modules.items())))
 
 
 def plan_layout(

@@ -101,7 +101,7 @@ def test_wrong_shape_of_lora_a_names_tensor_and_shapes(adapter_dir):
     t = tensors_of(adapter_dir)
     t[key(1, "k_proj", "A")] = torch.randn(8, 63)
     write_tensors(adapter_dir, t)
-    assert_rejected(adapter_dir, "layers.1.k_proj.lora_A", f"[r<={MAX_RANK}, 64]", "found [8, 63]")
+    assert_rejected(adapter_dir, "layers.1.self_attn.k_proj.lora_A", "has shape [8, 63]", "expected [8, 64]")
 
 
 def test_wrong_shape_of_lora_b_names_tensor_and_shapes(adapter_dir):
@@ -109,7 +109,7 @@ def test_wrong_shape_of_lora_b_names_tensor_and_shapes(adapter_dir):
     t[key(0, "down_proj", "B")] = torch.randn(65, 8)  # down_proj writes hidden (64) columns
     write_tensors(adapter_dir, t)
     assert_rejected(
-        adapter_dir, "layers.0.down_proj.lora_B", "expected shape [64, 8]", "found [65, 8]"
+        adapter_dir, "layers.0.mlp.down_proj.lora_B", "has shape [65, 8]", "expected [64, 8]"
     )
 
 
@@ -118,7 +118,7 @@ def test_transposed_lora_b_is_refused(adapter_dir):
     t[key(0, "gate_proj", "B")] = t[key(0, "gate_proj", "B")].T.contiguous()  # [8, 128]
     write_tensors(adapter_dir, t)
     assert_rejected(
-        adapter_dir, "layers.0.gate_proj.lora_B", "expected shape [128, 8]", "found [8, 128]"
+        adapter_dir, "layers.0.mlp.gate_proj.lora_B", "has shape [8, 128]", "expected [128, 8]"
     )
 
 
@@ -127,7 +127,7 @@ def test_a_b_rank_mismatch(adapter_dir):
     t[key(1, "v_proj", "B")] = torch.randn(32, 4)  # A is rank 8
     write_tensors(adapter_dir, t)
     assert_rejected(
-        adapter_dir, "layers.1.v_proj.lora_B", "expected shape [32, 8]", "found [32, 4]"
+        adapter_dir, "layers.1.self_attn.v_proj.lora_B", "has shape [32, 4]", "expected [32, 8]"
     )
 
 
@@ -135,7 +135,7 @@ def test_lora_a_with_wrong_number_of_dims(adapter_dir):
     t = tensors_of(adapter_dir)
     t[key(0, "q_proj", "A")] = torch.randn(8 * 64)
     write_tensors(adapter_dir, t)
-    assert_rejected(adapter_dir, "layers.0.q_proj.lora_A", "found [512]")
+    assert_rejected(adapter_dir, "layers.0.self_attn.q_proj.lora_A", "has shape [512]")
 
 
 @pytest.mark.parametrize("which", ["A", "B"])
@@ -143,17 +143,17 @@ def test_missing_half_of_a_pair(adapter_dir, which):
     t = tensors_of(adapter_dir)
     del t[key(1, "up_proj", which)]
     write_tensors(adapter_dir, t)
-    assert_rejected(adapter_dir, "layers.1.up_proj", "lora_A and lora_B must both be present")
+    assert_rejected(adapter_dir, "layer 1 up_proj", "is missing")
 
 
 def test_rank_in_config_above_max_rank(adapter_dir):
-    assert_rejected(adapter_dir, "rank 8 exceeds the configured maximum 4", max_rank=4)
+    assert_rejected(adapter_dir, "r must be an integer in 1..4", "found 8", max_rank=4)
 
 
 def test_tensor_rank_above_max_rank(adapter_dir):
     edit_config(adapter_dir, r=4)  # the config claims 4; the tensors are rank 8
-    msg = assert_rejected(adapter_dir, ".lora_A: expected shape [r<=4, ", "found [8, ", max_rank=4)
-    assert msg.startswith("layers.0."), msg
+    msg = assert_rejected(adapter_dir, "lora_A.weight' has shape [8, ", "expected [4, ", max_rank=4)
+    assert "layers.0." in msg, msg
 
 
 def test_layer_beyond_the_model(adapter_dir):
@@ -190,7 +190,7 @@ def test_tensor_name_not_a_lora_projection_weight(adapter_dir, bad_key):
 
 def test_config_rank_disagreeing_with_tensors(adapter_dir):
     edit_config(adapter_dir, r=32)  # PEFT would scale by alpha / 32, the tensors have rank 8
-    assert_rejected(adapter_dir, "rank 8", "r = 32")
+    assert_rejected(adapter_dir, "has shape [8, ", "r = 32 from adapter_config.json")
 
 
 @pytest.mark.parametrize("field", ["r", "lora_alpha"])
@@ -208,12 +208,12 @@ def test_non_finite_weights(adapter_dir):
     t = tensors_of(adapter_dir)
     t[key(1, "down_proj", "B")][0, 0] = float("nan")
     write_tensors(adapter_dir, t)
-    assert_rejected(adapter_dir, "layers.1.down_proj", "NaN or infinite")
+    assert_rejected(adapter_dir, "layers.1.mlp.down_proj", "NaN or infinite")
 
 
 def test_no_lora_weights_at_all(adapter_dir):
     write_tensors(adapter_dir, {})
-    assert_rejected(adapter_dir, "holds no LoRA weights")
+    assert_rejected(adapter_dir, "holds no tensors")
 
 
 # --- files and config ---------------------------------------------------------------------------
@@ -233,7 +233,7 @@ def test_bin_only_is_refused_and_never_unpickled(adapter_dir, tmp_path):
     (adapter_dir / "adapter_model.safetensors").unlink()
     marker = tmp_path / "unpickled"
     (adapter_dir / "adapter_model.bin").write_bytes(pickle.dumps(_Bomb(marker)))
-    assert_rejected(adapter_dir, "adapter_model.safetensors", ".bin pickle files are refused")
+    assert_rejected(adapter_dir, "adapter_model.bin (pickle) is refused", "adapter_model.safetensors")
     assert not marker.exists(), "adapter_model.bin was unpickled"
 
 
@@ -241,19 +241,19 @@ def test_bin_of_arbitrary_bytes_is_refused(adapter_dir):
     (adapter_dir / "adapter_model.safetensors").unlink()
     (adapter_dir / "adapter_model.bin").write_bytes(b"\x80\x04garbage, not a pickle")
     assert_rejected(
-        adapter_dir, "has no adapter_model.safetensors", ".bin pickle files are refused"
+        adapter_dir, "adapter_model.bin (pickle) is refused"
     )
 
 
 def test_missing_weights_file(adapter_dir):
     (adapter_dir / "adapter_model.safetensors").unlink()
-    msg = assert_rejected(adapter_dir, "has no adapter_model.safetensors")
+    msg = assert_rejected(adapter_dir, "adapter_model.safetensors")
     assert ".bin" not in msg
 
 
 def test_missing_adapter_config(adapter_dir):
     (adapter_dir / "adapter_config.json").unlink()
-    assert_rejected(adapter_dir, "no adapter_config.json", "PEFT LoRA adapter folder")
+    assert_rejected(adapter_dir, "missing adapter_config.json", "PEFT LoRA adapter")
 
 
 def test_invalid_json(adapter_dir):
@@ -269,19 +269,19 @@ def test_json_that_is_not_an_object(adapter_dir):
 @pytest.mark.parametrize("r", ["8", 8.0, 0, -8, None, [8]])
 def test_r_not_a_positive_int(adapter_dir, r):
     edit_config(adapter_dir, r=r)
-    assert_rejected(adapter_dir, "'r' must be a positive integer", f"found {r!r}")
+    assert_rejected(adapter_dir, "r must be an integer", f"found {r!r}")
 
 
 def test_r_missing(adapter_dir):
     cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
     del cfg["r"]
     (adapter_dir / "adapter_config.json").write_text(json.dumps(cfg))
-    assert_rejected(adapter_dir, "'r' must be a positive integer", "found None")
+    assert_rejected(adapter_dir, "r must be an integer", "found None")
 
 
 def test_lora_alpha_not_a_number(adapter_dir):
     edit_config(adapter_dir, lora_alpha="16")
-    assert_rejected(adapter_dir, "'lora_alpha' must be a number", "found '16'")
+    assert_rejected(adapter_dir, "lora_alpha must be a positive finite number", "found '16'")
 
 
 @pytest.mark.parametrize(
@@ -297,12 +297,12 @@ def test_lora_alpha_not_a_number(adapter_dir):
 )
 def test_unsupported_options(adapter_dir, option, value):
     edit_config(adapter_dir, **{option: value})
-    assert_rejected(adapter_dir, "unsupported options", f"'{option}'")
+    assert_rejected(adapter_dir, "unsupported options", option)
 
 
 def test_not_lora_peft_type(adapter_dir):
     edit_config(adapter_dir, peft_type="IA3")
-    assert_rejected(adapter_dir, "peft_type 'IA3' unsupported")
+    assert_rejected(adapter_dir, "peft_type must be 'LORA'", "'IA3'")
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.int32, torch.uint8, torch.bool, torch.float64])
@@ -311,20 +311,20 @@ def test_non_float_dtype(adapter_dir, dtype):
     name = key(0, "o_proj", "A")
     t[name] = t[name].to(dtype)
     write_tensors(adapter_dir, t)
-    assert_rejected(adapter_dir, repr(name), "has dtype", "expected one of")
+    assert_rejected(adapter_dir, repr(name), "has dtype", "accepted: F32, F16, BF16")
 
 
 def test_truncated_safetensors(adapter_dir):
     path = adapter_dir / "adapter_model.safetensors"
     data = path.read_bytes()
     path.write_bytes(data[: len(data) - 100])
-    assert_rejected(adapter_dir, "is not a valid safetensors file")
+    assert_rejected(adapter_dir, "adapter_model.safetensors")
 
 
 def test_truncated_inside_header(adapter_dir):
     path = adapter_dir / "adapter_model.safetensors"
     path.write_bytes(path.read_bytes()[:20])
-    assert_rejected(adapter_dir, "is not a valid safetensors file")
+    assert_rejected(adapter_dir, "adapter_model.safetensors")
 
 
 def _with_header(header: dict) -> bytes:
@@ -346,18 +346,18 @@ def _with_header(header: dict) -> bytes:
 )
 def test_garbage_safetensors(adapter_dir, payload):
     (adapter_dir / "adapter_model.safetensors").write_bytes(payload)
-    assert_rejected(adapter_dir, "is not a valid safetensors file")
+    assert_rejected(adapter_dir, "adapter_model.safetensors")
 
 
 def test_empty_safetensors_file(adapter_dir):
     (adapter_dir / "adapter_model.safetensors").write_bytes(b"")
-    assert_rejected(adapter_dir, "adapter_model.safetensors", "is not a valid safetensors file")
+    assert_rejected(adapter_dir, "adapter_model.safetensors", "adapter_model.safetensors")
 
 
 def test_weights_path_is_a_folder(adapter_dir):
     (adapter_dir / "adapter_model.safetensors").unlink()
     (adapter_dir / "adapter_model.safetensors").mkdir()
-    assert_rejected(adapter_dir, "has no adapter_model.safetensors")
+    assert_rejected(adapter_dir, "adapter_model.safetensors")
 
 
 def test_path_is_not_a_folder(adapter_dir, tmp_path):
@@ -418,18 +418,13 @@ def test_scale_is_folded_into_bt(tmp_path, spec, scale, dtype):
     assert w.nbytes == sum(a.nbytes + bt.nbytes for a, bt in w.modules.values())
 
 
-def test_alpha_defaults_to_r(tmp_path):
-    out = tmp_path / "noalpha"
-    write_adapter(
-        out, SPEC, AdapterSpec("noalpha", rank=4, alpha=99.0, targets=("q_proj",), seed=5)
-    )
-    cfg = json.loads((out / "adapter_config.json").read_text())
+def test_missing_lora_alpha_is_refused(adapter_dir):
+    # PEFT would silently fall back to its default alpha (8), which is rarely what was
+    # trained: the scale must be stated.
+    cfg = json.loads((adapter_dir / "adapter_config.json").read_text())
     del cfg["lora_alpha"]
-    (out / "adapter_config.json").write_text(json.dumps(cfg))
-    w = load_adapter(out, "noalpha", MODEL, MAX_RANK)
-    raw = tensors_of(out)
-    for layer in range(SPEC.num_hidden_layers):
-        assert torch.equal(w.modules[(layer, "q_proj")][1], raw[key(layer, "q_proj", "B")].T)
+    (adapter_dir / "adapter_config.json").write_text(json.dumps(cfg))
+    assert_rejected(adapter_dir, "lora_alpha must be a positive finite number", "found None")
 
 
 def test_good_adapter_registers_and_loads_into_the_pool(adapter_dir):

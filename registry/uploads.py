@@ -1,0 +1,260 @@
+"""Registration input, staged outside the artifact root: a multipart body parsed as it
+arrives (file parts straight to disk, size limits enforced while reading), a bounded JSON
+body, and the PEFT folder assembled from the parts, an archive or a path under an allowed
+root. The functions without `async` block on file I/O: run them through asyncio.to_thread."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+from python_multipart.exceptions import FormParserError
+from python_multipart.multipart import MultipartParser, parse_options_header
+
+from loraplex.registry.archives import ArchiveLimits, resolve_under_roots, safe_extract_tar_gz
+from loraplex.registry.models import NAME_PATTERN
+from loraplex.registry.validation import (
+    ADAPTER_FILES,
+    CONFIG_FILE,
+    PICKLE_WEIGHTS_FILE,
+    WEIGHTS_FILE,
+    AdapterRejected,
+)
+
+MAX_JSON_BYTES = 64 << 10
+MAX_FORM_FIELD_BYTES = 1 << 10
+_FLUSH_BYTES = 1 << 20
+
+
+@dataclass
+class UploadForm:
+    """Fields of a registration upload; file parts go straight to `work` on disk."""
+
+    work: Path
+    fields: dict[str, str] = field(default_factory=dict)
+    files: dict[str, Path] = field(default_factory=dict)
+    filenames: dict[str, str] = field(default_factory=dict)
+    _open: list[IO[bytes]] = field(default_factory=list)
+    _pending: list[tuple[IO[bytes], bytes]] = field(default_factory=list)
+    pending_bytes: int = 0
+    _header_name: bytes = b""
+    _header_value: bytes = b""
+    _disposition: bytes = b""
+    _name: str = ""
+    _file: IO[bytes] | None = None
+    _value: bytearray = field(default_factory=bytearray)
+
+    TEXT_FIELDS = ("name", "pinned")
+    FILE_FIELDS = ("adapter_config", "adapter_model", "archive")
+
+    def callbacks(self) -> dict[str, Callable[..., None]]:
+        return {
+            "on_part_begin": self._part_begin,
+            "on_header_field": self._header_field,
+            "on_header_value": self._header_value_data,
+            "on_header_end": self._header_end,
+            "on_headers_finished": self._headers_finished,
+            "on_part_data": self._part_data,
+            "on_part_end": self._part_end,
+        }
+
+    def _part_begin(self) -> None:
+        self._disposition, self._file, self._value = b"", None, bytearray()
+
+    def _header_field(self, data: bytes, start: int, end: int) -> None:
+        self._header_name += data[start:end]
+
+    def _header_value_data(self, data: bytes, start: int, end: int) -> None:
+        self._header_value += data[start:end]
+
+    def _header_end(self) -> None:
+        if self._header_name.lower() == b"content-disposition":
+            self._disposition = self._header_value
+        self._header_name = self._header_value = b""
+
+    def _headers_finished(self) -> None:
+        _, options = parse_options_header(self._disposition)
+        name = options.get(b"name", b"").decode("utf-8", "replace")
+        accepted = ", ".join(self.TEXT_FIELDS + self.FILE_FIELDS)
+        if name not in self.TEXT_FIELDS + self.FILE_FIELDS:
+            raise AdapterRejected(400, f"unexpected form field {name!r}; accepted: {accepted}")
+        if name in self.fields or name in self.files:
+            raise AdapterRejected(400, f"form field {name!r} sent twice")
+        self._name = name
+        if name in self.FILE_FIELDS:
+            path = self.work / f"{name}.upload"
+            self._file = path.open("xb")
+            self._open.append(self._file)
+            self.files[name] = path
+            self.filenames[name] = options.get(b"filename", b"").decode("utf-8", "replace")
+
+    def _part_data(self, data: bytes, start: int, end: int) -> None:
+        if self._file is not None:
+            self._pending.append((self._file, bytes(data[start:end])))
+            self.pending_bytes += end - start
+            return
+        self._value += data[start:end]
+        if len(self._value) > MAX_FORM_FIELD_BYTES:
+            raise AdapterRejected(
+                413, f"form field {self._name!r} exceeds {MAX_FORM_FIELD_BYTES} bytes"
+            )
+
+    def _part_end(self) -> None:
+        if self._file is None:
+            try:
+                self.fields[self._name] = self._value.decode("utf-8")
+            except UnicodeDecodeError:
+                raise AdapterRejected(400, f"form field {self._name!r} is not UTF-8") from None
+
+    def flush(self) -> None:
+        for file, data in self._pending:
+            file.write(data)
+        self._pending.clear()
+        self.pending_bytes = 0
+
+    def close(self) -> None:
+        self.flush()
+        for file in self._open:
+            file.close()
+
+
+async def receive_multipart(request: Request, work: Path, max_bytes: int) -> UploadForm:
+    """Parse a multipart body as it arrives, writing file parts to `work`; stops with 413 once
+    `max_bytes` have been received, whatever Content-Length claimed."""
+    _, params = parse_options_header(request.headers.get("content-type", ""))
+    boundary = params.get(b"boundary")
+    if not boundary:
+        raise AdapterRejected(400, "multipart/form-data body without a boundary")
+    _check_declared_length(request, max_bytes)
+    form = UploadForm(work)
+    parser = MultipartParser(boundary, form.callbacks())
+    received = 0
+    try:
+        async for chunk in request.stream():
+            received += len(chunk)
+            if received > max_bytes:
+                raise AdapterRejected(413, f"upload exceeds {max_bytes} bytes (max_upload_bytes)")
+            parser.write(chunk)
+            if form.pending_bytes >= _FLUSH_BYTES:  # one thread hop per MiB, not per chunk
+                await asyncio.to_thread(form.flush)
+        parser.finalize()
+    except FormParserError as e:
+        raise AdapterRejected(400, f"malformed multipart body: {e}") from None
+    finally:
+        await asyncio.to_thread(form.close)
+    return form
+
+
+def _check_declared_length(request: Request, max_bytes: int) -> None:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise AdapterRejected(413, f"request body of {declared} bytes exceeds {max_bytes} bytes")
+
+
+async def read_json(request: Request, model: type[BaseModel]) -> Any:
+    _check_declared_length(request, MAX_JSON_BYTES)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_JSON_BYTES:
+            raise AdapterRejected(413, f"JSON body exceeds {MAX_JSON_BYTES} bytes")
+    try:
+        return model.model_validate_json(bytes(body))
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in e.errors()
+        )
+        raise AdapterRejected(422, f"invalid request body: {problems}") from None
+
+
+def assemble_upload(form: UploadForm, dest: Path, limits: ArchiveLimits) -> None:
+    """Turn the uploaded parts into a PEFT folder at `dest` (blocking: run in a thread)."""
+    files = form.files
+    dest.mkdir()
+    if "archive" in files:
+        if "adapter_config" in files or "adapter_model" in files:
+            raise AdapterRejected(
+                400,
+                "send either 'archive' or the files 'adapter_config' and 'adapter_model', not both",
+            )
+        with files["archive"].open("rb") as archive:
+            safe_extract_tar_gz(archive, dest, limits)
+        return
+    missing = [name for name in ("adapter_config", "adapter_model") if name not in files]
+    if missing:
+        raise AdapterRejected(
+            400,
+            f"missing file field(s) {missing}; send 'adapter_config' ({CONFIG_FILE}) and "
+            f"'adapter_model' ({WEIGHTS_FILE}), or one 'archive' (tar.gz)",
+        )
+    if form.filenames.get("adapter_model", "").endswith((".bin", ".pt", ".pth")):
+        raise AdapterRejected(
+            422,
+            f"{form.filenames['adapter_model']!r}: pickle weights are refused; upload {WEIGHTS_FILE}",
+        )
+    os.replace(files["adapter_config"], dest / CONFIG_FILE)
+    os.replace(files["adapter_model"], dest / WEIGHTS_FILE)
+
+
+def copy_from_path(path: str, roots: list[str], dest: Path, max_bytes: int) -> None:
+    """Copy a PEFT folder under an allowed root to `dest` (blocking: run in a thread). Copying
+    first means the bytes validated are the bytes stored, whatever happens to the source."""
+    source = resolve_under_roots(path, roots)
+    dest.mkdir()
+    weights = source / WEIGHTS_FILE
+    if not weights.exists() and (source / PICKLE_WEIGHTS_FILE).exists():
+        raise AdapterRejected(
+            422,
+            f"{PICKLE_WEIGHTS_FILE} (pickle) is refused; save the adapter with safetensors ({WEIGHTS_FILE})",
+        )
+    present = [source / name for name in ADAPTER_FILES if (source / name).is_file()]
+    size = sum(p.stat().st_size for p in present)
+    if size > max_bytes:
+        raise AdapterRejected(
+            413, f"adapter is {size} bytes; the limit is {max_bytes} (max_adapter_bytes)"
+        )
+    for src in present:
+        # The folder's real path was checked; refuse a file swapped for a symlink since.
+        fd = os.open(os.path.realpath(src), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as f, (dest / src.name).open("xb") as out:
+            shutil.copyfileobj(f, out, 1 << 20)
+
+
+@asynccontextmanager
+async def staging(staging_dir: str | None) -> AsyncIterator[Path]:
+    """A fresh folder for one registration, removed with everything in it afterwards."""
+    work = Path(
+        await asyncio.to_thread(tempfile.mkdtemp, prefix="loraplex-upload-", dir=staging_dir)
+    )
+    try:
+        yield work
+    finally:
+        await asyncio.to_thread(shutil.rmtree, work, True)
+
+
+def form_name(form: UploadForm) -> str:
+    name = form.fields.get("name")
+    if name is None:
+        raise AdapterRejected(422, "form field 'name' is required")
+    if not re.fullmatch(NAME_PATTERN, name):
+        raise AdapterRejected(422, f"adapter name {name!r} must match {NAME_PATTERN}")
+    return name
+
+
+def form_bool(form: UploadForm, field_name: str) -> bool:
+    value = form.fields.get(field_name, "false").strip().lower()
+    if value not in ("true", "false", "1", "0"):
+        raise AdapterRejected(
+            422, f"form field {field_name!r} must be true or false, found {value!r}"
+        )
+    return value in ("true", "1")

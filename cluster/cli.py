@@ -32,10 +32,16 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--json", type=Path, help="write the figures here")
     bench.add_argument("--trace", type=Path, help="engine: Azure LLM inference trace CSV")
 
+    from loraplex.cluster import registry_server
+
+    registry_server.add_parser(sub)
+
     args = parser.parse_args(argv)
     try:
         if args.command == "demo-assets":
             return _demo_assets(args)
+        if args.command == "registry":
+            return registry_server.run(args)
         if args.command == "generate":
             from loraplex.cluster.generate import run_generate
 

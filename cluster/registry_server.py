@@ -1,0 +1,94 @@
+"""`loraplex registry`: the tenant API on its own (the ingress mounts the same router).
+
+Points at etcd endpoints, or starts a single-member etcd keeping its data under
+`--state-dir` when none are given, so a registry survives restarts either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import secrets
+import sys
+from pathlib import Path
+
+from loraplex.cluster.errors import CLIError
+
+ADMIN_KEY_ENV = "LORAPLEX_ADMIN_KEY"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("registry", help="run the adapter registry's tenant API (HTTP)")
+    p.add_argument("--model", type=Path, required=True, help="base model folder (config.json)")
+    p.add_argument("--model-id", help="base model id written into records (default: folder name)")
+    p.add_argument(
+        "--etcd",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="etcd endpoint (repeat for several); default: start one",
+    )
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=Path(".loraplex"),
+        help="artifacts and the started etcd's data",
+    )
+    p.add_argument("--artifact-root", type=Path, help="default: STATE_DIR/artifacts")
+    p.add_argument(
+        "--allowed-root",
+        action="append",
+        default=[],
+        help="folder adapters may be registered from by path (repeat)",
+    )
+    p.add_argument("--max-lora-rank", type=int, default=128)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from loraplex.registry.api import RegistryAPISettings, create_app
+    from loraplex.registry.etcd_process import EtcdProcess
+    from loraplex.registry.store import EtcdSettings
+    from loraplex.registry.validation import BaseModelShape
+
+    if not (args.model / "config.json").is_file():
+        raise CLIError(f"--model {args.model} has no config.json")
+    admin_key = os.environ.get(ADMIN_KEY_ENV)
+    if admin_key is None:
+        admin_key = secrets.token_urlsafe(24)
+        print(f"admin key (set {ADMIN_KEY_ENV} to choose one): {admin_key}", file=sys.stderr)
+    try:
+        settings = RegistryAPISettings(
+            admin_key=admin_key,
+            base_model_id=args.model_id or args.model.resolve().name,
+            base_model=BaseModelShape.from_config_json(args.model),
+            max_lora_rank=args.max_lora_rank,
+            allowed_roots=[str(p) for p in args.allowed_root],
+        )
+    except ValueError as e:
+        raise CLIError(str(e)) from None
+    args.state_dir.mkdir(parents=True, exist_ok=True)
+    with contextlib.ExitStack() as stack:
+        endpoints = args.etcd
+        if not endpoints:
+            try:
+                etcd = stack.enter_context(EtcdProcess(args.state_dir / "etcd"))
+            except FileNotFoundError as e:
+                raise CLIError(str(e)) from None
+            endpoints = [etcd.endpoint]
+            print(
+                f"started etcd at {etcd.endpoint} (data in {args.state_dir / 'etcd'})",
+                file=sys.stderr,
+            )
+        app = create_app(
+            settings,
+            EtcdSettings(endpoints=endpoints),
+            args.artifact_root or args.state_dir / "artifacts",
+        )
+        print(f"tenant API on http://{args.host}:{args.port} (OpenAPI at /docs)", file=sys.stderr)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0

@@ -16,10 +16,10 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,7 +71,7 @@ FULL = BenchShape(
     max_prompt=256,
     max_output=96,
     decode_context=128,
-    timed_steps=12,
+    timed_steps=16,
 )
 QUICK = BenchShape(
     model=ModelSpec(
@@ -89,7 +89,7 @@ QUICK = BenchShape(
     max_prompt=128,
     max_output=48,
     decode_context=64,
-    timed_steps=6,
+    timed_steps=10,
 )
 
 
@@ -183,18 +183,20 @@ def _decode_batch(engine: LLMEngine, adapters: list[str | None], shape: BenchSha
         engine.step()
 
 
-def _timed_steps(engines: list[LLMEngine], steps: int) -> list[list[float]]:
-    """Interleave the engines' steps so drift on the machine hits each alike."""
-    times = [[] for _ in engines]
-    for _ in range(steps):
-        for engine, out in zip(engines, times, strict=True):
+def _interleaved(fns: list[Callable[[], object]], rounds: int) -> list[float]:
+    """Fastest of `rounds` timings of each fn, taken in turn (A B C A B C ...) so drift on
+    the machine hits each alike; the minimum is the least disturbed by other processes on
+    a shared 2-core machine (the timeit convention)."""
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for fn, out in zip(fns, times, strict=True):
             start = time.perf_counter()
-            engine.step()
+            fn()
             out.append(time.perf_counter() - start)
-    return times
+    return [min(t) for t in times]
 
 
-def _gemm_time(engine: LLMEngine, batch: int, reps: int) -> float:
+def _gemm_pass(engine: LLMEngine, batch: int) -> Callable[[], None]:
     """The decode step's base GEMMs alone: plain F.linear on the same weights and shapes."""
     weights = [
         w
@@ -203,13 +205,12 @@ def _gemm_time(engine: LLMEngine, batch: int, reps: int) -> float:
     ]
     weights.append(engine.model.w["lm_head"])
     inputs = [torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights]
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
+
+    def run() -> None:
         for x, w in zip(inputs, weights, strict=True):
             F.linear(x, w)
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+
+    return run
 
 
 def _base_bytes(engine: LLMEngine) -> int:
@@ -234,12 +235,9 @@ def _step_overheads(
     _decode_batch(base_engine, [None] * batch, shape)
     _decode_batch(light_engine, [light_names[i % 8] for i in range(batch)], shape)
     _decode_batch(heavy_engine, heavy_names[:batch], shape)
-    _timed_steps([base_engine, light_engine, heavy_engine], 2)  # warm-up
-    base_t, light_t, heavy_t = (
-        statistics.median(t)
-        for t in _timed_steps([base_engine, light_engine, heavy_engine], shape.timed_steps)
-    )
-    gemm_t = _gemm_time(base_engine, batch, shape.timed_steps)
+    fns = [base_engine.step, light_engine.step, heavy_engine.step, _gemm_pass(base_engine, batch)]
+    _interleaved(fns, 2)  # warm-up
+    base_t, light_t, heavy_t, gemm_t = _interleaved(fns, shape.timed_steps)
     adapter_bytes = sum(heavy_engine.adapters.host[n].nbytes for n in heavy_names[:batch])
     bound = adapter_bytes / _base_bytes(base_engine)
     return {

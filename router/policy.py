@@ -1,0 +1,257 @@
+"""Adapter-affinity replica selection: a pure policy over the replicas' routing stats.
+
+The Ray Serve `RequestRouter`, the simulator and the tests drive this one object: `choose`
+ranks replicas for a request and `observe` feeds the per-adapter request-rate estimate. It
+imports nothing of Ray and reads time only through the injected clock.
+
+Routing-stats contract. Each replica deployment returns from `record_routing_stats` a dict
+with these keys (`RoutingStats`); a missing key counts as empty or 0, so a replica that has
+not published yet is routable:
+
+    device_adapters   list[str]  adapters resident in the device pool
+    host_adapters     list[str]  adapters in the host tier, not on the device
+    loading_adapters  list[str]  adapters being loaded towards the device
+    queue_len         int        waiting + running requests
+    max_concurrency   int        batch slots (missing or 0 counts as 1)
+    free_pages        int        free pages of the unified pool
+
+`ReplicaStats.from_routing_stats(replica_id, stats, age_s)` turns one into policy input;
+`age_s` is how long ago the router received those stats.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any, TypedDict
+
+
+class RoutingStats(TypedDict, total=False):
+    device_adapters: list[str]
+    host_adapters: list[str]
+    loading_adapters: list[str]
+    queue_len: int
+    max_concurrency: int
+    free_pages: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStats:
+    replica_id: str
+    device_adapters: frozenset[str] = frozenset()
+    host_adapters: frozenset[str] = frozenset()
+    loading_adapters: frozenset[str] = frozenset()
+    queue_len: int = 0  # waiting + running requests
+    max_concurrency: int = 1  # batch slots
+    free_pages: int = 0
+    stats_age_s: float = 0.0  # age of these stats when the router read them
+
+    def __post_init__(self):
+        if self.queue_len < 0 or self.max_concurrency < 1 or not self.stats_age_s >= 0:
+            raise ValueError(
+                f"replica {self.replica_id!r}: need queue_len >= 0, max_concurrency >= 1 and "
+                f"stats_age_s >= 0, got {self.queue_len}, {self.max_concurrency}, {self.stats_age_s}"
+            )
+
+    @classmethod
+    def from_routing_stats(
+        cls, replica_id: str, stats: Mapping[str, Any], age_s: float = 0.0
+    ) -> ReplicaStats:
+        return cls(
+            replica_id=replica_id,
+            device_adapters=frozenset(stats.get("device_adapters") or ()),
+            host_adapters=frozenset(stats.get("host_adapters") or ()),
+            loading_adapters=frozenset(stats.get("loading_adapters") or ()),
+            queue_len=int(stats.get("queue_len") or 0),
+            max_concurrency=max(1, int(stats.get("max_concurrency") or 0)),
+            free_pages=int(stats.get("free_pages") or 0),
+            stats_age_s=age_s,
+        )
+
+
+class Affinity(IntEnum):
+    """How well a replica suits an adapter; lower is better."""
+
+    DEVICE = 0  # resident in the device pool
+    HOST = 1  # in the host tier or already loading
+    EXTRA_HOME = 2  # cold, taken as another home of a hot adapter (load cost waived)
+    COLD = 3  # cold, within the bounded load
+    OVER_BOUND = 4  # cold, above the bounded load
+
+
+@dataclass(frozen=True, slots=True)
+class AffinityConfig:
+    load_cost_s: float = 0.5  # artifact store -> device: what a cold load adds to TTFT
+    host_load_cost_s: float = 0.02  # host tier -> device; also charged while loading
+    request_time_s: float = 2.0  # mean time a request holds a batch slot
+    bounded_load_c: float = 1.25  # a cold home takes a request only below ceil(c * mean load)
+    hot_rate_per_replica: float = 8.0  # requests/s of one adapter that one replica absorbs
+    rate_window_s: float = 10.0  # time constant of the rate estimate's exponential decay
+    stale_after_s: float = 30.0  # older stats rank their replica after every fresh one
+
+    def __post_init__(self):
+        if not self.bounded_load_c > 1:
+            raise ValueError(f"bounded_load_c must be > 1, got {self.bounded_load_c}")
+        if not 0 <= self.host_load_cost_s <= self.load_cost_s:
+            raise ValueError(
+                f"need 0 <= host_load_cost_s <= load_cost_s, got {self.host_load_cost_s} "
+                f"and {self.load_cost_s}"
+            )
+        for name in ("request_time_s", "hot_rate_per_replica", "rate_window_s", "stale_after_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+
+def walk_order(adapter: str, replica_ids: Sequence[str]) -> list[str]:
+    """The adapter's consistent-hash walk: replicas by descending hash(adapter, replica)
+    (rendezvous hashing). The first is the adapter's home. Removing a replica changes the
+    home only of the adapters it was home to, and adding one takes only the adapters it
+    now outranks: ~1/N either way. A hot home's overflow goes to each adapter's own next
+    replica, so it spreads over all others instead of piling onto one ring neighbour.
+    blake2b, not hash(): every router process must agree on the walk."""
+
+    def weight(replica_id: str) -> bytes:
+        key = f"{adapter}\0{replica_id}".encode()
+        return hashlib.blake2b(key, digest_size=8).digest()
+
+    return sorted(
+        replica_ids, key=lambda replica_id: (weight(replica_id), replica_id), reverse=True
+    )
+
+
+class AffinityPolicy:
+    """Ranks replicas for a request from their `ReplicaStats`.
+
+    Adapter request, adapter `a`, n replicas. For every replica r:
+
+        wait(r)  = max(0, queue_len - max_concurrency + 1) / max_concurrency * request_time_s
+                   (seconds until a batch slot frees: slots free at max_concurrency per
+                   request_time_s; 0 while one is free, since continuous batching admits
+                   at the next step)
+        load(r)  = 0 on device | host_load_cost_s in the host tier or loading
+                   | 0 for an extra home | load_cost_s otherwise
+        ttft(r)  = wait(r) + load(r)
+        capacity = ceil(c * (sum of queue_len + 1) / n)        (bounded loads, Mirrokni
+                   et al.: a cold replica is within the bound iff queue_len < capacity,
+                   i.e. it holds <= capacity after taking this request; the least
+                   loaded replica always is)
+
+    Hot adapters: k(a) = min(n, max(1, ceil(rate(a) / hot_rate_per_replica))), with
+    rate(a) the decayed count of `observe(a)` calls over rate_window_s. If a is warm
+    (device, host or loading) on w replicas with 1 <= w < k(a), the first k(a) - w cold
+    replicas within the bound on a's walk are extra homes: their load cost is waived
+    because it amortises over the adapter's rate: a warm replica keeps a tie, so it loses
+    to an idle extra home only once it has no free slot.
+
+    Order: ascending (stale, ttft, affinity, position on a's walk), stale meaning
+    stats_age_s > stale_after_s. Among fresh replicas, a warm one is passed over only when
+    another's wait plus its load cost is strictly lower (equal estimates go to affinity),
+    and a cold adapter goes to the first replica within the bound on its walk.
+
+    Base-model request: ascending (stale, wait, queue_len / max_concurrency, -free_pages,
+    a draw from the seeded RNG), so equally loaded replicas share base traffic.
+
+    Every replica is returned, best first; no replicas gives []. The caller tries them in
+    order and applies its own back-pressure. Call `observe` once per routed request.
+    """
+
+    def __init__(
+        self,
+        config: AffinityConfig,
+        clock: Callable[[], float] = time.monotonic,
+        seed: int = 0,
+    ):
+        self.config = config
+        self.clock = clock
+        self._rng = random.Random(seed)
+        self._counts: dict[str, tuple[float, float]] = {}  # adapter -> (decayed count, at)
+
+    def observe(self, adapter: str | None) -> None:
+        """Count one request of `adapter` now; base-model requests are not tracked."""
+        if adapter is None:
+            return
+        now = self.clock()
+        self._counts[adapter] = (self._count(adapter, now) + 1.0, now)
+
+    def rate(self, adapter: str) -> float:
+        """Requests/s of `adapter`: for a steady rate the count settles at rate *
+        rate_window_s, so count / rate_window_s estimates it."""
+        return self._count(adapter, self.clock()) / self.config.rate_window_s
+
+    def max_replicas(self, adapter: str) -> int:
+        """k(adapter): how many replicas the adapter may be warm on before it stops spreading."""
+        return max(1, math.ceil(self.rate(adapter) / self.config.hot_rate_per_replica))
+
+    def choose(self, adapter: str | None, replicas: Sequence[ReplicaStats]) -> list[str]:
+        ids = [r.replica_id for r in replicas]
+        assert len(set(ids)) == len(ids), f"duplicate replica ids in {ids}"
+        if not replicas:
+            return []
+        if adapter is None:
+            return [r.replica_id for r in sorted(replicas, key=self._base_key)]
+
+        walk = walk_order(adapter, ids)
+        position = {replica_id: i for i, replica_id in enumerate(walk)}
+        by_id = {r.replica_id: r for r in replicas}
+        total = sum(r.queue_len for r in replicas)
+        capacity = math.ceil(self.config.bounded_load_c * (total + 1) / len(replicas) - 1e-9)
+
+        warm: dict[str, Affinity] = {}
+        for r in replicas:
+            if (a := self._warm_affinity(r, adapter)) is not None:
+                warm[r.replica_id] = a
+        spare = min(len(replicas), self.max_replicas(adapter)) - len(warm) if warm else 0
+        cold_in_bound = [
+            replica_id
+            for replica_id in walk
+            if replica_id not in warm and by_id[replica_id].queue_len < capacity
+        ]
+        extra_homes = set(cold_in_bound[: max(0, spare)])
+
+        def affinity(r: ReplicaStats) -> Affinity:
+            if r.replica_id in warm:
+                return warm[r.replica_id]
+            if r.replica_id in extra_homes:
+                return Affinity.EXTRA_HOME
+            return Affinity.COLD if r.queue_len < capacity else Affinity.OVER_BOUND
+
+        def key(r: ReplicaStats) -> tuple:
+            a = affinity(r)
+            return (self._stale(r), self._wait_s(r) + self._load_s(a), a, position[r.replica_id])
+
+        return [r.replica_id for r in sorted(replicas, key=key)]
+
+    def _count(self, adapter: str, now: float) -> float:
+        count, at = self._counts.get(adapter, (0.0, now))
+        return count * math.exp(-max(0.0, now - at) / self.config.rate_window_s)
+
+    def _wait_s(self, r: ReplicaStats) -> float:
+        queued_behind = max(0, r.queue_len - r.max_concurrency + 1)
+        return queued_behind / r.max_concurrency * self.config.request_time_s
+
+    def _load_s(self, affinity: Affinity) -> float:
+        if affinity in (Affinity.DEVICE, Affinity.EXTRA_HOME):
+            return 0.0
+        if affinity is Affinity.HOST:
+            return self.config.host_load_cost_s
+        return self.config.load_cost_s
+
+    def _stale(self, r: ReplicaStats) -> bool:
+        return r.stats_age_s > self.config.stale_after_s
+
+    def _base_key(self, r: ReplicaStats) -> tuple:
+        utilisation = r.queue_len / r.max_concurrency
+        return (self._stale(r), self._wait_s(r), utilisation, -r.free_pages, self._rng.random())
+
+    @staticmethod
+    def _warm_affinity(r: ReplicaStats, adapter: str) -> Affinity | None:
+        if adapter in r.device_adapters:
+            return Affinity.DEVICE
+        if adapter in r.host_adapters or adapter in r.loading_adapters:
+            return Affinity.HOST
+        return None

@@ -1,0 +1,268 @@
+"""The adapter-affinity replica-selection policy, driven with fake replicas and a fake clock."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from loraplex.router.policy import AffinityConfig, AffinityPolicy, ReplicaStats, walk_order
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def replica(
+    replica_id: str,
+    device=(),
+    host=(),
+    loading=(),
+    queue: int = 0,
+    slots: int = 32,
+    pages: int = 0,
+    age_s: float = 0.0,
+) -> ReplicaStats:
+    return ReplicaStats(
+        replica_id,
+        frozenset(device),
+        frozenset(host),
+        frozenset(loading),
+        queue_len=queue,
+        max_concurrency=slots,
+        free_pages=pages,
+        stats_age_s=age_s,
+    )
+
+
+def idle(n: int, slots: int = 32) -> list[ReplicaStats]:
+    return [replica(f"r{i}", slots=slots) for i in range(n)]
+
+
+def policy(clock: FakeClock | None = None, seed: int = 0, **config) -> AffinityPolicy:
+    return AffinityPolicy(AffinityConfig(**config), clock=clock or FakeClock(), seed=seed)
+
+
+def test_device_then_host_or_loading_then_cold():
+    replicas = [
+        replica("cold"),
+        replica("host", host={"a"}),
+        replica("loading", loading={"a"}),
+        replica("device", device={"a"}),
+    ]
+    ranked = policy().choose("a", replicas)
+    assert ranked[0] == "device"
+    assert set(ranked[1:3]) == {"host", "loading"}
+    assert ranked[3] == "cold"
+
+
+def test_affinity_wins_while_slots_are_free():
+    replicas = [
+        replica("device", device={"a"}, queue=30),
+        replica("host", host={"a"}),
+        replica("x"),
+    ]
+    assert policy().choose("a", replicas) == ["device", "host", "x"]
+
+
+def test_cold_adapter_has_one_home():
+    replicas = idle(5)
+    homes = {policy().choose(f"a{i}", replicas)[0] for i in range(50)}
+    for i in range(50):
+        first = policy(seed=7).choose(f"a{i}", replicas)[0]
+        assert first == policy().choose(f"a{i}", list(reversed(replicas)))[0]
+        assert first == walk_order(f"a{i}", [r.replica_id for r in replicas])[0]
+    assert len(homes) == 5
+
+
+@pytest.mark.parametrize("n", [4, 8])
+def test_membership_change_moves_about_one_nth(n):
+    adapters = [f"tenant{i % 37}/adapter{i}" for i in range(1000)]
+
+    def homes(replicas):
+        p = policy()
+        return {a: p.choose(a, replicas)[0] for a in adapters}
+
+    before = homes(idle(n))
+    counts = [list(before.values()).count(f"r{i}") for i in range(n)]
+    assert min(counts) > 0.6 * 1000 / n and max(counts) < 1.4 * 1000 / n
+
+    removed = homes(idle(n)[1:])
+    moved = [a for a in adapters if removed[a] != before[a]]
+    assert all(before[a] == "r0" for a in moved)  # only the removed replica's adapters move
+    assert len(moved) / len(adapters) < 2 / n
+
+    added = homes([*idle(n), replica("new")])
+    moved = [a for a in adapters if added[a] != before[a]]
+    assert all(added[a] == "new" for a in moved)
+    assert abs(len(moved) / len(adapters) - 1 / (n + 1)) < 0.5 / (n + 1)
+
+
+def test_overloaded_home_sends_a_cold_request_down_the_walk():
+    replicas = idle(5)
+    walk = policy().choose("a", replicas)
+    loaded = {walk[0]: 20, walk[1]: 20}  # capacity = ceil(1.25 * 41 / 5) = 11
+    replicas = [replica(r.replica_id, queue=loaded.get(r.replica_id, 0)) for r in replicas]
+    assert policy().choose("a", replicas)[:3] == [walk[2], walk[3], walk[4]]
+
+
+def test_bounded_load_holds_under_a_stream_of_cold_requests():
+    # Zipf-popular adapters that stay cold: without the bound, every request of the most
+    # popular one would pile onto its home.
+    c = 1.25
+    p = policy(bounded_load_c=c)
+    rng = random.Random(0)
+    names = [f"adapter{i}" for i in range(20)]
+    weights = [1 / (rank + 1) ** 1.2 for rank in range(len(names))]
+    queues = {f"r{i}": 0 for i in range(6)}
+    for adapter in rng.choices(names, weights, k=3000):
+        replicas = [replica(rid, queue=q, slots=10**6) for rid, q in queues.items()]
+        queues[p.choose(adapter, replicas)[0]] += 1
+        mean = sum(queues.values()) / len(queues)
+        assert max(queues.values()) <= c * (mean + 1)
+        assert max(queues.values()) <= math.ceil(c * mean - 1e-9)  # Mirrokni et al.'s bound
+
+
+@pytest.mark.parametrize(
+    ("queue", "chosen"), [(4, "warm"), (11, "warm"), (12, "idle"), (40, "idle")]
+)
+def test_busy_warm_replica_loses_to_idle_one_beyond_load_cost(queue, chosen):
+    # wait = (queue + 1 - 4) / 4 * 1 s: 0.25 s at 4, 2.0 s = load cost at 11 (a tie goes to
+    # affinity), 2.25 s at 12
+    replicas = [replica("warm", device={"a"}, queue=queue, slots=4), replica("idle", slots=4)]
+    p = policy(load_cost_s=2.0, request_time_s=1.0)
+    assert p.choose("a", replicas)[0] == chosen
+
+
+def test_host_tier_pays_only_the_host_load_cost():
+    replicas = [replica("host", host={"a"}, queue=5, slots=4), replica("idle", slots=4)]
+    # host: wait 0.5 s + 0.1 s < idle: 0 + 1.0 s
+    p = policy(load_cost_s=1.0, host_load_cost_s=0.1, request_time_s=1.0)
+    assert p.choose("a", replicas)[0] == "host"
+
+
+def route_stream(p: AffinityPolicy, clock: FakeClock, requests: int, interval_s: float):
+    """Routes `requests` of adapter "hot", none finishing; a replica that gets one holds it."""
+    held: dict[str, set[str]] = {f"r{i}": set() for i in range(4)}
+    queues = dict.fromkeys(held, 0)
+    for _ in range(requests):
+        clock.advance(interval_s)
+        p.observe("hot")
+        replicas = [replica(rid, device=held[rid], queue=queues[rid], slots=4) for rid in held]
+        top = p.choose("hot", replicas)[0]
+        held[top].add("hot")
+        queues[top] += 1
+    return {rid for rid, adapters in held.items() if adapters}
+
+
+def test_hot_adapter_spreads_and_shrinks_back():
+    clock = FakeClock()
+    p = policy(
+        clock, load_cost_s=10.0, request_time_s=1.0, hot_rate_per_replica=20.0, rate_window_s=1.0
+    )
+    assert p.max_replicas("hot") == 1
+    for _ in range(300):  # 100 requests/s for 3 s
+        clock.advance(0.01)
+        p.observe("hot")
+    geometric_sum = (1 - math.exp(-3.0)) / (1 - math.exp(-0.01))  # sum of e^(-0.01 j), j < 300
+    assert p.rate("hot") == pytest.approx(geometric_sum / 1.0)
+    assert p.max_replicas("hot") == 5  # ceil(95.5 / 20); 4 replicas, so all may hold it
+    assert len(route_stream(p, clock, requests=16, interval_s=0.01)) == 4
+
+    clock.advance(60.0)
+    assert p.max_replicas("hot") == 1
+    assert len(route_stream(p, clock, requests=16, interval_s=1.0)) == 1
+
+
+def test_rate_decays_exponentially():
+    clock = FakeClock()
+    p = policy(clock, rate_window_s=4.0)
+    for _ in range(40):
+        p.observe("a")
+    p.observe(None)
+    assert p.rate("a") == pytest.approx(10.0)
+    clock.advance(4.0 * math.log(2))
+    assert p.rate("a") == pytest.approx(5.0)
+    assert p.rate("never-seen") == 0.0
+
+
+def test_base_model_goes_to_least_loaded():
+    replicas = [replica("a", queue=9), replica("b", queue=3), replica("c", queue=5)]
+    assert policy().choose(None, replicas) == ["b", "c", "a"]
+    mixed = [replica("big", queue=10, slots=64), replica("small", queue=8, slots=16)]
+    assert policy().choose(None, mixed)[0] == "big"  # utilisation 0.16 vs 0.5
+
+
+def test_base_model_ties_are_seeded():
+    replicas = idle(4)
+    firsts = [policy(seed=3).choose(None, replicas) for _ in range(2)]
+    assert firsts[0] == firsts[1]
+    p, q = policy(seed=3), policy(seed=3)
+    stream = [p.choose(None, replicas)[0] for _ in range(40)]
+    assert stream == [q.choose(None, replicas)[0] for _ in range(40)]
+    assert len(set(stream)) == 4  # equally loaded replicas share base traffic
+
+
+def test_no_replicas_and_one_replica():
+    p = policy()
+    assert p.choose("a", []) == []
+    assert p.choose(None, []) == []
+    assert p.choose("a", [replica("only", queue=100)]) == ["only"]
+    assert p.choose(None, [replica("only", queue=100)]) == ["only"]
+
+
+def test_all_replicas_at_max_queue():
+    replicas = [replica(f"r{i}", queue=8, slots=8) for i in range(3)]
+    replicas.append(replica("warm", device={"a"}, queue=8, slots=8))
+    p = policy()
+    ranked = p.choose("a", replicas)
+    assert ranked[0] == "warm" and sorted(ranked) == sorted(r.replica_id for r in replicas)
+    assert len(p.choose(None, replicas)) == 4
+
+
+def test_stale_replica_ranks_last():
+    replicas = [replica("stale", device={"a"}, age_s=60.0), replica("fresh", queue=31)]
+    assert policy(stale_after_s=30.0).choose("a", replicas) == ["fresh", "stale"]
+
+
+def test_routing_stats_contract():
+    stats = {
+        "device_adapters": ["a", "b"],
+        "host_adapters": ["c"],
+        "loading_adapters": ["d"],
+        "queue_len": 3,
+        "max_concurrency": 32,
+        "free_pages": 100,
+    }
+    assert ReplicaStats.from_routing_stats("r", stats, age_s=1.5) == replica(
+        "r", device={"a", "b"}, host={"c"}, loading={"d"}, queue=3, slots=32, pages=100, age_s=1.5
+    )
+    assert ReplicaStats.from_routing_stats("r", {}) == ReplicaStats("r")
+    assert ReplicaStats("r").max_concurrency == 1
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"bounded_load_c": 1.0},
+        {"host_load_cost_s": 2.0, "load_cost_s": 1.0},
+        {"request_time_s": 0.0},
+        {"rate_window_s": float("nan")},
+    ],
+)
+def test_config_is_validated(bad):
+    with pytest.raises(ValueError):
+        AffinityConfig(**bad)
+
+
+def test_replica_stats_are_validated():
+    with pytest.raises(ValueError, match="queue_len"):
+        ReplicaStats("r", queue_len=-1)

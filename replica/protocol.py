@@ -1,0 +1,68 @@
+"""What the ingress sends a replica and what the replica streams back: plain dicts, so they
+cross Ray's object store without pickling engine classes, and the same contract serves an
+in-process backend (no Ray) and the Serve deployment.
+
+A request names its adapter by id `tenant/name` (registry names cannot contain `/`), or
+None for the base model. The ingress tokenizes (it needs the counts for `usage` and the
+context check), so replicas receive token ids only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol, TypedDict
+
+from loraplex.replica.sampling import SamplingParams
+from loraplex.replica.sequence import RequestOutput
+
+
+class GenerateRequest(TypedDict):
+    request_id: str
+    prompt_token_ids: list[int]
+    adapter: str | None  # "tenant/name", or None for the base model
+    params: dict  # SamplingParams fields (stop as a list)
+
+
+class GenerateChunk(TypedDict):
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # "stop", "length", "abort" when finished
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+class AdapterNotFound(LookupError):
+    """The request names an adapter this replica does not know (deleted, or never
+    registered): the ingress answers 404."""
+
+
+class Backend(Protocol):
+    """Where the ingress sends requests: a Serve deployment handle, or an engine in process."""
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]: ...
+
+
+def adapter_id(tenant: str, name: str) -> str:
+    return f"{tenant}/{name}"
+
+
+def sampling_params(request: GenerateRequest) -> SamplingParams:
+    fields = dict(request["params"])
+    for key in ("stop", "stop_token_ids"):
+        if key in fields:
+            fields[key] = tuple(fields[key])
+    return SamplingParams(**fields)
+
+
+def chunk(out: RequestOutput) -> GenerateChunk:
+    return GenerateChunk(
+        request_id=out.request_id,
+        new_token_ids=list(out.new_token_ids),
+        new_text=out.new_text,
+        finished=out.finished,
+        finish_reason=out.finish_reason,
+        num_prompt_tokens=out.num_prompt_tokens,
+        num_output_tokens=len(out.token_ids),
+    )

@@ -16,6 +16,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+from loraplex.registry.validation import BaseModelShape
+
 BOS_TOKEN = "<|begin_of_text|>"
 END_OF_TEXT_TOKEN = "<|end_of_text|>"
 START_HEADER_TOKEN = "<|start_header_id|>"
@@ -105,18 +107,14 @@ class ModelSpec:
 
     def projection_shapes(self) -> dict[str, tuple[int, int]]:
         """(out_features, in_features) of each projection in one decoder layer."""
-        h, i = self.hidden_size, self.intermediate_size
-        q = self.num_attention_heads * self.resolved_head_dim
-        kv = self.num_key_value_heads * self.resolved_head_dim
-        return {
-            "q_proj": (q, h),
-            "k_proj": (kv, h),
-            "v_proj": (kv, h),
-            "o_proj": (h, q),
-            "gate_proj": (i, h),
-            "up_proj": (i, h),
-            "down_proj": (h, i),
-        }
+        return BaseModelShape(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_layers=self.num_hidden_layers,
+            num_heads=self.num_attention_heads,
+            num_kv_heads=self.num_key_value_heads,
+            head_dim=self.resolved_head_dim,
+        ).projection_shapes()
 
 
 @dataclass(frozen=True, slots=True)

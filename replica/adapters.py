@@ -16,7 +16,6 @@ from loraplex.registry.validation import (
     TENSOR_NAME,
     WEIGHTS_FILE,
     AdapterRejected,
-    BaseModelShape,
     validate_adapter_dir,
 )
 from loraplex.replica.model.config import ModelConfig
@@ -48,17 +47,6 @@ def is_adapter_dir(path: Path) -> bool:
     return (path / CONFIG_FILE).is_file()
 
 
-def base_shape(model: ModelConfig) -> BaseModelShape:
-    return BaseModelShape(
-        hidden_size=model.hidden_size,
-        intermediate_size=model.intermediate_size,
-        num_layers=model.num_layers,
-        num_heads=model.num_heads,
-        num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim,
-    )
-
-
 def load_adapter(path: Path, name: str, model: ModelConfig, max_rank: int) -> AdapterWeights:
     """Validate a PEFT adapter folder (the registry's checks: safetensors header, config,
     names and shapes against the base model, finite values; never pickle), then read it."""
@@ -66,7 +54,7 @@ def load_adapter(path: Path, name: str, model: ModelConfig, max_rank: int) -> Ad
     if not path.is_dir():
         raise AdapterError(f"adapter path {path} is not a folder")
     try:
-        summary = validate_adapter_dir(path, base_shape(model), max_rank, MAX_ADAPTER_BYTES)
+        summary = validate_adapter_dir(path, model.shape, max_rank, MAX_ADAPTER_BYTES)
     except AdapterRejected as e:
         raise AdapterError(f"adapter {name!r}: {e.message}") from None
     scale = summary.alpha / (math.sqrt(summary.rank) if summary.use_rslora else summary.rank)

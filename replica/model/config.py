@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from loraplex.registry.validation import BaseModelShape
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -57,18 +59,21 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def shape(self) -> BaseModelShape:
+        """The dimensions adapters are validated against (the registry's view of a model)."""
+        return BaseModelShape(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_layers=self.num_layers,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+        )
+
     def projection_shapes(self) -> dict[str, tuple[int, int]]:
         """(in_features, out_features) of each LoRA-targetable projection."""
-        h, i = self.hidden_size, self.intermediate_size
-        return {
-            "q_proj": (h, self.q_size),
-            "k_proj": (h, self.kv_size),
-            "v_proj": (h, self.kv_size),
-            "o_proj": (self.q_size, h),
-            "gate_proj": (h, i),
-            "up_proj": (h, i),
-            "down_proj": (i, h),
-        }
+        return {name: (i, o) for name, (o, i) in self.shape.projection_shapes().items()}
 
     def kv_elems_per_token(self) -> int:
         """Elements of K and V one token occupies across all layers."""

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -27,6 +25,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from loraplex.benchmarks.report import log, write_json
 from loraplex.cluster.demo_assets import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
 from loraplex.replica.config import EngineConfig, MiB
 from loraplex.replica.engine import LLMEngine
@@ -98,21 +97,14 @@ def run_bench(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="loraplex-bench-") as tmp:
         root = Path(tmp)
-        _log(f"building a {_params(shape.model) / 1e6:.0f}M-parameter model and adapters in {root}")
+        log(f"building a {_params(shape.model) / 1e6:.0f}M-parameter model and adapters in {root}")
         model_dir, heavy, light, serving = _build_assets(root, shape.model)
         results = {"model_parameters": _params(shape.model), "quick": bool(args.quick)}
         results.update(_step_overheads(model_dir, heavy, light, shape))
         results.update(_speedup_vs_peft(model_dir, serving, shape, args.trace))
     _print_table(results)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-        _log(f"wrote {args.json}")
+    write_json(args.json, results)
     return 0
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 def _params(spec: ModelSpec) -> int:
@@ -225,7 +217,7 @@ def _step_overheads(
     model_dir: Path, heavy: dict[str, Path], light: dict[str, Path], shape: BenchShape
 ) -> dict:
     batch = 32
-    _log(
+    log(
         "timing decode steps: base-only vs 8 adapters r16 q/k/v/o vs 32 adapters r8-64 on all projections"
     )
     base_engine = _engine(model_dir, {})
@@ -307,7 +299,7 @@ def _speedup_vs_peft(
     rng = np.random.default_rng(2)
     prompts = [rng.integers(10, vocab, size=p).tolist() for p, _ in lengths]
     useful = sum(o for _, o in lengths)
-    _log(f"serving {len(lengths)} requests ({useful} output tokens) from {source}")
+    log(f"serving {len(lengths)} requests ({useful} output tokens) from {source}")
 
     engine = _engine(model_dir, {n: adapter_dirs[n] for n in set(adapters)})
     params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in lengths]
@@ -353,7 +345,7 @@ def _peft_generate(
     for name in used[1:]:
         peft.load_adapter(adapter_dirs[name], adapter_name=name)
     peft.eval()
-    _log(f"transformers + peft: static batches of {batch}")
+    log(f"transformers + peft: static batches of {batch}")
     start = time.perf_counter()
     tokens = []
     for lo in range(0, len(prompts), batch):

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from loraplex.benchmarks.report import log, write_json
 from loraplex.registry.etcd_process import INSTALL_HINT, EtcdProcess, find_etcd_binary
 from loraplex.registry.models import AdapterRecord, Tenant
 from loraplex.registry.store import EtcdSettings, RegistryStore
@@ -47,22 +46,19 @@ def run_bench(args: argparse.Namespace) -> int:
     shape = QUICK if args.quick else FULL
     binary = find_etcd_binary()
     if binary is None:
-        _log(f"no etcd server binary; install one: {INSTALL_HINT}")
+        log(f"no etcd server binary; install one: {INSTALL_HINT}")
         return 2
     with tempfile.TemporaryDirectory(prefix="loraplex-bench-registry-") as tmp:
         etcd = EtcdProcess(Path(tmp) / "etcd", binary=binary)
         etcd.start()
-        _log(f"etcd {binary} on {etcd.endpoint}")
+        log(f"etcd {binary} on {etcd.endpoint}")
         try:
             results = asyncio.run(_measure(EtcdSettings(endpoints=[etcd.endpoint]), shape))
         finally:
             etcd.stop()
     results = {"quick": bool(args.quick), **results}
     _print_table(results)
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
-        _log(f"wrote {args.json}")
+    write_json(args.json, results)
     return 0
 
 
@@ -104,7 +100,7 @@ async def _create_many(store: RegistryStore, names: list[str], concurrency: int)
 
 async def _register(store: RegistryStore, count: int) -> dict[str, float | int]:
     names = [f"reg-{i:06d}" for i in range(count)]
-    _log(f"register: {count} adapters, {REGISTER_CONCURRENCY} in flight")
+    log(f"register: {count} adapters, {REGISTER_CONCURRENCY} in flight")
     started = time.perf_counter()
     await _create_many(store, names, REGISTER_CONCURRENCY)
     elapsed = time.perf_counter() - started
@@ -118,7 +114,7 @@ async def _register(store: RegistryStore, count: int) -> dict[str, float | int]:
 async def _propagation(
     store: RegistryStore, settings: EtcdSettings, samples: int
 ) -> dict[str, float | int]:
-    _log(f"propagation: {samples} registrations, {WATCHERS} watchers")
+    log(f"propagation: {samples} registrations, {WATCHERS} watchers")
     watchers = [RegistryWatcher(settings) for _ in range(WATCHERS)]
     await asyncio.gather(*(w.start() for w in watchers))
     while not all(w.connected for w in watchers):  # every watch stream open
@@ -166,7 +162,7 @@ async def _resync(
     store: RegistryStore, settings: EtcdSettings, target: int, registered: int
 ) -> dict[str, float | int]:
     fill = [f"fill-{i:06d}" for i in range(max(0, target - registered))]
-    _log(f"resync: filling to {target} adapters ({len(fill)} more)")
+    log(f"resync: filling to {target} adapters ({len(fill)} more)")
     await _create_many(store, fill, 32)
     times = []
     for _ in range(3):
@@ -193,7 +189,3 @@ def _print_table(results: dict[str, float | int | bool]) -> None:
     print(f"{'metric':<22} {'value':>12}  target")
     for key, value in results.items():
         print(f"{key:<22} {value!s:>12}  {targets.get(key, '')}")
-
-
-def _log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)

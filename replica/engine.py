@@ -386,6 +386,16 @@ class Engine:
     async def stats(self) -> dict:
         return await self._locked(self.core.stats)
 
+    def failure(self) -> str | None:
+        """Why the step loop is not running, or None while it is (for health checks)."""
+        if self._error is not None:
+            return repr(self._error)
+        if self._closed:
+            return "shut down"
+        if not self._thread.is_alive():
+            return "the engine thread exited"
+        return None
+
     def shutdown(self) -> None:
         """Stop the loop; streams still open end with an error instead of waiting forever."""
         self._closed = True

@@ -38,6 +38,11 @@ class AdapterNotFound(LookupError):
     registered): the ingress answers 404."""
 
 
+class ReplicaFailed(RuntimeError):
+    """The replica serving a request died after the request's first chunk (or on every
+    try): the ingress ends the stream with an error event."""
+
+
 class Backend(Protocol):
     """Where the ingress sends requests: a Serve deployment handle, or an engine in process."""
 

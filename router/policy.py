@@ -14,9 +14,10 @@ not published yet is routable:
     queue_len         int        waiting + running requests
     max_concurrency   int        batch slots (missing or 0 counts as 1)
     free_pages        int        free pages of the unified pool
+    recorded_at       float      wall-clock time the replica recorded them (optional)
 
 `ReplicaStats.from_routing_stats(replica_id, stats, age_s)` turns one into policy input;
-`age_s` is how long ago the router received those stats.
+`age_s` is the stats' age (the Ray router computes it from `recorded_at`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,211 @@
+"""One replica as a Ray Serve deployment: the engine, the registry watch and routing stats.
+
+`ReplicaDeployment` is a plain class; `deployment()` wraps it with `serve.deployment` and
+the adapter-affinity request router. Its constructor is `async` (Ray Serve awaits an async
+`__init__`), so a replica reports ready only once its engine is built and it holds the
+registry's snapshot: the first request already finds every registered adapter.
+
+Ray Serve calls, besides the request methods `generate` and `stats`:
+    record_routing_stats  every request_routing_stats_period_s; the dict reaches every
+                          router as `RunningReplica.routing_stats` (router/policy.py has
+                          the contract)
+    check_health          every health_check_period_s; raising restarts the replica
+    __del__               on graceful shutdown: stops the engine thread
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import fields
+from typing import Any
+
+from loraplex.registry.artifacts import ArtifactStore
+from loraplex.registry.etcd_client import EtcdSettings
+from loraplex.registry.watch import RegistryWatcher
+from loraplex.replica.adapter_cache import UnknownAdapter
+from loraplex.replica.adapter_sync import AdapterSync
+from loraplex.replica.config import EngineConfig
+from loraplex.replica.engine import Engine
+from loraplex.replica.protocol import (
+    AdapterNotFound,
+    GenerateChunk,
+    GenerateRequest,
+    chunk,
+    sampling_params,
+)
+from loraplex.replica.scheduler import SchedulerConfig
+
+log = logging.getLogger(__name__)
+
+# The router is named by import path: replica/ does not import router/ (DESIGN.md layout).
+AFFINITY_ROUTER = "loraplex.router.request_router:AffinityRequestRouter"
+DEPLOYMENT_NAME = "replica"
+
+
+def build_engine_config(values: dict[str, Any]) -> EngineConfig:
+    """EngineConfig from plain values (what crosses Ray and YAML): `scheduler` as a dict."""
+    known = {f.name for f in fields(EngineConfig)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown engine settings {unknown}; accepted: {sorted(known)}")
+    values = dict(values)
+    if isinstance(values.get("scheduler"), dict):
+        values["scheduler"] = SchedulerConfig(**values["scheduler"])
+    return EngineConfig(**values)
+
+
+class ReplicaDeployment:
+    """A replica: serves the base model and every adapter the registry holds.
+
+    engine_config  EngineConfig fields (`scheduler` as a dict of SchedulerConfig fields)
+    etcd           EtcdSettings fields; None serves the base model only
+    artifact_root  where the registry's artifacts are (required with etcd)
+    """
+
+    async def __init__(
+        self,
+        engine_config: dict[str, Any],
+        etcd: dict[str, Any] | None = None,
+        artifact_root: str | None = None,
+    ):
+        self.engine: Engine | None = None
+        self.watcher: RegistryWatcher | None = None
+        self.sync: AdapterSync | None = None
+        cfg = build_engine_config(engine_config)
+        if etcd is not None and artifact_root is None:
+            raise ValueError("artifact_root is required when etcd is given")
+        self.max_concurrency = cfg.scheduler.max_num_seqs
+        self.engine = await asyncio.to_thread(Engine, cfg)  # reads the checkpoint
+        if etcd is None:
+            return
+        try:
+            self.watcher = RegistryWatcher(EtcdSettings(**etcd))
+            await self.watcher.start()
+            store = await asyncio.to_thread(ArtifactStore, artifact_root)
+            self.sync = AdapterSync(self.engine, self.watcher, store)
+            self.sync.start()
+        except BaseException:
+            await self.shutdown()
+            raise
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        """Stream the request's chunks. AdapterNotFound if its adapter is not registered
+        (or is deleted before the request is queued)."""
+        assert self.engine is not None
+        adapter = request["adapter"]
+        if adapter is not None:
+            if self.sync is None:
+                raise AdapterNotFound(f"adapter {adapter!r}: this replica has no registry")
+            await self.sync.ensure(adapter)
+        params = sampling_params(request)
+        outputs = self.engine.generate(
+            request["prompt_token_ids"], params, adapter, request["request_id"]
+        )
+        try:
+            async for out in outputs:
+                yield chunk(out)
+        except UnknownAdapter:  # deleted between ensure() and the engine queueing it
+            raise AdapterNotFound(f"adapter {adapter!r} is not registered") from None
+        finally:
+            await outputs.aclose()
+
+    async def stats(self) -> dict[str, Any]:
+        """The engine's stats plus the adapters of each tier (ids) and the registry's count."""
+        assert self.engine is not None
+        stats = await self.engine.stats()
+        stats["tiers"] = self._tiers(stats)
+        stats["registered_adapters"] = len(self.sync.registered) if self.sync else 0
+        stats["registry_connected"] = self.watcher.connected if self.watcher else False
+        return stats
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        """Routing stats for AffinityRequestRouter (router/policy.py `RoutingStats`), plus
+        `recorded_at` (time.time()) so routers can tell their age."""
+        assert self.engine is not None
+        stats = await self.engine.stats()
+        tiers = self._tiers(stats)
+        return {
+            "device_adapters": tiers["device"],
+            "host_adapters": tiers["host"],
+            "loading_adapters": tiers["loading"],
+            "queue_len": stats["waiting"] + stats["running"],
+            "max_concurrency": self.max_concurrency,
+            "free_pages": stats["pool"]["free_pages"],
+            "recorded_at": time.time(),
+        }
+
+    def _tiers(self, stats: dict[str, Any]) -> dict[str, list[str]]:
+        device = list(stats["adapters"]["resident"])
+        if self.sync is None:
+            return {"device": device, "host": [], "loading": []}
+        return {
+            "device": device,
+            "host": sorted(self.sync.host - set(device)),
+            "loading": sorted(self.sync.loading),
+        }
+
+    async def check_health(self) -> None:
+        assert self.engine is not None
+        failure = self.engine.failure()
+        if failure is not None:
+            raise RuntimeError(f"the engine stopped: {failure}")
+
+    async def shutdown(self) -> None:
+        if self.sync is not None:
+            await self.sync.stop()
+        if self.watcher is not None:
+            await self.watcher.stop()
+        if self.engine is not None:
+            await asyncio.to_thread(self.engine.shutdown)
+
+    def __del__(self) -> None:
+        # Ray Serve calls this on graceful shutdown, and the garbage collector may call it
+        # again: stop the engine thread (idempotent); the watch ends with the process.
+        if self.engine is not None:
+            self.engine.shutdown()
+
+
+def deployment(
+    *,
+    num_replicas: int | str | None = 1,
+    ray_actor_options: dict[str, Any] | None = None,
+    router_kwargs: dict[str, Any] | None = None,
+    routing_stats_period_s: float = 1.0,
+    routing_stats_timeout_s: float = 10.0,
+    max_ongoing_requests: int = 64,
+    name: str = DEPLOYMENT_NAME,
+    **options: Any,
+):
+    """`ReplicaDeployment` as a Serve deployment routed by AffinityRequestRouter.
+
+    router_kwargs         AffinityConfig fields, plus `seed` (passed to the router's
+                          `initialize_state`)
+    max_ongoing_requests  Serve's per-replica cap on requests in flight; keep it above
+                          the engine's max_num_seqs (Serve's default, 5, would starve
+                          the batch), the engine queues the rest
+    options               any other `serve.deployment` option (autoscaling_config,
+                          health_check_period_s, ...); pass num_replicas=None or
+                          "auto" with autoscaling_config
+    """
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    router = RequestRouterConfig(
+        request_router_class=AFFINITY_ROUTER,
+        request_router_kwargs=router_kwargs or {},
+        request_routing_stats_period_s=routing_stats_period_s,
+        request_routing_stats_timeout_s=routing_stats_timeout_s,
+    )
+    if num_replicas is not None:
+        options["num_replicas"] = num_replicas
+    return serve.deployment(
+        ReplicaDeployment,
+        name=name,
+        ray_actor_options=ray_actor_options or {},
+        request_router_config=router,
+        max_ongoing_requests=max_ongoing_requests,
+        **options,
+    )

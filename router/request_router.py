@@ -1,0 +1,75 @@
+"""AffinityPolicy as a Ray Serve request router.
+
+Ray Serve asks `choose_replicas` for ranks of candidate replicas and sends the request to
+the first rank with a replica below its `max_ongoing_requests` (probing queue lengths when
+its cache has none), moving to the next rank when a rank is full, and backing off when
+every rank is. This class only translates: each replica's published routing stats
+(`record_routing_stats` of replica/deployment.py) become `ReplicaStats`, the policy ranks
+them, and every replica becomes a rank of its own, best first.
+
+The adapter is the request's `multiplexed_model_id` ("" for the base model), set by the
+caller through `handle.options(multiplexed_model_id=...)`.
+
+No FIFOMixin: it hands the replica chosen for one request to whichever request is first in
+the queue, which would send adapter A's pick to adapter B. Serve's default matching keeps
+each choice with the request it was made for.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from loraplex.router.policy import AffinityConfig, AffinityPolicy, ReplicaStats
+
+if TYPE_CHECKING:
+    from ray.serve._private.replica_result import ReplicaResult
+
+
+class AffinityRequestRouter(RequestRouter):
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.policy = AffinityPolicy(AffinityConfig())
+        self.wall_clock: Callable[[], float] = time.time  # compares with `recorded_at`
+
+    def initialize_state(self, seed: int = 0, **config: Any) -> None:
+        """`request_router_kwargs`: AffinityConfig fields, and the seed of base-model ties."""
+        self.policy = AffinityPolicy(AffinityConfig(**config), seed=seed)
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            # Every rank was tried once: let Serve back off before asking again.
+            pending_request.routing_context.should_backoff = True
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        stats = [self._replica_stats(r) for r in candidate_replicas]
+        ranked = self.policy.choose(_adapter(pending_request), stats)
+        return [[by_id[replica_id]] for replica_id in ranked]
+
+    def on_request_routed(
+        self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
+    ) -> None:
+        self.policy.observe(_adapter(pending_request))
+
+    def _replica_stats(self, replica: RunningReplica) -> ReplicaStats:
+        published = replica.routing_stats or {}
+        recorded_at = published.get("recorded_at")
+        age = 0.0 if recorded_at is None else max(0.0, self.wall_clock() - recorded_at)
+        stats = ReplicaStats.from_routing_stats(replica.replica_id.unique_id, published, age)
+        # Serve's own count of requests this router sent and the replica has not finished
+        # is fresher than the published queue (a period old); prefer it when cached.
+        queue_len = self.replica_queue_len_cache.get(replica.replica_id)
+        return stats if queue_len is None else replace(stats, queue_len=queue_len)
+
+
+def _adapter(pending_request: PendingRequest | None) -> str | None:
+    if pending_request is None:
+        return None
+    return pending_request.metadata.multiplexed_model_id or None

@@ -1,0 +1,484 @@
+"""Replicas on a real local Ray Serve, fed by a real etcd registry: one app of two
+ReplicaDeployments behind AffinityRequestRouter, called through ServeBackend.
+
+Oracles: the engine's offline output for the same prompt, adapter and greedy settings (the
+served path must not change a token); the registry itself (what it holds is what replicas
+serve); the router's own consistent-hash walk (where a cold adapter must go).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from etcd_server import EtcdServer, shared_etcd_server_fixture  # noqa: F401 (fixture)
+
+from loraplex.cluster.demo_assets import DemoAssets
+from loraplex.registry.artifacts import ArtifactStore
+from loraplex.registry.models import AdapterRecord, Tenant
+from loraplex.registry.store import RegistryStore
+from loraplex.registry.watch import RegistryWatcher
+from loraplex.replica.adapter_sync import AdapterSync
+from loraplex.replica.config import EngineConfig
+from loraplex.replica.engine import Engine, LLMEngine
+from loraplex.replica.protocol import AdapterNotFound, GenerateRequest, adapter_id
+from loraplex.replica.sampling import SamplingParams
+from loraplex.replica.scheduler import SchedulerConfig
+from loraplex.router.policy import walk_order
+
+TENANT = "acme"
+APP = "loraplex-test"
+PAGE_BYTES = 64 * 1024
+POOL_BYTES = 64 * 1024 * 1024
+PROMPT = [17, 230, 41, 998, 5, 77, 301, 12]
+MAX_TOKENS = 8
+# Adapters registered before the replicas start. "probe-*" share one artifact and are never
+# requested until the replica-restart test needs cold adapters to place on the replacement.
+SERVED = ("sql-r8", "chat-r16", "code-r32", "legal-r8")
+PROBES = tuple(f"probe-{i}" for i in range(12))
+PINNED = "support-r12"
+
+
+def engine_config(model_dir: Path) -> dict[str, Any]:
+    return {
+        "model": str(model_dir),
+        "pool_bytes": POOL_BYTES,
+        "page_bytes": PAGE_BYTES,
+        "scheduler": {"max_num_seqs": 8},
+    }
+
+
+def request(adapter: str | None, max_tokens: int = MAX_TOKENS) -> GenerateRequest:
+    return GenerateRequest(
+        request_id=uuid.uuid4().hex,
+        prompt_token_ids=list(PROMPT),
+        adapter=adapter,
+        params={"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True},
+    )
+
+
+def record_for(
+    name: str, source: Path, artifacts: ArtifactStore, tenant: str = TENANT, pinned: bool = False
+) -> AdapterRecord:
+    stored = artifacts.put_dir(source)
+    config = json.loads((source / "adapter_config.json").read_text())
+    return AdapterRecord(
+        name=name,
+        tenant=tenant,
+        base_model="demo",
+        rank=config["r"],
+        alpha=config["lora_alpha"],
+        target_modules=list(config["target_modules"]),
+        use_rslora=config.get("use_rslora", False),
+        dtype="float32",
+        size_bytes=(source / "adapter_model.safetensors").stat().st_size,
+        sha256=stored.weights_sha256,
+        artifact=stored.path,
+        pinned=pinned,
+    )
+
+
+def with_store(settings, fn: Callable[[RegistryStore], Awaitable[Any]]) -> Any:
+    async def body():
+        async with RegistryStore(settings) as store:
+            return await fn(store)
+
+    return asyncio.run(body())
+
+
+async def until(condition: Callable[[], Awaitable[bool]], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not await condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        await asyncio.sleep(0.2)
+
+
+# ------------------------------------------------------------------ AdapterSync, no Ray
+
+
+@pytest.mark.etcd
+def test_adapter_sync_follows_registry(
+    demo_assets: DemoAssets, shared_etcd_server: EtcdServer, tmp_path: Path
+):
+    """Concurrent ensures read an adapter once; pinned ones are read at once, and again
+    when their artifact changes; a delete removes it from the engine; unknown ones raise
+    AdapterNotFound."""
+    settings = shared_etcd_server.settings()
+    artifacts = ArtifactStore(tmp_path / "artifacts")
+    tenant = "sync-test"
+    source = demo_assets.adapters_dir
+
+    async def body():
+        engine = Engine(
+            EngineConfig(
+                model=str(demo_assets.model_dir), pool_bytes=POOL_BYTES, page_bytes=PAGE_BYTES
+            )
+        )
+        reads: list[str] = []
+        add_adapter = engine.add_adapter
+
+        async def counting_add(name, path):
+            reads.append(name)
+            return await add_adapter(name, path)
+
+        engine.add_adapter = counting_add
+        async with RegistryStore(settings) as store, RegistryWatcher(settings) as watcher:
+            await store.create_tenant(Tenant(name=tenant))
+            await store.create_adapter(record_for("plain", source / "sql-r8", artifacts, tenant))
+            sync = AdapterSync(engine, watcher, artifacts)
+            await until(lambda: _true(watcher.adapter(tenant, "plain")), 5, "the watch")
+            sync.start()
+            try:
+                plain_id = adapter_id(tenant, "plain")
+                await asyncio.gather(*(sync.ensure(plain_id) for _ in range(5)))
+                assert reads == [plain_id]
+                assert plain_id in sync.host and not sync.loading
+
+                pinned = record_for("pinned", source / "chat-r16", artifacts, tenant, pinned=True)
+                created = await store.create_adapter(pinned)
+                pinned_id = adapter_id(tenant, "pinned")
+                await until(lambda: _true(pinned_id in sync.host), 10, "the pinned preload")
+                changed = record_for("pinned", source / "code-r32", artifacts, tenant, pinned=True)
+                await store.update_adapter(changed, created.updated_revision)
+                await until(lambda: _true(reads.count(pinned_id) == 2), 10, "the new artifact")
+
+                await store.delete_adapter(tenant, "plain")
+                await until(lambda: _true(plain_id not in sync.host), 5, "the delete")
+                assert (await engine.stats())["adapters"]["registered"] == 1
+                with pytest.raises(AdapterNotFound):
+                    await sync.ensure(plain_id)
+                with pytest.raises(AdapterNotFound):
+                    await sync.ensure(adapter_id(tenant, "never"))
+            finally:
+                await sync.stop()
+                await store.delete_tenant(tenant)
+                engine.shutdown()
+
+    asyncio.run(body())
+
+
+async def _true(value: object) -> bool:
+    return bool(value)
+
+
+# ------------------------------------------------------------------ the Serve app
+
+
+@dataclass
+class Cluster:
+    settings: Any
+    artifacts: ArtifactStore
+    adapters_dir: Path
+    model_dir: Path
+
+    def backend(self):
+        from ray import serve
+
+        from loraplex.router.serve_backend import ServeBackend
+
+        return ServeBackend(serve.get_deployment_handle("replica", app_name=APP))
+
+    def replicas(self) -> dict[str, Any]:
+        """Live replica actors by replica id (the id the router hashes on)."""
+        import ray
+
+        prefix = f"SERVE_REPLICA::{APP}#replica#"
+        return {
+            entry["name"].removeprefix(prefix): ray.get_actor(entry["name"], namespace="serve")
+            for entry in ray.util.list_named_actors(all_namespaces=True)
+            if entry["name"].startswith(prefix)
+        }
+
+    async def routing_stats(self) -> dict[str, dict]:
+        replicas = self.replicas()
+        stats = await asyncio.gather(*(a.record_routing_stats.remote() for a in replicas.values()))
+        return dict(zip(replicas, stats, strict=True))
+
+    async def holders(self, adapter: str) -> set[str]:
+        """Replicas whose engine holds `adapter` (host or device tier)."""
+        return {
+            replica
+            for replica, s in (await self.routing_stats()).items()
+            if adapter in s["host_adapters"] or adapter in s["device_adapters"]
+        }
+
+
+@pytest.fixture(scope="module")
+def cluster(
+    demo_assets: DemoAssets,
+    shared_etcd_server: EtcdServer,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Cluster]:
+    settings = shared_etcd_server.settings()
+    artifacts = ArtifactStore(tmp_path_factory.mktemp("artifacts"))
+    source = demo_assets.adapters_dir
+    records = [record_for(name, source / name, artifacts) for name in SERVED]
+    records += [record_for(name, source / "legal-r8", artifacts) for name in PROBES]
+    records.append(record_for(PINNED, source / PINNED, artifacts, pinned=True))
+
+    async def register(store: RegistryStore):
+        await store.create_tenant(Tenant(name=TENANT))
+        for record in records:
+            await store.create_adapter(record)
+
+    with_store(settings, register)
+
+    ray = pytest.importorskip("ray")
+    from ray import serve
+
+    from loraplex.replica.deployment import deployment
+
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_AUTH_MODE", "disabled")  # else Ray writes a token under $HOME
+        try:
+            ray.init(
+                include_dashboard=False,
+                num_cpus=2,
+                object_store_memory=200 * 1024 * 1024,
+                _temp_dir=temp_dir,
+                log_to_driver=False,
+            )
+        except Exception as e:  # noqa: BLE001
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            pytest.skip(f"Ray cannot start here: {e!r}")
+        try:
+            serve.start(proxy_location="Disabled")
+            app = deployment(
+                num_replicas=2,
+                ray_actor_options={"num_cpus": 0},
+                routing_stats_period_s=0.5,
+                health_check_period_s=1.0,
+                graceful_shutdown_wait_loop_s=0.2,
+                graceful_shutdown_timeout_s=2.0,
+            ).bind(
+                engine_config(demo_assets.model_dir),
+                settings.model_dump(),
+                str(artifacts.root),
+            )
+            serve.run(app, name=APP, route_prefix=None)
+            yield Cluster(settings, artifacts, source, demo_assets.model_dir)
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            with_store(settings, lambda store: store.delete_tenant(TENANT))
+
+
+def offline_tokens(model_dir: Path, adapter_dir: Path | None) -> list[int]:
+    cfg = EngineConfig(
+        model=str(model_dir),
+        pool_bytes=POOL_BYTES,
+        page_bytes=PAGE_BYTES,
+        scheduler=SchedulerConfig(max_num_seqs=8),
+    )
+    engine = LLMEngine(cfg)
+    if adapter_dir is not None:
+        engine.add_adapter("a", adapter_dir)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    (out,) = engine.generate([PROMPT], [params], ["a" if adapter_dir else None])
+    return list(out.token_ids)
+
+
+async def collect(backend, req: GenerateRequest) -> list[int]:
+    tokens: list[int] = []
+    async with asyncio.timeout(60):
+        async for chunk in backend.generate(req):
+            tokens += chunk["new_token_ids"]
+    return tokens
+
+
+@pytest.mark.ray
+@pytest.mark.etcd
+def test_served_tokens_equal_offline_engine(cluster: Cluster):
+    expected_base = offline_tokens(cluster.model_dir, None)
+    expected_sql = offline_tokens(cluster.model_dir, cluster.adapters_dir / "sql-r8")
+    assert expected_base != expected_sql  # the adapter changes the output
+
+    async def body():
+        backend = cluster.backend()
+        assert await collect(backend, request(None)) == expected_base
+        assert await collect(backend, request(adapter_id(TENANT, "sql-r8"))) == expected_sql
+
+    asyncio.run(body())
+
+
+@pytest.mark.ray
+@pytest.mark.etcd
+def test_requests_follow_the_resident_adapter(cluster: Cluster):
+    adapter = adapter_id(TENANT, "code-r32")
+
+    async def body():
+        backend = cluster.backend()
+        await collect(backend, request(adapter))  # warm-up: one replica reads it
+        await until(lambda: cluster.holders(adapter), 5, "routing stats of the warm-up")
+        await asyncio.sleep(1.5)  # several stats periods: every router sees it resident
+        for _ in range(6):
+            await collect(backend, request(adapter))
+        assert len(await cluster.holders(adapter)) == 1
+
+    asyncio.run(body())
+
+
+@pytest.mark.ray
+@pytest.mark.etcd
+def test_unknown_adapter_is_not_found(cluster: Cluster):
+    async def body():
+        backend = cluster.backend()
+        with pytest.raises(AdapterNotFound):
+            await collect(backend, request(adapter_id(TENANT, "no-such-adapter")))
+        with pytest.raises(AdapterNotFound):
+            await collect(backend, request(adapter_id("other-tenant", "sql-r8")))
+
+    asyncio.run(body())
+
+
+@pytest.mark.ray
+@pytest.mark.etcd
+def test_deleted_adapter_is_not_found(cluster: Cluster):
+    name = "chat-r16"
+    adapter = adapter_id(TENANT, name)
+
+    async def body():
+        backend = cluster.backend()
+        await collect(backend, request(adapter))
+        async with RegistryStore(cluster.settings) as store:
+            await store.delete_adapter(TENANT, name)
+
+        async def gone() -> bool:
+            try:
+                await collect(backend, request(adapter))
+            except AdapterNotFound:
+                return True
+            return False
+
+        await until(gone, 10, "the delete to reach the replicas")
+
+        async def dropped() -> bool:
+            return not await cluster.holders(adapter)
+
+        await until(dropped, 5, "the engines to drop it")
+
+    asyncio.run(body())
+
+
+@pytest.mark.ray
+@pytest.mark.etcd
+def test_abandoned_requests_are_aborted(cluster: Cluster):
+    """A caller that stops reading (a client disconnecting), or a first chunk later than
+    ServeBackend's bound, frees the replica at once: the 2000-token requests would hold it
+    for seconds (~2.6 ms a token here)."""
+    from ray import serve
+
+    from loraplex.router.serve_backend import ServeBackend
+
+    async def body():
+        backend = cluster.backend()
+        stream = backend.generate(request(None, max_tokens=2000))
+        async with asyncio.timeout(20):
+            await anext(stream)
+        await stream.aclose()
+
+        handle = serve.get_deployment_handle("replica", app_name=APP)
+        impatient = ServeBackend(handle, first_chunk_timeout_s=0.001)
+        with pytest.raises(TimeoutError, match="first chunk"):
+            await collect(impatient, request(None, max_tokens=2000))
+
+        async def idle() -> bool:
+            return all(s["queue_len"] == 0 for s in (await cluster.routing_stats()).values())
+
+        await until(idle, 2.5, "the replicas to drop the abandoned requests")
+
+    asyncio.run(body())
+
+
+@pytest.mark.ray
+@pytest.mark.etcd
+def test_killed_replica_neither_hangs_requests_nor_loses_adapters(cluster: Cluster):
+    import ray
+    from ray import serve
+
+    from loraplex.router.serve_backend import ReplicaFailed
+
+    long = 1000  # tokens: seconds of decoding, so the kill lands mid-stream
+
+    async def stream(backend, req: GenerateRequest, started: asyncio.Event) -> list[int]:
+        tokens: list[int] = []
+        async with asyncio.timeout(60):
+            async for chunk in backend.generate(req):
+                started.set()
+                tokens += chunk["new_token_ids"]
+        return tokens
+
+    async def body():
+        backend = cluster.backend()
+        before = cluster.replicas()
+        assert len(before) == 2
+        adapters = [None, adapter_id(TENANT, "sql-r8"), adapter_id(TENANT, "code-r32")]
+        started = [asyncio.Event() for _ in range(6)]
+        streaming = [
+            asyncio.create_task(stream(backend, request(adapters[i % 3], long), started[i]))
+            for i in range(6)
+        ]
+        async with asyncio.timeout(20):
+            for event in started:
+                await event.wait()
+        await asyncio.sleep(0.7)  # a stats period: the busier replica shows its queue
+        queues = {r: s["queue_len"] for r, s in (await cluster.routing_stats()).items()}
+        victim = max(queues, key=queues.__getitem__)
+        (survivor,) = set(before) - {victim}
+        assert queues[victim] > 0, queues
+        ray.kill(before[victim], no_restart=True)
+        # Sent while routers may still count the victim in: retried before any chunk.
+        fresh = [asyncio.create_task(collect(backend, request(adapters[i % 3]))) for i in range(3)]
+        results = await asyncio.wait_for(
+            asyncio.gather(*streaming, return_exceptions=True), timeout=60
+        )
+        failed = [r for r in results if isinstance(r, ReplicaFailed)]
+        finished = [r for r in results if isinstance(r, list) and len(r) == long]
+        assert len(failed) + len(finished) == len(results), results  # never a hang
+        assert len(failed) == queues[victim] and finished, (queues, results)
+        for tokens in await asyncio.wait_for(asyncio.gather(*fresh), timeout=60):
+            assert len(tokens) == MAX_TOKENS
+
+        async def replaced() -> bool:
+            status = serve.status().applications[APP].deployments["replica"]
+            ids = set(cluster.replicas())
+            return status.replica_states.get("RUNNING") == 2 and len(ids - {victim}) == 2
+
+        await until(replaced, 45, "a replacement replica")
+        (newcomer,) = set(cluster.replicas()) - {survivor}
+
+        # The replacement read the registry's snapshot: the pinned adapter is preloaded...
+        pinned = adapter_id(TENANT, PINNED)
+        await until(lambda: _has(cluster, newcomer, pinned), 10, "the pinned preload")
+        # ... and a cold adapter whose home (the router's walk) is the newcomer is served
+        # there. The router may not know the newcomer for a moment: try a few.
+        homed = [
+            adapter_id(TENANT, p)
+            for p in PROBES
+            if walk_order(adapter_id(TENANT, p), [newcomer, survivor])[0] == newcomer
+        ]
+        assert homed, "no probe adapter hashes to the newcomer (2**-12 chance)"
+        for adapter in homed:
+            assert len(await collect(backend, request(adapter))) == MAX_TOKENS
+            if await _has(cluster, newcomer, adapter):
+                break
+        else:
+            pytest.fail(f"none of {homed} was served by the replacement replica {newcomer}")
+
+    asyncio.run(body())
+
+
+async def _has(cluster: Cluster, replica: str, adapter: str) -> bool:
+    stats = (await cluster.routing_stats()).get(replica)
+    return stats is not None and adapter in stats["host_adapters"] + stats["device_adapters"]

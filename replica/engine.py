@@ -8,9 +8,11 @@ thread and offers async streaming generation, adapter registration and cancellat
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import random
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -307,6 +309,8 @@ class Engine:
     def __init__(self, cfg: EngineConfig):
         self.core = LLMEngine(cfg)
         self._lock = threading.Lock()
+        self._waiters = 0  # callers waiting for the lock; the step loop yields to them
+        self._aborts: collections.deque[str] = collections.deque()  # thread-safe appends/pops
         self._work = threading.Event()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._closed = False
@@ -316,7 +320,10 @@ class Engine:
 
     def _run(self) -> None:
         while not self._closed:
+            while self._waiters:  # a caller wants the lock: let it in between two steps
+                time.sleep(0.0005)
             with self._lock:
+                self._drain_aborts()
                 busy = self.core.has_unfinished()
                 try:
                     outputs = self.core.step() if busy else []
@@ -335,10 +342,29 @@ class Engine:
                 self._work.wait(0.1)
                 self._work.clear()
 
+    def _drain_aborts(self) -> None:
+        while self._aborts:
+            self.core.abort(self._aborts.pop())
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; never blocks (safe from a cancelled task or a finalizer). Its
+        pages are freed before the next step, or at once if the loop is idle."""
+        self._aborts.append(request_id)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain_aborts()
+            finally:
+                self._lock.release()
+        self._work.set()
+
     async def _locked(self, fn, *args):
         def call():
-            with self._lock:
-                return fn(*args)
+            self._waiters += 1
+            try:
+                with self._lock:
+                    return fn(*args)
+            finally:
+                self._waiters -= 1
 
         return await asyncio.to_thread(call)
 
@@ -381,7 +407,8 @@ class Engine:
         finally:
             self._streams.pop(seq.request_id, None)
             if not finished:
-                await asyncio.shield(self._locked(self.core.abort, seq.request_id))
+                self.abort(seq.request_id)  # queued first: a cancellation cannot lose it
+                await self._locked(self._drain_aborts)  # then wait until it is applied
 
     async def stats(self) -> dict:
         return await self._locked(self.core.stats)

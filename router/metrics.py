@@ -1,0 +1,187 @@
+"""Prometheus metrics of one ingress app, in a registry of its own (never the process-global
+one): several apps in one process, or tests, do not collide.
+
+Request side (measured here): HTTP answers by route template and status, requests and tokens
+per tenant, time to first token, time between tokens, end-to-end latency. Replica side
+(reported by the cluster layer through `set_replica_stats`): unified-pool pages, adapter-cache
+hits, misses, loads and evictions, queue depth, per replica.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.routing import Mount, Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+ANONYMOUS = "anonymous"  # tenant label of requests served without a registry
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
+_POOL_PAGE_KINDS = ("free", "kv", "adapter", "pinned")
+_CACHE_EVENTS = ("hits", "misses", "loads", "evictions")
+
+
+class IngressMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.http_requests = Counter(
+            "loraplex_http_requests",
+            "HTTP requests answered, by route template, method and status.",
+            ["route", "method", "status"],
+            registry=r,
+        )
+        self.tenant_requests = Counter(
+            "loraplex_tenant_requests",
+            "Generation requests sent to a replica, by tenant.",
+            ["tenant"],
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "loraplex_prompt_tokens",
+            "Prompt tokens of generation requests.",
+            ["tenant"],
+            registry=r,
+        )
+        self.completion_tokens = Counter(
+            "loraplex_completion_tokens", "Tokens generated.", ["tenant"], registry=r
+        )
+        self.ttft = Histogram(
+            "loraplex_time_to_first_token_seconds",
+            "From the request's arrival at the ingress to its first generated token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tbt = Histogram(
+            "loraplex_time_between_tokens_seconds",
+            "Gap between consecutive generated tokens of one request.",
+            buckets=_TOKEN_GAP_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "loraplex_request_latency_seconds",
+            "From the request's arrival at the ingress to its last token (or its abort).",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self._replicas = _ReplicaStats()
+        r.register(self._replicas)
+
+    def set_replica_stats(self, stats: Mapping, replica: str = "local") -> None:
+        """Publish one replica's latest engine stats (the dict of `Engine.stats()`: `pool`,
+        `adapters`, `waiting`, `running`); replaces what that replica reported before."""
+        self._replicas.latest[replica] = stats
+
+    def forget_replica(self, replica: str) -> None:
+        self._replicas.latest.pop(replica, None)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Time to first token, time between tokens, end-to-end latency and generated tokens of
+    one request, from the chunks the ingress receives."""
+
+    def __init__(self, metrics: IngressMetrics, tenant: str, arrival: float) -> None:
+        self.metrics, self.tenant, self.arrival = metrics, tenant, arrival
+        self.last_token_at: float | None = None
+        self.completion_tokens = 0
+        self._done = False
+
+    def saw(self, new_tokens: int, completion_tokens: int) -> None:
+        self.completion_tokens = completion_tokens
+        if not new_tokens:
+            return
+        now = time.monotonic()
+        if self.last_token_at is None:
+            self.metrics.ttft.observe(now - self.arrival)
+        else:  # a chunk may carry several tokens: spread its gap over them
+            for _ in range(new_tokens):
+                self.metrics.tbt.observe((now - self.last_token_at) / new_tokens)
+        self.last_token_at = now
+
+    def done(self) -> None:
+        """The request ended (finished, failed or aborted); later calls do nothing."""
+        if self._done:
+            return
+        self._done = True
+        self.metrics.e2e.observe(time.monotonic() - self.arrival)
+        self.metrics.completion_tokens.labels(self.tenant).inc(self.completion_tokens)
+
+
+class _ReplicaStats(Collector):
+    """Exposes the latest reported stats at scrape time. The engine's cache counters are
+    cumulative, so they are exported as counters."""
+
+    def __init__(self) -> None:
+        self.latest: dict[str, Mapping] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        pages = GaugeMetricFamily(
+            "loraplex_pool_pages", "Unified-pool pages by use.", labels=["replica", "kind"]
+        )
+        cache = CounterMetricFamily(
+            "loraplex_adapter_cache_events",
+            "Adapter-cache lookups and loads (device tier).",
+            labels=["replica", "event"],
+        )
+        resident = GaugeMetricFamily(
+            "loraplex_adapters_resident",
+            "Adapters resident in the device pool.",
+            labels=["replica"],
+        )
+        queue = GaugeMetricFamily(
+            "loraplex_replica_requests",
+            "Requests in a replica's engine.",
+            labels=["replica", "state"],
+        )
+        for replica, stats in self.latest.items():
+            pool, adapters = stats.get("pool", {}), stats.get("adapters", {})
+            for kind in _POOL_PAGE_KINDS:
+                if f"{kind}_pages" in pool:
+                    pages.add_metric([replica, kind], pool[f"{kind}_pages"])
+            if "num_pages" in pool:
+                pages.add_metric([replica, "total"], pool["num_pages"])
+            for event in _CACHE_EVENTS:
+                if event in adapters:
+                    cache.add_metric([replica, event.removesuffix("s")], adapters[event])
+            if "resident" in adapters:
+                resident.add_metric([replica], len(adapters["resident"]))
+            for state in ("waiting", "running"):
+                if state in stats:
+                    queue.add_metric([replica, state], stats[state])
+        yield from (pages, cache, resident, queue)
+
+
+class HTTPMetricsMiddleware:
+    """Counts every answered HTTP request by route template (`other` for unmatched paths,
+    so scanners cannot blow up the label set), method and status."""
+
+    def __init__(self, app: ASGIApp, metrics: IngressMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def record_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, record_status)
+        finally:
+            route = scope.get("route")
+            template = route.path if isinstance(route, Route | Mount) else "other"
+            self.metrics.http_requests.labels(template, scope["method"], str(status)).inc()

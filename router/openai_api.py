@@ -1,0 +1,492 @@
+"""The OpenAI-compatible wire format: request and response bodies of `POST /v1/completions`,
+`POST /v1/chat/completions` and `GET /v1/models`, their server-sent-event chunks, and the
+error body every inference route answers with.
+
+Requests accept what loraplex honours and refuse the rest with a message that says so: one
+choice (n=1), one prompt per request, no logprobs, no echo, no penalties, no tools. `top_k`,
+`ignore_eos` and `stop_token_ids` are extensions (as in vLLM). A JSON `null` means "the
+default", as in OpenAI's API.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from typing import Annotated, Any, ClassVar, Literal
+
+from fastapi.responses import JSONResponse
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+MAX_STOP_STRINGS = 16
+
+TokenId = Annotated[int, Field(ge=0)]
+
+
+# OpenAI fields this server does not implement: accepted only when absent, null, or one of
+# these values (which mean "off").
+_UNSUPPORTED = ("presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs")
+_UNSUPPORTED_COMPLETION = ("echo", "best_of", "suffix")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = Field(
+        False, description="Send a last chunk, with empty `choices`, that carries `usage`."
+    )
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(
+        min_length=1, max_length=256, description="The base model id, or one of your adapters."
+    )
+    temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 samples greedily.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(
+        -1, ge=-1, description="Extension: keep the k likeliest tokens; -1 or 0: all."
+    )
+    seed: int | None = Field(
+        None, ge=-(2**63), le=2**64 - 1, description="Makes sampling reproducible."
+    )
+    stop: str | list[str] | None = Field(
+        None, description=f"Up to {MAX_STOP_STRINGS} strings that end the output (not included)."
+    )
+    stop_token_ids: list[TokenId] | None = Field(
+        None, max_length=256, description="Extension: token ids that end the output."
+    )
+    ignore_eos: bool = Field(False, description="Extension: keep going past end-of-sequence.")
+    n: int = Field(1, description="Number of choices; must be 1.")
+    stream: bool = Field(False, description="Stream the output as server-sent events.")
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, description="Unsupported; only 0 is accepted.")
+    frequency_penalty: float = Field(0.0, description="Unsupported; only 0 is accepted.")
+    logit_bias: dict[str, float] | None = Field(None, description="Unsupported.")
+    user: str | None = Field(None, max_length=256, description="Accepted and ignored.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None}
+        return data
+
+    @field_validator("n")
+    @classmethod
+    def _one_choice(cls, n: int) -> int:
+        if n != 1:
+            raise ValueError(
+                f"n must be 1 (got {n}): this server returns one choice per request; "
+                "send n requests with different seeds instead"
+            )
+        return n
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        strings = [stop] if isinstance(stop, str) else stop or []
+        if len(strings) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
+        if any(not s for s in strings):
+            raise ValueError("stop strings must not be empty")
+        return stop
+
+    _off_values: ClassVar[dict[str, tuple]] = {
+        "presence_penalty": (0,),
+        "frequency_penalty": (0,),
+        "logit_bias": ({},),
+    }
+
+    @field_validator(*_UNSUPPORTED, *_UNSUPPORTED_COMPLETION, check_fields=False)
+    @classmethod
+    def _off(cls, value: Any, info: ValidationInfo) -> Any:
+        accepted = cls._off_values[info.field_name]
+        if value not in accepted:
+            only = f" (only {json.dumps(accepted[0])})" if accepted else ""
+            raise ValueError(f"{info.field_name} is not supported by this server{only}")
+        return value
+
+    @model_validator(mode="after")
+    def _options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_fields(self, max_tokens: int) -> dict:
+        """SamplingParams fields (the `params` of a GenerateRequest)."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return {
+            "max_tokens": max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "seed": self.seed,
+            "stop": stop,
+            "stop_token_ids": list(self.stop_token_ids or []),
+            "ignore_eos": self.ignore_eos,
+        }
+
+
+class CompletionRequest(_GenerationRequest):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [{"model": "sql-helper", "prompt": "SELECT", "max_tokens": 32}]
+        },
+    )
+
+    prompt: str | list[TokenId] = Field(description="Text, or a list of token ids.")
+    max_tokens: int = Field(16, ge=1, description="Most tokens to generate.")
+    logprobs: int | None = Field(None, description="Unsupported.")
+    echo: bool = Field(False, description="Unsupported (only false).")
+    best_of: int | None = Field(None, description="Unsupported (only 1).")
+    suffix: str | None = Field(None, description="Unsupported.")
+
+    _off_values: ClassVar[dict[str, tuple]] = _GenerationRequest._off_values | {
+        "logprobs": (),
+        "echo": (False,),
+        "best_of": (1,),
+        "suffix": ("",),
+    }
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> Any:
+        if isinstance(prompt, str):
+            return prompt
+        if not isinstance(prompt, list):
+            raise ValueError("prompt must be a string or a list of token ids")
+        if prompt and all(isinstance(p, str | list) for p in prompt):
+            raise ValueError(
+                "batched prompts are not supported: send one prompt (a string or a list of "
+                "token ids) per request"
+            )
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in prompt):
+            raise ValueError("prompt token ids must be integers >= 0")
+        return prompt
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"] = Field(description="Only text parts are supported.")
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = Field(None, description="Accepted and ignored.")
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, content: Any) -> Any:
+        if isinstance(content, list) and any(
+            not isinstance(part, dict) or part.get("type") != "text" for part in content
+        ):
+            raise ValueError(
+                'only text content parts ({"type": "text", "text": ...}) are supported'
+            )
+        return content
+
+    def for_template(self) -> dict[str, str]:
+        """{role, content} as chat templates expect; `developer` is OpenAI's newer `system`."""
+        text = (
+            self.content
+            if isinstance(self.content, str)
+            else "\n".join(p.text for p in self.content)
+        )
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "model": "sql-helper",
+                    "messages": [{"role": "user", "content": "List the tables."}],
+                    "max_completion_tokens": 64,
+                }
+            ]
+        },
+    )
+
+    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
+    max_completion_tokens: int | None = Field(
+        None, ge=1, description="Most tokens to generate; default: the rest of the context."
+    )
+    max_tokens: int | None = Field(None, ge=1, description="Older name of max_completion_tokens.")
+    logprobs: bool = Field(False, description="Unsupported (only false).")
+    top_logprobs: int | None = Field(None, description="Unsupported.")
+
+    _off_values: ClassVar[dict[str, tuple]] = _GenerationRequest._off_values | {
+        "logprobs": (False,),
+        "top_logprobs": (),
+    }
+
+    @model_validator(mode="after")
+    def _one_limit(self):
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("give max_completion_tokens or max_tokens, not both")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+# ---------------------------------------------------------------- responses
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+FinishReason = Literal["stop", "length"] | None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: FinishReason
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    """A whole completion, or (object the same, as OpenAI does) one streamed chunk of it."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: FinishReason
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class Delta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer
+    def _set_fields_only(self) -> dict[str, str]:
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: Delta
+    finish_reason: FinishReason = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+    root: str = Field(description="The base model id.")
+    parent: str | None = Field(None, description="The base model, for an adapter.")
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """What the OpenAI client expects of a non-2xx answer, and of an SSE error event."""
+
+    error: ErrorDetail
+
+
+def sse(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+class OpenAIError(Exception):
+    """An error answered with OpenAI's body: as the response (before any output was sent) or
+    as one SSE event (after)."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+        self.headers = headers
+
+    def body(self) -> ErrorResponse:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        detail = ErrorDetail(message=self.message, type=kind, param=self.param, code=self.code)
+        return ErrorResponse(error=detail)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body().model_dump(), self.status, headers=self.headers)
+
+
+def model_not_found(model: str) -> OpenAIError:
+    """The one answer for a name that is not the caller's: unknown, deleted, or another
+    tenant's adapter all read the same, so names never leak across tenants."""
+    return OpenAIError(
+        404, f"model {model!r} does not exist", code="model_not_found", param="model"
+    )
+
+
+def invalid_request(errors: Sequence[Mapping[str, Any]]) -> OpenAIError:
+    """One 400 from pydantic's errors of a request body, naming up to three problems:
+    `temperature: Input should be greater than or equal to 0`."""
+    problems, params = [], []
+    for error in errors:
+        loc = [str(part) for part in error["loc"][1:]]  # drop "body"
+        if error["type"] == "json_invalid":
+            return OpenAIError(400, f"the body is not valid JSON: {error['ctx']['error']}")
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            message = "this parameter is not supported by this server"
+        problems.append(f"{'.'.join(loc)}: {message}" if loc else message)
+        params.append(loc[0] if loc else None)
+    if not problems:
+        return OpenAIError(400, "invalid request")
+    code = "unsupported_parameter" if "not supported" in problems[0] else "invalid_value"
+    return OpenAIError(400, "; ".join(problems[:3]), code=code, param=params[0])
+
+
+# ---------------------------------------------------------------- bodies of one response
+
+
+class _Format:
+    """The bodies of one response: id, creation time and model are fixed per response."""
+
+    def __init__(self, id: str, created: int, model: str) -> None:
+        self.id, self.created, self.model = id, created, model
+
+    def head(self) -> list[BaseModel]:
+        """Events that open a stream."""
+        return []
+
+    def usage(self, usage: Usage) -> BaseModel:
+        """The last event of a stream with `include_usage`: no choices, only usage."""
+        return self._chunk([], usage)
+
+    def _chunk(self, choices: list, usage: Usage | None = None) -> BaseModel:
+        raise NotImplementedError
+
+
+class CompletionFormat(_Format):
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
+        ids = {"id": self.id, "created": self.created, "model": self.model}
+        return Completion(**ids, choices=choices, usage=usage)
+
+    def piece(self, text: str) -> BaseModel:
+        return self._chunk([CompletionChoice(text=text, finish_reason=None)])
+
+    def finish(self, reason: str) -> BaseModel:
+        return self._chunk([CompletionChoice(text="", finish_reason=reason)])
+
+    def whole(self, text: str, reason: str, usage: Usage) -> BaseModel:
+        return self._chunk([CompletionChoice(text=text, finish_reason=reason)], usage)
+
+
+class ChatFormat(_Format):
+    """Streams open with the assistant's role; text comes as `delta.content`; the finish
+    reason comes in an event with an empty delta."""
+
+    def _chunk(
+        self, choices: list[ChatChunkChoice], usage: Usage | None = None
+    ) -> ChatCompletionChunk:
+        ids = {"id": self.id, "created": self.created, "model": self.model}
+        return ChatCompletionChunk(**ids, choices=choices, usage=usage)
+
+    def head(self) -> list[BaseModel]:
+        return [self._chunk([ChatChunkChoice(delta=Delta(role="assistant", content=""))])]
+
+    def piece(self, text: str) -> BaseModel:
+        return self._chunk([ChatChunkChoice(delta=Delta(content=text))])
+
+    def finish(self, reason: str) -> BaseModel:
+        return self._chunk([ChatChunkChoice(delta=Delta(), finish_reason=reason)])
+
+    def whole(self, text: str, reason: str, usage: Usage) -> BaseModel:
+        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=reason)
+        ids = {"id": self.id, "created": self.created, "model": self.model}
+        return ChatCompletion(**ids, choices=[choice], usage=usage)
+
+
+ResponseFormat = CompletionFormat | ChatFormat

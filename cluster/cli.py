@@ -32,14 +32,20 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--json", type=Path, help="write the figures here")
     bench.add_argument("--trace", type=Path, help="engine: Azure LLM inference trace CSV")
 
-    from loraplex.cluster import registry_server
+    from loraplex.cluster import adapters_cli, local_cluster, registry_server
 
     registry_server.add_parser(sub)
+    local_cluster.add_parsers(sub)
+    adapters_cli.add_parsers(sub)
 
     args = parser.parse_args(argv)
     try:
         if args.command == "demo-assets":
             return _demo_assets(args)
+        if args.command in ("up", "down", "status"):
+            return local_cluster.run(args)
+        if args.command == "adapters":
+            return adapters_cli.run(args)
         if args.command == "registry":
             return registry_server.run(args)
         if args.command == "generate":

@@ -134,6 +134,7 @@ class ReplicaDeployment:
             "queue_len": stats["waiting"] + stats["running"],
             "max_concurrency": self.max_concurrency,
             "free_pages": stats["pool"]["free_pages"],
+            "num_pages": stats["pool"]["num_pages"],
             "recorded_at": time.time(),
         }
 

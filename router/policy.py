@@ -14,6 +14,7 @@ not published yet is routable:
     queue_len         int        waiting + running requests
     max_concurrency   int        batch slots (missing or 0 counts as 1)
     free_pages        int        free pages of the unified pool
+    num_pages         int        pages in the pool (optional; for `loraplex status`)
     recorded_at       float      wall-clock time the replica recorded them (optional)
 
 `ReplicaStats.from_routing_stats(replica_id, stats, age_s)` turns one into policy input;

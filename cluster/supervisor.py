@@ -1,0 +1,195 @@
+"""The process `loraplex up` hands a local cluster to (`python -m loraplex.cluster.supervisor
+STATE_DIR`, in its own session): it owns the etcd and the Ray head it starts, deploys the
+app, keeps etcd up, and tears everything down on SIGTERM/SIGINT (`loraplex down`).
+Also the state files `up`, `down` and `status` share."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from loraplex.cluster.config import APP_NAME, LoraplexConfig
+
+log = logging.getLogger("loraplex.cluster")
+
+
+def _text(value: Any) -> str:
+    return str(getattr(value, "value", value))
+
+
+# ---------------------------------------------------------------- state files
+
+
+def read_state(state_dir: Path) -> dict | None:
+    try:
+        return json.loads((state_dir / "cluster.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_state(state_dir: Path, state: dict) -> None:
+    tmp = state_dir / "cluster.json.tmp"
+    tmp.write_text(json.dumps(state, indent=2))
+    tmp.replace(state_dir / "cluster.json")
+
+
+def write_private(path: Path, text: str) -> None:
+    """Write a file only its owner can read (created 0600, never world-readable)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o600)
+
+
+# ---------------------------------------------------------------- the supervisor
+
+
+class Supervisor:
+    """Starts etcd and Ray, deploys the app, waits for SIGTERM, then undoes it all."""
+
+    def __init__(self, state_dir: Path):
+        self.state_dir = state_dir
+        spec = json.loads((state_dir / "run.json").read_text())
+        self.config = LoraplexConfig.model_validate(spec["config"])
+        self.ray_options = spec["ray"]
+        self.ray_address = spec["ray_address"]
+        self.stop = threading.Event()
+        self.etcd = None
+        self.state: dict[str, Any] = {"pid": os.getpid(), "started_at": time.time()}
+
+    def phase(self, phase: str, detail: str = "", **fields: Any) -> None:
+        log.info("%s %s", phase, detail)
+        self.state.update(phase=phase, detail=detail, **fields)
+        write_state(self.state_dir, self.state)
+
+    def on_signals(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: self.stop.set())
+
+    def run(self) -> int:
+        self.on_signals()
+        try:
+            config = self.start_etcd(self.config)
+            self.start_ray()
+            # ray.init installs a SIGTERM handler that ends the process: take it back.
+            self.on_signals()
+            self.deploy(config)
+            url = f"http://{_dial_host(config.http.host)}:{config.http.port}"
+            self.phase("running", url=url)
+            while not self.stop.wait(1.0):
+                self.keep_etcd_up()
+            return 0
+        except Exception as e:
+            log.exception("the cluster failed")
+            self.phase("failed", error=f"{type(e).__name__}: {e}")
+            return 1
+        finally:
+            self.teardown()
+
+    def start_etcd(self, config: LoraplexConfig) -> LoraplexConfig:
+        if config.etcd.endpoints is not None:
+            self.state["etcd_endpoints"] = config.etcd.endpoints
+            return config
+        from loraplex.registry.etcd_process import EtcdProcess
+
+        self.phase("starting etcd", str(self.state_dir / "etcd"))
+        self.etcd = EtcdProcess(
+            self.state_dir / "etcd", host=config.etcd.host, client_port=config.etcd.client_port
+        )
+        self.etcd.start()
+        self.state.update(etcd_endpoints=[self.etcd.endpoint], etcd_pid=self.etcd._process.pid)
+        return config.with_etcd_endpoints([self.etcd.endpoint])
+
+    def keep_etcd_up(self) -> None:
+        if self.etcd is not None and not self.etcd.running:
+            log.warning("etcd exited; restarting it:\n%s", self.etcd.log_tail())
+            self.etcd.start()
+            self.state["etcd_pid"] = self.etcd._process.pid
+            write_state(self.state_dir, self.state)
+
+    def start_ray(self) -> None:
+        import ray
+
+        if self.ray_address is not None:
+            self.phase("connecting to Ray", self.ray_address)
+            ray.init(address=self.ray_address, log_to_driver=False)
+        else:
+            opts = self.ray_options
+            self.phase("starting Ray", f"{opts['num_cpus']} CPUs, temp dir {opts['temp_dir']}")
+            ray.init(
+                num_cpus=opts["num_cpus"],
+                object_store_memory=opts["object_store_bytes"],
+                include_dashboard=False,
+                _temp_dir=opts["temp_dir"],
+                log_to_driver=False,
+            )
+        self.state["ray_address"] = ray.get_runtime_context().gcs_address
+
+    def deploy(self, config: LoraplexConfig) -> None:
+        from ray import serve
+
+        from loraplex.cluster.app import build_app
+
+        replicas = config.replicas.num_replicas
+        self.phase("deploying", f"{replicas} replicas build their engines")
+        serve.start(http_options={"host": config.http.host, "port": config.http.port})
+        try:
+            serve.run(build_app(config.model_dump(mode="json")), name=APP_NAME, route_prefix="/")
+        except RuntimeError as e:
+            raise RuntimeError(f"{e} {deployment_errors()}".strip()) from None
+
+    def teardown(self) -> None:
+        self.phase("stopping")
+        with contextlib.suppress(Exception):
+            import ray
+            from ray import serve
+
+            if ray.is_initialized():
+                if self.ray_address is None:
+                    serve.shutdown()
+                else:
+                    serve.delete(APP_NAME)
+                ray.shutdown()
+        if self.etcd is not None:
+            self.etcd.stop()
+        self.state.pop("etcd_pid", None)
+        self.phase("stopped")
+
+
+def deployment_errors() -> str:
+    """The last line of each failed deployment's message (its replica's exception)."""
+    from ray import serve
+
+    app = serve.status().applications.get(APP_NAME)
+    if app is None:
+        return ""
+    found = []
+    for name, dep in app.deployments.items():
+        lines = [line.strip() for line in (dep.message or "").splitlines() if line.strip()]
+        if lines and _text(dep.status) != "HEALTHY":
+            found.append(f"{name}: {lines[-1]}")
+    return "; ".join(found)
+
+
+def _dial_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    (state_dir,) = argv if argv is not None else sys.argv[1:]
+    return Supervisor(Path(state_dir)).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -13,6 +14,11 @@ from loraplex.cluster.demo_assets import DemoAssets, make_demo_assets
 BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed batch (adapter_names=)
 
 OracleLogits = Callable[..., list[torch.Tensor]]
+
+
+def pytest_configure(config):
+    # Ray, when a test starts it, must not write an auth token under $HOME.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
 @pytest.fixture(scope="session", autouse=True)

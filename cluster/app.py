@@ -61,7 +61,7 @@ class Ingress:
             settings=await asyncio.to_thread(config.registry_api_settings, self.admin_key),
         )
         return build_ingress(
-            ServeBackend(self.replicas),
+            ServeBackend(self.replicas, first_chunk_timeout_s=config.router.first_chunk_timeout_s),
             await asyncio.to_thread(Tokenizer, config.require_model()),
             base_model_id=config.base_model_id,
             max_model_len=await asyncio.to_thread(config.max_model_len),

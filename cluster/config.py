@@ -226,6 +226,13 @@ class RouterSection(_Section):
     stats_timeout_s: float = Field(
         10.0, gt=0, le=600, description="Deadline of one routing-stats call."
     )
+    first_chunk_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        le=3600,
+        description="Longest wait for a request's first token (queueing, routing, adapter "
+        "load); past it the client gets 503 instead of waiting on a cluster with no replica.",
+    )
 
     @model_validator(mode="after")
     def _host_below_cold(self) -> RouterSection:
@@ -238,7 +245,9 @@ class RouterSection(_Section):
 
     def affinity_kwargs(self) -> dict[str, Any]:
         """AffinityConfig fields and `seed`: the router's `request_router_kwargs`."""
-        return self.model_dump(exclude={"stats_period_s", "stats_timeout_s"})
+        return self.model_dump(
+            exclude={"stats_period_s", "stats_timeout_s", "first_chunk_timeout_s"}
+        )
 
 
 class HTTPSection(_Section):

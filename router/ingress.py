@@ -146,6 +146,10 @@ async def _first_chunk(chunks: AsyncIterator[GenerateChunk], gen: _Generation) -
         raise OpenAIError(500, "the replica ended the request without output") from None
     except ReplicaFailed as e:  # on every try: a transient state of the cluster
         raise _replica_failed(e) from None
+    except TimeoutError:  # the backend's first-chunk bound: no replica served it in time
+        raise OpenAIError(
+            503, "no replica produced the first token in time; retry", headers={"Retry-After": "5"}
+        ) from None
     except Exception as e:
         log.exception("request %s failed", gen.fmt.id)
         raise OpenAIError(500, f"generation failed: {e!r}") from None

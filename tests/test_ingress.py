@@ -744,3 +744,34 @@ def test_replica_failures_are_503_or_an_error_event(tokenizer: Tokenizer):
         assert error["type"] == "server_error" and "the replica died" in error["message"]
         assert events[3:] == ["[DONE]"]
         assert openai_error(client.post("/v1/completions", json=body), 503)
+
+
+class _SilentBackend:
+    """A backend whose replicas never answer within the first-chunk bound (what ServeBackend
+    raises when its `first_chunk_timeout_s` passes)."""
+
+    async def generate(self, request):
+        raise TimeoutError
+        yield  # an async generator, like every backend
+
+
+def test_no_first_token_in_time_is_a_503_not_a_hang(demo_assets: DemoAssets):
+    from loraplex.replica.tokenizer import Tokenizer
+    from loraplex.router.ingress import build_ingress
+
+    app = build_ingress(
+        _SilentBackend(),
+        Tokenizer(demo_assets.model_dir),
+        base_model_id="base",
+        max_model_len=256,
+        registry=None,
+    )
+    with TestClient(app) as client:
+        for stream in (False, True):
+            r = client.post(
+                "/v1/completions",
+                json={"model": "base", "prompt": "hi", "max_tokens": 4, "stream": stream},
+            )
+            assert r.status_code == 503
+            assert r.headers["retry-after"] == "5"
+            assert "first token in time" in r.json()["error"]["message"]

@@ -1,0 +1,645 @@
+"""The whole product end to end: `loraplex up` in a subprocess (its supervisor starts a real
+etcd, a real local Ray head and the Serve app of two replicas behind the ingress), spoken to
+only through real HTTP (the official `openai` client, raw httpx, `loraplex status`), and
+`loraplex down` at the end, whatever happened.
+
+One cluster for the module (a start costs 15-35 s on two cores). Tests that need Ray's view
+(where an adapter is resident, which actor to kill) connect a driver to the cluster's Ray
+address from cluster.json; they are skipped, with the reason, when that connection fails.
+
+Oracle: the engine run offline (`LLMEngine`) in this process, built from the same config file
+the cluster runs, on the same prompt ids, adapter folder and greedy settings.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import yaml
+
+from loraplex.cluster.adapters_cli import Endpoint, add_adapter, remove_adapter
+from loraplex.cluster.config import LoraplexConfig
+from loraplex.cluster.demo_assets import DemoAssets
+from loraplex.cluster.local_cluster import pid_alive, ray_temp_dir, stop_orphaned_etcd
+from loraplex.cluster.supervisor import read_state
+from loraplex.registry.etcd_process import INSTALL_HINT, find_etcd_binary, free_port
+from loraplex.replica.deployment import build_engine_config
+from loraplex.replica.engine import LLMEngine
+from loraplex.replica.protocol import adapter_id
+from loraplex.replica.sampling import SamplingParams
+from loraplex.replica.sequence import RequestOutput
+from loraplex.router.policy import walk_order
+
+pytestmark = [
+    pytest.mark.ray,
+    pytest.mark.etcd,
+    # Ray Serve's own config models, imported by the driver: not ours to fix
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:ray.serve._private.config"),
+]
+
+BASE_ID = "loraplex-demo-llama"
+MAX_MODEL_LEN = 1024
+APP = "loraplex"
+REPLICA_PREFIX = f"SERVE_REPLICA::{APP}#replica#"
+PROMPT = "Once upon a time there was"
+MESSAGES = [
+    {"role": "system", "content": "You answer in one word."},
+    {"role": "user", "content": "Name a fruit."},
+]
+MAX_TOKENS = 24
+GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0}
+CLIENT_TIMEOUT_S = 30.0  # every HTTP call of these tests is bounded by this
+PROBES = tuple(f"probe-{i}" for i in range(12))  # cold adapters for the replacement replica
+CLI_ENV = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+CLI_ENV.pop("LORAPLEX_ADMIN_KEY", None)  # the state folder's generated key, not the caller's
+
+
+# ---------------------------------------------------------------- the cluster
+
+
+def loraplex(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "loraplex.cluster.cli", *args],
+        env=CLI_ENV,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@dataclass(frozen=True)
+class Cluster:
+    url: str
+    state_dir: Path
+    admin_key: str
+    demo_key: str
+    ray_address: str
+
+    def client(self, key: str) -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"{self.url}/v1", api_key=key, max_retries=0, timeout=CLIENT_TIMEOUT_S
+        )
+
+    def endpoint(self, key: str) -> Endpoint:
+        return Endpoint(self.url, key, timeout_s=CLIENT_TIMEOUT_S)
+
+    def http(self, key: str | None = None) -> httpx.Client:
+        headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+        return httpx.Client(
+            base_url=self.url, headers=headers, timeout=CLIENT_TIMEOUT_S, trust_env=False
+        )
+
+
+@pytest.fixture(scope="module")
+def config_file(demo_assets: DemoAssets, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two CPU replicas of the demo model with a small pool, on a free port."""
+    path = tmp_path_factory.mktemp("e2e_config") / "loraplex.yaml"
+    settings = {
+        "model": str(demo_assets.model_dir),
+        "model_id": BASE_ID,
+        "engine": {
+            "max_model_len": MAX_MODEL_LEN,
+            "pool_mib": 32,
+            "page_kib": 64,
+            "max_num_seqs": 8,
+        },
+        "replicas": {"num_replicas": 2, "num_cpus": 1},
+        "router": {"stats_period_s": 0.5},
+        "http": {"port": free_port()},
+    }
+    path.write_text(yaml.safe_dump(settings))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster(config_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    if find_etcd_binary() is None:
+        pytest.skip(f"no etcd server binary; install one: {INSTALL_HINT}")
+    state_dir = (tmp_path_factory.mktemp("e2e_cluster") / "state").resolve()
+    try:
+        try:
+            up = loraplex(
+                "up", "--state-dir", str(state_dir), "--config", str(config_file),
+                "--timeout", "150",
+                timeout=180,
+            )  # fmt: skip
+        except subprocess.TimeoutExpired as e:
+            pytest.fail(f"`loraplex up` did not return in {e.timeout}s\n{_log_tail(state_dir)}")
+        assert up.returncode == 0, f"`loraplex up` failed:\n{up.stderr}\n{_log_tail(state_dir)}"
+        state = read_state(state_dir)
+        assert state is not None and state["phase"] == "running", state
+        url = state["url"]
+        assert f"loraplex is serving {BASE_ID} at {url} (2 replicas" in up.stdout, up.stdout
+        demo_key = (state_dir / "demo_api_key").read_text().strip()
+        assert demo_key in up.stdout  # the welcome shows the key to try
+        yield Cluster(
+            url=url,
+            state_dir=state_dir,
+            admin_key=(state_dir / "admin_key").read_text().strip(),
+            demo_key=demo_key,
+            ray_address=state["ray_address"],
+        )
+    finally:
+        stop_cluster(state_dir)
+
+
+def stop_cluster(state_dir: Path) -> None:
+    """`loraplex down`; if it fails, kill the supervisor (and its etcd) by the recorded pids.
+    Raises afterwards when `down` did not do its job."""
+    problems = []
+    try:
+        down = loraplex("down", "--state-dir", str(state_dir), timeout=150)
+        if down.returncode != 0:
+            problems.append(f"`loraplex down` exited {down.returncode}: {down.stderr}")
+    except subprocess.TimeoutExpired:
+        problems.append("`loraplex down` did not return in 150 s")
+    state = read_state(state_dir) or {}
+    pid = state.get("pid")
+    if pid_alive(pid):  # only while that pid still runs our supervisor
+        problems.append(f"the supervisor (pid {pid}) outlived `loraplex down`: killed")
+        os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while pid_alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        stop_orphaned_etcd(state, state_dir)
+    shutil.rmtree(ray_temp_dir(state_dir), ignore_errors=True)
+    assert not problems, "; ".join(problems) + "\n" + _log_tail(state_dir)
+
+
+def _log_tail(state_dir: Path, lines: int = 40) -> str:
+    try:
+        text = (state_dir / "cluster.log").read_text(errors="replace")
+    except OSError:
+        return "(no cluster.log)"
+    return "cluster.log:\n" + "\n".join(text.splitlines()[-lines:])
+
+
+@pytest.fixture(scope="module")
+def keys(cluster: Cluster) -> dict[str, str]:
+    """API keys: tenant `acme`, created here with the admin key; tenant `demo`, which
+    `loraplex up` created and whose key it stored in the state folder."""
+    with cluster.http(cluster.admin_key) as http:
+        r = http.post("/v1/tenants", json={"name": "acme"})
+    assert r.status_code == 201, r.text
+    return {"acme": r.json()["api_key"], "demo": cluster.demo_key}
+
+
+@pytest.fixture(scope="module")
+def ray_driver(cluster: Cluster) -> Iterator[Any]:
+    """The `ray` module, connected as a driver to the cluster's Ray (disconnected after)."""
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized():
+        pytest.skip("this process already runs a Ray driver; cannot connect to the cluster")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_AUTH_MODE", "disabled")
+        try:
+            ray.init(
+                address=cluster.ray_address, log_to_driver=False, logging_level=logging.WARNING
+            )
+        except Exception as e:  # noqa: BLE001
+            pytest.skip(
+                f"cannot connect a driver to the cluster's Ray at {cluster.ray_address}: {e!r}"
+            )
+        try:
+            yield ray
+        finally:
+            ray.shutdown()
+
+
+# ---------------------------------------------------------------- oracle and helpers
+
+
+@pytest.fixture(scope="module")
+def oracle(config_file: Path, demo_assets: DemoAssets) -> LLMEngine:
+    """The replicas' engine configuration (read from the same file), run offline, with the
+    demo adapters read from the demo folder under their own names."""
+    config = LoraplexConfig.from_yaml(config_file)
+    engine = LLMEngine(build_engine_config(config.engine_config()))
+    for name in ("sql-r8", "code-r32", "legal-r8", "chat-r16"):
+        engine.add_adapter(name, demo_assets.adapters_dir / name)
+    return engine
+
+
+def offline(
+    oracle: LLMEngine, ids: list[int], adapter: str | None, max_tokens: int = MAX_TOKENS
+) -> RequestOutput:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    (out,) = oracle.generate([ids], [params], [adapter])
+    assert out.token_ids, "the oracle produced nothing"
+    return out
+
+
+def register(
+    cluster: Cluster, key: str, name: str, demo: DemoAssets, source: str
+) -> dict[str, Any]:
+    """Upload the demo adapter `source` as `name` through the tenant API (multipart)."""
+    return add_adapter(
+        cluster.endpoint(key), name, path=demo.adapters_dir / source, progress=io.StringIO()
+    )
+
+
+def wait_until(condition: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        time.sleep(0.2)
+    return value
+
+
+def complete(client: openai.OpenAI, model: str, **kwargs: Any):
+    return client.completions.create(model=model, prompt=PROMPT, **{**GREEDY, **kwargs})
+
+
+def servable(client: openai.OpenAI, model: str, timeout: float = 10.0) -> None:
+    """Wait until `model` is served (the registry watch reaches the ingress and replicas
+    within milliseconds; the bound only absorbs a loaded machine)."""
+
+    def answers() -> bool:
+        try:
+            complete(client, model, max_tokens=1)
+        except openai.NotFoundError:
+            return False
+        return True
+
+    wait_until(answers, timeout, f"model {model!r} to be served")
+
+
+def not_found(client: openai.OpenAI, model: str) -> bool:
+    try:
+        complete(client, model, max_tokens=1)
+    except openai.NotFoundError as e:
+        assert (
+            e.code == "model_not_found" and e.body["message"] == f"model {model!r} does not exist"
+        )
+        return True
+    return False
+
+
+class Streams:
+    """Long streaming completions, one thread each. Each ends with its completion-token count
+    (from the usage chunk), or with the openai.APIError that ended it (an error event, a
+    timeout)."""
+
+    def __init__(self, client: openai.OpenAI, models: list[str], max_tokens: int):
+        self.started = [threading.Event() for _ in models]
+        self.pool = ThreadPoolExecutor(len(models))
+        self.futures = [
+            self.pool.submit(self._run, client, model, max_tokens, started)
+            for model, started in zip(models, self.started, strict=True)
+        ]
+
+    @staticmethod
+    def _run(
+        client: openai.OpenAI, model: str, max_tokens: int, started: threading.Event
+    ) -> int | openai.APIError:
+        try:
+            with complete(
+                client,
+                model,
+                max_tokens=max_tokens,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            ) as events:
+                usage = None
+                for event in events:
+                    started.set()
+                    usage = event.usage or usage
+                return -1 if usage is None else usage.completion_tokens
+        except openai.APIError as e:
+            return e
+        finally:
+            started.set()
+
+    def wait_started(self, timeout: float = 30.0) -> None:
+        """Until every stream has its first event (its replica produced a token)."""
+        for started in self.started:
+            assert started.wait(timeout), f"a stream sent no first event within {timeout}s"
+
+    def results(self, timeout: float = 90.0) -> list[int | openai.APIError]:
+        deadline = time.monotonic() + timeout
+        return [f.result(timeout=max(0.1, deadline - time.monotonic())) for f in self.futures]
+
+    def __enter__(self) -> Streams:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def replica_actors(ray) -> dict[str, str]:
+    """Live replica actors of the replica deployment: replica id -> actor name."""
+    return {
+        entry["name"].removeprefix(REPLICA_PREFIX): entry["name"]
+        for entry in ray.util.list_named_actors(all_namespaces=True)
+        if entry["namespace"] == "serve" and entry["name"].startswith(REPLICA_PREFIX)
+    }
+
+
+def routing_stats(ray) -> dict[str, dict[str, Any]]:
+    """Each live replica's routing stats, read from its actor (what the router ranks on)."""
+    actors = replica_actors(ray)
+    refs = {
+        replica: ray.get_actor(name, namespace="serve").record_routing_stats.remote()
+        for replica, name in actors.items()
+    }
+    stats = {}
+    for replica, ref in refs.items():
+        try:
+            stats[replica] = ray.get(ref, timeout=10)
+        except Exception:  # noqa: BLE001  (a replica stopping meanwhile)
+            continue
+    return stats
+
+
+def holders(ray, adapter: str) -> dict[str, str]:
+    """replica id -> tier ("device", "host" or "loading") of every replica holding `adapter`."""
+    held = {}
+    for replica, stats in routing_stats(ray).items():
+        for tier in ("device", "host", "loading"):
+            if adapter in stats[f"{tier}_adapters"]:
+                held[replica] = tier
+    return held
+
+
+def status_table(cluster: Cluster) -> tuple[str, dict[str, dict[str, list[str]]]]:
+    """`loraplex status`: its output, and its replica table as replica id -> {"device":
+    [...], "host": [...], "loading": [...]}."""
+    status = loraplex("status", "--state-dir", str(cluster.state_dir), timeout=90)
+    assert status.returncode == 0, status.stdout + status.stderr
+    lines = status.stdout.splitlines()
+    header = [i for i, line in enumerate(lines) if line.split()[:2] == ["replica", "queue"]]
+    assert len(header) == 1, status.stdout
+    table = {}
+    for line in lines[header[0] + 1 :]:
+        cells = re.split(r"\s{2,}", line.strip())
+        assert len(cells) == 6, f"unexpected status row {line!r}:\n{status.stdout}"
+        replica, _queue, _pages, *tiers = cells
+        table[replica] = {
+            tier: [] if cell == "-" else cell.split(", ")
+            for tier, cell in zip(("device", "host", "loading"), tiers, strict=True)
+        }
+    return status.stdout, table
+
+
+# ---------------------------------------------------------------- the tests
+
+
+def test_adapter_registered_over_http_serves_the_engines_output_until_deleted(
+    cluster: Cluster, keys: dict[str, str], oracle: LLMEngine, demo_assets: DemoAssets
+):
+    acme = cluster.client(keys["acme"])
+    record = register(cluster, keys["acme"], "sql", demo_assets, "sql-r8")
+    assert (record["name"], record["rank"]) == ("sql", 8)
+    servable(acme, "sql")
+
+    ids = oracle.tokenizer.encode(PROMPT)
+    want = offline(oracle, ids, "sql-r8")
+    base = offline(oracle, ids, None)
+    assert want.token_ids != base.token_ids, "the adapter must change the greedy output"
+
+    got = complete(acme, "sql")
+    assert got.model == "sql" and got.object == "text_completion"
+    assert got.choices[0].text == want.text
+    assert got.choices[0].finish_reason == want.finish_reason
+    assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(ids), len(want.token_ids))
+
+    chunks = list(complete(acme, "sql", stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want.finish_reason
+    assert chunks[-1].usage.completion_tokens == len(want.token_ids)
+
+    assert complete(acme, BASE_ID).choices[0].text == base.text
+
+    # chat: the template's ids through the adapter, whole and streamed
+    chat_ids = oracle.tokenizer.apply_chat_template(MESSAGES)
+    want_chat = offline(oracle, chat_ids, "sql-r8", max_tokens=16)
+    whole = acme.chat.completions.create(
+        model="sql", messages=MESSAGES, max_tokens=16, temperature=0
+    )
+    streamed = acme.chat.completions.create(
+        model="sql", messages=MESSAGES, max_tokens=16, temperature=0, stream=True
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert whole.choices[0].message.content == text == want_chat.text
+    assert whole.usage.completion_tokens == len(want_chat.token_ids)
+
+    removed = remove_adapter(cluster.endpoint(keys["acme"]), "sql")
+    assert removed["name"] == "sql"
+    wait_until(lambda: not_found(acme, "sql"), 10, "the delete to reach the ingress")
+    assert "sql" not in {m.id for m in acme.models.list()}
+
+
+def test_requests_for_an_adapter_stay_on_the_replica_holding_it(
+    cluster: Cluster, keys: dict[str, str], demo_assets: DemoAssets, ray_driver
+):
+    """An adapter made resident away from its consistent-hash home (the home was over the
+    bounded load when it was first requested) keeps being served where it is resident: the
+    home, idle again, never loads it."""
+    ray = ray_driver
+    acme = cluster.client(keys["acme"])
+    register(cluster, keys["acme"], "code", demo_assets, "code-r32")
+    servable(acme, "code")
+    (busy,) = wait_until(lambda: holders(ray, adapter_id("acme", "code")), 10, "the warm-up")
+    (other,) = set(replica_actors(ray)) - {busy}
+    # an adapter whose home (first on the router's walk) is the replica about to be busy
+    name = next(
+        f"sticky-{i}"
+        for i in range(1000)
+        if walk_order(adapter_id("acme", f"sticky-{i}"), [busy, other])[0] == busy
+    )
+    sticky = adapter_id("acme", name)
+    register(cluster, keys["acme"], name, demo_assets, "chat-r16")
+
+    with Streams(acme, ["code"] * 3, max_tokens=400) as streams:  # resident: all on `busy`
+        streams.wait_started()
+        time.sleep(0.6)  # a stats period: the published queue shows them too
+        assert routing_stats(ray)[busy]["queue_len"] == 3
+        servable(acme, name)  # its home is over the bounded load: read by the other
+        assert holders(ray, sticky) == {other: "device"}
+        assert streams.results() == [400] * 3
+    time.sleep(2.0)  # several stats periods: the ingress's router sees where it is resident
+
+    for _ in range(8):  # its home is idle now, yet every request goes where it is resident
+        assert complete(acme, name, max_tokens=8).usage.completion_tokens == 8
+    assert holders(ray, sticky) == {other: "device"}
+
+    # the operator's view agrees
+    output, table = status_table(cluster)
+    assert "app:      loraplex RUNNING" in output, output
+    assert set(table) == {busy, other}, output
+    assert [r for r, tiers in table.items() if sticky in tiers["device"]] == [other], output
+    assert not any(sticky in tiers["host"] + tiers["loading"] for tiers in table.values())
+
+
+def test_tenants_see_only_their_own_adapters(
+    cluster: Cluster, keys: dict[str, str], oracle: LLMEngine, demo_assets: DemoAssets
+):
+    acme, demo = cluster.client(keys["acme"]), cluster.client(keys["demo"])
+    register(cluster, keys["acme"], "legal", demo_assets, "legal-r8")
+    servable(acme, "legal")
+
+    # another tenant asking for acme's adapter: the same 404 as a name nobody has
+    assert not_found(demo, "legal") and not_found(demo, "nobody-has-this")
+    with pytest.raises(openai.NotFoundError):
+        demo.chat.completions.create(model="legal", messages=MESSAGES, max_tokens=4)
+    assert [m.id for m in demo.models.list()] == [BASE_ID]
+    with cluster.http(keys["demo"]) as http:
+        assert http.get("/v1/adapters/legal").status_code == 404
+        assert http.delete("/v1/adapters/legal").status_code == 404
+    assert complete(acme, "legal").choices  # still acme's
+
+    # the same name in each tenant: two adapters, each served to its owner
+    register(cluster, keys["demo"], "legal", demo_assets, "chat-r16")
+    servable(demo, "legal")
+    ids = oracle.tokenizer.encode(PROMPT)
+    acme_want, demo_want = offline(oracle, ids, "legal-r8"), offline(oracle, ids, "chat-r16")
+    assert acme_want.text != demo_want.text
+    assert complete(acme, "legal").choices[0].text == acme_want.text
+    assert complete(demo, "legal").choices[0].text == demo_want.text
+
+    for tenant, client in (("acme", acme), ("demo", demo)):
+        with cluster.http(keys[tenant]) as http:
+            owned = {r["name"] for r in http.get("/v1/adapters").json()["adapters"]}
+        cards = client.models.list().data
+        assert {m.id for m in cards} == owned | {BASE_ID}
+        assert {m.owned_by for m in cards} == {"loraplex", tenant}
+    assert remove_adapter(cluster.endpoint(keys["demo"]), "legal")["rank"] == 16
+    assert complete(acme, "legal").choices[0].text == acme_want.text
+
+
+def test_errors(cluster: Cluster, keys: dict[str, str], oracle: LLMEngine):
+    acme = cluster.client(keys["acme"])
+
+    with pytest.raises(openai.NotFoundError) as unknown:
+        complete(acme, "no-such-model")
+    assert unknown.value.status_code == 404 and unknown.value.code == "model_not_found"
+    with pytest.raises(openai.NotFoundError):
+        acme.chat.completions.create(model="no-such-model", messages=MESSAGES, max_tokens=4)
+
+    bad_params = [{"temperature": 5}, {"top_p": 0}, {"max_tokens": 0}, {"n": 2}, {"logprobs": 2}]
+    for bad in bad_params:
+        with pytest.raises(openai.BadRequestError) as refused:
+            complete(acme, BASE_ID, **bad)
+        assert refused.value.status_code == 400, bad
+    with pytest.raises(openai.BadRequestError):
+        acme.chat.completions.create(model=BASE_ID, messages=[], max_tokens=4)
+    with cluster.http(keys["acme"]) as http:
+        r = http.post(
+            "/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}
+        )
+        assert r.status_code == 400 and r.json()["error"]["type"], r.text
+        r = http.post("/v1/completions", json={"model": BASE_ID})  # no prompt
+        assert r.status_code == 400, r.text
+
+    # the context window: prompt + max_tokens up to MAX_MODEL_LEN is served, beyond it is 400
+    ids = (oracle.tokenizer.encode(PROMPT) * MAX_MODEL_LEN)[: MAX_MODEL_LEN - 8]
+    fits = acme.completions.create(model=BASE_ID, prompt=ids, max_tokens=8, temperature=0)
+    assert fits.usage.prompt_tokens + fits.usage.completion_tokens <= MAX_MODEL_LEN
+    for prompt, max_tokens in ((ids, 9), (ids * 2, 1), (PROMPT, MAX_MODEL_LEN)):
+        with pytest.raises(openai.BadRequestError) as too_long:
+            acme.completions.create(model=BASE_ID, prompt=prompt, max_tokens=max_tokens)
+        assert too_long.value.code == "context_length_exceeded", too_long.value.body
+    with pytest.raises(openai.BadRequestError) as too_long:
+        acme.chat.completions.create(model=BASE_ID, messages=MESSAGES, max_tokens=MAX_MODEL_LEN)
+    assert too_long.value.code == "context_length_exceeded"
+
+    # keys: none, unknown, or the admin's on an inference route
+    body = {"model": BASE_ID, "prompt": PROMPT, "max_tokens": 4}
+    with cluster.http() as http:
+        for route in ("/v1/completions", "/v1/chat/completions"):
+            r = http.post(route, json=body)
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+        assert http.get("/v1/models").status_code == 401
+        assert http.get("/v1/adapters").status_code == 401
+        assert http.post("/v1/tenants", json={"name": "intruder"}).status_code == 401
+    with pytest.raises(openai.AuthenticationError):
+        complete(cluster.client("lpx_not-a-key"), BASE_ID)
+    with pytest.raises(openai.PermissionDeniedError):
+        complete(cluster.client(cluster.admin_key), BASE_ID)
+    with cluster.http(keys["acme"]) as http:  # a tenant key cannot administer
+        assert http.post("/v1/tenants", json={"name": "intruder"}).status_code == 403
+
+
+def test_killing_a_replica_mid_stream_neither_hangs_nor_loses_adapters(
+    cluster: Cluster,
+    keys: dict[str, str],
+    oracle: LLMEngine,
+    demo_assets: DemoAssets,
+    ray_driver,
+):
+    ray = ray_driver
+    from ray import serve
+
+    acme = cluster.client(keys["acme"])
+    register(cluster, keys["acme"], "stream", demo_assets, "sql-r8")
+    for probe in PROBES:  # registered before the kill: the replacement must find them
+        register(cluster, keys["acme"], probe, demo_assets, "legal-r8")
+    servable(acme, "stream")
+    before = replica_actors(ray)
+    assert len(before) == 2, before
+
+    long = 600  # tokens: seconds of decoding, so the kill lands mid-stream
+    with Streams(acme, [BASE_ID, "stream", BASE_ID, "stream"], max_tokens=long) as streams:
+        streams.wait_started()
+        time.sleep(0.5)
+        queues = {r: s["queue_len"] for r, s in routing_stats(ray).items()}
+        assert set(queues) == set(before), queues
+        victim = max(queues, key=queues.__getitem__)
+        (survivor,) = set(before) - {victim}
+        assert queues[victim] > 0, queues
+        ray.kill(ray.get_actor(before[victim], namespace="serve"), no_restart=True)
+
+        # sent while the router may still count the victim in: retried before any token
+        for model in (BASE_ID, "stream", BASE_ID):
+            assert complete(acme, model, max_tokens=8).usage.completion_tokens == 8
+
+        results = streams.results()  # never a hang
+    failed = [r for r in results if isinstance(r, Exception)]
+    assert all(r == long for r in results if not isinstance(r, Exception)), results
+    assert len(failed) == queues[victim], (queues, results)  # exactly the victim's streams
+    assert all("replica failed" in str(e) for e in failed), failed
+
+    def replaced() -> str | None:
+        status = serve.status().applications[APP].deployments["replica"]
+        newcomers = set(replica_actors(ray)) - set(before)
+        running = status.replica_states.get("RUNNING") == 2
+        return newcomers.pop() if running and len(newcomers) == 1 else None
+
+    newcomer = wait_until(replaced, 60, "a replacement replica")
+
+    # serving again, with the adapters registered before the kill
+    ids = oracle.tokenizer.encode(PROMPT)
+    assert complete(acme, "stream").choices[0].text == offline(oracle, ids, "sql-r8").text
+    assert complete(acme, BASE_ID).choices[0].text == offline(oracle, ids, None).text
+    # ... and on the replacement: a cold probe whose home (the router's walk) is the
+    # newcomer is loaded there. The router may not know the newcomer for a moment: try a few.
+    homed = [
+        p for p in PROBES if walk_order(adapter_id("acme", p), [newcomer, survivor])[0] == newcomer
+    ]
+    assert homed, "no probe adapter hashes to the newcomer (a 2**-12 chance)"
+    want = offline(oracle, ids, "legal-r8").text
+    for probe in homed:
+        assert complete(acme, probe).choices[0].text == want
+        if holders(ray, adapter_id("acme", probe)).get(newcomer):
+            break
+    else:
+        pytest.fail(f"none of {homed} was served by the replacement replica {newcomer}")

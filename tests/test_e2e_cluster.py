@@ -469,13 +469,15 @@ def test_requests_for_an_adapter_stay_on_the_replica_holding_it(
     sticky = adapter_id("acme", name)
     register(cluster, keys["acme"], name, demo_assets, "chat-r16")
 
-    with Streams(acme, ["code"] * 3, max_tokens=400) as streams:  # resident: all on `busy`
+    with Streams(acme, ["code"] * 3, max_tokens=800) as streams:  # resident: all on `busy`
         streams.wait_started()
-        time.sleep(0.6)  # a stats period: the published queue shows them too
-        assert routing_stats(ray)[busy]["queue_len"] == 3
+        # the replica publishes the queue (on a loaded machine a stats call can lag), then
+        # two stats periods so the ingress's router has received it too
+        wait_until(lambda: routing_stats(ray)[busy]["queue_len"] == 3, 15, "the busy queue")
+        time.sleep(2.5)
         servable(acme, name)  # its home is over the bounded load: read by the other
         assert holders(ray, sticky) == {other: "device"}
-        assert streams.results() == [400] * 3
+        assert streams.results() == [800] * 3
     time.sleep(2.0)  # several stats periods: the ingress's router sees where it is resident
 
     for _ in range(8):  # its home is idle now, yet every request goes where it is resident

@@ -141,7 +141,10 @@ class AffinityPolicy:
         capacity = ceil(c * (sum of queue_len + 1) / n)        (bounded loads, Mirrokni
                    et al.: a cold replica is within the bound iff queue_len < capacity,
                    i.e. it holds <= capacity after taking this request; the least
-                   loaded replica always is)
+                   loaded replica always is. A replica with a free batch slot is
+                   always within it: continuous batching admits the request at the
+                   next step, so taking it delays no one, and leaving the adapter's
+                   home then would only load the adapter twice)
 
     Hot adapters: k(a) = min(n, max(1, ceil(rate(a) / hot_rate_per_replica))), with
     rate(a) the decayed count of `observe(a)` calls over rate_window_s. If a is warm
@@ -208,10 +211,14 @@ class AffinityPolicy:
             if (a := self._warm_affinity(r, adapter)) is not None:
                 warm[r.replica_id] = a
         spare = min(len(replicas), self.max_replicas(adapter)) - len(warm) if warm else 0
+
+        def in_bound(r: ReplicaStats) -> bool:
+            return r.queue_len < max(capacity, r.max_concurrency)
+
         cold_in_bound = [
             replica_id
             for replica_id in walk
-            if replica_id not in warm and by_id[replica_id].queue_len < capacity
+            if replica_id not in warm and in_bound(by_id[replica_id])
         ]
         extra_homes = set(cold_in_bound[: max(0, spare)])
 
@@ -220,7 +227,7 @@ class AffinityPolicy:
                 return warm[r.replica_id]
             if r.replica_id in extra_homes:
                 return Affinity.EXTRA_HOME
-            return Affinity.COLD if r.queue_len < capacity else Affinity.OVER_BOUND
+            return Affinity.COLD if in_bound(r) else Affinity.OVER_BOUND
 
         def key(r: ReplicaStats) -> tuple:
             a = affinity(r)

@@ -451,9 +451,9 @@ def test_adapter_registered_over_http_serves_the_engines_output_until_deleted(
 def test_requests_for_an_adapter_stay_on_the_replica_holding_it(
     cluster: Cluster, keys: dict[str, str], demo_assets: DemoAssets, ray_driver
 ):
-    """An adapter made resident away from its consistent-hash home (the home was over the
-    bounded load when it was first requested) keeps being served where it is resident: the
-    home, idle again, never loads it."""
+    """An adapter made resident away from its consistent-hash home (the home's batch was full
+    and over the bounded load when it was first requested) keeps being served where it is
+    resident: the home, idle again, never loads it."""
     ray = ray_driver
     acme = cluster.client(keys["acme"])
     register(cluster, keys["acme"], "code", demo_assets, "code-r32")
@@ -469,15 +469,17 @@ def test_requests_for_an_adapter_stay_on_the_replica_holding_it(
     sticky = adapter_id("acme", name)
     register(cluster, keys["acme"], name, demo_assets, "chat-r16")
 
-    with Streams(acme, ["code"] * 3, max_tokens=800) as streams:  # resident: all on `busy`
+    # resident on `busy`: all go there, and fill its batch (max_num_seqs 8), so a cold
+    # adapter whose home is `busy` is over the bounded load
+    with Streams(acme, ["code"] * 8, max_tokens=800) as streams:
         streams.wait_started()
         # the replica publishes the queue (on a loaded machine a stats call can lag), then
         # two stats periods so the ingress's router has received it too
-        wait_until(lambda: routing_stats(ray)[busy]["queue_len"] == 3, 15, "the busy queue")
+        wait_until(lambda: routing_stats(ray)[busy]["queue_len"] == 8, 15, "the busy queue")
         time.sleep(2.5)
         servable(acme, name)  # its home is over the bounded load: read by the other
         assert holders(ray, sticky) == {other: "device"}
-        assert streams.results() == [800] * 3
+        assert streams.results() == [800] * 8
     time.sleep(2.0)  # several stats periods: the ingress's router sees where it is resident
 
     for _ in range(8):  # its home is idle now, yet every request goes where it is resident

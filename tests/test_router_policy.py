@@ -107,15 +107,28 @@ def test_membership_change_moves_about_one_nth(n):
 
 
 def test_overloaded_home_sends_a_cold_request_down_the_walk():
-    replicas = idle(5)
+    replicas = idle(5, slots=8)
     walk = policy().choose("a", replicas)
-    loaded = {walk[0]: 20, walk[1]: 20}  # capacity = ceil(1.25 * 41 / 5) = 11
-    replicas = [replica(r.replica_id, queue=loaded.get(r.replica_id, 0)) for r in replicas]
+    loaded = {walk[0]: 20, walk[1]: 20}  # capacity = ceil(1.25 * 41 / 5) = 11; batches full
+    replicas = [replica(r.replica_id, queue=loaded.get(r.replica_id, 0), slots=8) for r in replicas]
     assert policy().choose("a", replicas)[:3] == [walk[2], walk[3], walk[4]]
 
 
+def test_a_home_with_a_free_batch_slot_keeps_its_cold_adapter():
+    # Above the mean-based capacity, but a slot is free: continuous batching admits the
+    # request at the next step, so it goes home rather than loading the adapter elsewhere.
+    replicas = idle(5, slots=32)
+    walk = policy().choose("a", replicas)
+    loaded = {walk[0]: 20}  # capacity = ceil(1.25 * 21 / 5) = 6 < 20 < 32 slots
+    replicas = [replica(r.replica_id, queue=loaded.get(r.replica_id, 0)) for r in replicas]
+    assert policy().choose("a", replicas)[0] == walk[0]
+    full = [replica(r.replica_id, queue=40 if r.replica_id == walk[0] else 0) for r in replicas]
+    assert policy().choose("a", full)[0] != walk[0]  # no free slot: the bound applies
+
+
 def test_bounded_load_holds_under_a_stream_of_cold_requests():
-    # Zipf-popular adapters that stay cold: without the bound, every request of the most
+    # Zipf-popular adapters that stay cold, on replicas with one batch slot each (so the
+    # bound, not a free slot, decides): without the bound, every request of the most
     # popular one would pile onto its home.
     c = 1.25
     p = policy(bounded_load_c=c)
@@ -124,7 +137,7 @@ def test_bounded_load_holds_under_a_stream_of_cold_requests():
     weights = [1 / (rank + 1) ** 1.2 for rank in range(len(names))]
     queues = {f"r{i}": 0 for i in range(6)}
     for adapter in rng.choices(names, weights, k=3000):
-        replicas = [replica(rid, queue=q, slots=10**6) for rid, q in queues.items()]
+        replicas = [replica(rid, queue=q, slots=1) for rid, q in queues.items()]
         queues[p.choose(adapter, replicas)[0]] += 1
         mean = sum(queues.values()) / len(queues)
         assert max(queues.values()) <= c * (mean + 1)

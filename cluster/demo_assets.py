@@ -105,8 +105,9 @@ class ModelSpec:
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
-    def projection_shapes(self) -> dict[str, tuple[int, int]]:
-        """(out_features, in_features) of each projection in one decoder layer."""
+    @property
+    def shape(self) -> BaseModelShape:
+        """The dimensions adapters for this model are validated against."""
         return BaseModelShape(
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
@@ -114,7 +115,11 @@ class ModelSpec:
             num_heads=self.num_attention_heads,
             num_kv_heads=self.num_key_value_heads,
             head_dim=self.resolved_head_dim,
-        ).projection_shapes()
+        )
+
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """(out_features, in_features) of each projection in one decoder layer."""
+        return self.shape.projection_shapes()
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,22 +16,15 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from tiny_model import SPEC
 
-from loraplex.cluster.demo_assets import LORA_TARGETS, AdapterSpec, ModelSpec, write_adapter
+from loraplex.cluster.demo_assets import LORA_TARGETS, AdapterSpec, write_adapter
 from loraplex.replica.adapter_cache import AdapterCache
 from loraplex.replica.adapters import AdapterError, load_adapter
 from loraplex.replica.model.config import ModelConfig
 from loraplex.replica.model.llama import LORA_GROUPS, LlamaModel
 from loraplex.replica.pool import UnifiedPool
 
-SPEC = ModelSpec(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=320,
-)
 CONFIG = {
     "model_type": "llama",
     "vocab_size": SPEC.vocab_size,
@@ -101,7 +94,9 @@ def test_wrong_shape_of_lora_a_names_tensor_and_shapes(adapter_dir):
     t = tensors_of(adapter_dir)
     t[key(1, "k_proj", "A")] = torch.randn(8, 63)
     write_tensors(adapter_dir, t)
-    assert_rejected(adapter_dir, "layers.1.self_attn.k_proj.lora_A", "has shape [8, 63]", "expected [8, 64]")
+    assert_rejected(
+        adapter_dir, "layers.1.self_attn.k_proj.lora_A", "has shape [8, 63]", "expected [8, 64]"
+    )
 
 
 def test_wrong_shape_of_lora_b_names_tensor_and_shapes(adapter_dir):
@@ -201,7 +196,9 @@ def test_boolean_rank_or_alpha(adapter_dir, field):
 
 def test_tensor_outside_declared_target_modules(adapter_dir):
     edit_config(adapter_dir, target_modules=["q_proj", "v_proj"])
-    assert_rejected(adapter_dir, "is not in adapter_config.json target_modules", "['q_proj', 'v_proj']")
+    assert_rejected(
+        adapter_dir, "is not in adapter_config.json target_modules", "['q_proj', 'v_proj']"
+    )
 
 
 def test_non_finite_weights(adapter_dir):
@@ -233,16 +230,16 @@ def test_bin_only_is_refused_and_never_unpickled(adapter_dir, tmp_path):
     (adapter_dir / "adapter_model.safetensors").unlink()
     marker = tmp_path / "unpickled"
     (adapter_dir / "adapter_model.bin").write_bytes(pickle.dumps(_Bomb(marker)))
-    assert_rejected(adapter_dir, "adapter_model.bin (pickle) is refused", "adapter_model.safetensors")
+    assert_rejected(
+        adapter_dir, "adapter_model.bin (pickle) is refused", "adapter_model.safetensors"
+    )
     assert not marker.exists(), "adapter_model.bin was unpickled"
 
 
 def test_bin_of_arbitrary_bytes_is_refused(adapter_dir):
     (adapter_dir / "adapter_model.safetensors").unlink()
     (adapter_dir / "adapter_model.bin").write_bytes(b"\x80\x04garbage, not a pickle")
-    assert_rejected(
-        adapter_dir, "adapter_model.bin (pickle) is refused"
-    )
+    assert_rejected(adapter_dir, "adapter_model.bin (pickle) is refused")
 
 
 def test_missing_weights_file(adapter_dir):

@@ -17,26 +17,16 @@ import httpx
 import pytest
 import uvicorn
 from etcd_server import EtcdServer, shared_etcd_server_fixture  # noqa: F401 (fixture)
+from tiny_model import BASE, SPEC
 
 from loraplex.cluster import adapters_cli
-from loraplex.cluster.demo_assets import AdapterSpec, ModelSpec, write_adapter
+from loraplex.cluster.demo_assets import AdapterSpec, write_adapter
 from loraplex.cluster.errors import CLIError
 from loraplex.registry.api import RegistryAPISettings, create_app
 from loraplex.registry.etcd_process import free_port
-from loraplex.registry.validation import BaseModelShape
 
 pytestmark = pytest.mark.etcd
 
-SPEC = ModelSpec(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
-BASE = BaseModelShape(
-    hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
-)
 ADMIN_KEY = "admin-key-for-the-adapters-cli-test"
 
 

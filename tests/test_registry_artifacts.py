@@ -10,17 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
+from tiny_model import SPEC
 
-from loraplex.cluster.demo_assets import AdapterSpec, ModelSpec, write_adapter
+from loraplex.cluster.demo_assets import AdapterSpec, write_adapter
 from loraplex.registry.artifacts import ArtifactStore, adapter_digest
 
-SPEC = ModelSpec(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
 FILES = ("adapter_config.json", "adapter_model.safetensors")
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from tiny_model import BASE, SPEC
 
 from loraplex.cluster.demo_assets import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
 from loraplex.registry.archives import ArchiveLimits, resolve_under_roots, safe_extract_tar_gz
@@ -33,17 +34,6 @@ from loraplex.registry.validation import (
     validate_adapter_dir,
 )
 
-SPEC = ModelSpec(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=320,
-)
-BASE = BaseModelShape(
-    hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
-)
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MAX_RANK = 64
 MAX_BYTES = 1 << 20

@@ -26,6 +26,7 @@ import torch
 import uvicorn
 from etcd_server import EtcdServer, etcd_server_fixture, shared_etcd_server_fixture  # noqa: F401 (fixtures)
 from fastapi.testclient import TestClient
+from tiny_model import BASE, SPEC
 
 from loraplex.cluster.demo_assets import AdapterSpec, ModelSpec, write_adapter
 from loraplex.registry.api import RegistryAPISettings, create_app, resolve_adapter
@@ -35,20 +36,10 @@ from loraplex.registry.etcd_process import free_port
 from loraplex.registry.models import AdapterRecord
 from loraplex.registry.service import collect_garbage
 from loraplex.registry.store import RegistryStore
-from loraplex.registry.validation import CONFIG_FILE, WEIGHTS_FILE, BaseModelShape
+from loraplex.registry.validation import CONFIG_FILE, WEIGHTS_FILE
 
 pytestmark = pytest.mark.etcd
 
-SPEC = ModelSpec(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-)
-BASE = BaseModelShape(
-    hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16
-)
 ADMIN_KEY = "admin-key-for-the-tests-0123456789"
 MAX_ADAPTER_BYTES = 200 << 10
 MAX_UPLOAD_BYTES = 1 << 20

@@ -210,6 +210,12 @@ class RouterSection(_Section):
         le=100,
         description="A cold home takes a request only below ceil(c * mean load).",
     )
+    bounded_adapters_c: float = Field(
+        1.1,
+        gt=1,
+        le=100,
+        description="A cold home takes a new adapter only below ceil(c * mean adapters held).",
+    )
     hot_rate_per_replica: float = Field(
         8.0, gt=0, le=1e6, description="Requests/s of one adapter that one replica absorbs."
     )

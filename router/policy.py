@@ -80,10 +80,11 @@ class Affinity(IntEnum):
     """How well a replica suits an adapter; lower is better."""
 
     DEVICE = 0  # resident in the device pool
-    HOST = 1  # in the host tier or already loading
+    HOST = 1  # in the host tier, loading, or just sent a request of it (stats not yet fresh)
     EXTRA_HOME = 2  # cold, taken as another home of a hot adapter (load cost waived)
-    COLD = 3  # cold, within the bounded load
-    OVER_BOUND = 4  # cold, above the bounded load
+    COLD = 3  # cold, within the bounded load and the bounded adapter count
+    CROWDED = 4  # cold, within the bounded load, but holding more adapters than its share
+    OVER_BOUND = 5  # cold, above the bounded load
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,13 +93,15 @@ class AffinityConfig:
     host_load_cost_s: float = 0.02  # host tier -> device; also charged while loading
     request_time_s: float = 2.0  # mean time a request holds a batch slot
     bounded_load_c: float = 1.25  # a cold home takes a request only below ceil(c * mean load)
+    bounded_adapters_c: float = 1.1  # ... and a new adapter only below ceil(c * mean adapters)
     hot_rate_per_replica: float = 8.0  # requests/s of one adapter that one replica absorbs
     rate_window_s: float = 10.0  # time constant of the rate estimate's exponential decay
     stale_after_s: float = 30.0  # older stats rank their replica after every fresh one
 
     def __post_init__(self):
-        if not self.bounded_load_c > 1:
-            raise ValueError(f"bounded_load_c must be > 1, got {self.bounded_load_c}")
+        for name in ("bounded_load_c", "bounded_adapters_c"):
+            if not getattr(self, name) > 1:
+                raise ValueError(f"{name} must be > 1, got {getattr(self, name)}")
         if not 0 <= self.host_load_cost_s <= self.load_cost_s:
             raise ValueError(
                 f"need 0 <= host_load_cost_s <= load_cost_s, got {self.host_load_cost_s} "
@@ -145,18 +148,30 @@ class AffinityPolicy:
                    always within it: continuous batching admits the request at the
                    next step, so taking it delays no one, and leaving the adapter's
                    home then would only load the adapter twice)
+        held(r)  = adapters on r's device or loading there, with those this router sent
+                   r a request of since r's stats were recorded
+        share    = ceil(c_adapters * (sum of held + 1) / n)    (the same bound over
+                   adapters: a cold adapter skips a home holding >= share adapters,
+                   so the hash's imbalance never makes one replica's pool evict while
+                   another's has room; the aggregate pool of n replicas then holds
+                   about n times one replica's working set)
+
+    Placements. `observe(a, replica_id)` records that a request of `a` went to the
+    replica. Until the replica publishes stats newer than that, it counts as loading `a`:
+    stats are a period old, and without this a burst of one cold adapter would each be
+    judged against stats that do not show the first of them.
 
     Hot adapters: k(a) = min(n, max(1, ceil(rate(a) / hot_rate_per_replica))), with
     rate(a) the decayed count of `observe(a)` calls over rate_window_s. If a is warm
     (device, host or loading) on w replicas with 1 <= w < k(a), the first k(a) - w cold
-    replicas within the bound on a's walk are extra homes: their load cost is waived
-    because it amortises over the adapter's rate: a warm replica keeps a tie, so it loses
-    to an idle extra home only once it has no free slot.
+    replicas within the bound (uncrowded first, then along a's walk) are extra homes: their
+    load cost is waived because it amortises over the adapter's rate: a warm replica keeps
+    a tie, so it loses to an idle extra home only once it has no free slot.
 
     Order: ascending (stale, ttft, affinity, position on a's walk), stale meaning
     stats_age_s > stale_after_s. Among fresh replicas, a warm one is passed over only when
     another's wait plus its load cost is strictly lower (equal estimates go to affinity),
-    and a cold adapter goes to the first replica within the bound on its walk.
+    and a cold adapter goes to the first replica on its walk within both bounds.
 
     Base-model request: ascending (stale, wait, queue_len / max_concurrency, -free_pages,
     a draw from the seeded RNG), so equally loaded replicas share base traffic.
@@ -175,13 +190,20 @@ class AffinityPolicy:
         self.clock = clock
         self._rng = random.Random(seed)
         self._counts: dict[str, tuple[float, float]] = {}  # adapter -> (decayed count, at)
+        self._placed: dict[str, dict[str, float]] = {}  # replica -> {adapter: sent at}
 
-    def observe(self, adapter: str | None) -> None:
-        """Count one request of `adapter` now; base-model requests are not tracked."""
+    def observe(self, adapter: str | None, replica_id: str | None = None) -> None:
+        """Count one request of `adapter` now, sent to `replica_id` when given; base-model
+        requests are not tracked."""
         if adapter is None:
             return
         now = self.clock()
         self._counts[adapter] = (self._count(adapter, now) + 1.0, now)
+        if replica_id is not None:
+            placed = self._placed.setdefault(replica_id, {})
+            for old in [a for a, at in placed.items() if now - at > self.config.stale_after_s]:
+                del placed[old]  # stats fresher than this have long arrived
+            placed[adapter] = now
 
     def rate(self, adapter: str) -> float:
         """Requests/s of `adapter`: for a steady rate the count settles at rate *
@@ -200,26 +222,33 @@ class AffinityPolicy:
         if adapter is None:
             return [r.replica_id for r in sorted(replicas, key=self._base_key)]
 
+        n = len(replicas)
         walk = walk_order(adapter, ids)
         position = {replica_id: i for i, replica_id in enumerate(walk)}
         by_id = {r.replica_id: r for r in replicas}
-        total = sum(r.queue_len for r in replicas)
-        capacity = math.ceil(self.config.bounded_load_c * (total + 1) / len(replicas) - 1e-9)
+        capacity = math.ceil(
+            self.config.bounded_load_c * (sum(r.queue_len for r in replicas) + 1) / n - 1e-9
+        )
+        held = {r.replica_id: self._held(r) for r in replicas}
+        share = math.ceil(
+            self.config.bounded_adapters_c * (sum(map(len, held.values())) + 1) / n - 1e-9
+        )
 
         warm: dict[str, Affinity] = {}
         for r in replicas:
-            if (a := self._warm_affinity(r, adapter)) is not None:
+            if (a := self._warm_affinity(r, adapter, held[r.replica_id])) is not None:
                 warm[r.replica_id] = a
-        spare = min(len(replicas), self.max_replicas(adapter)) - len(warm) if warm else 0
+        spare = min(n, self.max_replicas(adapter)) - len(warm) if warm else 0
 
         def in_bound(r: ReplicaStats) -> bool:
             return r.queue_len < max(capacity, r.max_concurrency)
 
-        cold_in_bound = [
-            replica_id
-            for replica_id in walk
-            if replica_id not in warm and in_bound(by_id[replica_id])
-        ]
+        def crowded(replica_id: str) -> bool:
+            return len(held[replica_id]) >= share
+
+        cold_in_bound = sorted(
+            (rid for rid in walk if rid not in warm and in_bound(by_id[rid])), key=crowded
+        )
         extra_homes = set(cold_in_bound[: max(0, spare)])
 
         def affinity(r: ReplicaStats) -> Affinity:
@@ -227,13 +256,22 @@ class AffinityPolicy:
                 return warm[r.replica_id]
             if r.replica_id in extra_homes:
                 return Affinity.EXTRA_HOME
-            return Affinity.COLD if in_bound(r) else Affinity.OVER_BOUND
+            if not in_bound(r):
+                return Affinity.OVER_BOUND
+            return Affinity.CROWDED if crowded(r.replica_id) else Affinity.COLD
 
         def key(r: ReplicaStats) -> tuple:
             a = affinity(r)
             return (self._stale(r), self._wait_s(r) + self._load_s(a), a, position[r.replica_id])
 
         return [r.replica_id for r in sorted(replicas, key=key)]
+
+    def _held(self, r: ReplicaStats) -> frozenset[str]:
+        """Adapters on r's device or loading there, and those sent to r since its stats."""
+        recorded_at = self.clock() - r.stats_age_s
+        placed = self._placed.get(r.replica_id, {})
+        since = {a for a, at in placed.items() if at > recorded_at}
+        return r.device_adapters | r.loading_adapters | since
 
     def _count(self, adapter: str, now: float) -> float:
         count, at = self._counts.get(adapter, (0.0, now))
@@ -258,9 +296,9 @@ class AffinityPolicy:
         return (self._stale(r), self._wait_s(r), utilisation, -r.free_pages, self._rng.random())
 
     @staticmethod
-    def _warm_affinity(r: ReplicaStats, adapter: str) -> Affinity | None:
+    def _warm_affinity(r: ReplicaStats, adapter: str, held: frozenset[str]) -> Affinity | None:
         if adapter in r.device_adapters:
             return Affinity.DEVICE
-        if adapter in r.host_adapters or adapter in r.loading_adapters:
+        if adapter in r.host_adapters or adapter in held:
             return Affinity.HOST
         return None

@@ -56,7 +56,7 @@ class AffinityRequestRouter(RequestRouter):
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
-        self.policy.observe(_adapter(pending_request))
+        self.policy.observe(_adapter(pending_request), replica_id.unique_id)
 
     def _replica_stats(self, replica: RunningReplica) -> ReplicaStats:
         published = replica.routing_stats or {}

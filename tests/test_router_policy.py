@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -142,6 +143,50 @@ def test_bounded_load_holds_under_a_stream_of_cold_requests():
         mean = sum(queues.values()) / len(queues)
         assert max(queues.values()) <= c * (mean + 1)
         assert max(queues.values()) <= math.ceil(c * mean - 1e-9)  # Mirrokni et al.'s bound
+
+
+def test_crowded_home_sends_a_new_adapter_to_the_next_uncrowded_replica():
+    walk = policy().choose("a", idle(3))
+    held = {walk[0]: 10, walk[1]: 6, walk[2]: 2}  # share = ceil(1.1 * 19 / 3) = 7
+    replicas = [
+        replica(rid, device={f"{rid}-{i}" for i in range(count)}) for rid, count in held.items()
+    ]
+    assert policy().choose("a", replicas) == [walk[1], walk[2], walk[0]]
+    # TTFT first: when the uncrowded replicas have no free slot, the crowded home takes it.
+    busy = [replica(r.replica_id, device=r.device_adapters, slots=4, queue=0) for r in replicas]
+    busy = [b if b.replica_id == walk[0] else replace(b, queue_len=8) for b in busy]
+    assert policy().choose("a", busy)[0] == walk[0]
+
+
+def test_cold_adapters_spread_by_count_even_before_stats_show_them():
+    # Stats a period old show no adapter anywhere: the router's own placements since then
+    # count, so a burst of new adapters is shared out instead of following the hash alone.
+    clock = FakeClock()
+    clock.advance(100.0)
+    p = policy(clock)
+    counts = {f"r{i}": 0 for i in range(3)}
+    for i in range(30):
+        clock.advance(0.01)
+        stale = [replica(rid, age_s=clock.now - 100.0) for rid in counts]  # recorded at 100 s
+        chosen = p.choose(f"a{i}", stale)[0]
+        p.observe(f"a{i}", chosen)
+        counts[chosen] += 1
+    share = math.ceil(1.1 * 31 / 3)
+    assert max(counts.values()) <= share
+    hash_only = {rid: 0 for rid in counts}
+    for i in range(30):
+        hash_only[walk_order(f"a{i}", list(counts))[0]] += 1
+    assert max(hash_only.values()) > share  # the hash alone would crowd one replica
+
+    # A request of an adapter just sent elsewhere follows it there (it is loading there).
+    home = next(rid for rid in counts if rid != walk_order("a0", list(counts))[0])
+    clock.advance(0.01)
+    p.observe("new", home)
+    stale = [replica(rid, age_s=clock.now - 100.0) for rid in counts]
+    assert p.choose("new", stale)[0] == home
+    # Stats recorded after the placement replace it: fresh stats without it, no pull.
+    fresh = [replica(rid) for rid in counts]
+    assert p.choose("new", fresh)[0] == walk_order("new", list(counts))[0]
 
 
 @pytest.mark.parametrize(

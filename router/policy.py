@@ -80,11 +80,11 @@ class Affinity(IntEnum):
     """How well a replica suits an adapter; lower is better."""
 
     DEVICE = 0  # resident in the device pool
-    HOST = 1  # in the host tier, loading, or just sent a request of it (stats not yet fresh)
-    EXTRA_HOME = 2  # cold, taken as another home of a hot adapter (load cost waived)
-    COLD = 3  # cold, within the bounded load and the bounded adapter count
-    CROWDED = 4  # cold, within the bounded load, but holding more adapters than its share
-    OVER_BOUND = 5  # cold, above the bounded load
+    LOADING = 1  # being loaded, or just sent a request of it (its stats do not show it yet)
+    EXTRA_HOME = 2  # not on the device, taken as another home of a hot adapter
+    COLD = 3  # not on the device, within the bounded load and the bounded adapter count
+    CROWDED = 4  # not on the device, within the bounded load, holding more than its share
+    OVER_BOUND = 5  # not on the device, above the bounded load
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,8 +138,8 @@ class AffinityPolicy:
                    (seconds until a batch slot frees: slots free at max_concurrency per
                    request_time_s; 0 while one is free, since continuous batching admits
                    at the next step)
-        load(r)  = 0 on device | host_load_cost_s in the host tier or loading
-                   | 0 for an extra home | load_cost_s otherwise
+        load(r)  = 0 on device or for an extra home | host_load_cost_s loading or in the
+                   host tier | load_cost_s otherwise (read from the artifact store)
         ttft(r)  = wait(r) + load(r)
         capacity = ceil(c * (sum of queue_len + 1) / n)        (bounded loads, Mirrokni
                    et al.: a cold replica is within the bound iff queue_len < capacity,
@@ -156,17 +156,22 @@ class AffinityPolicy:
                    another's has room; the aggregate pool of n replicas then holds
                    about n times one replica's working set)
 
+    Warm means on the device or loading there. Every other replica needs a load, from the
+    host tier or the artifact store, and is placed by the bounds above: a replica whose
+    host tier holds the adapter is only cheaper to load on, not warm, since the host tier
+    typically holds every registered adapter on every replica.
+
     Placements. `observe(a, replica_id)` records that a request of `a` went to the
     replica. Until the replica publishes stats newer than that, it counts as loading `a`:
     stats are a period old, and without this a burst of one cold adapter would each be
     judged against stats that do not show the first of them.
 
     Hot adapters: k(a) = min(n, max(1, ceil(rate(a) / hot_rate_per_replica))), with
-    rate(a) the decayed count of `observe(a)` calls over rate_window_s. If a is warm
-    (device, host or loading) on w replicas with 1 <= w < k(a), the first k(a) - w cold
-    replicas within the bound (uncrowded first, then along a's walk) are extra homes: their
-    load cost is waived because it amortises over the adapter's rate: a warm replica keeps
-    a tie, so it loses to an idle extra home only once it has no free slot.
+    rate(a) the decayed count of `observe(a)` calls over rate_window_s. If a is warm on w
+    replicas with 1 <= w < k(a), the first k(a) - w other replicas within the bound
+    (uncrowded first, then along a's walk) are extra homes: their load cost is waived
+    because it amortises over the adapter's rate: a warm replica keeps a tie, so it loses
+    to an idle extra home only once it has no free slot.
 
     Order: ascending (stale, ttft, affinity, position on a's walk), stale meaning
     stats_age_s > stale_after_s. Among fresh replicas, a warm one is passed over only when
@@ -236,8 +241,10 @@ class AffinityPolicy:
 
         warm: dict[str, Affinity] = {}
         for r in replicas:
-            if (a := self._warm_affinity(r, adapter, held[r.replica_id])) is not None:
-                warm[r.replica_id] = a
+            if adapter in r.device_adapters:
+                warm[r.replica_id] = Affinity.DEVICE
+            elif adapter in held[r.replica_id]:
+                warm[r.replica_id] = Affinity.LOADING
         spare = min(n, self.max_replicas(adapter)) - len(warm) if warm else 0
 
         def in_bound(r: ReplicaStats) -> bool:
@@ -260,9 +267,16 @@ class AffinityPolicy:
                 return Affinity.OVER_BOUND
             return Affinity.CROWDED if crowded(r.replica_id) else Affinity.COLD
 
+        def load_s(r: ReplicaStats, a: Affinity) -> float:
+            if a in (Affinity.DEVICE, Affinity.EXTRA_HOME):
+                return 0.0
+            if a is Affinity.LOADING or adapter in r.host_adapters:
+                return self.config.host_load_cost_s
+            return self.config.load_cost_s
+
         def key(r: ReplicaStats) -> tuple:
             a = affinity(r)
-            return (self._stale(r), self._wait_s(r) + self._load_s(a), a, position[r.replica_id])
+            return (self._stale(r), self._wait_s(r) + load_s(r, a), a, position[r.replica_id])
 
         return [r.replica_id for r in sorted(replicas, key=key)]
 
@@ -281,24 +295,9 @@ class AffinityPolicy:
         queued_behind = max(0, r.queue_len - r.max_concurrency + 1)
         return queued_behind / r.max_concurrency * self.config.request_time_s
 
-    def _load_s(self, affinity: Affinity) -> float:
-        if affinity in (Affinity.DEVICE, Affinity.EXTRA_HOME):
-            return 0.0
-        if affinity is Affinity.HOST:
-            return self.config.host_load_cost_s
-        return self.config.load_cost_s
-
     def _stale(self, r: ReplicaStats) -> bool:
         return r.stats_age_s > self.config.stale_after_s
 
     def _base_key(self, r: ReplicaStats) -> tuple:
         utilisation = r.queue_len / r.max_concurrency
         return (self._stale(r), self._wait_s(r), utilisation, -r.free_pages, self._rng.random())
-
-    @staticmethod
-    def _warm_affinity(r: ReplicaStats, adapter: str, held: frozenset[str]) -> Affinity | None:
-        if adapter in r.device_adapters:
-            return Affinity.DEVICE
-        if adapter in r.host_adapters or adapter in held:
-            return Affinity.HOST
-        return None

@@ -145,15 +145,19 @@ def test_bounded_load_holds_under_a_stream_of_cold_requests():
         assert max(queues.values()) <= math.ceil(c * mean - 1e-9)  # Mirrokni et al.'s bound
 
 
-def test_crowded_home_sends_a_new_adapter_to_the_next_uncrowded_replica():
+@pytest.mark.parametrize("host", [(), ("a",)], ids=["cold", "host-tier-everywhere"])
+def test_crowded_home_sends_a_new_adapter_to_the_next_uncrowded_replica(host):
+    # Replicas syncing the registry hold every adapter in their host tier: that makes a
+    # load cheaper, not the replica warm, so the bounds place the adapter all the same.
     walk = policy().choose("a", idle(3))
     held = {walk[0]: 10, walk[1]: 6, walk[2]: 2}  # share = ceil(1.1 * 19 / 3) = 7
     replicas = [
-        replica(rid, device={f"{rid}-{i}" for i in range(count)}) for rid, count in held.items()
+        replica(rid, device={f"{rid}-{i}" for i in range(count)}, host=host)
+        for rid, count in held.items()
     ]
     assert policy().choose("a", replicas) == [walk[1], walk[2], walk[0]]
     # TTFT first: when the uncrowded replicas have no free slot, the crowded home takes it.
-    busy = [replica(r.replica_id, device=r.device_adapters, slots=4, queue=0) for r in replicas]
+    busy = [replace(r, max_concurrency=4) for r in replicas]
     busy = [b if b.replica_id == walk[0] else replace(b, queue_len=8) for b in busy]
     assert policy().choose("a", busy)[0] == walk[0]
 

@@ -204,6 +204,13 @@ class RouterSection(_Section):
     request_time_s: float = Field(
         2.0, gt=0, le=3600, description="Mean time a request holds a batch slot, seconds."
     )
+    busy_cost_s: float = Field(
+        0.0,
+        ge=0,
+        le=600,
+        description="TTFT each request already on a replica adds, seconds: ~0 on GPUs "
+        "(decode batching is nearly free), the per-sequence step time on CPUs.",
+    )
     bounded_load_c: float = Field(
         1.25,
         gt=1,

@@ -92,6 +92,7 @@ class AffinityConfig:
     load_cost_s: float = 0.5  # artifact store -> device: what a cold load adds to TTFT
     host_load_cost_s: float = 0.02  # host tier -> device; also charged while loading
     request_time_s: float = 2.0  # mean time a request holds a batch slot
+    busy_cost_s: float = 0.0  # TTFT each request already on a replica adds (0: batching is free)
     bounded_load_c: float = 1.25  # a cold home takes a request only below ceil(c * mean load)
     bounded_adapters_c: float = 1.1  # ... and a new adapter only below ceil(c * mean adapters)
     hot_rate_per_replica: float = 8.0  # requests/s of one adapter that one replica absorbs
@@ -107,6 +108,8 @@ class AffinityConfig:
                 f"need 0 <= host_load_cost_s <= load_cost_s, got {self.host_load_cost_s} "
                 f"and {self.load_cost_s}"
             )
+        if not self.busy_cost_s >= 0:
+            raise ValueError(f"busy_cost_s must be >= 0, got {self.busy_cost_s}")
         for name in ("request_time_s", "hot_rate_per_replica", "rate_window_s", "stale_after_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -135,9 +138,13 @@ class AffinityPolicy:
     Adapter request, adapter `a`, n replicas. For every replica r:
 
         wait(r)  = max(0, queue_len - max_concurrency + 1) / max_concurrency * request_time_s
+                   + queue_len * busy_cost_s
                    (seconds until a batch slot frees: slots free at max_concurrency per
                    request_time_s; 0 while one is free, since continuous batching admits
-                   at the next step)
+                   at the next step. busy_cost_s is what each request already there adds
+                   to the steps a new one waits through: about 0 on a GPU, whose decode
+                   step time hardly grows with the batch, but a compute-bound CPU step
+                   grows with every sequence in it)
         load(r)  = 0 on device or for an extra home | host_load_cost_s loading or in the
                    host tier | load_cost_s otherwise (read from the artifact store)
         ttft(r)  = wait(r) + load(r)
@@ -293,7 +300,8 @@ class AffinityPolicy:
 
     def _wait_s(self, r: ReplicaStats) -> float:
         queued_behind = max(0, r.queue_len - r.max_concurrency + 1)
-        return queued_behind / r.max_concurrency * self.config.request_time_s
+        slot = queued_behind / r.max_concurrency * self.config.request_time_s
+        return slot + r.queue_len * self.config.busy_cost_s
 
     def _stale(self, r: ReplicaStats) -> bool:
         return r.stats_age_s > self.config.stale_after_s

@@ -25,6 +25,7 @@ SMALL = replace(
 )
 PER_ROUTER = {
     "adapter_loads",
+    "reloads",
     "artifact_reads",
     "p50_ttft_ms",
     "p99_ttft_ms",
@@ -49,6 +50,8 @@ def test_router_bench_serves_every_request_and_reports_every_key(capsys):
         "p99_ttft_ms",
         "loads_ratio_vs_best_baseline",
         "p99_ratio_vs_best_baseline",
+        "reloads_ratio_vs_best_baseline",
+        "router_costs",
         "distinct_adapters_requested",
         "capacity",
         "routers",
@@ -67,6 +70,8 @@ def test_router_bench_serves_every_request_and_reports_every_key(capsys):
         assert figures["artifact_reads"] >= floor and figures["adapter_loads"] >= floor, name
     assert results["loads_ratio_vs_best_baseline"] > 0
     assert results["p99_ratio_vs_best_baseline"] > 0
+    costs = results["router_costs"]
+    assert 0 < costs["host_load_cost_s"] <= costs["load_cost_s"] and costs["request_time_s"] > 0
 
     bench_router._print_table(results)
     assert "loads_ratio_vs_best_baseline" in capsys.readouterr().out

@@ -204,6 +204,16 @@ def test_busy_warm_replica_loses_to_idle_one_beyond_load_cost(queue, chosen):
     assert p.choose("a", replicas)[0] == chosen
 
 
+@pytest.mark.parametrize(("queue", "chosen"), [(0, "warm"), (5, "warm"), (6, "idle")])
+def test_busy_cost_moves_a_request_before_the_batch_is_full(queue, chosen):
+    # 32 free slots, but each request there adds 10 ms: warm costs queue * 10 ms, the idle
+    # replica a 50 ms load; 5 requests tie (affinity keeps it), 6 lose.
+    replicas = [replica("warm", device={"a"}, queue=queue), replica("idle")]
+    p = policy(load_cost_s=0.05, host_load_cost_s=0.0, busy_cost_s=0.01)
+    assert p.choose("a", replicas)[0] == chosen
+    assert policy(load_cost_s=0.05).choose("a", replicas)[0] == "warm"  # batching is free
+
+
 def test_host_tier_pays_only_the_host_load_cost():
     replicas = [replica("host", host={"a"}, queue=5, slots=4), replica("idle", slots=4)]
     # host: wait 0.5 s + 0.1 s < idle: 0 + 1.0 s
@@ -315,6 +325,8 @@ def test_routing_stats_contract():
     "bad",
     [
         {"bounded_load_c": 1.0},
+        {"bounded_adapters_c": 0.9},
+        {"busy_cost_s": -0.1},
         {"host_load_cost_s": 2.0, "load_cost_s": 1.0},
         {"request_time_s": 0.0},
         {"rate_window_s": float("nan")},

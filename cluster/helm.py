@@ -22,7 +22,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from loraplex.cluster.config import LoraplexConfig
 
-JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
+# Draft 7: what every Helm 3 and 4 validates with; pydantic's output uses nothing newer
+# (`$ref` into `$defs` is a plain JSON pointer there).
+JSON_SCHEMA_DIALECT = "http://json-schema.org/draft-07/schema#"
 _DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 _OPTIONAL_DNS_NAME = r"^([a-z0-9]([-a-z0-9.]*[a-z0-9])?)?$"
 _QUANTITY = r"^[0-9]+(\.[0-9]+)?(m|k|Ki|Mi|Gi|Ti|Pi|M|G|T|P)?$"
@@ -215,7 +217,7 @@ class ChartValues(_Values):
 
 
 def values_schema() -> dict[str, Any]:
-    """values.schema.json: ChartValues as a JSON Schema (draft 2020-12)."""
+    """values.schema.json: ChartValues as a JSON Schema."""
     return {"$schema": JSON_SCHEMA_DIALECT, **ChartValues.model_json_schema()}
 
 

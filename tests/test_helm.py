@@ -5,10 +5,12 @@ app validates its args with)."""
 from __future__ import annotations
 
 import base64
+import json
 import re
 from typing import Any
 
 import helm_python
+import jsonschema
 import pytest
 import yaml
 from helm_chart import (
@@ -52,7 +54,11 @@ def test_committed_schema_is_generated_from_the_config_models():
 
 
 def test_values_yaml_is_valid_chart_values():
-    ChartValues.model_validate(yaml.safe_load((CHART / "values.yaml").read_text()))
+    defaults = yaml.safe_load((CHART / "values.yaml").read_text())
+    ChartValues.model_validate(defaults)
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    jsonschema.validate(defaults, schema, cls=jsonschema.Draft7Validator)
 
 
 def test_serve_config_is_what_the_cli_deploys(case, tmp_path):

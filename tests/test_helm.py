@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+import tomllib
 from typing import Any
 
 import helm_python
@@ -17,6 +18,8 @@ from helm_chart import (
     CHART,
     EXTERNAL_ETCD,
     NAMESPACE,
+    RELEASE,
+    REPO,
     TP_CAP,
     VALUE_SETS,
     Rendered,
@@ -59,6 +62,16 @@ def test_values_yaml_is_valid_chart_values():
     schema = json.loads((CHART / "values.schema.json").read_text())
     jsonschema.Draft7Validator.check_schema(schema)
     jsonschema.validate(defaults, schema, cls=jsonschema.Draft7Validator)
+
+
+def test_image_recipe_installs_every_package_of_the_ray_version():
+    dockerfile = (CHART.parent / "image" / "Dockerfile").read_text()
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert f"ARG RAY_VERSION={values['rayVersion']}\n" in dockerfile
+    pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
+    folders = set(pyproject["tool"]["setuptools"]["package-dir"].values())
+    copied = set(re.findall(r"^COPY --chown=\S+ (\S+) \1$", dockerfile, re.M))
+    assert {f.split("/")[0] for f in folders} == copied
 
 
 def test_serve_config_is_what_the_cli_deploys(case, tmp_path):
@@ -168,6 +181,7 @@ def test_artifact_volume_is_mounted_at_the_artifact_root(case):
     else:
         pvc = rendered.one("PersistentVolumeClaim")
         assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+        assert pvc["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE  # README
         claim = pvc["metadata"]["name"]
     pods = rendered.ray_pods()
     assert len(pods) == 2  # head (ingress may run there) and the worker group
@@ -269,6 +283,7 @@ def test_etcd_members_form_one_cluster_through_the_headless_service(case):
         f"{name}-{i}=http://{name}-{i}.{domain}:2380" for i in range(n)
     ]
     (claim,) = spec["volumeClaimTemplates"]
+    assert claim["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE  # README
     assert container(pod)["volumeMounts"] == [
         {"name": claim["metadata"]["name"], "mountPath": env["ETCD_DATA_DIR"]}
     ]

@@ -143,65 +143,79 @@ RayService, and LoraplexConfig's cross-field rule on GPUs. */}}
 {{- toYaml $serve -}}
 {{- end -}}
 
-{{/* Pod parts common to the Ray head and workers */}}
-
-{{- define "loraplex.rayEnv" -}}
-- name: {{ .Values.loraplex.auth.admin_key_env | default "LORAPLEX_ADMIN_KEY" }}
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "loraplex.adminKeySecret" . }}
-      key: {{ .Values.adminKey.secretKey }}
-{{- end -}}
-
-{{- define "loraplex.rayVolumeMounts" -}}
-- name: artifacts
-  mountPath: {{ .Values.loraplex.artifact_root }}
-- name: dshm
-  mountPath: /dev/shm
-{{- if .Values.modelVolume.existingClaim }}
-- name: model
-  mountPath: {{ .Values.modelVolume.mountPath }}
-  readOnly: true
-{{- end }}
-{{- if .Values.etcd.external.tlsSecret }}
-- name: etcd-tls
-  mountPath: {{ include "loraplex.etcdTLSDir" . }}
-  readOnly: true
-{{- end }}
-{{- end -}}
-
-{{- define "loraplex.rayVolumes" -}}
-- name: artifacts
-  persistentVolumeClaim:
-    claimName: {{ include "loraplex.artifactsClaim" . }}
-- name: dshm
-  emptyDir:
-    medium: Memory
-{{- if .Values.modelVolume.existingClaim }}
-- name: model
-  persistentVolumeClaim:
-    claimName: {{ .Values.modelVolume.existingClaim }}
-    readOnly: true
-{{- end }}
-{{- if .Values.etcd.external.tlsSecret }}
-- name: etcd-tls
-  secret:
-    secretName: {{ .Values.etcd.external.tlsSecret }}
-    defaultMode: 0400
-{{- end }}
-{{- end -}}
-
-{{- define "loraplex.podScheduling" -}}
-{{- with .nodeSelector }}
-nodeSelector:
-  {{- toYaml . | nindent 2 }}
-{{- end }}
-{{- with .tolerations }}
-tolerations:
-  {{- toYaml . | nindent 2 }}
-{{- end }}
-{{- with .affinity }}
-affinity:
-  {{- toYaml . | nindent 2 }}
-{{- end }}
+{{/* A Ray pod template: head and workers differ in container name, ports, resources and
+scheduling; env (admin key), volumes and labels are the same on both. Called with
+(dict "root" $ "container" NAME "group" .Values.head|workers "resources" R "ports" LIST). */}}
+{{- define "loraplex.rayPodTemplate" -}}
+{{- $root := .root -}}
+{{- $group := .group -}}
+metadata:
+  labels:
+    {{- include "loraplex.labels" $root | nindent 4 }}
+    app.kubernetes.io/component: ray
+spec:
+  {{- with $root.Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $group.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $group.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with $group.affinity }}
+  affinity:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  containers:
+    - name: {{ .container }}
+      image: {{ include "loraplex.image" $root }}
+      imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+      ports:
+        {{- toYaml .ports | nindent 8 }}
+      env:
+        - name: {{ $root.Values.loraplex.auth.admin_key_env | default "LORAPLEX_ADMIN_KEY" }}
+          valueFrom:
+            secretKeyRef:
+              name: {{ include "loraplex.adminKeySecret" $root }}
+              key: {{ $root.Values.adminKey.secretKey }}
+      resources:
+        {{- toYaml .resources | nindent 8 }}
+      volumeMounts:
+        - name: artifacts
+          mountPath: {{ $root.Values.loraplex.artifact_root }}
+        - name: dshm
+          mountPath: /dev/shm
+        {{- if $root.Values.modelVolume.existingClaim }}
+        - name: model
+          mountPath: {{ $root.Values.modelVolume.mountPath }}
+          readOnly: true
+        {{- end }}
+        {{- if $root.Values.etcd.external.tlsSecret }}
+        - name: etcd-tls
+          mountPath: {{ include "loraplex.etcdTLSDir" $root }}
+          readOnly: true
+        {{- end }}
+  volumes:
+    - name: artifacts
+      persistentVolumeClaim:
+        claimName: {{ include "loraplex.artifactsClaim" $root }}
+    - name: dshm
+      emptyDir:
+        medium: Memory
+    {{- if $root.Values.modelVolume.existingClaim }}
+    - name: model
+      persistentVolumeClaim:
+        claimName: {{ $root.Values.modelVolume.existingClaim }}
+        readOnly: true
+    {{- end }}
+    {{- if $root.Values.etcd.external.tlsSecret }}
+    - name: etcd-tls
+      secret:
+        secretName: {{ $root.Values.etcd.external.tlsSecret }}
+        defaultMode: 0400
+    {{- end }}
 {{- end -}}

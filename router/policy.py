@@ -84,6 +84,7 @@ class Affinity(IntEnum):
     EXTRA_HOME = 2  # not on the device, taken as another home of a hot adapter
     COLD = 3  # not on the device, within the bounded load and the bounded adapter count
     CROWDED = 4  # not on the device, within the bounded load, holding more than its share
+    # of adapters or of their request rate
     OVER_BOUND = 5  # not on the device, above the bounded load
 
 
@@ -162,6 +163,11 @@ class AffinityPolicy:
                    so the hash's imbalance never makes one replica's pool evict while
                    another's has room; the aggregate pool of n replicas then holds
                    about n times one replica's working set)
+        heat(r)  = sum of rate(b) over b in held(r): the request rate its adapters draw
+        crowded  = held(r) >= share, or heat(r) > c * (sum of heat) / n: a replica whose
+                   adapters already draw more than their share of the traffic takes no
+                   new one while another replica can, so popular adapters placed on one
+                   replica early do not also get the tail's requests
 
     Warm means on the device or loading there. Every other replica needs a load, from the
     host tier or the artifact store, and is placed by the bounds above: a replica whose
@@ -257,8 +263,12 @@ class AffinityPolicy:
         def in_bound(r: ReplicaStats) -> bool:
             return r.queue_len < max(capacity, r.max_concurrency)
 
+        now = self.clock()
+        heat = {rid: sum(self._count(b, now) for b in bs) for rid, bs in held.items()}
+        hot_share = self.config.bounded_load_c * sum(heat.values()) / n
+
         def crowded(replica_id: str) -> bool:
-            return len(held[replica_id]) >= share
+            return len(held[replica_id]) >= share or heat[replica_id] > hot_share
 
         cold_in_bound = sorted(
             (rid for rid in walk if rid not in warm and in_bound(by_id[rid])), key=crowded

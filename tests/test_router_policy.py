@@ -162,6 +162,24 @@ def test_crowded_home_sends_a_new_adapter_to_the_next_uncrowded_replica(host):
     assert policy().choose("a", busy)[0] == walk[0]
 
 
+def test_a_replica_whose_adapters_draw_most_traffic_takes_no_new_one():
+    clock = FakeClock()
+    p = policy(clock)
+    walk = walk_order("new", ["r0", "r1", "r2"])
+    popular = {walk[0]: {"top"}, walk[1]: {"x"}, walk[2]: {"y"}}  # one adapter each
+    for _ in range(60):
+        p.observe("top")  # rate 6/s against 1/s: over 1.25 x the mean of 8/3
+    for other in ("x", "y"):
+        for _ in range(10):
+            p.observe(other)
+    replicas = [replica(rid, device=held) for rid, held in popular.items()]
+    assert p.choose("new", replicas)[0] == walk[1]
+    clock.advance(120.0)  # rates decay together: ties again, the walk decides
+    for adapter in ("top", "x", "y"):
+        p.observe(adapter)
+    assert p.choose("new", replicas)[0] == walk[0]
+
+
 def test_cold_adapters_spread_by_count_even_before_stats_show_them():
     # Stats a period old show no adapter anywhere: the router's own placements since then
     # count, so a burst of new adapters is shared out instead of following the hash alone.

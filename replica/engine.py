@@ -19,13 +19,14 @@ from pathlib import Path
 
 import torch
 
+from loraplex.kernels.backend import make_backend, resolve_kernels
 from loraplex.replica.adapter_cache import AdapterCache, UnknownAdapter
 from loraplex.replica.adapters import AdapterError, AdapterWeights, load_adapter, plan_layout
 from loraplex.replica.batch import build_step_batch
 from loraplex.replica.config import EngineConfig, MiB
 from loraplex.replica.kv_cache import KVCache
 from loraplex.replica.model.config import DTYPES, ModelConfig
-from loraplex.replica.model.llama import LlamaModel
+from loraplex.replica.model.llama import ForwardOps, LlamaModel
 from loraplex.replica.model.loader import load_weights
 from loraplex.replica.pool import UnifiedPool
 from loraplex.replica.sampling import SamplingParams, sample
@@ -63,6 +64,10 @@ class LLMEngine:
         )
         pool_bytes = cfg.pool_bytes or _auto_pool_bytes(device)
         self.pool = UnifiedPool(pool_bytes // page_bytes, page_bytes // elem, mc.dtype, device)
+        self.kernels = resolve_kernels(cfg.kernels, device)
+        self.model.ops = ForwardOps(
+            make_backend(self.kernels, self._lora_layout(), self.pool.arena)
+        )
         self.kv = KVCache(self.pool, mc)
         self.adapters = AdapterCache(self.pool, mc, self.model.output_columns)
         self.scheduler = Scheduler(cfg.scheduler, self.kv, self.adapters)
@@ -74,6 +79,12 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []
         self._ids = itertools.count()
         self._seeds = random.Random(cfg.seed)  # for requests that bring no seed
+
+    def _lora_layout(self):
+        sched = self.cfg.scheduler
+        return self.model.lora_layout(
+            self.cfg.max_lora_rank, sched.max_num_seqs, sched.max_num_batched_tokens
+        )
 
     # adapters
 

@@ -35,9 +35,10 @@ class KernelBackend(Protocol):
     def prepare(self, runs: list[Run], num_tokens: int, decode: bool) -> list[list[Any]]:
         """Per-step LoRA metadata, indexed [layer][group]."""
 
-    def shrink(self, x: torch.Tensor, args: Any) -> Any: ...
+    def shrink(self, x: torch.Tensor, args: Any) -> list[torch.Tensor]:
+        """The rank-sized intermediates (one per segment, or one for the whole batch)."""
 
-    def expand(self, y: torch.Tensor, h: Any, args: Any) -> None: ...
+    def expand(self, y: torch.Tensor, hs: list[torch.Tensor], args: Any) -> None: ...
 
 
 class TorchBackend:
@@ -96,7 +97,7 @@ class TritonBackend:
             for layer in range(self.num_layers)
         ]
 
-    def shrink(self, x: torch.Tensor, args: LoraArgs) -> torch.Tensor:
+    def shrink(self, x: torch.Tensor, args: LoraArgs) -> list[torch.Tensor]:
         m, t = args.meta, args.meta.tables
         ranks, a_rows = t.ranks[:, args.layer, args.group], t.a_rows[:, args.layer, args.group]
         h = torch.empty(x.shape[0], max(m.max_r, 1), dtype=torch.float32, device=x.device)
@@ -108,9 +109,10 @@ class TritonBackend:
                 h, x, self.arena, m.seg_start, m.seg_len, m.seg_slot, ranks, a_rows,
                 m.max_seg_len, m.max_r,
             )  # fmt: skip
-        return h
+        return [h]
 
-    def expand(self, y: torch.Tensor, h: torch.Tensor, args: LoraArgs) -> None:
+    def expand(self, y: torch.Tensor, hs: list[torch.Tensor], args: LoraArgs) -> None:
+        (h,) = hs
         m, t, lg = args.meta, args.meta.tables, (args.layer, args.group)
         t_rank, t_hoff = t.t_rank[:, lg[0], lg[1]], t.t_hoff[:, lg[0], lg[1]]
         b_rows, cols = t.b_rows[:, lg[0], lg[1]], m.cols[args.group]

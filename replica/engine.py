@@ -55,7 +55,16 @@ class LLMEngine:
         dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
         self.model_config = mc = ModelConfig.from_pretrained(Path(cfg.model), dtype)
         self.max_model_len = cfg.max_model_len or min(mc.max_position_embeddings, 8192)
-        self.model = LlamaModel(mc, load_weights(Path(cfg.model), mc, device), self.max_model_len)
+        self.tp = None
+        if cfg.tp > 1:  # this process is rank 0: its model, pool and KV hold its share
+            from loraplex.replica.parallel.group import TensorParallelGroup
+
+            self.tp = TensorParallelGroup(cfg, self.max_model_len, cfg.tp_launcher)
+            self.model, mc = self.tp.model, self.tp.plan.rank_config
+        else:
+            self.model = LlamaModel(
+                mc, load_weights(Path(cfg.model), mc, device), self.max_model_len
+            )
         has_tokenizer = (Path(cfg.model) / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer(Path(cfg.model)) if has_tokenizer else None
         elem = torch.empty((), dtype=mc.dtype).element_size()
@@ -64,12 +73,17 @@ class LLMEngine:
         )
         pool_bytes = cfg.pool_bytes or _auto_pool_bytes(device)
         self.pool = UnifiedPool(pool_bytes // page_bytes, page_bytes // elem, mc.dtype, device)
-        self.kernels = resolve_kernels(cfg.kernels, device)
-        self.model.ops = ForwardOps(
-            make_backend(self.kernels, self._lora_layout(), self.pool.arena)
-        )
         self.kv = KVCache(self.pool, mc)
         self.adapters = AdapterCache(self.pool, mc, self.model.output_columns)
+        self.kernels = resolve_kernels(cfg.kernels, device)
+        sched = cfg.scheduler
+        layout_args = (cfg.max_lora_rank, sched.max_num_seqs, sched.max_num_batched_tokens)
+        backend = make_backend(self.kernels, self.model.lora_layout(*layout_args), self.pool.arena)
+        self.model.ops = (
+            ForwardOps(backend)
+            if self.tp is None
+            else self.tp.connect(backend, self.pool, self.adapters, layout_args)
+        )
         self.scheduler = Scheduler(cfg.scheduler, self.kv, self.adapters)
         eos = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -80,12 +94,6 @@ class LLMEngine:
         self._ids = itertools.count()
         self._seeds = random.Random(cfg.seed)  # for requests that bring no seed
 
-    def _lora_layout(self):
-        sched = self.cfg.scheduler
-        return self.model.lora_layout(
-            self.cfg.max_lora_rank, sched.max_num_seqs, sched.max_num_batched_tokens
-        )
-
     # adapters
 
     def add_adapter(self, name: str, path: Path) -> AdapterInfo:
@@ -94,7 +102,7 @@ class LLMEngine:
     def read_adapter(self, name: str, path: Path) -> AdapterWeights:
         """Read and validate; touches no engine state (safe off the engine thread)."""
         weights = load_adapter(Path(path), name, self.model_config, self.cfg.max_lora_rank)
-        pages = self._pages_for(weights)
+        pages = self._pages_for(weights if self.tp is None else self.tp.shard(weights))
         if pages > self.pool.num_pages // 2:
             raise AdapterError(
                 f"adapter {name!r} needs {pages} pages; at most half the pool "
@@ -103,6 +111,8 @@ class LLMEngine:
         return weights
 
     def register_adapter(self, weights: AdapterWeights) -> AdapterInfo:
+        if self.tp is not None:  # every rank keeps its shard in its host tier
+            weights = self.tp.add_adapter(weights)
         self.adapters.add(weights)
         return AdapterInfo(
             weights.name, weights.rank, weights.targets, weights.nbytes, self._pages_for(weights)
@@ -115,6 +125,8 @@ class LLMEngine:
         """Unregister an adapter. Running requests that hold it finish; queued ones are
         aborted (their final output, reason "abort", comes with the next step)."""
         self.adapters.remove(name)
+        if self.tp is not None:
+            self.tp.remove_adapter(name)
         for seq in [s for s in self.scheduler.waiting if s.adapter == name]:
             self.scheduler.finish(seq, "abort")
             self.requests.pop(seq.request_id, None)
@@ -252,6 +264,11 @@ class LLMEngine:
                 if out.finished:
                     final[out.request_id] = out
         return [final[i] for i in ids]
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any."""
+        if self.tp is not None:
+            self.tp.close()
 
     def stats(self) -> dict:
         pool = self.pool.stats()
@@ -439,6 +456,7 @@ class Engine:
         self._closed = True
         self._work.set()
         self._thread.join(timeout=30)
+        self.core.close()
         stopped = RuntimeError("the engine was shut down")
         for loop, queue in list(self._streams.values()):
             loop.call_soon_threadsafe(queue.put_nowait, stopped)

@@ -46,9 +46,9 @@ class ForwardOps:
     def __init__(self, kernels: KernelBackend):
         self.kernels = kernels
 
-    def lora(self, y: torch.Tensor, x: torch.Tensor, args) -> None:
-        """y += LoRA(x) for one layer and group; args from `kernels.prepare`."""
-        self.kernels.expand(y, self.kernels.shrink(x, args), args)
+    def lora(self, y: torch.Tensor, x: torch.Tensor, lora: list, group: int) -> None:
+        """y += LoRA(x) for one group of a layer; lora: the layer's `kernels.prepare` args."""
+        self.kernels.expand(y, self.kernels.shrink(x, lora[group]), lora[group])
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return partial
@@ -110,7 +110,7 @@ class LlamaModel:
             lora = loras[i]
             x = rms_norm(h, layer["input_norm"], cfg.rms_norm_eps)
             qkv = F.linear(x, layer["qkv"])
-            ops.lora(qkv, x, lora[QKV])
+            ops.lora(qkv, x, lora, QKV)
             q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
             q = apply_rotary(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
             k = apply_rotary(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
@@ -120,16 +120,16 @@ class LlamaModel:
             attn = batch.attention(q, k_cache, v_cache, self.scale, ops.kernels.decode_attention)
             attn = attn.view(t, cfg.q_size)
             o = F.linear(attn, layer["o"])
-            ops.lora(o, attn, lora[OUT])
+            ops.lora(o, attn, lora, OUT)
             h = h + ops.reduce(o)
 
             x = rms_norm(h, layer["post_norm"], cfg.rms_norm_eps)
             gate_up = F.linear(x, layer["gate_up"])
-            ops.lora(gate_up, x, lora[GATE_UP])
+            ops.lora(gate_up, x, lora, GATE_UP)
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
             down = F.linear(act, layer["down"])
-            ops.lora(down, act, lora[DOWN])
+            ops.lora(down, act, lora, DOWN)
             h = h + ops.reduce(down)
         h = rms_norm(h[batch.sample_idx], self.w["norm"], cfg.rms_norm_eps)
         return ops.gather_logits(F.linear(h, self.w["lm_head"])).float()

@@ -1,0 +1,334 @@
+"""Rank 0's side of a tensor-parallel replica: start the other ranks, keep them in step.
+
+Workers are local processes (spawned; `generate --tp`, tests) or Ray actors placed in the
+replica's placement group (a Serve deployment with `placement_group_bundles`); both
+answer the same messages (worker.py). Every step rank 0 sends each worker the step's
+metadata, the host-tier changes since the last step and — when it changed — the map of
+adapter placements (pages), then runs its own share of the forward; the collectives inside
+the forward keep the ranks together. Every wait has a timeout: a dead or stuck worker
+fails the step with an error instead of hanging the replica.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+import threading
+import time
+import weakref
+from dataclasses import replace
+from typing import Literal, Protocol
+
+import torch
+
+from loraplex.replica.adapter_cache import AdapterCache
+from loraplex.replica.adapters import AdapterWeights, ResidentAdapter
+from loraplex.replica.batch import StepBatch
+from loraplex.replica.config import EngineConfig
+from loraplex.replica.parallel.comm import Communicator, ParallelOps, free_port
+from loraplex.replica.parallel.shard import RankModel, ShardPlan
+from loraplex.replica.parallel.worker import (
+    PoolSpec,
+    RayRankWorker,
+    StepMessage,
+    WorkerSpec,
+    load_rank,
+    model_config,
+    serve,
+)
+from loraplex.replica.pool import UnifiedPool
+
+Launcher = Literal["auto", "process", "ray"]
+
+
+class WorkerFailed(RuntimeError):
+    """A tensor-parallel worker died, timed out or raised; the replica cannot go on."""
+
+
+class WorkerHandle(Protocol):
+    def submit(self, msg: tuple) -> None: ...
+
+    def result(self, timeout_s: float): ...
+
+    def alive(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class ProcessWorker:
+    def __init__(self, spec: WorkerSpec):
+        ctx = mp.get_context("spawn")
+        self.rank = spec.rank
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=serve, args=(child, spec), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def submit(self, msg: tuple) -> None:
+        try:
+            self.conn.send_bytes(pickle.dumps(msg))
+        except OSError as e:
+            raise WorkerFailed(f"tp worker {self.rank} is gone ({e})") from None
+
+    def result(self, timeout_s: float):
+        deadline = time.monotonic() + timeout_s
+        while not self.conn.poll(0.05):
+            if not self.proc.is_alive() and not self.conn.poll(0):
+                raise WorkerFailed(f"tp worker {self.rank} exited ({self.proc.exitcode})")
+            if time.monotonic() > deadline:
+                raise WorkerFailed(f"tp worker {self.rank} did not answer in {timeout_s:.0f}s")
+        try:
+            status, value = pickle.loads(self.conn.recv_bytes())
+        except (EOFError, OSError):
+            raise WorkerFailed(f"tp worker {self.rank} exited ({self.proc.exitcode})") from None
+        if status != "ok":
+            raise WorkerFailed(f"tp worker {self.rank} failed:\n{value}")
+        return value
+
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send_bytes(pickle.dumps(("stop",)))
+            except OSError:
+                pass
+            self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self.conn.close()
+
+
+class RayWorker:
+    def __init__(self, spec: WorkerSpec, bundle: int):
+        import ray
+        from ray.util import get_current_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.rank = spec.rank
+        pg = get_current_placement_group()
+        gpus = 1 if spec.cfg.device.startswith("cuda") else 0
+        self.actor = (
+            ray.remote(RayRankWorker)
+            .options(
+                num_cpus=1,
+                num_gpus=gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=bundle
+                ),
+            )
+            .remote(spec)
+        )
+        self._ref = self.actor.__ray_ready__.remote()
+        self._ray = ray
+
+    def submit(self, msg: tuple) -> None:
+        self._ref = self.actor.handle.remote(pickle.dumps(msg))
+
+    def result(self, timeout_s: float):
+        ray = self._ray
+        try:
+            payload = ray.get(self._ref, timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise WorkerFailed(
+                f"tp worker {self.rank} did not answer in {timeout_s:.0f}s"
+            ) from None
+        except ray.exceptions.RayError as e:
+            raise WorkerFailed(f"tp worker {self.rank} failed: {e}") from None
+        if payload is None:  # __ray_ready__
+            return None
+        status, value = pickle.loads(payload)
+        if status != "ok":
+            raise WorkerFailed(f"tp worker {self.rank} failed:\n{value}")
+        return value
+
+    def alive(self) -> bool:
+        ray = self._ray
+        try:
+            ray.get(self.actor.__ray_ready__.remote(), timeout=5)
+            return True
+        except ray.exceptions.RayError:
+            return False
+
+    def close(self) -> None:
+        self._ray.kill(self.actor)
+
+
+def _try(fn):
+    try:
+        return fn()
+    except BaseException as e:
+        return e
+
+
+def _use_ray(launcher: Launcher) -> bool:
+    if launcher != "auto":
+        return launcher == "ray"
+    try:
+        import ray
+        from ray.util import get_current_placement_group
+    except ImportError:
+        return False
+    return ray.is_initialized() and get_current_placement_group() is not None
+
+
+class DriverModel(RankModel):
+    """Rank 0's model: sends each step to the workers, then runs its own share."""
+
+    def __init__(self, model: RankModel, group: TensorParallelGroup):
+        self.__dict__.update(model.__dict__)
+        self.group = group
+
+    def forward(self, batch: StepBatch, kv_cache, kv_rows) -> torch.Tensor:
+        self.group.send_step(batch)
+        logits = super().forward(batch, kv_cache, kv_rows)
+        self.group.finish_step()
+        return logits
+
+
+class TensorParallelGroup:
+    """Rank 0: its model shard, the communicator, and handles on ranks 1..N-1."""
+
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        max_model_len: int,
+        launcher: Launcher = "auto",
+        timeout_s: float = 120.0,
+    ):
+        self.cfg, self.timeout_s = cfg, timeout_s
+        device = torch.device(cfg.device)
+        ShardPlan(model_config(cfg), 0, cfg.tp)  # a tp that does not divide the model: fail now
+        use_ray = _use_ray(launcher)
+        addr = "127.0.0.1"
+        if use_ray:
+            import ray
+
+            addr = ray.util.get_node_ip_address()
+        port = free_port(addr)
+        self.workers: list[WorkerHandle] = []
+        try:
+            for rank in range(1, cfg.tp):
+                spec = WorkerSpec(cfg, rank, addr, port, max_model_len, timeout_s)
+                self.workers.append(RayWorker(spec, rank) if use_ray else ProcessWorker(spec))
+            self.comm = self._join(addr, port, device)
+            self._wait_all()
+            plan, model = load_rank(cfg, 0, max_model_len, device)
+        except BaseException:
+            self.close()
+            raise
+        self.plan: ShardPlan = plan
+        self.model = DriverModel(model, self)
+        self._adds: list[list[AdapterWeights]] = [[] for _ in self.workers]
+        self._removes: list[str] = []
+        self._ids: weakref.WeakKeyDictionary[ResidentAdapter, int] = weakref.WeakKeyDictionary()
+        self._next_id = 0
+        self._sent_placements: dict[int, tuple[str, tuple[int, ...]]] | None = None
+        self.adapters: AdapterCache | None = None
+        self.launcher = "ray" if use_ray else "process"
+
+    def _join(self, addr: str, port: int, device: torch.device) -> Communicator:
+        """Rendezvous with the workers, failing as soon as one of them dies."""
+        joined: list = []
+        thread = threading.Thread(
+            target=lambda: joined.append(
+                _try(lambda: Communicator(0, self.cfg.tp, addr, port, device, self.timeout_s))
+            ),
+            daemon=True,  # left blocked until the store times out if a worker never joins
+        )
+        thread.start()
+        deadline = time.monotonic() + self.timeout_s
+        while thread.is_alive():
+            thread.join(0.1)
+            for w in self.workers:
+                if not w.alive():
+                    w.result(0)  # raises WorkerFailed with the worker's own error
+                    raise WorkerFailed("a tp worker exited before joining the group")
+            if time.monotonic() > deadline:
+                raise WorkerFailed(f"the tp workers did not join in {self.timeout_s:.0f}s")
+        (result,) = joined
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
+    def _wait_all(self, timeout_s: float | None = None) -> list:
+        return [w.result(timeout_s or self.timeout_s) for w in self.workers]
+
+    def _broadcast(self, msg: tuple) -> list:
+        for w in self.workers:
+            w.submit(msg)
+        return self._wait_all()
+
+    def connect(
+        self, backend, pool: UnifiedPool, adapters: AdapterCache, layout_args
+    ) -> ParallelOps:
+        """Give every worker a pool like rank 0's; return rank 0's forward ops."""
+        self.adapters = adapters
+        self._broadcast(
+            ("pool", PoolSpec(pool.num_pages, pool.page_elems, backend.name, layout_args))
+        )
+        return ParallelOps(backend, self.comm, self.plan)
+
+    # adapters
+
+    def shard(self, weights: AdapterWeights, rank: int = 0) -> AdapterWeights:
+        return replace(self.plan, rank=rank).shard_adapter(weights)
+
+    def add_adapter(self, weights: AdapterWeights) -> AdapterWeights:
+        """Queue each worker's shard for the next step; return rank 0's."""
+        for i, queue in enumerate(self._adds):
+            queue.append(self.shard(weights, i + 1))
+        return self.shard(weights, 0)
+
+    def remove_adapter(self, name: str) -> None:
+        self._removes.append(name)
+
+    def _placement_id(self, resident: ResidentAdapter) -> int:
+        pid = self._ids.get(resident)
+        if pid is None:
+            pid = self._ids[resident] = self._next_id
+            self._next_id += 1
+        return pid
+
+    def _placements(self, batch: StepBatch) -> dict[int, tuple[str, tuple[int, ...]]]:
+        live = list(self.adapters.resident.values()) if self.adapters is not None else []
+        live += [r for _, _, r in batch.lora_runs]
+        return {self._placement_id(r): (r.name, tuple(r.pages)) for r in live}
+
+    # steps
+
+    def send_step(self, batch: StepBatch) -> None:
+        placements = self._placements(batch)
+        changed = placements != self._sent_placements
+        wire = replace(
+            batch,
+            lora_runs=[(s, e, self._placement_id(r)) for s, e, r in batch.lora_runs],
+            sampled=(),
+        )
+        removes, self._removes = tuple(self._removes), []
+        for w, adds in zip(self.workers, self._adds, strict=True):
+            msg = StepMessage(tuple(adds), removes, placements if changed else None, wire)
+            w.submit(("step", msg))
+            adds.clear()
+        self._sent_placements = placements
+
+    def finish_step(self) -> None:
+        self._wait_all()
+
+    def worker_state(self) -> list[dict]:
+        """Each worker's placed adapters: {name: (pages, {(layer, target): (A, Bt)})}."""
+        return self._broadcast(("state",))
+
+    def failure(self) -> str | None:
+        dead = [i + 1 for i, w in enumerate(self.workers) if not w.alive()]
+        return f"tp workers {dead} are not running" if dead else None
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+        self.workers = []
+        comm = getattr(self, "comm", None)
+        if comm is not None:
+            comm.close()

@@ -283,6 +283,17 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "preemptions": self.scheduler.num_preemptions,
             "kv_block_size": self.kv.block_size,
+            "kernels": self.kernels,
+            "tp": {"size": 1}
+            if self.tp is None
+            else {
+                "size": self.cfg.tp,
+                "launcher": self.tp.launcher,
+                "bytes_sent_rank0": {
+                    "base": self.tp.comm.sent.base,
+                    "lora": self.tp.comm.sent.lora,
+                },
+            },
         }
 
 
@@ -449,6 +460,8 @@ class Engine:
             return "shut down"
         if not self._thread.is_alive():
             return "the engine thread exited"
+        if self.core.tp is not None:
+            return self.core.tp.failure()
         return None
 
     def shutdown(self) -> None:

@@ -182,3 +182,34 @@ def test_generate_with_tp2_writes_what_tp1_writes(demo_assets, tmp_path: Path):
         results[tp] = [json.loads(line)["token_ids"] for line in dest.read_text().splitlines()]
     assert results[2] == results[1]
     assert all(len(t) == 8 for t in results[2])
+
+
+def test_bench_reports_the_tp_figures(tmp_path: Path):
+    from loraplex.benchmarks import engine as bench_engine
+    from loraplex.cluster.demo_assets import ModelSpec
+
+    shape = bench_engine.BenchShape(
+        model=ModelSpec(
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=512,
+            rope_scaling=None,
+        ),
+        num_requests=8,
+        prompt_scale=1 / 64,
+        output_scale=1 / 32,
+        max_prompt=24,
+        max_output=6,
+        decode_context=8,
+        timed_steps=2,
+    )
+    model_dir, heavy, light, _ = bench_engine._build_assets(tmp_path, shape.model)
+    tp = bench_engine._tensor_parallel(model_dir, heavy, light, shape)
+    assert tp["resident_adapters"] == len(heavy) + len(light)
+    # every matrix is cut in two; pages round up a little
+    assert 0.45 < tp["adapter_bytes_per_rank_ratio"] < 0.6
+    assert 0 < tp["lora_comm_ratio"] < tp["lora_comm_ratio_heavy"]
+    assert tp["step_time_ratio_tp2_vs_tp1"] > 0

@@ -109,12 +109,18 @@ class RayWorker:
 
         self.rank = spec.rank
         pg = get_current_placement_group()
-        gpus = 1 if spec.cfg.device.startswith("cuda") else 0
+        if pg is None or len(pg.bundle_specs) <= bundle:
+            raise WorkerFailed(
+                f"tp={spec.cfg.tp} with Ray needs a placement group of {spec.cfg.tp} bundles "
+                "(the deployment's placement_group_bundles), one per rank"
+            )
+        resources = pg.bundle_specs[bundle]  # the rank takes its whole bundle
         self.actor = (
             ray.remote(RayRankWorker)
             .options(
-                num_cpus=1,
-                num_gpus=gpus,
+                name=f"loraplex-tp-{spec.port}-rank{spec.rank}",  # findable in `ray list actors`
+                num_cpus=resources.get("CPU", 0),
+                num_gpus=resources.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=bundle
                 ),
@@ -123,6 +129,7 @@ class RayWorker:
         )
         self._ref = self.actor.__ray_ready__.remote()
         self._ray = ray
+        self._failed = False
 
     def submit(self, msg: tuple) -> None:
         self._ref = self.actor.handle.remote(pickle.dumps(msg))
@@ -132,25 +139,25 @@ class RayWorker:
         try:
             payload = ray.get(self._ref, timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
+            self._failed = True
             raise WorkerFailed(
                 f"tp worker {self.rank} did not answer in {timeout_s:.0f}s"
             ) from None
         except ray.exceptions.RayError as e:
+            self._failed = True
             raise WorkerFailed(f"tp worker {self.rank} failed: {e}") from None
-        if payload is None:  # __ray_ready__
+        if not isinstance(payload, bytes):  # the answer of __ray_ready__
             return None
         status, value = pickle.loads(payload)
         if status != "ok":
+            self._failed = True
             raise WorkerFailed(f"tp worker {self.rank} failed:\n{value}")
         return value
 
     def alive(self) -> bool:
-        ray = self._ray
-        try:
-            ray.get(self.actor.__ray_ready__.remote(), timeout=5)
-            return True
-        except ray.exceptions.RayError:
-            return False
+        """False once a call failed; a dead actor otherwise shows at the next step (never
+        blocks: health checks call this from the event loop)."""
+        return not self._failed
 
     def close(self) -> None:
         self._ray.kill(self.actor)

@@ -6,6 +6,9 @@ segment edges at the kernels' block sizes, adapters in shuffled pages."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -182,3 +185,15 @@ def test_backend_selection():
     assert resolve_kernels("torch", cuda, {"LORAPLEX_KERNELS": "triton"}) == "torch"
     with pytest.raises(ValueError, match="kernels must be one of"):
         resolve_kernels("auto", cpu, {"LORAPLEX_KERNELS": "cuda"})
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_cuda_without_a_gpu():
+    """The interpreter does not compile; this lowers every kernel to sm_90 machine code."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("kernel_compile.py")
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("bytes of sm_90 cubin") == 15

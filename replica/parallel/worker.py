@@ -76,6 +76,10 @@ class RankWorker:
     def __init__(self, spec: WorkerSpec):
         torch.set_num_threads(spec.threads)
         self.device = torch.device(spec.cfg.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # a Ray actor sees only its own GPU; local processes take GPU `rank`
+            self.device = torch.device("cuda", spec.rank % torch.cuda.device_count())
+            torch.cuda.set_device(self.device)
         self.comm = Communicator(
             spec.rank, spec.cfg.tp, spec.addr, spec.port, self.device, spec.timeout_s
         )

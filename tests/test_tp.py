@@ -23,7 +23,7 @@ from loraplex.replica.adapters import load_adapter
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.model.config import ModelConfigError
-from loraplex.replica.parallel.group import WorkerFailed
+from loraplex.replica.parallel.handles import WorkerFailed
 from loraplex.replica.parallel.shard import ShardPlan
 from loraplex.replica.sampling import SamplingParams
 from loraplex.replica.scheduler import SchedulerConfig

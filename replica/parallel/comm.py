@@ -9,7 +9,7 @@ bytes sends 2 (N-1)/N * S, an all-gather whose result is S bytes sends (N-1)/N *
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -29,7 +29,6 @@ def free_port(host: str = "127.0.0.1") -> int:
 class CommBytes:
     base: int = 0  # row-parallel all-reduces, logits all-gather
     lora: int = 0  # all-reduces of the rank-sized shrink outputs
-    ops: dict[str, int] = field(default_factory=lambda: {"base": 0, "lora": 0})
 
 
 class Communicator:
@@ -56,7 +55,6 @@ class Communicator:
 
     def _count(self, kind: str, nbytes: float) -> None:
         setattr(self.sent, kind, getattr(self.sent, kind) + int(nbytes))
-        self.sent.ops[kind] += 1
 
     def all_reduce_(self, tensors: list[torch.Tensor], kind: str) -> None:
         """Sum each tensor over the ranks, in place; one collective for all of them."""

@@ -11,13 +11,11 @@ fails the step with an error instead of hanging the replica.
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import pickle
 import threading
 import time
 import weakref
 from dataclasses import replace
-from typing import Literal, Protocol
+from typing import Literal
 
 import torch
 
@@ -26,141 +24,18 @@ from loraplex.replica.adapters import AdapterWeights, ResidentAdapter
 from loraplex.replica.batch import StepBatch
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.parallel.comm import Communicator, ParallelOps, free_port
+from loraplex.replica.parallel.handles import ProcessWorker, RayWorker, WorkerFailed, WorkerHandle
 from loraplex.replica.parallel.shard import RankModel, ShardPlan
 from loraplex.replica.parallel.worker import (
     PoolSpec,
-    RayRankWorker,
     StepMessage,
     WorkerSpec,
     load_rank,
     model_config,
-    serve,
 )
 from loraplex.replica.pool import UnifiedPool
 
 Launcher = Literal["auto", "process", "ray"]
-
-
-class WorkerFailed(RuntimeError):
-    """A tensor-parallel worker died, timed out or raised; the replica cannot go on."""
-
-
-class WorkerHandle(Protocol):
-    def submit(self, msg: tuple) -> None: ...
-
-    def result(self, timeout_s: float): ...
-
-    def alive(self) -> bool: ...
-
-    def close(self) -> None: ...
-
-
-class ProcessWorker:
-    def __init__(self, spec: WorkerSpec):
-        ctx = mp.get_context("spawn")
-        self.rank = spec.rank
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=serve, args=(child, spec), daemon=True)
-        self.proc.start()
-        child.close()
-
-    def submit(self, msg: tuple) -> None:
-        try:
-            self.conn.send_bytes(pickle.dumps(msg))
-        except OSError as e:
-            raise WorkerFailed(f"tp worker {self.rank} is gone ({e})") from None
-
-    def result(self, timeout_s: float):
-        deadline = time.monotonic() + timeout_s
-        while not self.conn.poll(0.05):
-            if not self.proc.is_alive() and not self.conn.poll(0):
-                raise WorkerFailed(f"tp worker {self.rank} exited ({self.proc.exitcode})")
-            if time.monotonic() > deadline:
-                raise WorkerFailed(f"tp worker {self.rank} did not answer in {timeout_s:.0f}s")
-        try:
-            status, value = pickle.loads(self.conn.recv_bytes())
-        except (EOFError, OSError):
-            raise WorkerFailed(f"tp worker {self.rank} exited ({self.proc.exitcode})") from None
-        if status != "ok":
-            raise WorkerFailed(f"tp worker {self.rank} failed:\n{value}")
-        return value
-
-    def alive(self) -> bool:
-        return self.proc.is_alive()
-
-    def close(self) -> None:
-        if self.proc.is_alive():
-            try:
-                self.conn.send_bytes(pickle.dumps(("stop",)))
-            except OSError:
-                pass
-            self.proc.join(5)
-        if self.proc.is_alive():
-            self.proc.kill()
-            self.proc.join(5)
-        self.conn.close()
-
-
-class RayWorker:
-    def __init__(self, spec: WorkerSpec, bundle: int):
-        import ray
-        from ray.util import get_current_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        self.rank = spec.rank
-        pg = get_current_placement_group()
-        if pg is None or len(pg.bundle_specs) <= bundle:
-            raise WorkerFailed(
-                f"tp={spec.cfg.tp} with Ray needs a placement group of {spec.cfg.tp} bundles "
-                "(the deployment's placement_group_bundles), one per rank"
-            )
-        resources = pg.bundle_specs[bundle]  # the rank takes its whole bundle
-        self.actor = (
-            ray.remote(RayRankWorker)
-            .options(
-                name=f"loraplex-tp-{spec.port}-rank{spec.rank}",  # findable in `ray list actors`
-                num_cpus=resources.get("CPU", 0),
-                num_gpus=resources.get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pg, placement_group_bundle_index=bundle
-                ),
-            )
-            .remote(spec)
-        )
-        self._ref = self.actor.__ray_ready__.remote()
-        self._ray = ray
-        self._failed = False
-
-    def submit(self, msg: tuple) -> None:
-        self._ref = self.actor.handle.remote(pickle.dumps(msg))
-
-    def result(self, timeout_s: float):
-        ray = self._ray
-        try:
-            payload = ray.get(self._ref, timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            self._failed = True
-            raise WorkerFailed(
-                f"tp worker {self.rank} did not answer in {timeout_s:.0f}s"
-            ) from None
-        except ray.exceptions.RayError as e:
-            self._failed = True
-            raise WorkerFailed(f"tp worker {self.rank} failed: {e}") from None
-        if not isinstance(payload, bytes):  # the answer of __ray_ready__
-            return None
-        status, value = pickle.loads(payload)
-        if status != "ok":
-            self._failed = True
-            raise WorkerFailed(f"tp worker {self.rank} failed:\n{value}")
-        return value
-
-    def alive(self) -> bool:
-        """False once a call failed; a dead actor otherwise shows at the next step (never
-        blocks: health checks call this from the event loop)."""
-        return not self._failed
-
-    def close(self) -> None:
-        self._ray.kill(self.actor)
 
 
 def _try(fn):
@@ -184,8 +59,8 @@ def _use_ray(launcher: Launcher) -> bool:
 class DriverModel(RankModel):
     """Rank 0's model: sends each step to the workers, then runs its own share."""
 
-    def __init__(self, model: RankModel, group: TensorParallelGroup):
-        self.__dict__.update(model.__dict__)
+    def __init__(self, plan, weights, max_positions: int, group: TensorParallelGroup):
+        super().__init__(plan, weights, max_positions)
         self.group = group
 
     def forward(self, batch: StepBatch, kv_cache, kv_rows) -> torch.Tensor:
@@ -222,12 +97,12 @@ class TensorParallelGroup:
                 self.workers.append(RayWorker(spec, rank) if use_ray else ProcessWorker(spec))
             self.comm = self._join(addr, port, device)
             self._wait_all()
-            plan, model = load_rank(cfg, 0, max_model_len, device)
+            plan, model = load_rank(cfg, 0, max_model_len, device, DriverModel, group=self)
         except BaseException:
             self.close()
             raise
         self.plan: ShardPlan = plan
-        self.model = DriverModel(model, self)
+        self.model: DriverModel = model
         self._adds: list[list[AdapterWeights]] = [[] for _ in self.workers]
         self._removes: list[str] = []
         self._ids: weakref.WeakKeyDictionary[ResidentAdapter, int] = weakref.WeakKeyDictionary()

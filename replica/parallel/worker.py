@@ -65,11 +65,13 @@ def model_config(cfg: EngineConfig) -> ModelConfig:
     )
 
 
-def load_rank(cfg: EngineConfig, rank: int, max_model_len: int, device: torch.device):
+def load_rank(
+    cfg: EngineConfig, rank: int, max_model_len: int, device: torch.device, cls=RankModel, **kw
+):
     """(plan, model) of one rank: the checkpoint read whole, then cut."""
     plan = ShardPlan(model_config(cfg), rank, cfg.tp)
-    mc = plan.cfg
-    return plan, RankModel(plan, load_weights(Path(cfg.model), mc, device), max_model_len)
+    weights = load_weights(Path(cfg.model), plan.cfg, device)
+    return plan, cls(plan, weights, max_model_len, **kw)
 
 
 class RankWorker:

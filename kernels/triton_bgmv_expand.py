@@ -18,9 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels.triton_check import FLOAT_DTYPES, check, check_tensor
-
-INDEX = (torch.int32,)
+from loraplex.kernels.triton_check import check_expand_tables, check_lora_io, check_token_slot
 
 
 @triton.jit
@@ -88,23 +86,9 @@ def bgmv_expand(
     scales: torch.Tensor,  # [S] float32
     max_width: int,  # >= every cols[j + 1] - cols[j]
 ) -> None:
-    dev = y.device
-    check_tensor("y", y, dims=2, dtypes=FLOAT_DTYPES, device=dev, inner_contiguous=True)
-    check_tensor("h", h, dims=2, dtypes=(torch.float32,), device=dev, inner_contiguous=True)
-    check(h.shape[0] == y.shape[0], f"h has {h.shape[0]} rows, y {y.shape[0]}")
-    check(arena.dtype == y.dtype, f"arena dtype {arena.dtype} != y dtype {y.dtype}")
-    check(arena.is_contiguous() and arena.device == dev, "arena must be contiguous, on y's device")
-    check_tensor("token_slot", token_slot, dims=1, dtypes=INDEX, device=dev, contiguous=True)
-    check(token_slot.shape[0] == y.shape[0], f"token_slot has {token_slot.shape[0]} tokens")
-    check_tensor("t_rank", t_rank, dims=2, dtypes=INDEX, device=dev)
-    check_tensor("t_hoff", t_hoff, dims=2, dtypes=INDEX, device=dev)
-    check_tensor("b_rows", b_rows, dims=3, dtypes=(torch.int64,), device=dev, inner_contiguous=True)
-    check_tensor("cols", cols, dims=1, dtypes=INDEX, device=dev, contiguous=True)
-    check_tensor("scales", scales, dims=1, dtypes=(torch.float32,), device=dev, contiguous=True)
-    num_targets = cols.shape[0] - 1
-    check(
-        t_rank.shape[1] == num_targets, f"t_rank has {t_rank.shape[1]} targets, cols {num_targets}"
-    )
+    check_lora_io("y", y, h, arena)
+    check_token_slot(token_slot, y.shape[0], y.device)
+    num_targets = check_expand_tables(t_rank, t_hoff, b_rows, cols, scales, y.device)
     if y.shape[0] == 0 or max_width == 0:
         return
     block_r, block_n = 16, 64

@@ -16,9 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels.triton_check import FLOAT_DTYPES, check, check_tensor
-
-INDEX = (torch.int32,)
+from loraplex.kernels.triton_check import check_lora_io, check_shrink_tables, check_token_slot
 
 
 @triton.jit
@@ -69,17 +67,9 @@ def bgmv_shrink(
     a_rows: torch.Tensor,  # [S, R_cap] int64 (last dim contiguous)
     max_rank: int,  # >= every ranks[w] used (sizes the grid)
 ) -> None:
-    dev = x.device
-    check_tensor("x", x, dims=2, dtypes=FLOAT_DTYPES, device=dev, inner_contiguous=True)
-    check_tensor("h", h, dims=2, dtypes=(torch.float32,), device=dev, inner_contiguous=True)
-    check(arena.dtype == x.dtype, f"arena dtype {arena.dtype} != x dtype {x.dtype}")
-    check(arena.is_contiguous() and arena.device == dev, "arena must be contiguous, on x's device")
-    check(h.shape[0] == x.shape[0], f"h has {h.shape[0]} rows, x {x.shape[0]}")
-    check(h.shape[1] >= max_rank, f"h has {h.shape[1]} columns < max_rank {max_rank}")
-    check_tensor("token_slot", token_slot, dims=1, dtypes=INDEX, device=dev, contiguous=True)
-    check(token_slot.shape[0] == x.shape[0], f"token_slot has {token_slot.shape[0]} tokens")
-    check_tensor("ranks", ranks, dims=1, dtypes=INDEX, device=dev)
-    check_tensor("a_rows", a_rows, dims=2, dtypes=(torch.int64,), device=dev, inner_contiguous=True)
+    check_lora_io("x", x, h, arena)
+    check_token_slot(token_slot, x.shape[0], x.device)
+    check_shrink_tables(ranks, a_rows, max_rank, h)
     if x.shape[0] == 0 or max_rank == 0:
         return
     block_r, block_k = 16, 64

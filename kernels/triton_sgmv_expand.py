@@ -20,9 +20,12 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels.triton_check import FLOAT_DTYPES, check, check_tensor, dot_in_fp32
-
-INDEX = (torch.int32,)
+from loraplex.kernels.triton_check import (
+    check_expand_tables,
+    check_lora_io,
+    check_segments,
+    dot_in_fp32,
+)
 
 
 @triton.jit
@@ -108,24 +111,9 @@ def sgmv_expand(
     max_seg_len: int,
     max_width: int,  # >= every cols[j + 1] - cols[j]
 ) -> None:
-    dev = y.device
-    check_tensor("y", y, dims=2, dtypes=FLOAT_DTYPES, device=dev, inner_contiguous=True)
-    check_tensor("h", h, dims=2, dtypes=(torch.float32,), device=dev, inner_contiguous=True)
-    check(h.shape[0] == y.shape[0], f"h has {h.shape[0]} rows, y {y.shape[0]}")
-    check(arena.dtype == y.dtype, f"arena dtype {arena.dtype} != y dtype {y.dtype}")
-    check(arena.is_contiguous() and arena.device == dev, "arena must be contiguous, on y's device")
-    for name, t in (("seg_start", seg_start), ("seg_len", seg_len), ("seg_slot", seg_slot)):
-        check_tensor(name, t, dims=1, dtypes=INDEX, device=dev, contiguous=True)
-        check(t.shape[0] == seg_start.shape[0], f"{name} has {t.shape[0]} segments")
-    check_tensor("t_rank", t_rank, dims=2, dtypes=INDEX, device=dev)
-    check_tensor("t_hoff", t_hoff, dims=2, dtypes=INDEX, device=dev)
-    check_tensor("b_rows", b_rows, dims=3, dtypes=(torch.int64,), device=dev, inner_contiguous=True)
-    check_tensor("cols", cols, dims=1, dtypes=INDEX, device=dev, contiguous=True)
-    check_tensor("scales", scales, dims=1, dtypes=(torch.float32,), device=dev, contiguous=True)
-    num_targets = cols.shape[0] - 1
-    check(
-        t_rank.shape[1] == num_targets, f"t_rank has {t_rank.shape[1]} targets, cols {num_targets}"
-    )
+    check_lora_io("y", y, h, arena)
+    check_segments(seg_start, seg_len, seg_slot, y.device)
+    num_targets = check_expand_tables(t_rank, t_hoff, b_rows, cols, scales, y.device)
     num_segs = seg_start.shape[0]
     if num_segs == 0 or max_seg_len == 0 or max_width == 0:
         return

@@ -17,10 +17,12 @@ import torch
 import triton
 import triton.language as tl
 
-from loraplex.kernels.triton_check import FLOAT_DTYPES, check, check_tensor, dot_in_fp32
-
-INDEX = (torch.int32,)
-OFFSETS = (torch.int64,)
+from loraplex.kernels.triton_check import (
+    check_lora_io,
+    check_segments,
+    check_shrink_tables,
+    dot_in_fp32,
+)
 
 
 @triton.jit
@@ -92,19 +94,9 @@ def sgmv_shrink(
     max_seg_len: int,
     max_rank: int,  # >= every ranks[w] used (sizes the grid)
 ) -> None:
-    dev = x.device
-    check_tensor("x", x, dims=2, dtypes=FLOAT_DTYPES, device=dev, inner_contiguous=True)
-    check_tensor("h", h, dims=2, dtypes=(torch.float32,), device=dev, inner_contiguous=True)
-    check(arena.dtype == x.dtype, f"arena dtype {arena.dtype} != x dtype {x.dtype}")
-    check(arena.is_contiguous() and arena.device == dev, "arena must be contiguous, on x's device")
-    check(h.shape[0] == x.shape[0], f"h has {h.shape[0]} rows, x {x.shape[0]}")
-    check(h.shape[1] >= max_rank, f"h has {h.shape[1]} columns < max_rank {max_rank}")
-    for name, t in (("seg_start", seg_start), ("seg_len", seg_len), ("seg_slot", seg_slot)):
-        check_tensor(name, t, dims=1, dtypes=INDEX, device=dev, contiguous=True)
-        check(t.shape[0] == seg_start.shape[0], f"{name} has {t.shape[0]} segments")
-    check_tensor("ranks", ranks, dims=1, dtypes=INDEX, device=dev)
-    check_tensor("a_rows", a_rows, dims=2, dtypes=OFFSETS, device=dev, inner_contiguous=True)
-    check(a_rows.shape[1] >= max_rank, f"a_rows holds {a_rows.shape[1]} rows < {max_rank}")
+    check_lora_io("x", x, h, arena)
+    check_segments(seg_start, seg_len, seg_slot, x.device)
+    check_shrink_tables(ranks, a_rows, max_rank, h)
     num_segs = seg_start.shape[0]
     if num_segs == 0 or max_seg_len == 0 or max_rank == 0:
         return

@@ -185,29 +185,12 @@ def test_generate_with_tp2_writes_what_tp1_writes(demo_assets, tmp_path: Path):
 
 
 def test_bench_reports_the_tp_figures(tmp_path: Path):
-    from loraplex.benchmarks import engine as bench_engine
-    from loraplex.cluster.demo_assets import ModelSpec
+    from test_bench_smoke import TINY
 
-    shape = bench_engine.BenchShape(
-        model=ModelSpec(
-            hidden_size=64,
-            intermediate_size=160,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=512,
-            rope_scaling=None,
-        ),
-        num_requests=8,
-        prompt_scale=1 / 64,
-        output_scale=1 / 32,
-        max_prompt=24,
-        max_output=6,
-        decode_context=8,
-        timed_steps=2,
-    )
-    model_dir, heavy, light, _ = bench_engine._build_assets(tmp_path, shape.model)
-    tp = bench_engine._tensor_parallel(model_dir, heavy, light, shape)
+    from loraplex.benchmarks import engine as bench_engine
+
+    model_dir, heavy, light, _ = bench_engine._build_assets(tmp_path, TINY.model)
+    tp = bench_engine._tensor_parallel(model_dir, heavy, light, TINY)
     assert tp["resident_adapters"] == len(heavy) + len(light)
     # every matrix is cut in two; pages round up a little
     assert 0.45 < tp["adapter_bytes_per_rank_ratio"] < 0.6

@@ -196,3 +196,43 @@ def test_bench_reports_the_tp_figures(tmp_path: Path):
     assert 0.45 < tp["adapter_bytes_per_rank_ratio"] < 0.6
     assert 0 < tp["lora_comm_ratio"] < tp["lora_comm_ratio_heavy"]
     assert tp["step_time_ratio_tp2_vs_tp1"] > 0
+
+
+def test_tp2_with_triton_kernels_matches_tp1_torch(demo_assets):
+    """The Triton backend under tensor parallelism (the workers inherit TRITON_INTERPRET
+    on CPU): sliced LoRA inputs, the all-reduced [T, R] shrink output, decode attention."""
+    if not torch.cuda.is_available():
+        assert os.environ.get("TRITON_INTERPRET") == "1"
+    results = []
+    for tp, kernels in ((1, "torch"), (2, "triton")):
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(demo_assets.model_dir),
+                dtype="float32",
+                pool_bytes=64 * PAGE,
+                page_bytes=PAGE,
+                tp=tp,
+                tp_launcher="process",
+                kernels=kernels,
+            )
+        )
+        try:
+            for name in ("chat-r16", "math-r64"):
+                engine.add_adapter(name, demo_assets.adapters_dir / name)
+            params = SamplingParams(
+                max_tokens=4, temperature=0, ignore_eos=True, return_logits=True
+            )
+            logits: list[torch.Tensor] = []
+            outs = engine.generate(
+                [[5, 6, 7, 8], [9, 10], [11, 12, 13]],
+                [params] * 3,
+                ["chat-r16", None, "math-r64"],
+                on_output=lambda o, sink=logits: sink.append(o.logits),
+            )
+        finally:
+            engine.close()
+        results.append(([o.token_ids for o in outs], logits))
+    (tokens1, logits1), (tokens2, logits2) = results
+    assert tokens2 == tokens1
+    for a, b in zip(logits2, logits1, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -90,10 +90,16 @@ class TensorParallelGroup:
 
             addr = ray.util.get_node_ip_address()
         port = free_port(addr)
+        threads = 1
+        if device.type == "cpu":
+            # the ranks share this machine's cores: each takes 1/N of the threads (more
+            # would spin at OpenMP barriers while another rank holds the core)
+            threads = max(1, torch.get_num_threads() // cfg.tp)
+            torch.set_num_threads(threads)
         self.workers: list[WorkerHandle] = []
         try:
             for rank in range(1, cfg.tp):
-                spec = WorkerSpec(cfg, rank, addr, port, max_model_len, timeout_s)
+                spec = WorkerSpec(cfg, rank, addr, port, max_model_len, timeout_s, threads)
                 self.workers.append(RayWorker(spec, rank) if use_ray else ProcessWorker(spec))
             self.comm = self._join(addr, port, device)
             self._wait_all()

@@ -122,12 +122,12 @@ class ShardPlan:
 
 
 class RankModel(LlamaModel):
-    """One rank's share of the model. The LoRA of o and down writes the rank's slice of
-    the hidden columns of the (partial) output."""
+    """One rank's share of the model (`weights` already cut by `plan.shard_weights`). The
+    LoRA of o and down writes the rank's slice of the hidden columns of the partial output."""
 
     def __init__(self, plan: ShardPlan, weights: dict[str, torch.Tensor], max_positions: int):
         self.plan = plan
-        super().__init__(plan.rank_config, plan.shard_weights(weights), max_positions)
+        super().__init__(plan.rank_config, weights, max_positions)
 
     def output_columns(self, group: int) -> dict[str, tuple[int, int]]:
         if group in (OUT, DOWN):

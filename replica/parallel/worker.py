@@ -68,9 +68,12 @@ def model_config(cfg: EngineConfig) -> ModelConfig:
 def load_rank(
     cfg: EngineConfig, rank: int, max_model_len: int, device: torch.device, cls=RankModel, **kw
 ):
-    """(plan, model) of one rank: the checkpoint read whole, then cut."""
+    """(plan, model) of one rank: the checkpoint read whole on the host, cut, and only this
+    rank's share moved to the device."""
     plan = ShardPlan(model_config(cfg), rank, cfg.tp)
-    weights = load_weights(Path(cfg.model), plan.cfg, device)
+    host = load_weights(Path(cfg.model), plan.cfg, torch.device("cpu"))
+    weights = {name: t.to(device) for name, t in plan.shard_weights(host).items()}
+    del host
     return plan, cls(plan, weights, max_model_len, **kw)
 
 

@@ -26,6 +26,7 @@ def _run(demo_assets, kernels: str) -> tuple[list[list[int]], list[torch.Tensor]
             pool_bytes=16 << 20,
             page_bytes=64 * 1024,
             kernels=kernels,
+            device="cuda" if torch.cuda.is_available() else "cpu",  # else: the interpreter
         )
     )
     assert engine.kernels == kernels

@@ -201,8 +201,9 @@ def test_bench_reports_the_tp_figures(tmp_path: Path):
 def test_tp2_with_triton_kernels_matches_tp1_torch(demo_assets):
     """The Triton backend under tensor parallelism (the workers inherit TRITON_INTERPRET
     on CPU): sliced LoRA inputs, the all-reduced [T, R] shrink output, decode attention."""
-    if not torch.cuda.is_available():
-        assert os.environ.get("TRITON_INTERPRET") == "1"
+    if torch.cuda.is_available():
+        pytest.skip("runs the Triton kernels interpreted on CPU; CUDA runs them natively")
+    assert os.environ.get("TRITON_INTERPRET") == "1"
     results = []
     for tp, kernels in ((1, "torch"), (2, "triton")):
         engine = LLMEngine(

@@ -237,3 +237,33 @@ def test_tp2_with_triton_kernels_matches_tp1_torch(demo_assets):
     assert tokens2 == tokens1
     for a, b in zip(logits2, logits1, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_tp2_remove_and_readd_between_steps_matches_tp1(demo_assets):
+    """Host-tier changes reach every rank in order: remove an adapter and register another
+    checkpoint under its name between two steps, while a request still holds the old one."""
+    adapters = demo_assets.adapters_dir
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, return_logits=True)
+    results = []
+    for tp in (1, 2):
+        engine = _engine(demo_assets, tp=tp, pool_pages=128)
+        try:
+            engine.add_request([4, 5, 6], params, "chat-r16", request_id="old")
+            outs = {"old": [], "new": []}
+            for step in range(8):
+                if step == 2:
+                    engine.remove_adapter("chat-r16")
+                    engine.add_adapter("chat-r16", adapters / "translate-r64")
+                    engine.add_request([4, 5, 6], params, "chat-r16", request_id="new")
+                for o in engine.step():
+                    outs[o.request_id].append((o.new_token_ids[0], o.logits))
+        finally:
+            engine.close()
+        results.append(outs)
+    for rid in ("old", "new"):
+        assert len(results[1][rid]) == len(results[0][rid]) == 6
+        for (t2, l2), (t1, l1) in zip(results[1][rid], results[0][rid], strict=True):
+            assert t2 == t1, rid
+            torch.testing.assert_close(l2, l1, rtol=1e-4, atol=1e-4)
+    # the replacement is another adapter: the same prompt continues differently
+    assert [t for t, _ in results[0]["new"]] != [t for t, _ in results[0]["old"]]

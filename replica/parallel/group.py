@@ -109,8 +109,9 @@ class TensorParallelGroup:
             raise
         self.plan: ShardPlan = plan
         self.model: DriverModel = model
-        self._adds: list[list[AdapterWeights]] = [[] for _ in self.workers]
-        self._removes: list[str] = []
+        # host-tier changes per worker, in order: an AdapterWeights shard (add or replace)
+        # or a name (remove)
+        self._events: list[list[AdapterWeights | str]] = [[] for _ in self.workers]
         self._ids: weakref.WeakKeyDictionary[ResidentAdapter, int] = weakref.WeakKeyDictionary()
         self._next_id = 0
         self._sent_placements: dict[int, tuple[str, tuple[int, ...]]] | None = None
@@ -166,12 +167,13 @@ class TensorParallelGroup:
 
     def add_adapter(self, weights: AdapterWeights) -> AdapterWeights:
         """Queue each worker's shard for the next step; return rank 0's."""
-        for i, queue in enumerate(self._adds):
-            queue.append(self.shard(weights, i + 1))
+        for i, events in enumerate(self._events):
+            events.append(self.shard(weights, i + 1))
         return self.shard(weights, 0)
 
     def remove_adapter(self, name: str) -> None:
-        self._removes.append(name)
+        for events in self._events:
+            events.append(name)
 
     def _placement_id(self, resident: ResidentAdapter) -> int:
         pid = self._ids.get(resident)
@@ -195,11 +197,10 @@ class TensorParallelGroup:
             lora_runs=[(s, e, self._placement_id(r)) for s, e, r in batch.lora_runs],
             sampled=(),
         )
-        removes, self._removes = tuple(self._removes), []
-        for w, adds in zip(self.workers, self._adds, strict=True):
-            msg = StepMessage(tuple(adds), removes, placements if changed else None, wire)
+        for w, events in zip(self.workers, self._events, strict=True):
+            msg = StepMessage(tuple(events), placements if changed else None, wire)
             w.submit(("step", msg))
-            adds.clear()
+            events.clear()
         self._sent_placements = placements
 
     def finish_step(self) -> None:

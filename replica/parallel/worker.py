@@ -53,8 +53,9 @@ class PoolSpec:
 
 @dataclass(frozen=True, slots=True)
 class StepMessage:
-    adds: tuple[AdapterWeights, ...]  # this rank's shards of adapters (re)registered
-    removes: tuple[str, ...]
+    # host-tier changes in order: this rank's shard of an adapter (registered or
+    # replaced), or the name of one removed
+    events: tuple[AdapterWeights | str, ...]
     placements: dict[int, tuple[str, tuple[int, ...]]] | None  # None: unchanged
     batch: StepBatch  # lora_runs hold placement ids; sampled is empty
 
@@ -112,10 +113,11 @@ class RankWorker:
         self.model.ops = ParallelOps(backend, self.comm, self.plan)
 
     def _step(self, m: StepMessage) -> None:
-        for weights in m.adds:
-            self.host[weights.name] = weights
-        for name in m.removes:
-            self.host.pop(name, None)
+        for event in m.events:
+            if isinstance(event, str):
+                self.host.pop(event, None)
+            else:
+                self.host[event.name] = event
         if m.placements is not None:
             for pid in set(self.placed) - set(m.placements):
                 del self.placed[pid]

@@ -267,3 +267,40 @@ def test_tp2_remove_and_readd_between_steps_matches_tp1(demo_assets):
             torch.testing.assert_close(l2, l1, rtol=1e-4, atol=1e-4)
     # the replacement is another adapter: the same prompt continues differently
     assert [t for t, _ in results[0]["new"]] != [t for t, _ in results[0]["old"]]
+
+
+def test_tp2_tied_embeddings_and_a_vocab_tp_does_not_divide(tmp_path: Path):
+    """The LM head is read from the embedding's rows, and the last rank pads its vocab
+    share with zero rows that the gather trims."""
+    from loraplex.cluster.demo_assets import ModelSpec, write_checkpoint
+
+    spec = ModelSpec(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     vocab_size=321, tie_word_embeddings=True)  # fmt: skip
+    write_checkpoint(tmp_path, spec, seed=3, with_tokenizer=False)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, return_logits=True)
+    results = []
+    for tp in (1, 2):
+        engine = LLMEngine(
+            EngineConfig(
+                model=str(tmp_path),
+                dtype="float32",
+                pool_bytes=4 << 20,
+                tp=tp,
+                tp_launcher="process",
+            )  # fmt: skip
+        )
+        try:
+            logits: list[torch.Tensor] = []
+            (out,) = engine.generate(
+                [[7, 300, 320, 1]],
+                [params],
+                [None],
+                on_output=lambda o, sink=logits: sink.append(o.logits),
+            )
+        finally:
+            engine.close()
+        results.append((out.token_ids, logits))
+    assert results[1][0] == results[0][0]
+    for a, b in zip(results[1][1], results[0][1], strict=True):
+        assert a.shape == (321,)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -73,26 +73,26 @@ class ShardPlan:
     def hidden_part(self) -> slice:
         return self._part(self.cfg.hidden_size)
 
-    def shard_weights(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        c = self.cfg
-        q, kv, i = self._part(c.q_size), self._part(c.kv_size), self._part(c.intermediate_size)
-        v0 = self.rank * self.vocab_rows
-        head = weights["lm_head"][v0 : v0 + self.vocab_rows]
-        if head.shape[0] < self.vocab_rows:  # the last rank's rows past the vocab: zeros
+    def checkpoint_part(self, name: str) -> tuple[slice, slice]:
+        """(rows, cols) of checkpoint tensor `name` ([out, in], HF naming) this rank reads."""
+        c, whole = self.cfg, slice(None)
+        if name == "lm_head.weight":
+            v0 = self.rank * self.vocab_rows
+            return slice(v0, min(v0 + self.vocab_rows, c.vocab_size)), whole
+        projection = name.rsplit(".", 2)[-2] if name.startswith("layers.") else ""
+        if projection in ("o_proj", "down_proj"):
+            return whole, self._in_part(projection)
+        if projection in ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"):
+            return self._out_part(projection), whole
+        return whole, whole  # embedding (replicated)
+
+    def pad_head(self, weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The last rank's LM head rows past the vocab are zeros (all ranks gather V' rows)."""
+        head = weights["lm_head"]
+        if head.shape[0] < self.vocab_rows:
             pad = head.new_zeros(self.vocab_rows - head.shape[0], head.shape[1])
-            head = torch.cat([head, pad])
-        out = {"embed": weights["embed"], "norm": weights["norm"], "lm_head": head.contiguous()}
-        for layer in range(c.num_layers):
-            p = f"layers.{layer}."
-            wq, wk, wv = weights[p + "qkv"].split((c.q_size, c.kv_size, c.kv_size))
-            gate, up = weights[p + "gate_up"].chunk(2)
-            out[p + "input_norm"] = weights[p + "input_norm"]
-            out[p + "post_norm"] = weights[p + "post_norm"]
-            out[p + "qkv"] = torch.cat([wq[q], wk[kv], wv[kv]]).contiguous()
-            out[p + "o"] = weights[p + "o"][:, q].contiguous()
-            out[p + "gate_up"] = torch.cat([gate[i], up[i]]).contiguous()
-            out[p + "down"] = weights[p + "down"][:, i].contiguous()
-        return out
+            weights["lm_head"] = torch.cat([head, pad])
+        return weights
 
     def _out_part(self, target: str) -> slice:
         c = self.cfg
@@ -122,7 +122,7 @@ class ShardPlan:
 
 
 class RankModel(LlamaModel):
-    """One rank's share of the model (`weights` already cut by `plan.shard_weights`). The
+    """One rank's share of the model (`weights` read with `plan.checkpoint_part`). The
     LoRA of o and down writes the rank's slice of the hidden columns of the partial output."""
 
     def __init__(self, plan: ShardPlan, weights: dict[str, torch.Tensor], max_positions: int):

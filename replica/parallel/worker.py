@@ -69,13 +69,10 @@ def model_config(cfg: EngineConfig) -> ModelConfig:
 def load_rank(
     cfg: EngineConfig, rank: int, max_model_len: int, device: torch.device, cls=RankModel, **kw
 ):
-    """(plan, model) of one rank: the checkpoint read whole on the host, cut, and only this
-    rank's share moved to the device."""
+    """(plan, model) of one rank: only its share of each matrix is read from disk."""
     plan = ShardPlan(model_config(cfg), rank, cfg.tp)
-    host = load_weights(Path(cfg.model), plan.cfg, torch.device("cpu"))
-    weights = {name: t.to(device) for name, t in plan.shard_weights(host).items()}
-    del host
-    return plan, cls(plan, weights, max_model_len, **kw)
+    weights = load_weights(Path(cfg.model), plan.cfg, device, plan.checkpoint_part)
+    return plan, cls(plan, plan.pad_head(weights), max_model_len, **kw)
 
 
 class RankWorker:

@@ -9,6 +9,9 @@
   projections; the bound is the distinct adapters' weight bytes / the base weight bytes a
   decode step reads.
 - gemm_efficiency: the step's base GEMMs alone (plain torch matmuls) / the engine's step.
+- tp: tensor parallelism, tp = 2 (gloo, local processes) beside tp = 1 on decode steps:
+  lora_comm_ratio (LoRA bytes sent per step / base-model bytes), adapter_bytes_per_rank_ratio
+  (adapter pool bytes on one rank at tp = 2 / at tp = 1), step_time_ratio_tp2_vs_tp1.
 """
 
 from __future__ import annotations
@@ -102,6 +105,7 @@ def run_bench(args: argparse.Namespace) -> int:
         results = {"model_parameters": _params(shape.model), "quick": bool(args.quick)}
         results.update(_step_overheads(model_dir, heavy, light, shape))
         results.update(_speedup_vs_peft(model_dir, serving, shape, args.trace))
+        results["tp"] = _tensor_parallel(model_dir, heavy, light, shape)
     _print_table(results)
     write_json(args.json, results)
     return 0
@@ -140,7 +144,9 @@ def _build_assets(
     return model_dir, sets["heavy"], sets["light"], sets["serving"]
 
 
-def _engine(model_dir: Path, adapters: dict[str, Path], max_seqs: int = 32) -> LLMEngine:
+def _engine(
+    model_dir: Path, adapters: dict[str, Path], max_seqs: int = 32, tp: int = 1
+) -> LLMEngine:
     adapter_bytes = sum((p / "adapter_model.safetensors").stat().st_size for p in adapters.values())
     engine = LLMEngine(
         EngineConfig(
@@ -149,6 +155,8 @@ def _engine(model_dir: Path, adapters: dict[str, Path], max_seqs: int = 32) -> L
             scheduler=SchedulerConfig(
                 max_num_seqs=max_seqs, max_num_batched_tokens=4096, max_loras_per_batch=32
             ),
+            tp=tp,
+            tp_launcher="process",
         )
     )
     for name, path in adapters.items():
@@ -248,6 +256,63 @@ def _step_overheads(
             "adapter_bytes_heavy": adapter_bytes,
             "base_weight_bytes": _base_bytes(base_engine),
         },
+    }
+
+
+# -- tensor parallelism ---------------------------------------------------------------------
+
+
+def _tensor_parallel(
+    model_dir: Path, heavy: dict[str, Path], light: dict[str, Path], shape: BenchShape
+) -> dict:
+    """tp = 2 (two local processes, gloo) beside tp = 1, one thread per rank, on decode
+    steps of the light batch (8 adapters r16 q/k/v/o) and the heavy one (32 adapters r8-64
+    on all projections). Bytes are what rank 0 sends (ring algorithms, see parallel/comm)."""
+    batch = 32
+    log("tensor parallelism: tp=1 vs tp=2 (gloo, 1 thread per rank), light then heavy batch")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    engines = {tp: _engine(model_dir, light | heavy, tp=tp) for tp in (1, 2)}
+    try:
+        out = {}
+        for kind, names in (("light", list(light)), ("heavy", list(heavy))):
+            for engine in engines.values():
+                for rid in list(engine.requests):
+                    engine.abort(rid)
+                engine.step()  # frees the aborted requests' pages
+                _decode_batch(engine, [names[i % len(names)] for i in range(batch)], shape)
+            comm = engines[2].tp.comm
+            comm.sent.base = comm.sent.lora = 0
+            t1, t2 = _interleaved([engines[1].step, engines[2].step], shape.timed_steps)
+            out[kind] = {
+                "lora_comm_ratio": comm.sent.lora / comm.sent.base,
+                "step_time_ratio_tp2_vs_tp1": t2 / t1,
+                "decode_step_ms_tp1": t1 * 1e3,
+                "decode_step_ms_tp2": t2 * 1e3,
+                "lora_bytes_per_step": comm.sent.lora / shape.timed_steps,
+                "base_bytes_per_step": comm.sent.base / shape.timed_steps,
+            }
+        pool_bytes = {
+            tp: e.pool.stats().adapter_pages * e.pool.page_bytes for tp, e in engines.items()
+        }
+        resident = {tp: sorted(e.adapters.resident) for tp, e in engines.items()}
+        assert resident[1] == resident[2], "both engines should hold the same adapters"
+    finally:
+        for engine in engines.values():
+            engine.close()
+        torch.set_num_threads(threads)
+    return {
+        "lora_comm_ratio": out["light"]["lora_comm_ratio"],
+        "adapter_bytes_per_rank_ratio": pool_bytes[2] / pool_bytes[1],
+        "step_time_ratio_tp2_vs_tp1": out["light"]["step_time_ratio_tp2_vs_tp1"],
+        "lora_comm_ratio_heavy": out["heavy"]["lora_comm_ratio"],
+        "step_time_ratio_tp2_vs_tp1_heavy": out["heavy"]["step_time_ratio_tp2_vs_tp1"],
+        "adapter_pool_bytes_rank0": {f"tp{tp}": b for tp, b in pool_bytes.items()},
+        "resident_adapters": len(resident[1]),
+        "batch": batch,
+        "threads_per_rank": 1,
+        "light": out["light"],
+        "heavy": out["heavy"],
     }
 
 
@@ -383,6 +448,14 @@ def _print_table(r: dict) -> None:
         print(
             f"  {name:30} {value:10.2f}" if isinstance(value, float) else f"  {name:30} {value:10}"
         )
+    t = r["tp"]
+    for name, target in (
+        ("lora_comm_ratio", "<= 0.05"),
+        ("adapter_bytes_per_rank_ratio", "<= 0.55"),
+        ("step_time_ratio_tp2_vs_tp1", "(reported)"),
+        ("lora_comm_ratio_heavy", "(reported)"),
+    ):
+        print(f"tp.{name:29} {t[name]:10.3f}  {target}")
     s = r["serving"]
     print(
         f"  serving: loraplex {s['loraplex_tok_per_s']:.1f} tok/s vs peft {s['peft_tok_per_s']:.1f} tok/s "

@@ -75,6 +75,15 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-mib", type=int, help="unified pool size (default 512 MiB on CPU)")
     p.add_argument("--page-kib", type=int, help="page size (default: >= 16 tokens of KV)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--tp", type=int, default=1, help="tensor-parallel ranks (local processes; gloo on CPU)"
+    )
+    p.add_argument(
+        "--kernels",
+        default="auto",
+        choices=["auto", "torch", "triton"],
+        help="auto: $LORAPLEX_KERNELS, else Triton on CUDA and the torch references elsewhere",
+    )
 
 
 def engine_config(args: argparse.Namespace):
@@ -94,6 +103,8 @@ def engine_config(args: argparse.Namespace):
                 args.max_num_seqs, args.max_num_batched_tokens, args.max_loras_per_batch
             ),
             seed=args.seed,
+            kernels=args.kernels,
+            tp=args.tp,
         )
     except ValueError as e:
         raise CLIError(str(e)) from None

@@ -85,7 +85,13 @@ class ReplicaSection(_Section):
     num_gpus: float = Field(
         0.0, ge=0, le=64, description="GPUs per replica: 0 (CPU serving) or tp."
     )
-    tp: int = Field(1, ge=1, le=1, description="Tensor-parallel degree of one replica (1 for now).")
+    tp: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Tensor-parallel degree of one replica: its ranks run as Ray actors in the "
+        "replica's placement group (one bundle per rank, packed on one node).",
+    )
     max_ongoing_requests: int | None = Field(
         None,
         ge=1,
@@ -384,6 +390,7 @@ class LoraplexConfig(_Section):
                 "max_loras_per_batch": e.max_loras_per_batch,
             },
             "seed": e.seed,
+            "tp": self.replicas.tp,
         }
 
     def max_model_len(self) -> int:
@@ -426,6 +433,13 @@ class LoraplexConfig(_Section):
             "ray_actor_options": {"num_cpus": r.num_cpus, "num_gpus": r.num_gpus},
             "max_ongoing_requests": r.max_ongoing_requests or self.engine.max_num_seqs,
         }
+        if r.tp > 1:  # rank 0 is the replica (bundle 0); ranks 1.. are actors in bundles 1..
+            gpus = 1 if r.num_gpus else 0
+            bundle = {"CPU": r.num_cpus, **({"GPU": 1} if gpus else {})}
+            worker = {"CPU": 1, **({"GPU": 1} if gpus else {})}
+            options["ray_actor_options"] = {"num_cpus": r.num_cpus, "num_gpus": gpus}
+            options["placement_group_bundles"] = [bundle] + [worker] * (r.tp - 1)
+            options["placement_group_strategy"] = "STRICT_PACK"
         if r.autoscaling is not None:
             options["num_replicas"] = "auto"
             options["autoscaling_config"] = r.autoscaling

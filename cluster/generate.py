@@ -119,7 +119,10 @@ def run_generate(args: argparse.Namespace) -> int:
         except (RequestError, ValueError) as e:
             raise CLIError(f"{args.input}:{lineno}: {e}") from None
 
-    results = _run(engine, [s.request_id for s in seqs])
+    try:
+        results = _run(engine, [s.request_id for s in seqs])
+    finally:
+        engine.close()
     lines = [
         json.dumps(
             {

@@ -64,12 +64,24 @@ def _expand(y: torch.Tensor, h: torch.Tensor, bt: tuple[torch.Tensor, ...]) -> N
         row += n
 
 
+def lora_shrink(x: torch.Tensor, segments: list[Segment]) -> list[torch.Tensor]:
+    """[h_i [e-s, R(w)] = x[s:e] @ A_cat(w).T for each segment with an adapter]."""
+    return [_shrink(x[s:e], w.a) for s, e, w in segments if w is not None]
+
+
+def lora_expand(y: torch.Tensor, hs: list[torch.Tensor], segments: list[Segment]) -> None:
+    """y[s:e, t.cols] += h_i[:, t.h_rows] @ Bt_t for each segment with an adapter, in place."""
+    live = [(s, e, w) for s, e, w in segments if w is not None]
+    for (s, e, w), h in zip(live, hs, strict=True):
+        for t in w.outs:
+            _expand(y[s:e, t.col_start : t.col_end], h[:, t.h_start : t.h_end], t.bt)
+
+
 def lora_sgmv(y: torch.Tensor, x: torch.Tensor, segments: list[Segment]) -> None:
     """y [T, out_total] += LoRA(x [T, in]) per segment, in place. See the module contract."""
     for s, e, w in segments:
         if w is None:
             continue
-        xs = x[s:e]
-        h = _shrink(xs, w.a)
+        h = _shrink(x[s:e], w.a)
         for t in w.outs:
             _expand(y[s:e, t.col_start : t.col_end], h[:, t.h_start : t.h_end], t.bt)

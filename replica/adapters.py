@@ -96,13 +96,25 @@ def plan_layout(
 class ResidentAdapter:
     """An adapter placed in pool pages. `groups[layer][group]` are the kernel views."""
 
-    def __init__(self, weights: AdapterWeights, pool: UnifiedPool, model: ModelConfig, columns):
+    def __init__(
+        self,
+        weights: AdapterWeights,
+        pool: UnifiedPool,
+        model: ModelConfig,
+        columns,
+        pages: list[int] | None = None,
+    ):
+        """Allocates its pages from `pool`, or fills `pages` that another allocator (tensor
+        parallel rank 0) chose."""
         self.name = weights.name
         self.rank = weights.rank
         self.pins = 0  # running requests using it; its pages are pinned while > 0
         packer, plan = plan_layout(weights, pool.page_elems, model.num_layers)
         self.fragmentation = packer.fragmentation()
-        self.pages = pool.allocate(packer.num_pages, PageKind.ADAPTER)
+        if pages is None:
+            pages = pool.allocate(packer.num_pages, PageKind.ADAPTER)
+        assert len(pages) == packer.num_pages, "placement pages do not match the layout"
+        self.pages = pages
         self.nbytes = packer.num_pages * pool.page_bytes
         self.groups: list[list[LoraGroupWeights | None]] = [
             [None] * len(LORA_GROUPS) for _ in range(model.num_layers)

@@ -7,14 +7,14 @@ rows (one new token) and extend rows (a prefill chunk), each padded only to its 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from loraplex.kernels.attention import attention_mask, paged_attention
-from loraplex.kernels.lora import Segment
+from loraplex.kernels.backend import Run
 from loraplex.replica.kv_cache import KVCache
-from loraplex.replica.model.llama import LORA_GROUPS
 from loraplex.replica.sequence import Sequence
 
 
@@ -25,6 +25,8 @@ class AttentionGroup:
     src_rows: torch.Tensor  # [N] their rows in the flattened [B*Q] output
     block_tables: torch.Tensor  # [B, max_blocks]
     mask: torch.Tensor  # [B, 1, Q, max_blocks * block_size]
+    ctx_lens: torch.Tensor  # [B] int32 keys in the cache after this step's writes
+    decode: bool  # one query per row (Q == 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,15 +35,28 @@ class StepBatch:
     positions: torch.Tensor  # [T]
     kv_rows: torch.Tensor  # [num_layers, 2, T] pool rows each token's K and V are written to
     groups: tuple[AttentionGroup, ...]
-    lora: list[list[list[Segment]]]  # [layer][lora group] -> segments with an adapter
+    lora_runs: list[Run]  # contiguous runs of tokens sharing a resident adapter
+    decode: bool  # every row computes one token
+    sliding_window: int | None
     sample_idx: torch.Tensor  # [S] rows whose logits are needed
     sampled: tuple[Sequence, ...]  # the sequences those rows belong to, in order
 
-    def attention(self, q: torch.Tensor, k_cache, v_cache, scale: float) -> torch.Tensor:
-        """q [T, H, D] -> [T, H, D] over the paged cache."""
+    def attention(
+        self, q: torch.Tensor, k_cache, v_cache, scale: float, decode_kernel: Callable | None
+    ) -> torch.Tensor:
+        """q [T, H, D] -> [T, H, D] over the paged cache; decode rows through
+        `decode_kernel` when the backend has one."""
         out = torch.empty_like(q)
         for g in self.groups:
-            res = paged_attention(q[g.token_idx], k_cache, v_cache, g.block_tables, g.mask, scale)
+            if g.decode and decode_kernel is not None:
+                res = decode_kernel(
+                    q[g.token_idx[:, 0]], k_cache, v_cache, g.block_tables, g.ctx_lens, scale,
+                    self.sliding_window,
+                )  # fmt: skip
+            else:
+                res = paged_attention(
+                    q[g.token_idx], k_cache, v_cache, g.block_tables, g.mask, scale
+                )
             out[g.out_rows] = res.reshape(-1, *q.shape[1:])[g.src_rows]
         return out
 
@@ -79,7 +94,9 @@ def build_step_batch(
         positions=torch.tensor(positions, dtype=torch.int64),
         kv_rows=kv.write_rows(pages, offsets),
         groups=groups,
-        lora=_lora_segments(scheduled, starts, len(ids), num_layers),
+        lora_runs=_lora_runs(scheduled, starts, len(ids)),
+        decode=not extend,
+        sliding_window=sliding_window,
         sample_idx=torch.tensor(sample_rows, dtype=torch.int64),
         sampled=tuple(sampled),
     )
@@ -106,13 +123,13 @@ def _attention_group(part, starts, kv: KVCache, sliding_window: int | None) -> A
         src_rows=torch.tensor(src_rows, dtype=torch.int64),
         block_tables=block_tables,
         mask=mask,
+        ctx_lens=ctx_lens.to(torch.int32),
+        decode=q_max == 1,
     )
 
 
-def _lora_segments(
-    scheduled, starts, num_tokens: int, num_layers: int
-) -> list[list[list[Segment]]]:
-    """Contiguous runs of tokens sharing a resident adapter, resolved per layer and group."""
+def _lora_runs(scheduled, starts, num_tokens: int) -> list[Run]:
+    """Contiguous runs of tokens sharing a resident adapter (the kernels' segments)."""
     runs = []  # (start, end, resident)
     for (seq, _), start, end in zip(scheduled, starts, starts[1:] + [num_tokens], strict=True):
         if seq.lora is None:
@@ -121,10 +138,4 @@ def _lora_segments(
             runs[-1] = (runs[-1][0], end, seq.lora)
         else:
             runs.append((start, end, seq.lora))
-    return [
-        [
-            [(s, e, w) for s, e, r in runs if (w := r.groups[layer][g]) is not None]
-            for g in LORA_GROUPS
-        ]
-        for layer in range(num_layers)
-    ]
+    return runs

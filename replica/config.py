@@ -23,12 +23,23 @@ class EngineConfig:
     max_lora_rank: int = 128
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     seed: int = 0  # seeds requests that set no seed of their own
+    kernels: Literal["auto", "torch", "triton"] = "auto"  # auto: $LORAPLEX_KERNELS, else by device
+    tp: int = 1  # tensor-parallel degree: ranks (processes) this replica's model spans
+    # tp workers: Ray actors in the replica's placement group, or local processes; auto:
+    # Ray when running inside a placement group
+    tp_launcher: Literal["auto", "process", "ray"] = "auto"
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(
                 f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}"
             )
+        if self.kernels not in ("auto", "torch", "triton"):
+            raise ValueError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
+        if self.tp_launcher not in ("auto", "process", "ray"):
+            raise ValueError(f"tp_launcher must be auto, process or ray, got {self.tp_launcher!r}")
+        if not 1 <= self.tp <= 64:
+            raise ValueError(f"tp must be in [1, 64], got {self.tp}")
         if not 1 <= self.max_lora_rank <= 1024:
             raise ValueError(f"max_lora_rank must be in [1, 1024], got {self.max_lora_rank}")
         if self.max_model_len is not None and self.max_model_len < 2:

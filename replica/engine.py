@@ -19,13 +19,14 @@ from pathlib import Path
 
 import torch
 
+from loraplex.kernels.backend import make_backend, resolve_kernels
 from loraplex.replica.adapter_cache import AdapterCache, UnknownAdapter
 from loraplex.replica.adapters import AdapterError, AdapterWeights, load_adapter, plan_layout
 from loraplex.replica.batch import build_step_batch
 from loraplex.replica.config import EngineConfig, MiB
 from loraplex.replica.kv_cache import KVCache
 from loraplex.replica.model.config import DTYPES, ModelConfig
-from loraplex.replica.model.llama import LlamaModel
+from loraplex.replica.model.llama import ForwardOps, LlamaModel
 from loraplex.replica.model.loader import load_weights
 from loraplex.replica.pool import UnifiedPool
 from loraplex.replica.sampling import SamplingParams, sample
@@ -54,7 +55,16 @@ class LLMEngine:
         dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
         self.model_config = mc = ModelConfig.from_pretrained(Path(cfg.model), dtype)
         self.max_model_len = cfg.max_model_len or min(mc.max_position_embeddings, 8192)
-        self.model = LlamaModel(mc, load_weights(Path(cfg.model), mc, device), self.max_model_len)
+        self.tp = None
+        if cfg.tp > 1:  # this process is rank 0: its model, pool and KV hold its share
+            from loraplex.replica.parallel.group import TensorParallelGroup
+
+            self.tp = TensorParallelGroup(cfg, self.max_model_len, cfg.tp_launcher)
+            self.model, mc = self.tp.model, self.tp.plan.rank_config
+        else:
+            self.model = LlamaModel(
+                mc, load_weights(Path(cfg.model), mc, device), self.max_model_len
+            )
         has_tokenizer = (Path(cfg.model) / "tokenizer.json").is_file()
         self.tokenizer = Tokenizer(Path(cfg.model)) if has_tokenizer else None
         elem = torch.empty((), dtype=mc.dtype).element_size()
@@ -65,6 +75,15 @@ class LLMEngine:
         self.pool = UnifiedPool(pool_bytes // page_bytes, page_bytes // elem, mc.dtype, device)
         self.kv = KVCache(self.pool, mc)
         self.adapters = AdapterCache(self.pool, mc, self.model.output_columns)
+        self.kernels = resolve_kernels(cfg.kernels, device)
+        sched = cfg.scheduler
+        layout_args = (cfg.max_lora_rank, sched.max_num_seqs, sched.max_num_batched_tokens)
+        backend = make_backend(self.kernels, self.model.lora_layout(*layout_args), self.pool.arena)
+        self.model.ops = (
+            ForwardOps(backend)
+            if self.tp is None
+            else self.tp.connect(backend, self.pool, self.adapters, layout_args)
+        )
         self.scheduler = Scheduler(cfg.scheduler, self.kv, self.adapters)
         eos = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -83,7 +102,7 @@ class LLMEngine:
     def read_adapter(self, name: str, path: Path) -> AdapterWeights:
         """Read and validate; touches no engine state (safe off the engine thread)."""
         weights = load_adapter(Path(path), name, self.model_config, self.cfg.max_lora_rank)
-        pages = self._pages_for(weights)
+        pages = self._pages_for(weights if self.tp is None else self.tp.shard(weights))
         if pages > self.pool.num_pages // 2:
             raise AdapterError(
                 f"adapter {name!r} needs {pages} pages; at most half the pool "
@@ -92,6 +111,8 @@ class LLMEngine:
         return weights
 
     def register_adapter(self, weights: AdapterWeights) -> AdapterInfo:
+        if self.tp is not None:  # every rank keeps its shard in its host tier
+            weights = self.tp.add_adapter(weights)
         self.adapters.add(weights)
         return AdapterInfo(
             weights.name, weights.rank, weights.targets, weights.nbytes, self._pages_for(weights)
@@ -104,6 +125,8 @@ class LLMEngine:
         """Unregister an adapter. Running requests that hold it finish; queued ones are
         aborted (their final output, reason "abort", comes with the next step)."""
         self.adapters.remove(name)
+        if self.tp is not None:
+            self.tp.remove_adapter(name)
         for seq in [s for s in self.scheduler.waiting if s.adapter == name]:
             self.scheduler.finish(seq, "abort")
             self.requests.pop(seq.request_id, None)
@@ -242,6 +265,11 @@ class LLMEngine:
                     final[out.request_id] = out
         return [final[i] for i in ids]
 
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any."""
+        if self.tp is not None:
+            self.tp.close()
+
     def stats(self) -> dict:
         pool = self.pool.stats()
         return {
@@ -255,6 +283,17 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "preemptions": self.scheduler.num_preemptions,
             "kv_block_size": self.kv.block_size,
+            "kernels": self.kernels,
+            "tp": {"size": 1}
+            if self.tp is None
+            else {
+                "size": self.cfg.tp,
+                "launcher": self.tp.launcher,
+                "bytes_sent_rank0": {
+                    "base": self.tp.comm.sent.base,
+                    "lora": self.tp.comm.sent.lora,
+                },
+            },
         }
 
 
@@ -421,6 +460,8 @@ class Engine:
             return "shut down"
         if not self._thread.is_alive():
             return "the engine thread exited"
+        if self.core.tp is not None:
+            return self.core.tp.failure()
         return None
 
     def shutdown(self) -> None:
@@ -428,6 +469,7 @@ class Engine:
         self._closed = True
         self._work.set()
         self._thread.join(timeout=30)
+        self.core.close()
         stopped = RuntimeError("the engine was shut down")
         for loop, queue in list(self._streams.values()):
             loop.call_soon_threadsafe(queue.put_nowait, stopped)

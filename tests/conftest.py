@@ -9,6 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
+if not torch.cuda.is_available():
+    # The Triton kernels' tests run under the CPU interpreter; triton reads this when a
+    # kernel is defined, so it is set before any test module imports one.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from loraplex.cluster.demo_assets import DemoAssets, make_demo_assets
 
 BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed batch (adapter_names=)

@@ -164,7 +164,7 @@ def test_etcd_endpoints_unset_cannot_be_deployed_by_serve():
             "replicas.num_replicas: Input should be greater than or equal to 1 (got 0)",
         ),
         ({"replicas": {"num_gpus": 2}}, "num_gpus must be 0 (CPU) or tp (1)"),
-        ({"replicas": {"tp": 2}}, "replicas.tp: Input should be less than or equal to 1"),
+        ({"replicas": {"tp": 65}}, "replicas.tp: Input should be less than or equal to 64"),
         (
             {"replicas": {"autoscaling": {"min_replicas": 5, "max_replicas": 2}}},
             "not a Ray Serve autoscaling_config",

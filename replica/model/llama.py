@@ -1,6 +1,8 @@
 """Llama-family decoder (Llama 2/3, Mistral): GQA, RoPE, RMSNorm, SwiGLU, tied or untied
 embeddings. Weights are plain tensors in the fused layout of `loader.py`; the KV cache is a
-view of the unified pool; LoRA goes through `kernels.lora` on views of the pool.
+view of the unified pool; LoRA goes through the selected kernel backend (`ForwardOps`).
+The model holds no parallel code: tensor parallelism shards its weights and supplies
+other `ForwardOps` from outside (replica.parallel).
 
 The forward pass reads the per-step metadata in `StepBatch` and does no per-request work.
 """
@@ -13,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.kernels.attention import write_kv
-from loraplex.kernels.lora import lora_sgmv
+from loraplex.kernels.backend import KernelBackend, TorchBackend
+from loraplex.kernels.lora_tables import LoraLayout
 from loraplex.replica.model.config import ModelConfig
 from loraplex.replica.model.rope import RotaryEmbedding, apply_rotary
 
@@ -35,6 +38,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+class ForwardOps:
+    """The ops the forward pass calls, one process: LoRA through the selected kernel backend,
+    and the points where tensor parallelism (replica.parallel) sums partial outputs of
+    row-parallel layers and gathers vocab-parallel logits — nothing to do here."""
+
+    def __init__(self, kernels: KernelBackend):
+        self.kernels = kernels
+
+    def lora(self, y: torch.Tensor, x: torch.Tensor, lora: list, group: int) -> None:
+        """y += LoRA(x) for one group of a layer; lora: the layer's `kernels.prepare` args."""
+        self.kernels.expand(y, self.kernels.shrink(x, lora[group]), lora[group])
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return partial
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+
 class LlamaModel:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int):
         self.cfg = cfg
@@ -49,6 +71,11 @@ class LlamaModel:
             for i in range(cfg.num_layers)
         ]
         self.scale = cfg.head_dim**-0.5
+        self.ops = ForwardOps(TorchBackend(self.lora_layout(1, 1, 1)))
+
+    def lora_layout(self, max_rank: int, max_loras: int, max_tokens: int) -> LoraLayout:
+        columns = tuple(tuple(self.output_columns(g).values()) for g in LORA_GROUPS)
+        return LoraLayout(self.cfg.num_layers, columns, max_rank, max_loras, max_tokens)
 
     def output_columns(self, group: int) -> dict[str, tuple[int, int]]:
         """Columns of the fused output that each target of a LoRA group writes."""
@@ -74,33 +101,35 @@ class LlamaModel:
         kv_cache: [num_pages, num_layers, 2, block_size, kv_heads, head_dim] view of the pool;
         kv_rows: the same memory as [rows, kv_heads * head_dim], where new K/V are written.
         """
-        cfg = self.cfg
+        cfg, ops = self.cfg, self.ops
         t = batch.input_ids.shape[0]
+        loras = ops.kernels.prepare(batch.lora_runs, t, batch.decode)
         h = self.w["embed"][batch.input_ids]
         cos, sin = self.rope.tables(batch.positions)
         for i, layer in enumerate(self.layers):
-            lora = batch.lora[i]
+            lora = loras[i]
             x = rms_norm(h, layer["input_norm"], cfg.rms_norm_eps)
             qkv = F.linear(x, layer["qkv"])
-            lora_sgmv(qkv, x, lora[QKV])
+            ops.lora(qkv, x, lora, QKV)
             q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
             q = apply_rotary(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
             k = apply_rotary(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
             v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]
             write_kv(kv_rows, k, v, batch.kv_rows[i, 0], batch.kv_rows[i, 1])
-            attn = batch.attention(q, k_cache, v_cache, self.scale).view(t, cfg.q_size)
+            attn = batch.attention(q, k_cache, v_cache, self.scale, ops.kernels.decode_attention)
+            attn = attn.view(t, cfg.q_size)
             o = F.linear(attn, layer["o"])
-            lora_sgmv(o, attn, lora[OUT])
-            h = h + o
+            ops.lora(o, attn, lora, OUT)
+            h = h + ops.reduce(o)
 
             x = rms_norm(h, layer["post_norm"], cfg.rms_norm_eps)
             gate_up = F.linear(x, layer["gate_up"])
-            lora_sgmv(gate_up, x, lora[GATE_UP])
+            ops.lora(gate_up, x, lora, GATE_UP)
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
             down = F.linear(act, layer["down"])
-            lora_sgmv(down, act, lora[DOWN])
-            h = h + down
+            ops.lora(down, act, lora, DOWN)
+            h = h + ops.reduce(down)
         h = rms_norm(h[batch.sample_idx], self.w["norm"], cfg.rms_norm_eps)
-        return F.linear(h, self.w["lm_head"]).float()
+        return ops.gather_logits(F.linear(h, self.w["lm_head"])).float()

@@ -4,7 +4,8 @@ fused layout: q/k/v stacked into one [q+2kv, hidden] weight, gate/up into one [2
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -36,31 +37,55 @@ def iter_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
+# rows and columns of a 2-D checkpoint tensor to read (a tensor-parallel rank's share)
+Part = Callable[[str], tuple[slice, slice]]
+
+
 def load_weights(
-    model_dir: Path, cfg: ModelConfig, device: torch.device
+    model_dir: Path, cfg: ModelConfig, device: torch.device, part: Part | None = None
 ) -> dict[str, torch.Tensor]:
-    raw = {name.removeprefix("model."): t for name, t in iter_tensors(model_dir)}
+    """The model's weights in the fused layout. With `part`, only part(name) of each 2-D
+    tensor is read from disk (safetensors slices) — the rest never enters memory."""
+    with ExitStack() as files:
+        tensors = {}  # name without "model." -> the file's slice reader
+        for path in checkpoint_files(model_dir):
+            f = files.enter_context(safe_open(str(path), framework="pt"))
+            tensors.update({name.removeprefix("model."): f.get_slice(name) for name in f.keys()})
+        return _assemble(model_dir, cfg, device, part, tensors)
+
+
+def _assemble(model_dir, cfg: ModelConfig, device, part: Part | None, tensors: dict):
     expected = _expected_shapes(cfg)
     missing = [
         n
         for n in expected
-        if n not in raw and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
+        if n not in tensors and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
     ]
     if missing:
         raise ModelConfigError(
             f"checkpoint {model_dir} lacks tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
         )
     for name, shape in expected.items():
-        if name in raw and tuple(raw[name].shape) != shape:
-            raise ModelConfigError(
-                f"tensor {name}: expected shape {shape}, found {tuple(raw[name].shape)}"
-            )
+        found = tuple(tensors[name].get_shape()) if name in tensors else shape
+        if found != shape:
+            raise ModelConfigError(f"tensor {name}: expected shape {shape}, found {found}")
 
-    def take(name: str) -> torch.Tensor:
-        return raw[name].to(device=device, dtype=cfg.dtype)
+    def take(name: str, part_of: str | None = None) -> torch.Tensor:
+        s = tensors[name]
+        if len(s.get_shape()) == 1 or part is None:
+            t = s[:]
+        else:
+            rows, cols = part(part_of or name)
+            t = s[rows, cols]
+        return t.to(device=device, dtype=cfg.dtype).contiguous()
 
     weights = {"embed": take("embed_tokens.weight"), "norm": take("norm.weight")}
-    weights["lm_head"] = weights["embed"] if cfg.tie_word_embeddings else take("lm_head.weight")
+    if cfg.tie_word_embeddings:
+        weights["lm_head"] = (
+            weights["embed"] if part is None else take("embed_tokens.weight", "lm_head.weight")
+        )
+    else:
+        weights["lm_head"] = take("lm_head.weight")
     for i in range(cfg.num_layers):
         p = f"layers.{i}."
         weights[p + "input_norm"] = take(p + "input_layernorm.weight")

@@ -1,0 +1,150 @@
+"""Kernel backend selection: Triton on CUDA, the torch references elsewhere.
+
+`kernels="auto"` picks by device; `LORAPLEX_KERNELS=torch|triton` (read once, when an
+engine starts) or an explicit `kernels=` in the engine config overrides it. On CPU the
+Triton kernels run only under the interpreter (`TRITON_INTERPRET=1`, set before triton is
+first imported), which is how they are tested here.
+
+A backend offers the LoRA ops in three calls — `prepare` once per step, then `shrink`
+and `expand` per layer and group (split so tensor parallelism can reduce the rank-sized
+shrink output between them) — and a decode attention (None: the reference path).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, Literal, Protocol
+
+import torch
+
+from loraplex.kernels.lora import lora_expand, lora_shrink
+from loraplex.kernels.lora_tables import HasLoraGroups, LoraArgs, LoraLayout, LoraTableBuilder
+
+KernelChoice = Literal["auto", "torch", "triton"]
+KERNEL_CHOICES = ("auto", "torch", "triton")
+ENV_VAR = "LORAPLEX_KERNELS"
+
+Run = tuple[int, int, HasLoraGroups]  # tokens [start, end) share this adapter
+
+
+class KernelBackend(Protocol):
+    name: str
+    decode_attention: Callable[..., torch.Tensor] | None
+
+    def prepare(self, runs: list[Run], num_tokens: int, decode: bool) -> list[list[Any]]:
+        """Per-step LoRA metadata, indexed [layer][group]."""
+
+    def shrink(self, x: torch.Tensor, args: Any) -> list[torch.Tensor]:
+        """The rank-sized intermediates (one per segment, or one for the whole batch)."""
+
+    def expand(self, y: torch.Tensor, hs: list[torch.Tensor], args: Any) -> None: ...
+
+
+class TorchBackend:
+    """The references: a loop over the step's adapters on views of the pool."""
+
+    name = "torch"
+    decode_attention = None
+
+    def __init__(self, layout: LoraLayout):
+        self.num_layers = layout.num_layers
+        self.num_groups = len(layout.group_columns)
+
+    def prepare(self, runs: list[Run], num_tokens: int, decode: bool) -> list[list[Any]]:
+        return [
+            [
+                [(s, e, w) for s, e, r in runs if (w := r.groups[layer][g]) is not None]
+                for g in range(self.num_groups)
+            ]
+            for layer in range(self.num_layers)
+        ]
+
+    def shrink(self, x: torch.Tensor, segments) -> list[torch.Tensor]:
+        return lora_shrink(x, segments)
+
+    def expand(self, y: torch.Tensor, hs: list[torch.Tensor], segments) -> None:
+        lora_expand(y, hs, segments)
+
+
+class TritonBackend:
+    """Punica-style kernels reading adapters in place through row tables (lora_tables)."""
+
+    name = "triton"
+
+    def __init__(self, layout: LoraLayout, arena: torch.Tensor):
+        from loraplex.kernels import (
+            triton_bgmv_expand,
+            triton_bgmv_shrink,
+            triton_paged_attention,
+            triton_sgmv_expand,
+            triton_sgmv_shrink,
+        )
+
+        self._k = (triton_bgmv_shrink, triton_bgmv_expand, triton_sgmv_shrink, triton_sgmv_expand)
+        self.decode_attention = triton_paged_attention.paged_attention_decode
+        self.arena = arena
+        self.tables = LoraTableBuilder(arena, layout)
+        self.scales = torch.ones(layout.max_loras, dtype=torch.float32, device=arena.device)
+        self.max_width = max(e - s for cols in layout.group_columns for s, e in cols)
+        self.num_layers = layout.num_layers
+        self.num_groups = len(layout.group_columns)
+
+    def prepare(self, runs: list[Run], num_tokens: int, decode: bool) -> list[list[Any]]:
+        meta = self.tables.build(runs, num_tokens, decode)
+        return [
+            [LoraArgs(meta, layer, g) for g in range(self.num_groups)]
+            for layer in range(self.num_layers)
+        ]
+
+    def shrink(self, x: torch.Tensor, args: LoraArgs) -> list[torch.Tensor]:
+        m, t = args.meta, args.meta.tables
+        ranks, a_rows = t.ranks[:, args.layer, args.group], t.a_rows[:, args.layer, args.group]
+        h = torch.empty(x.shape[0], max(m.max_r, 1), dtype=torch.float32, device=x.device)
+        bgmv_shrink, _, sgmv_shrink, _ = self._k
+        if m.decode:
+            bgmv_shrink.bgmv_shrink(h, x, self.arena, m.token_slot, ranks, a_rows, m.max_r)
+        else:
+            sgmv_shrink.sgmv_shrink(
+                h, x, self.arena, m.seg_start, m.seg_len, m.seg_slot, ranks, a_rows,
+                m.max_seg_len, m.max_r,
+            )  # fmt: skip
+        return [h]
+
+    def expand(self, y: torch.Tensor, hs: list[torch.Tensor], args: LoraArgs) -> None:
+        (h,) = hs
+        m, t, lg = args.meta, args.meta.tables, (args.layer, args.group)
+        t_rank, t_hoff = t.t_rank[:, lg[0], lg[1]], t.t_hoff[:, lg[0], lg[1]]
+        b_rows, cols = t.b_rows[:, lg[0], lg[1]], m.cols[args.group]
+        scales = self.scales[: t_rank.shape[0]]
+        _, bgmv_expand, _, sgmv_expand = self._k
+        if m.decode:
+            bgmv_expand.bgmv_expand(
+                y, h, self.arena, m.token_slot, t_rank, t_hoff, b_rows, cols, scales,
+                self.max_width,
+            )  # fmt: skip
+        else:
+            sgmv_expand.sgmv_expand(
+                y, h, self.arena, m.seg_start, m.seg_len, m.seg_slot, t_rank, t_hoff, b_rows,
+                cols, scales, m.max_seg_len, self.max_width,
+            )  # fmt: skip
+
+
+def resolve_kernels(
+    requested: str, device: torch.device, environ: Mapping[str, str] = os.environ
+) -> Literal["torch", "triton"]:
+    """The backend to use: an explicit request wins, then $LORAPLEX_KERNELS, then the device."""
+    choice = requested
+    if choice == "auto":
+        choice = environ.get(ENV_VAR, "auto") or "auto"
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {choice!r}")
+    if choice == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    return choice
+
+
+def make_backend(choice: str, layout: LoraLayout, arena: torch.Tensor) -> KernelBackend:
+    if choice == "triton":
+        return TritonBackend(layout, arena)
+    return TorchBackend(layout)

@@ -1,0 +1,199 @@
+"""The Triton kernels against the torch references: on CPU under TRITON_INTERPRET=1 (set by
+conftest), natively on CUDA when present. Shapes are Llama-3-8B's divided by tp, scaled
+down 16x for the interpreter; ranks 1-128 mixed in one batch, tokens without adapters,
+segment edges at the kernels' block sizes, adapters in shuffled pages."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from kernel_cases import group_shape, scattered_adapters, segments_of, table_builder
+
+from loraplex.kernels.attention import attention_mask, paged_attention
+from loraplex.kernels.backend import resolve_kernels
+from loraplex.kernels.lora import lora_sgmv
+
+CUDA = torch.cuda.is_available()
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(CUDA, reason="CUDA present: runs natively")),
+    pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="no CUDA device")),
+]
+TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 1e-2)}
+
+# per adapter, per target rank (0: the adapter lacks the target); 1 to 128 in one batch
+RANKS = {
+    3: [(128, 0, 64), (1, 1, 1), (8, 16, 0), (0, 32, 5)],
+    2: [(128, 64), (1, 0), (16, 16), (0, 7)],
+    1: [(128,), (1,), (16,), (33,)],
+}
+# (segment length, adapter index or None); 16 and 17 straddle BLOCK_M, adapter 0 twice
+PREFILL = [(3, None), (17, 0), (1, 1), (16, 2), (2, None), (5, 3), (4, 0)]
+DECODE = [(1, a) for a in (None, 0, 0, 1, None, 2, 3, 3, 0)]
+
+
+@pytest.fixture(autouse=True)
+def _interpreter_on_cpu():
+    """Without a GPU the kernels can only run interpreted; never pass by not running."""
+    assert CUDA or os.environ.get("TRITON_INTERPRET") == "1", "CPU runs need TRITON_INTERPRET=1"
+
+
+def _runs(plan, residents):
+    runs, start = [], 0
+    for n, a in plan:
+        runs.append((start, start + n, None if a is None else residents[a]))
+        start += n
+    return runs, start
+
+
+def _lora_case(kind: str, tp: int, dtype: torch.dtype, decode: bool, device: str):
+    from loraplex.kernels.triton_bgmv_expand import bgmv_expand
+    from loraplex.kernels.triton_bgmv_shrink import bgmv_shrink
+    from loraplex.kernels.triton_sgmv_expand import sgmv_expand
+    from loraplex.kernels.triton_sgmv_shrink import sgmv_shrink
+
+    fan_in, widths = group_shape(kind, tp)
+    ranks = RANKS[len(widths)]
+    # fp32 arena holding values rounded to `dtype`: the reference sees what the kernel sees
+    arena32, residents = scattered_adapters(fan_in, widths, ranks, torch.float32)
+    arena32.copy_(arena32.to(dtype).float())
+    runs, num_tokens = _runs(DECODE if decode else PREFILL, residents)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(num_tokens, fan_in, generator=g).to(dtype)
+    y0 = torch.randn(num_tokens, sum(widths), generator=g).to(dtype)
+    scales = torch.rand(len(residents), generator=g) + 0.5
+
+    delta = torch.zeros(num_tokens, sum(widths))
+    lora_sgmv(delta, x.float(), segments_of(runs))
+    slot_of = {}
+    for _, _, r in runs:
+        if r is not None:
+            slot_of.setdefault(id(r), len(slot_of))
+    token_scale = torch.zeros(num_tokens, 1)
+    for s, e, r in runs:
+        if r is not None:
+            token_scale[s:e] = scales[slot_of[id(r)]]
+    expected = y0.float() + token_scale * delta
+
+    builder = table_builder(arena32, widths, max_rank=128, max_tokens=64, max_loras=8)
+    meta = builder.build([(s, e, r) for s, e, r in runs if r is not None], num_tokens, decode)
+    dev = torch.device(device)
+    t = meta.tables
+    arena = arena32.to(dtype).to(dev)
+    ranks_, a_rows = t.ranks[:, 0, 0].to(dev), t.a_rows[:, 0, 0].to(dev)
+    t_rank, t_hoff, b_rows = (t.t_rank[:, 0, 0].to(dev), t.t_hoff[:, 0, 0].to(dev),
+                              t.b_rows[:, 0, 0].to(dev))  # fmt: skip
+    cols, max_width = meta.cols[0].to(dev), max(widths)
+    xd, y = x.to(dev), y0.to(dev).clone()
+    h = torch.full((num_tokens, meta.max_r), float("nan"), device=dev)
+    if decode:
+        slots = meta.token_slot.to(dev)
+        bgmv_shrink(h, xd, arena, slots, ranks_, a_rows, meta.max_r)
+        bgmv_expand(y, h, arena, slots, t_rank, t_hoff, b_rows, cols, scales.to(dev), max_width)
+    else:
+        seg = [meta.seg_start.to(dev), meta.seg_len.to(dev), meta.seg_slot.to(dev)]
+        sgmv_shrink(h, xd, arena, *seg, ranks_, a_rows, meta.max_seg_len, meta.max_r)
+        sgmv_expand(
+            y, h, arena, *seg, t_rank, t_hoff, b_rows, cols, scales.to(dev),
+            meta.max_seg_len, max_width,
+        )  # fmt: skip
+    rtol, atol = TOL[dtype]
+    y = y.cpu().float()
+    base_rows = token_scale[:, 0] == 0
+    assert torch.equal(y[base_rows], y0.float()[base_rows]), "tokens without adapter changed"
+    torch.testing.assert_close(y, expected, rtol=rtol, atol=atol * expected.abs().max().item())
+
+
+CASES = [("qkv", 1), ("gate_up", 1), ("o", 1), ("down", 1)]
+CASES += [(k, tp) for tp in (2, 4, 8) for k in ("qkv", "down")]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("decode", [False, True], ids=["sgmv", "bgmv"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(("kind", "tp"), CASES, ids=[f"{k}-tp{tp}" for k, tp in CASES])
+def test_lora_kernels_match_reference(kind, tp, dtype, decode, device):
+    _lora_case(kind, tp, dtype, decode, device)
+
+
+# (heads, kv_heads, head_dim) of Llama-3-8B / tp, and a scaled Mistral with a window
+ATTENTION = [((32, 8, 128), 1, None), ((32, 8, 128), 8, None), ((8, 2, 64), 1, 9)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize(("shape", "tp", "window"), ATTENTION)
+def test_paged_attention_decode_matches_reference(shape, tp, window, dtype, device):
+    from loraplex.kernels.triton_paged_attention import paged_attention_decode
+
+    heads, kv_heads, head_dim = shape[0] // tp, shape[1] // tp, shape[2]
+    g = torch.Generator().manual_seed(0)
+    pages, bs, batch, max_blocks = 24, 6, 4, 5  # bs 6: not a power of two
+    cache = torch.randn(pages, 2, bs, kv_heads, head_dim, generator=g).to(dtype)
+    k, v = cache[:, 0], cache[:, 1]  # strided views, like the pool's
+    tables = torch.stack([torch.randperm(pages, generator=g)[:max_blocks] for _ in range(batch)])
+    ctx = torch.tensor([1, 7, 18, 30], dtype=torch.int32)
+    q = torch.randn(batch, heads, head_dim, generator=g).to(dtype)
+    mask = attention_mask(ctx.long() - 1, 1, ctx.long(), max_blocks * bs, window)
+    expected = paged_attention(q[:, None].float(), k.float(), v.float(), tables, mask, 0.1)[:, 0]
+    dev = torch.device(device)
+    out = paged_attention_decode(
+        q.to(dev), k.to(dev), v.to(dev), tables.to(dev), ctx.to(dev), 0.1, window
+    )
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(out.cpu().float(), expected, rtol=rtol, atol=atol)
+
+
+def test_launchers_reject_bad_inputs():
+    from loraplex.kernels.triton_bgmv_shrink import bgmv_shrink
+    from loraplex.kernels.triton_paged_attention import paged_attention_decode
+
+    x = torch.randn(4, 32)
+    arena = torch.zeros(2, 256)
+    h = torch.zeros(4, 16)
+    slots = torch.zeros(4, dtype=torch.int32)
+    ranks = torch.ones(1, dtype=torch.int32)
+    rows = torch.zeros(1, 16, dtype=torch.int64)
+    with pytest.raises(ValueError, match="arena dtype"):
+        bgmv_shrink(h, x, arena.half(), slots, ranks, rows, 1)
+    with pytest.raises(ValueError, match="h must be one of"):
+        bgmv_shrink(h.half(), x, arena, slots, ranks, rows, 1)
+    with pytest.raises(ValueError, match="token_slot has 3 tokens"):
+        bgmv_shrink(h, x, arena, slots[:3], ranks, rows, 1)
+    with pytest.raises(ValueError, match="x must be contiguous in its last dim"):
+        bgmv_shrink(h, torch.randn(32, 4).T, arena, slots, ranks, rows, 1)
+    with pytest.raises(ValueError, match="token_slot must be one of"):
+        bgmv_shrink(h, x, arena, slots.long(), ranks, rows, 1)
+    k = torch.zeros(3, 4, 2, 8)
+    with pytest.raises(ValueError, match="not a multiple of 2 kv heads"):
+        paged_attention_decode(
+            torch.zeros(1, 3, 8), k, k, torch.zeros(1, 1, dtype=torch.int64),
+            torch.ones(1, dtype=torch.int32), 1.0,
+        )  # fmt: skip
+
+
+def test_backend_selection():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_kernels("auto", cpu, {}) == "torch"
+    assert resolve_kernels("auto", cuda, {}) == "triton"
+    assert resolve_kernels("auto", cuda, {"LORAPLEX_KERNELS": "torch"}) == "torch"
+    assert resolve_kernels("auto", cpu, {"LORAPLEX_KERNELS": "triton"}) == "triton"
+    assert resolve_kernels("torch", cuda, {"LORAPLEX_KERNELS": "triton"}) == "torch"
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        resolve_kernels("auto", cpu, {"LORAPLEX_KERNELS": "cuda"})
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_cuda_without_a_gpu():
+    """The interpreter does not compile; this lowers every kernel to sm_90 machine code."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("kernel_compile.py")
+    proc = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("bytes of sm_90 cubin") == 15

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from loraplex.registry.validation import TARGET_MODULES as TARGETS
-from loraplex.replica.adapter_cache import AdapterCache
+from loraplex.replica.adapter_cache import AdapterCache, CacheConfig
 from loraplex.replica.adapters import AdapterWeights, ResidentAdapter
 from loraplex.replica.kv_cache import KVCache
 from loraplex.replica.model.config import ModelConfig
@@ -400,7 +400,11 @@ class World:
         self.kv = KVCache(self.pool, self.cfg)
         ticks = itertools.count()
         self.cache = AdapterCache(
-            self.pool, self.cfg, columns_for(self.cfg), clock=lambda: float(next(ticks))
+            self.pool,
+            self.cfg,
+            columns_for(self.cfg),
+            clock=lambda: float(next(ticks)),
+            config=CacheConfig(eviction="lru"),  # the order test_kv_and_adapter_split checks
         )
         self.names = [f"a{i}" for i in range(num_names)]
         self.loaded_from: dict[

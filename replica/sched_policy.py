@@ -158,6 +158,7 @@ class ChameleonParams:
     window: int = 4096  # arrivals (and finished requests) the refresh looks at
     slo_s: float = 5.0
     max_bypass: int = 8  # a request no fit for its adapter is overtaken at most this often
+    starve_s: float | None = None  # waited this long: admitted first, over quota (None: slo_s)
 
     def __post_init__(self):
         if not 1 <= self.k_max <= 8:
@@ -212,6 +213,7 @@ class Chameleon:
         self.last_refresh: float | None = None
         self.wcss: list[float] = []
         self.num_bypasses = 0
+        self.num_starving = 0  # admitted by the starvation guard
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -314,9 +316,13 @@ class Chameleon:
     # -- admission
 
     def admit(self, now: float, try_admit: TryAdmit) -> None:
-        """Phase 1: each queue, smallest first, within its quota; the unused quota of the
-        queues left empty is spare. Phase 2: the spare, smallest queue first."""
+        """Phase 0 (the starvation guard): requests that waited starve_s, oldest first, over
+        quota — quotas are in tokens, and a busy small queue can still take every batch
+        slot. Phase 1: each queue, smallest first, within its quota; the unused quota of
+        the queues left empty is spare. Phase 2: the spare, smallest queue first."""
         self._maybe_refresh(now)
+        if self._admit_starving(now, try_admit):
+            return
         spare = 0
         for q in range(len(self.queues)):
             room = self.quotas[q] - self.used[q]
@@ -332,6 +338,25 @@ class Chameleon:
             spare -= consumed
             if full:
                 return
+
+    def _admit_starving(self, now: float, try_admit: TryAdmit) -> bool:
+        """True if the batch is full."""
+        limit = self.p.starve_s if self.p.starve_s is not None else self.p.slo_s
+        oldest = sorted(
+            (e.enqueued, id(s), s) for s, e in self.entries.items() if now - e.enqueued >= limit
+        )
+        for _, _, seq in oldest:
+            entry = self.entries[seq]
+            result = try_admit(seq)
+            if result is Admit.FULL:
+                return True
+            if result is Admit.OK:
+                self.queues[entry.queue].remove(seq)
+                del self.entries[seq]
+                self.used[entry.queue] += entry.need
+                self.running[seq] = entry
+                self.num_starving += 1
+        return False
 
     def _put(self, q: int, tokens: int, try_admit: TryAdmit) -> tuple[int, bool]:
         """Admit from queue q, oldest first, within `tokens`. A request whose adapter has no

@@ -270,3 +270,15 @@ def test_refresh_clusters_arrivals_into_queues_and_splits_the_capacity():
     assert {s.adapter for s in ch.queues[0]} == {"r8"}
     assert sum(ch.quotas) == 100_000
     assert ch.quotas[1] > ch.quotas[0]  # the large requests' token demand is larger
+
+
+def test_a_request_that_waited_past_starve_s_goes_first_over_quota():
+    ch = chameleon([20, 100], [0.2], starve_s=10.0)
+    ch.add(seq("L-old", 50, 50), 0.0)
+    ch.admit(0.0, Recorder(capacity=0))
+    ch.used[1] = 100  # the large queue's quota is taken by running requests
+    for i in range(3):
+        ch.add(seq(f"s{i}", 5, 5), 11.0)
+    rec = Recorder(capacity=1)  # one batch slot left
+    ch.admit(11.0, rec)
+    assert rec.admitted == ["L-old"] and ch.num_starving == 1

@@ -53,10 +53,10 @@ class SimShape:
     max_tokens: int = 4096  # what clients ask for: caps the output predictor
 
 
-QUICK = SimShape(requests=600, load_factors=(0.25, 0.75, 1.0, 1.25, 1.5), scale_minutes=3)
+QUICK = SimShape(requests=1000, load_factors=(0.25, 0.6, 0.8, 0.9, 1.0, 1.2), scale_minutes=3)
 FULL = SimShape(
     requests=3000,
-    load_factors=(0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0, 2.5),
+    load_factors=(0.25, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0, 1.1, 1.25),
     scale_minutes=10,
 )
 SCHED = {"max_num_seqs": 128, "max_num_batched_tokens": 4096, "max_loras_per_batch": 64}
@@ -87,7 +87,7 @@ def run_bench(args: argparse.Namespace) -> int:
     for key in ("p99_ttft_reduction_high_load", "p50_ttft_reduction_high_load"):
         results[key] = sim[key]
     results["throughput_at_slo_ratio"] = sim["throughput_at_slo_ratio"]
-    if not getattr(args, "sim_only", False):
+    if not args.sim_only:
         from loraplex.benchmarks.sched_engine import engine_section
 
         results["engine"] = engine_section(bool(args.quick))

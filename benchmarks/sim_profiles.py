@@ -139,20 +139,30 @@ class LinearProfile:
 def fit_linear(
     samples: list[tuple[StepLoad, float]],
 ) -> tuple[tuple[float, float, float, float], float]:
-    """Non-negative-ish least squares of step seconds on (1, tokens, context, token_rank);
-    negative coefficients (noise) are clipped to 0 and the rest refitted. Returns the
-    coefficients and R²."""
+    """Least squares of step seconds on (1, tokens, context, token_rank). Negative
+    coefficients (noise) are dropped and the rest refitted; steps slowed by other
+    processes (residual above 3x the median absolute residual) are trimmed once. Returns
+    the coefficients and R² on the kept steps."""
     x = np.array([[1.0, s.tokens, s.context, s.token_rank] for s, _ in samples])
     y = np.array([t for _, t in samples])
-    keep = [0, 1, 2, 3]
-    while True:
-        coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
-        negative = [k for k, c in zip(keep, coef, strict=True) if c < 0 and k != 0]
-        if not negative:
-            break
-        keep = [k for k in keep if k not in negative]
-    full = np.zeros(4)
-    full[keep] = coef
+    full = _fit(x, y)
+    resid = y - x @ full
+    keep = resid <= 3 * np.median(np.abs(resid)) + 1e-12
+    x, y = x[keep], y[keep]
+    full = _fit(x, y)
     pred = x @ full
     r2 = 1.0 - float(((y - pred) ** 2).sum()) / max(float(((y - y.mean()) ** 2).sum()), 1e-30)
     return (float(full[0]), float(full[1]), float(full[2]), float(full[3])), r2
+
+
+def _fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    cols = [0, 1, 2, 3]
+    while True:
+        coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+        negative = [k for k, c in zip(cols, coef, strict=True) if c < 0 and k != 0]
+        if not negative:
+            break
+        cols = [k for k in cols if k not in negative]
+    full = np.zeros(4)
+    full[cols] = coef
+    return full

@@ -1,0 +1,296 @@
+"""The engine section of `loraplex bench sched`: the real `LLMEngine` on this CPU serving a
+heterogeneous many-adapter workload under the five systems, side by side in one run.
+
+A small Llama model, 30 adapters (ranks 8-128, six each, q/k/v/o), trace lengths scaled
+down, Poisson arrivals in wall-clock time at a high load: 1.25x the throughput
+fifo_nocache reaches with every request queued at once (an overload burst: queues build
+for the length of the run, so the order each policy admits in decides the TTFTs, and a
+shared 2-core machine's noise moves them less than it moves a run near capacity). Each
+engine serves a few requests first (warm-up), and the systems run in turns. The pool is sized so that the
+adapters and the batch's KV compete for it (it holds the batch plus a third of the
+adapters). SLO = 5x the mean time of a request served alone.
+
+The same run calibrates the simulator's CPU profile (a least-squares fit of step time on
+the step's tokens, context and token-ranks), and the simulator replays the workload
+with it: its TTFTs beside the measured ones say how far to trust the simulator.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from loraplex.benchmarks.report import log
+from loraplex.benchmarks.sim_profiles import LinearProfile, StepLoad, fit_linear
+from loraplex.benchmarks.sim_replica import System, simulate
+from loraplex.benchmarks.sim_workload import (
+    DEFAULT_TRACE,
+    RANKS,
+    AdapterSpec,
+    SimRequest,
+    pick_adapters,
+    read_trace,
+)
+from loraplex.cluster.demo_assets import AdapterSpec as AdapterFiles
+from loraplex.cluster.demo_assets import ModelSpec, write_adapter, write_checkpoint
+from loraplex.replica.config import EngineConfig
+from loraplex.replica.engine import LLMEngine
+from loraplex.replica.pool import PageKind
+from loraplex.replica.sampling import SamplingParams
+
+MODEL = ModelSpec(
+    hidden_size=256,
+    intermediate_size=688,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=8,
+    vocab_size=4096,
+    rope_scaling=None,
+)
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+PAGE = 64 * 1024
+SCHED = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "max_loras_per_batch": 16}
+
+
+def engine_section(quick: bool) -> dict:
+    from loraplex.benchmarks.sched import SYSTEM_NAMES, systems
+
+    torch.manual_seed(0)
+    n_requests = 80 if quick else 300
+    with tempfile.TemporaryDirectory(prefix="loraplex-sched-") as tmp:
+        root = Path(tmp)
+        model_dir, adapter_dirs = _assets(root)
+        specs = [
+            AdapterSpec(name, rank, _bytes(path)) for name, (rank, path) in adapter_dirs.items()
+        ]
+        requests = _workload(specs, n_requests)
+        probe = _engine(model_dir, adapter_dirs, systems(1.0, SCHED)["fifo_nocache"], specs)
+        alone = [_serve_alone(probe, r) for r in requests[:8]]
+        slo = 5.0 * float(np.mean(alone))
+        offline_rps = _offline_throughput(probe, requests[: n_requests // 2])
+        rate = 1.25 * offline_rps
+        log(
+            f"engine: {len(specs)} adapters, SLO {slo:.2f} s (5 x alone), offline "
+            f"{offline_rps:.1f} req/s -> open loop at {rate:.1f} req/s"
+        )
+        arrivals = np.cumsum(np.random.default_rng(3).exponential(1 / rate, n_requests))
+        requests = [replace(r, arrival=float(a)) for r, a in zip(requests, arrivals, strict=True)]
+        by_system = systems(slo, SCHED)
+        rows, samples = {}, []
+        for name in SYSTEM_NAMES:
+            system = _engine_system(by_system[name])
+            eng = _engine(model_dir, adapter_dirs, system, specs)
+            _offline_throughput(eng, requests[-6:])  # warm-up
+            ttft, steps = _serve_open_loop(eng, requests)
+            samples += steps
+            s = eng.adapters.stats
+            rows[name] = {
+                "p50_ttft_s": float(np.percentile(ttft, 50)),
+                "p99_ttft_s": float(np.percentile(ttft, 99)),
+                "mean_ttft_s": float(ttft.mean()),
+                "hit_rate": s.hits / max(s.hits + s.misses, 1),
+                "loads": s.loads,
+                "evictions": s.evictions,
+                "preemptions": eng.scheduler.num_preemptions,
+            }
+            log(
+                f"engine: {name:18} p50 {rows[name]['p50_ttft_s']:.3f} s  p99 {rows[name]['p99_ttft_s']:.3f} s"
+            )
+        profile = _cpu_profile(samples, probe, specs)
+        sim_rows = {}
+        for name in SYSTEM_NAMES:
+            result = simulate(requests, profile, by_system[name], specs, 512)
+            sim_rows[name] = {
+                "p50_ttft_s": float(np.percentile(result.ttft, 50)),
+                "p99_ttft_s": float(np.percentile(result.ttft, 99)),
+            }
+    base, ours = rows["fifo_nocache"], rows["chameleon"]
+    return {
+        "adapters": len(specs),
+        "requests": n_requests,
+        "rate_rps": rate,
+        "offline_rps": offline_rps,
+        "slo_s": slo,
+        "systems": rows,
+        "p99_ttft_reduction": 1 - ours["p99_ttft_s"] / base["p99_ttft_s"],
+        "p50_ttft_reduction": 1 - ours["p50_ttft_s"] / base["p50_ttft_s"],
+        "cpu_profile": {
+            "coef": profile.coef,
+            "fit_r2": profile.fit_r2,
+            "link_bytes_per_s": profile.link_bytes_per_s,
+        },
+        "simulated_with_cpu_profile": sim_rows,
+    }
+
+
+def _assets(root: Path) -> tuple[Path, dict[str, tuple[int, Path]]]:
+    model_dir = root / "model"
+    write_checkpoint(model_dir, MODEL, seed=0, with_tokenizer=False)
+    adapters = {}
+    for rank in RANKS:
+        for i in range(6):
+            name = f"r{rank}-{i}"
+            spec = AdapterFiles(name, rank, 2.0 * rank, TARGETS, 5000 + 10 * rank + i)
+            write_adapter(root / name, MODEL, spec)
+            adapters[name] = (rank, root / name)
+    return model_dir, adapters
+
+
+def _bytes(path: Path) -> int:
+    return (path / "adapter_model.safetensors").stat().st_size
+
+
+def _workload(specs: list[AdapterSpec], n: int) -> list[SimRequest]:
+    """Trace lengths / 16 (prompts) and / 8 (outputs), capped at 192 and 48 tokens. The
+    engine stops a request at max_tokens, so max_tokens is its output length here: the
+    output predictor is capped by the truth (unlike the simulator section's 4096)."""
+    trace = read_trace(DEFAULT_TRACE)
+    names = pick_adapters(specs, n, np.random.default_rng(2))
+    return [
+        SimRequest(
+            rid=i,
+            arrival=0.0,
+            prompt=int(min(max(trace.context[i] / 16, 4), 192)),
+            output=int(min(max(trace.generated[i] / 8, 1), 48)),
+            max_tokens=int(min(max(trace.generated[i] / 8, 1), 48)),
+            adapter=names[i],
+        )
+        for i in range(n)
+    ]
+
+
+def _engine_system(system: System) -> System:
+    """Engine loads run on the copy thread."""
+    return replace(system, cache=replace(system.cache, loading="thread"))
+
+
+def _engine(model_dir: Path, adapters: dict, system: System, specs: list[AdapterSpec]) -> LLMEngine:
+    # the batch's KV (16 sequences of up to 240 tokens) plus a third of the adapters
+    kv_pages = 16 * 240 // 16 + 16
+    adapter_pages = sum(s.nbytes for s in specs) // 3 // PAGE
+    eng = LLMEngine(
+        EngineConfig(
+            model=str(model_dir),
+            page_bytes=PAGE,
+            pool_bytes=(kv_pages + adapter_pages) * PAGE,
+            scheduler=system.scheduler,
+            cache=system.cache,
+        )
+    )
+    for name, (_, path) in adapters.items():
+        eng.add_adapter(name, path)
+    return eng
+
+
+def _params(req: SimRequest) -> SamplingParams:
+    return SamplingParams(max_tokens=req.output, temperature=0.0, ignore_eos=True)
+
+
+def _prompt(req: SimRequest) -> list[int]:
+    return [(7 * req.rid + 13 * k) % (MODEL.vocab_size - 10) + 10 for k in range(req.prompt)]
+
+
+def _serve_alone(eng: LLMEngine, req: SimRequest) -> float:
+    start = time.perf_counter()
+    eng.generate([_prompt(req)], [_params(req)], [req.adapter])
+    return time.perf_counter() - start
+
+
+def _offline_throughput(eng: LLMEngine, reqs: list[SimRequest]) -> float:
+    start = time.perf_counter()
+    eng.generate([_prompt(r) for r in reqs], [_params(r) for r in reqs], [r.adapter for r in reqs])
+    return len(reqs) / (time.perf_counter() - start)
+
+
+def _serve_open_loop(
+    eng: LLMEngine, reqs: list[SimRequest]
+) -> tuple[np.ndarray, list[tuple[StepLoad, float]]]:
+    """Requests join at their arrival times (wall clock); TTFT from the arrival time. Also
+    each step's load and duration, for the CPU profile."""
+    scheduled_log: list = []
+    schedule = eng.scheduler.schedule
+
+    def recording_schedule():
+        out = schedule()
+        scheduled_log.append([(s.adapter, s.num_computed, n) for s, n in out])
+        return out
+
+    eng.scheduler.schedule = recording_schedule
+    nbytes = {name: eng.adapters.nbytes_of(name) for name in eng.adapters.entries}
+    first: dict[str, float] = {}
+    steps: list[tuple[StepLoad, float]] = []
+    start = time.perf_counter()
+    i = 0
+    while i < len(reqs) or eng.has_unfinished():
+        now = time.perf_counter() - start
+        while i < len(reqs) and reqs[i].arrival <= now:
+            r = reqs[i]
+            eng.add_request(_prompt(r), _params(r), r.adapter, request_id=str(r.rid))
+            i += 1
+        if not eng.has_unfinished():
+            time.sleep(max(0.0, min(reqs[i].arrival - now, 0.01)))
+            continue
+        scheduled_log.clear()
+        t0 = time.perf_counter()
+        outs = eng.step()
+        dt = time.perf_counter() - t0
+        done = time.perf_counter() - start
+        for out in outs:
+            first.setdefault(out.request_id, done)
+        for batch in scheduled_log[-1:]:
+            if batch:
+                steps.append((_step_load(batch, nbytes), dt))
+    ttft = np.array([first[str(r.rid)] - r.arrival for r in reqs])
+    return ttft, steps
+
+
+def _step_load(batch: list[tuple[str | None, int, int]], nbytes: dict[str, int]) -> StepLoad:
+    ranks = {name: int(name.split("-")[0][1:]) for name in nbytes}
+    adapters = {a for a, _, _ in batch if a is not None}
+    return StepLoad(
+        tokens=sum(n for _, _, n in batch),
+        context=sum(c + n for _, c, n in batch),
+        token_rank=sum(n * ranks[a] for a, _, n in batch if a is not None),
+        adapter_bytes=sum(nbytes[a] for a in adapters),
+    )
+
+
+def _cpu_profile(
+    samples: list[tuple[StepLoad, float]], eng: LLMEngine, specs: list[AdapterSpec]
+) -> LinearProfile:
+    coef, r2 = fit_linear(samples)
+    # link: the copy of the largest adapter into its pages, timed
+    big = max(specs, key=lambda s: s.nbytes)
+    weights = eng.adapters.host[big.name]
+    pages = eng.pool.allocate(eng.adapters.pages_of(big.name), PageKind.ADAPTER)
+    resident = eng.adapters.layout.place(weights, pages)
+    start = time.perf_counter()
+    for _ in range(5):
+        resident.fill(weights)
+    bw = 5 * weights.nbytes / (time.perf_counter() - start)
+    eng.pool.free(resident.pages)
+    return LinearProfile(
+        name="cpu-calibrated",
+        source=f"least squares over {len(samples)} engine steps on this machine (R² {r2:.2f})",
+        model={
+            "model_type": "llama",
+            "vocab_size": MODEL.vocab_size,
+            "hidden_size": MODEL.hidden_size,
+            "intermediate_size": MODEL.intermediate_size,
+            "num_hidden_layers": MODEL.num_hidden_layers,
+            "num_attention_heads": MODEL.num_attention_heads,
+            "num_key_value_heads": MODEL.num_key_value_heads,
+            "torch_dtype": "float32",
+        },
+        pool_bytes=eng.pool.num_pages * PAGE,
+        page_bytes=PAGE,
+        link_bytes_per_s=bw,
+        load_setup_s=0.0,
+        coef=coef,
+        fit_r2=r2,
+    )

@@ -24,8 +24,10 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+
+import torch
 
 from loraplex.benchmarks.report import log, write_json
 from loraplex.benchmarks.sim_profiles import a40_llama7b
@@ -51,6 +53,7 @@ class SimShape:
     load_factors: tuple[float, ...]  # x the trace's mean arrival rate
     scale_minutes: float  # trace minutes replayed to find the length scale
     max_tokens: int = 4096  # what clients ask for: caps the output predictor
+    extras: bool = False  # eviction scores and N replicas
 
 
 QUICK = SimShape(requests=1000, load_factors=(0.25, 0.6, 0.8, 0.9, 1.0, 1.2), scale_minutes=3)
@@ -58,6 +61,7 @@ FULL = SimShape(
     requests=3000,
     load_factors=(0.25, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0, 1.1, 1.25),
     scale_minutes=10,
+    extras=True,
 )
 SCHED = {"max_num_seqs": 128, "max_num_batched_tokens": 4096, "max_loras_per_batch": 64}
 
@@ -80,6 +84,8 @@ def systems(slo_s: float, sched: dict = SCHED, prefetch: int = 8) -> dict[str, S
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    # one intra-op thread: the engine section's model is small, and the machine is shared
+    torch.set_num_threads(1)
     start = time.perf_counter()
     results = {"quick": bool(args.quick)}
     results["sim"] = sim_section(QUICK if args.quick else FULL, args.trace or DEFAULT_TRACE)
@@ -148,7 +154,45 @@ def sim_section(shape: SimShape, trace_path: Path | None) -> dict:
         "p50_ttft_reduction_high_load": 1 - ours["p50_ttft_s"] / base["p50_ttft_s"],
         "throughput_at_slo_ratio": _ratio(tput["chameleon"], tput["fifo_nocache"]),
     }
+    if shape.extras:
+        out["extras"] = _extras(run, by_system, slo, loads, high, shape, trace, profile, scale)
     return out
+
+
+def _extras(run, by_system, slo, loads, high, shape, trace, profile, scale) -> dict:
+    """Beyond the paper's main figure: eviction scores under the Chameleon scheduler at the
+    load before the high one (the cache matters most while memory is not yet all KV),
+    and N = 4 replicas with adapter-affinity dispatch at 4x the high load."""
+    medium = float(loads[max(0, loads.index(high) - 1)])
+    factor = medium / float(loads[-1]) * shape.load_factors[-1]
+    eviction = {}
+    for policy in ("chameleon", "lru", "gdsf", "equal"):
+        base = by_system["chameleon"]
+        system = replace(base, name=policy, cache=replace(base.cache, eviction=policy))
+        eviction[policy] = run(system, factor).summary()
+    log(
+        f"sim: eviction at {medium:.2f} req/s: "
+        + "  ".join(
+            f"{k} p99 {v['p99_ttft_s']:.2f} hit {v['hit_rate']:.2f}" for k, v in eviction.items()
+        )
+    )
+    adapters = paper_adapters(100, profile.adapter_bytes)
+    rate = 4 * float(high)
+    reqs = poisson_requests(trace, adapters, rate, 4 * shape.requests, scale, shape.max_tokens)
+    replicas = {}
+    for name in ("fifo_nocache", "chameleon"):
+        result = simulate(reqs, profile, by_system[name], adapters, 4096, replicas=4)
+        replicas[name] = result.summary()
+    log(
+        f"sim: 4 replicas at {rate:.2f} req/s: "
+        + "  ".join(f"{k} p99 {v['p99_ttft_s']:.2f}" for k, v in replicas.items())
+    )
+    return {
+        "eviction_at_rps": medium,
+        "eviction": eviction,
+        "replicas_4_at_rps": rate,
+        "replicas_4": replicas,
+    }
 
 
 def _ratio(a: float, b: float) -> float:

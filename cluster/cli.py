@@ -31,9 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--quick", action="store_true", help="smaller model and workload (< 2 min)")
     bench.add_argument("--json", type=Path, help="write the figures here")
     bench.add_argument("--trace", type=Path, help="engine, sched: Azure LLM inference trace CSV")
-    bench.add_argument(
-        "--sim-only", action="store_true", help="sched: the simulator section only"
-    )
+    bench.add_argument("--sim-only", action="store_true", help="sched: the simulator section only")
 
     from loraplex.cluster import adapters_cli, local_cluster, registry_server
 

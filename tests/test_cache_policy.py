@@ -138,7 +138,9 @@ def test_low_watermark_evicts_ahead_so_kv_growth_does_not_evict_every_step():
 
 
 def test_prefetch_respects_the_high_watermark_and_never_evicts_pinned_or_queued():
-    cache, clock = make_cache(20, {"run": 6, "q1": 4, "q2": 4, "q3": 4}, prefetch=3, high_watermark=0.2)
+    cache, clock = make_cache(
+        20, {"run": 6, "q1": 4, "q2": 4, "q3": 4}, prefetch=3, high_watermark=0.2
+    )
     held = cache.acquire("run")
     cache.want(["q1", "q2", "q3"])
     cache.prefetch()

@@ -163,8 +163,8 @@ def _extras(run, by_system, slo, loads, high, shape, trace, profile, scale) -> d
     """Beyond the paper's main figure: eviction scores under the Chameleon scheduler at the
     load before the high one (the cache matters most while memory is not yet all KV),
     and N = 4 replicas with adapter-affinity dispatch at 4x the high load."""
-    medium = float(loads[max(0, loads.index(high) - 1)])
-    factor = medium / float(loads[-1]) * shape.load_factors[-1]
+    factor = shape.load_factors[max(0, loads.index(high) - 1)]
+    medium = float(loads[loads.index(high) - 1]) if loads.index(high) else float(loads[0])
     eviction = {}
     for policy in ("chameleon", "lru", "gdsf", "equal"):
         base = by_system["chameleon"]

@@ -119,3 +119,14 @@ def test_cache_configurations_serve_the_same_tokens(assets, cache, fifo_run):
     assert s.loads >= 2 and s.hits + s.misses >= 10
     if not cache.keep_idle:
         assert not eng.adapters.resident  # each adapter left with its last request
+
+
+def test_a_host_budget_reads_cold_adapters_back_from_disk(assets, fifo_run):
+    one = max(
+        engine(assets, "fifo").adapters.nbytes_of(n) for n in (LONG, SHORT)
+    )  # the budget holds one of the two adapters the workload uses
+    eng = engine(assets, "fifo", CacheConfig(loading="thread", host_bytes=one, keep_idle=False))
+    assert sum(eng.adapters.tier(n) == "disk" for n in assets.adapter_names) >= 1
+    _, tokens = run_workload(eng)
+    assert tokens == fifo_run[1]
+    assert eng.adapters.stats.disk_reads >= 1 and eng.adapters.stats.host_drops >= 1

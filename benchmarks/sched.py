@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
+from loraplex.benchmarks.engine import DEFAULT_TRACE
 from loraplex.benchmarks.report import log, write_json
 from loraplex.benchmarks.sim_profiles import a40_llama7b
 from loraplex.benchmarks.sim_replica import Result, System, simulate
 from loraplex.benchmarks.sim_workload import (
-    DEFAULT_TRACE,
     Trace,
     paper_adapters,
     poisson_requests,

@@ -29,11 +29,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from loraplex.benchmarks.engine import DEFAULT_TRACE
 from loraplex.benchmarks.report import log
 from loraplex.benchmarks.sim_profiles import LinearProfile, StepLoad, fit_linear
 from loraplex.benchmarks.sim_replica import System, simulate
 from loraplex.benchmarks.sim_workload import (
-    DEFAULT_TRACE,
     RANKS,
     AdapterSpec,
     SimRequest,

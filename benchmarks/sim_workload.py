@@ -16,10 +16,6 @@ from pathlib import Path
 import numpy as np
 
 RANKS = (8, 16, 32, 64, 128)
-# Seen from benchmarks/ in a checkout: <repo>/../shared/traces (the workspace layout).
-DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[1].parent / "shared/traces/azure_llm_inference_conv_2023.csv"
-)
 
 
 @dataclass(frozen=True, slots=True)

@@ -49,8 +49,20 @@ class EvictionPolicy(Protocol):
     def evicted(self, usage: AdapterUsage) -> None: ...
 
 
+class _Stateless:
+    """For policies that keep no state of their own between calls."""
+
+    __slots__ = ()
+
+    def touched(self, usage: AdapterUsage, now: float) -> None:
+        pass
+
+    def evicted(self, usage: AdapterUsage) -> None:
+        pass
+
+
 @dataclass(slots=True)
-class WeightedScore:
+class WeightedScore(_Stateless):
     f: float = 0.45
     r: float = 0.10
     s: float = 0.45
@@ -84,25 +96,13 @@ class WeightedScore:
         ranked = sorted(range(len(candidates)), key=lambda i: (scores[i], candidates[i].name))
         return [candidates[i] for i in ranked]
 
-    def touched(self, usage: AdapterUsage, now: float) -> None:
-        pass
-
-    def evicted(self, usage: AdapterUsage) -> None:
-        pass
-
 
 @dataclass(slots=True)
-class LRU:
+class LRU(_Stateless):
     name: str = "lru"
 
     def order(self, candidates: list[AdapterUsage], now: float) -> list[AdapterUsage]:
         return sorted(candidates, key=lambda u: (u.last_used, u.name))
-
-    def touched(self, usage: AdapterUsage, now: float) -> None:
-        pass
-
-    def evicted(self, usage: AdapterUsage) -> None:
-        pass
 
 
 @dataclass(slots=True)

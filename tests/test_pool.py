@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from loraplex.benchmarks import sim_profiles
 from loraplex.registry.validation import TARGET_MODULES as TARGETS
 from loraplex.replica.adapter_cache import AdapterCache, CacheConfig
 from loraplex.replica.adapters import AdapterWeights, ResidentAdapter
@@ -42,16 +43,7 @@ SMALL = {
     "torch_dtype": "float32",
 }
 
-LLAMA_7B = {
-    "model_type": "llama",
-    "vocab_size": 32000,
-    "hidden_size": 4096,
-    "intermediate_size": 11008,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 32,
-    "torch_dtype": "float16",
-}
+LLAMA_7B = sim_profiles.LLAMA_7B  # the simulator's A40 profile uses the same shape
 
 
 def columns_for(cfg: ModelConfig):

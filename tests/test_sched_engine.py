@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from loraplex.cluster.demo_assets import DemoAssets, make_demo_assets
+from loraplex.cluster.demo_assets import DemoAssets
 from loraplex.replica.adapter_cache import CacheConfig
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
@@ -19,11 +19,8 @@ LONG, SHORT = "math-r64", "sql-r8"
 
 
 @pytest.fixture(scope="module")
-def assets(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> DemoAssets:
-    try:
-        return request.getfixturevalue("demo_assets")
-    except pytest.FixtureLookupError:
-        return make_demo_assets(tmp_path_factory.mktemp("demo"))
+def assets(demo_assets: DemoAssets) -> DemoAssets:
+    return demo_assets
 
 
 def engine(assets: DemoAssets, policy: str, cache: CacheConfig | None = None) -> LLMEngine:

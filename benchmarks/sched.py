@@ -41,7 +41,7 @@ from loraplex.benchmarks.sim_workload import (
     replay_requests,
 )
 from loraplex.replica.adapter_cache import CacheConfig
-from loraplex.replica.sched_policy import ChameleonParams
+from loraplex.replica.sched_chameleon import ChameleonParams
 from loraplex.replica.scheduler import SchedulerConfig
 
 SYSTEM_NAMES = ("fifo_nocache", "fifo_cache", "sjf", "chameleon_nocache", "chameleon")

@@ -22,7 +22,7 @@ from loraplex.replica.kv_cache import KVCache
 from loraplex.replica.model.config import ModelConfig
 from loraplex.replica.pool import UnifiedPool
 from loraplex.replica.sampling import SamplingParams
-from loraplex.replica.sched_policy import Chameleon
+from loraplex.replica.sched_chameleon import Chameleon
 from loraplex.replica.scheduler import Scheduler, SchedulerConfig
 from loraplex.replica.sequence import Sequence
 
@@ -83,10 +83,6 @@ class SimLink:
         self.finished: list[object] = []
         self.last = 0.0
         self.busy_s = 0.0
-
-    @property
-    def in_flight(self) -> int:
-        return len(self.active)
 
     def submit(self, token: object, nbytes: int, job: Callable[[], None]) -> None:
         self._advance(self.clock())

@@ -13,15 +13,9 @@ from typing import Literal
 
 from loraplex.replica.adapter_cache import AdapterCache
 from loraplex.replica.kv_cache import KVCache
+from loraplex.replica.sched_chameleon import Chameleon, ChameleonParams
 from loraplex.replica.sched_math import OutputPredictor
-from loraplex.replica.sched_policy import (
-    FIFO,
-    Admit,
-    Chameleon,
-    ChameleonParams,
-    QueuePolicy,
-    SJFAging,
-)
+from loraplex.replica.sched_policy import FIFO, Admit, QueuePolicy, SJFAging
 from loraplex.replica.sequence import SeqStatus, Sequence
 
 

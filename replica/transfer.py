@@ -26,9 +26,6 @@ class Transfer(Protocol):
     def done(self) -> list[object]:
         """Tokens of the jobs finished since the last call."""
 
-    @property
-    def in_flight(self) -> int: ...
-
 
 class Immediate:
     def __init__(self):
@@ -41,10 +38,6 @@ class Immediate:
     def done(self) -> list[object]:
         done, self._done = self._done, []
         return done
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._done)
 
 
 class CopyThread:
@@ -69,10 +62,3 @@ class CopyThread:
         for _, future in jobs:
             future.result()  # re-raises a failed copy (e.g. an artifact that went missing)
         return [token for token, _ in jobs]
-
-    @property
-    def in_flight(self) -> int:
-        return len(self._jobs)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True)

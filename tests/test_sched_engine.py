@@ -11,7 +11,7 @@ from loraplex.replica.adapter_cache import CacheConfig
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.sampling import SamplingParams
-from loraplex.replica.sched_policy import ChameleonParams
+from loraplex.replica.sched_chameleon import ChameleonParams
 from loraplex.replica.scheduler import SchedulerConfig
 
 PAGE = 64 * 1024

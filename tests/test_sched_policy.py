@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from loraplex.replica.sampling import SamplingParams
+from loraplex.replica.sched_chameleon import Chameleon, ChameleonParams
 from loraplex.replica.sched_math import (
     OutputPredictor,
     QueueLoad,
@@ -19,7 +20,7 @@ from loraplex.replica.sched_math import (
     token_quotas,
     weighted_request_size,
 )
-from loraplex.replica.sched_policy import FIFO, Admit, Chameleon, ChameleonParams, SJFAging
+from loraplex.replica.sched_policy import FIFO, Admit, SJFAging
 from loraplex.replica.sequence import Sequence
 
 

@@ -161,8 +161,9 @@ def sim_section(shape: SimShape, trace_path: Path | None) -> dict:
 
 def _extras(run, by_system, slo, loads, high, shape, trace, profile, scale) -> dict:
     """Beyond the paper's main figure: eviction scores under the Chameleon scheduler at the
-    load before the high one (the cache matters most while memory is not yet all KV),
-    and N = 4 replicas with adapter-affinity dispatch at 4x the high load."""
+    load before the high one (the cache matters most while memory is not yet all KV); the
+    starvation guard at SLO/4 instead of the SLO, at that load and the high one; and N = 4
+    replicas with adapter-affinity dispatch at 4x the high load."""
     factor = shape.load_factors[max(0, loads.index(high) - 1)]
     medium = float(loads[loads.index(high) - 1]) if loads.index(high) else float(loads[0])
     eviction = {}
@@ -174,6 +175,23 @@ def _extras(run, by_system, slo, loads, high, shape, trace, profile, scale) -> d
         f"sim: eviction at {medium:.2f} req/s: "
         + "  ".join(
             f"{k} p99 {v['p99_ttft_s']:.2f} hit {v['hit_rate']:.2f}" for k, v in eviction.items()
+        )
+    )
+    base = by_system["chameleon"]
+    quarter = replace(base.scheduler.chameleon, starve_s=slo / 4)
+    early = replace(
+        base, name="chameleon_starve_slo4", scheduler=replace(base.scheduler, chameleon=quarter)
+    )
+    high_factor = shape.load_factors[loads.index(high)]
+    starve = {
+        f"{float(k):.2f}": run(early, f).summary()
+        for k, f in ((medium, factor), (high, high_factor))
+    }
+    log(
+        "sim: starvation guard at SLO/4: "
+        + "  ".join(
+            f"{k} req/s p50 {v['p50_ttft_s']:.2f} p99 {v['p99_ttft_s']:.2f}"
+            for k, v in starve.items()
         )
     )
     adapters = paper_adapters(100, profile.adapter_bytes)
@@ -190,6 +208,7 @@ def _extras(run, by_system, slo, loads, high, shape, trace, profile, scale) -> d
     return {
         "eviction_at_rps": medium,
         "eviction": eviction,
+        "chameleon_starve_slo4": starve,
         "replicas_4_at_rps": rate,
         "replicas_4": replicas,
     }

@@ -252,7 +252,7 @@ class LLMEngine:
         return {
             "pool": {f: getattr(pool, f) for f in pool.__slots__},
             "adapters": {
-                "registered": len(self.adapters.host),
+                "registered": len(self.adapters.entries),
                 "resident": sorted(self.adapters.resident),
                 "loading": sorted(self.adapters.loading),
                 "host": sorted(self.adapters.host),

@@ -214,10 +214,9 @@ class Chameleon:
     def _admit_starving(self, now: float, try_admit: TryAdmit) -> bool:
         """True if the batch is full."""
         limit = self.p.starve_s if self.p.starve_s is not None else self.p.slo_s
-        oldest = sorted(
-            (e.enqueued, id(s), s) for s, e in self.entries.items() if now - e.enqueued >= limit
-        )
-        for _, _, seq in oldest:
+        waited = [s for s, e in self.entries.items() if now - e.enqueued >= limit]
+        # stable: ties keep arrival order (the run is the same every time)
+        for seq in sorted(waited, key=lambda s: self.entries[s].enqueued):
             entry = self.entries[seq]
             result = try_admit(seq)
             if result is Admit.FULL:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from loraplex.replica.model.config import ModelConfig
+
 LLAMA_7B = {
     "model_type": "llama",
     "vocab_size": 32000,
@@ -52,37 +54,32 @@ class RooflineProfile:
     flops_per_s: float
     lora_flops_per_s: float
     adapter_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    _kv_token_bytes: int = field(init=False, default=0)
+    _lora_flops_per_rank: int = field(init=False, default=0)
+
+    def __post_init__(self):
+        # step_time runs once per simulated step: derive the per-token constants once
+        object.__setattr__(self, "_kv_token_bytes", self.kv_bytes_per_token())
+        # LoRA flops per token and unit of rank: 2 per weight element = its fp16 bytes
+        object.__setattr__(self, "_lora_flops_per_rank", self.adapter_bytes(1))
 
     def kv_bytes_per_token(self) -> int:
-        m = self.model
-        head_dim = m["hidden_size"] // m["num_attention_heads"]
-        return 2 * m["num_hidden_layers"] * m["num_key_value_heads"] * head_dim * 2
+        return ModelConfig.from_dict(self.model).kv_elems_per_token() * 2
 
     def adapter_bytes(self, rank: int) -> int:
         """fp16 A [r, in] and B [out, r] for every target of every layer."""
-        m = self.model
-        h, inter = m["hidden_size"], m["intermediate_size"]
-        kv = m["num_key_value_heads"] * (h // m["num_attention_heads"])
-        dims = {
-            "q_proj": (h, h),
-            "k_proj": (h, kv),
-            "v_proj": (h, kv),
-            "o_proj": (h, h),
-            "gate_proj": (h, inter),
-            "up_proj": (h, inter),
-            "down_proj": (inter, h),
-        }
-        per_layer = sum(rank * (i + o) for i, o in (dims[t] for t in self.adapter_targets))
-        return 2 * m["num_hidden_layers"] * per_layer
+        cfg = ModelConfig.from_dict(self.model)
+        shapes = cfg.projection_shapes()
+        per_layer = sum(rank * sum(shapes[t]) for t in self.adapter_targets)
+        return 2 * cfg.num_layers * per_layer
 
     def step_time(self, load: StepLoad) -> float:
         params = self.weight_bytes / 2
         memory = (
-            self.weight_bytes + load.context * self.kv_bytes_per_token() + load.adapter_bytes
+            self.weight_bytes + load.context * self._kv_token_bytes + load.adapter_bytes
         ) / self.mem_bytes_per_s
         compute = 2 * params * load.tokens / self.flops_per_s
-        lora_flops_per_rank = self.adapter_bytes(1)  # 2 flops per weight element = bytes (fp16)
-        lora = load.token_rank * lora_flops_per_rank / self.lora_flops_per_s
+        lora = load.token_rank * self._lora_flops_per_rank / self.lora_flops_per_s
         return self.step_overhead_s + max(memory, compute) + lora
 
 

@@ -277,8 +277,8 @@ def print_table(r: dict) -> None:
     if "engine" in r:
         eng = r["engine"]
         print(
-            f"engine (CPU, {eng['adapters']} adapters, {eng['requests']} requests at "
-            f"{eng['rate_rps']:.2f} req/s):"
+            f"engine (CPU, {eng['adapters']} adapters, {eng['requests']} requests x "
+            f"{eng['arrival_draws']} arrival draws at {eng['rate_rps']:.2f} req/s):"
         )
         for name, row in eng["systems"].items():
             print(

@@ -59,6 +59,7 @@ MODEL = ModelSpec(
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 PAGE = 64 * 1024
 SCHED = {"max_num_seqs": 16, "max_num_batched_tokens": 512, "max_loras_per_batch": 16}
+SEEDS = (3, 4, 5)  # arrival draws at the high load: the first alone with --quick
 
 
 def engine_section(quick: bool) -> dict:
@@ -87,43 +88,49 @@ def engine_section(quick: bool) -> dict:
         # high load, as in the simulator: the first rate at which fifo_nocache misses the SLO
         for factor in (1.0, 1.25, 1.5, 2.0, 3.0):
             rate = factor * capacity
-            timed = _poisson(requests, rate)
+            timed = _poisson(requests, rate, SEEDS[0])
             p99 = np.percentile(_serve(base, timed, profile).ttft, 99)
             log(f"engine: fifo_nocache at {rate:.1f} req/s: p99 TTFT {p99:.3f} s (SLO {slo:.2f})")
             if p99 > slo:
                 break
-        requests = timed
-        rows = {}
+        # the same rate, independent arrival draws: P99 over all of them
+        runs = [timed] + [_poisson(requests, rate, seed) for seed in SEEDS[1 : 1 if quick else 3]]
+        rows, sim_rows = {}, {}
         for name in SYSTEM_NAMES:
-            eng = _engine(model_dir, adapter_dirs, by_system[name], specs)
-            served = _serve(eng, requests, profile)
-            s = eng.adapters.stats
+            ttft, sim_ttft, counts, step_s = [], [], np.zeros(5), []
+            for arrivals in runs:
+                eng = _engine(model_dir, adapter_dirs, by_system[name], specs)
+                served = _serve(eng, arrivals, profile)
+                s = eng.adapters.stats
+                counts += (s.hits, s.misses, s.loads, s.evictions, eng.scheduler.num_preemptions)
+                ttft.append(served.ttft)
+                step_s += [t for _, t in served.steps]
+                sim_ttft.append(simulate(arrivals, profile, by_system[name], specs, 512).ttft)
+            ttft, sim_ttft = np.concatenate(ttft), np.concatenate(sim_ttft)
+            hits, misses, loads, evictions, preemptions = counts.tolist()
             rows[name] = {
-                "p50_ttft_s": float(np.percentile(served.ttft, 50)),
-                "p99_ttft_s": float(np.percentile(served.ttft, 99)),
-                "mean_ttft_s": float(served.ttft.mean()),
-                "hit_rate": s.hits / max(s.hits + s.misses, 1),
-                "loads": s.loads,
-                "evictions": s.evictions,
-                "preemptions": eng.scheduler.num_preemptions,
-                "steps": len(served.steps),
-                "measured_step_ms": 1e3 * float(np.mean([t for _, t in served.steps])),
+                "p50_ttft_s": float(np.percentile(ttft, 50)),
+                "p99_ttft_s": float(np.percentile(ttft, 99)),
+                "mean_ttft_s": float(ttft.mean()),
+                "hit_rate": hits / max(hits + misses, 1),
+                "loads": int(loads),
+                "evictions": int(evictions),
+                "preemptions": int(preemptions),
+                "measured_step_ms": 1e3 * float(np.mean(step_s)),
+            }
+            sim_rows[name] = {
+                "p50_ttft_s": float(np.percentile(sim_ttft, 50)),
+                "p99_ttft_s": float(np.percentile(sim_ttft, 99)),
             }
             log(
                 f"engine: {name:18} p50 {rows[name]['p50_ttft_s']:.3f} s  "
                 f"p99 {rows[name]['p99_ttft_s']:.3f} s"
             )
-        sim_rows = {}
-        for name in SYSTEM_NAMES:
-            result = simulate(requests, profile, by_system[name], specs, 512)
-            sim_rows[name] = {
-                "p50_ttft_s": float(np.percentile(result.ttft, 50)),
-                "p99_ttft_s": float(np.percentile(result.ttft, 99)),
-            }
     fifo, ours = rows["fifo_nocache"], rows["chameleon"]
     return {
         "adapters": len(specs),
         "requests": n_requests,
+        "arrival_draws": len(runs),
         "rate_rps": rate,
         "slo_s": slo,
         "clock": "engine time: each real engine step advances it by the calibrated CPU "
@@ -211,8 +218,8 @@ def _prompt(req: SimRequest) -> list[int]:
     return [(7 * req.rid + 13 * k) % (MODEL.vocab_size - 10) + 10 for k in range(req.prompt)]
 
 
-def _poisson(reqs: list[SimRequest], rate: float) -> list[SimRequest]:
-    arrivals = np.cumsum(np.random.default_rng(3).exponential(1 / rate, len(reqs)))
+def _poisson(reqs: list[SimRequest], rate: float, seed: int) -> list[SimRequest]:
+    arrivals = np.cumsum(np.random.default_rng(seed).exponential(1 / rate, len(reqs)))
     return [replace(r, arrival=float(a)) for r, a in zip(reqs, arrivals, strict=True)]
 
 

@@ -1,69 +1,187 @@
-"""Adapters known to the engine (host tier) and those resident in the pool (device tier).
+"""The adapter cache (Chameleon, seed 004 §4.2): three tiers, device pool ← host memory ←
+artifact store on disk.
 
-A running request pins its adapter's pages. Unpinned resident adapters stay warm in idle
-pages and are evicted, least recently used first, when the pool needs pages — for another
-adapter or for KV blocks (the pool calls `reclaim`).
+- Device: adapters resident in pool pages. A running request pins its adapter; idle
+  adapters stay warm in idle pages and leave, in the eviction policy's order, when the
+  pool needs the pages — for another adapter or for KV blocks (the pool calls `reclaim`).
+  Adapters of queued requests (`want`) are kept unless memory forces it.
+- Host: the registered weights in memory (pinned on CUDA). With a `host_bytes` budget the
+  least recently used ones not on the device are dropped and read again from disk.
+- Loads go through a `Transfer` (a copy thread beside the compute, or the simulator's
+  link): `acquire` starts a missing adapter's load and answers None until it is ready.
+
+Dynamic sizing with hysteresis: when KV needs pages, `reclaim` frees `low_watermark` of
+the pool beyond the shortfall, so that a batch growing one block per step does not evict
+once per step; prefetch loads only while `high_watermark` of the pool stays free.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Literal, Protocol
 
-from loraplex.replica.adapters import AdapterWeights, ResidentAdapter
-from loraplex.replica.model.config import ModelConfig
-from loraplex.replica.pool import PoolExhausted, UnifiedPool
+from loraplex.replica.adapters import AdapterWeights, PoolLayout
+from loraplex.replica.eviction import AdapterUsage, EvictionPolicy, make_eviction
+from loraplex.replica.pool import PageKind, UnifiedPool
+from loraplex.replica.transfer import CopyThread, Immediate, Transfer
 
 
 class UnknownAdapter(KeyError):
     pass
 
 
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    eviction: Literal["chameleon", "lru", "gdsf", "equal"] = "chameleon"
+    loading: Literal["sync", "thread"] = "sync"  # thread: copies overlap the forward
+    keep_idle: bool = True  # False: an adapter leaves the device with its last request (S-LoRA)
+    low_watermark: float = 0.0  # share of the pool a KV reclaim frees beyond its need
+    high_watermark: float = 0.0  # share of the pool prefetch leaves free
+    prefetch: int = 0  # queued requests (in admission order) whose adapters are prefetched
+    host_bytes: int | None = None  # host-tier budget; None: every adapter stays in memory
+    half_life_s: float = 60.0  # an adapter's use count halves after this long unused
+
+    def __post_init__(self):
+        if self.eviction not in ("chameleon", "lru", "gdsf", "equal"):
+            raise ValueError(
+                f"eviction must be chameleon, lru, gdsf or equal, got {self.eviction!r}"
+            )
+        if self.loading not in ("sync", "thread"):
+            raise ValueError(f"loading must be sync or thread, got {self.loading!r}")
+        if not 0.0 <= self.low_watermark <= self.high_watermark <= 1.0:
+            raise ValueError(
+                "watermarks must satisfy 0 <= low_watermark <= high_watermark <= 1, got "
+                f"{self.low_watermark} and {self.high_watermark}"
+            )
+        if self.prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {self.prefetch}")
+        if self.half_life_s <= 0:
+            raise ValueError(f"half_life_s must be > 0, got {self.half_life_s}")
+        if self.host_bytes is not None and self.host_bytes < 0:
+            raise ValueError(f"host_bytes must be >= 0, got {self.host_bytes}")
+
+
 @dataclass(slots=True)
 class CacheStats:
-    hits: int = 0
-    misses: int = 0
-    loads: int = 0
+    hits: int = 0  # acquisitions that found the adapter on the device
+    misses: int = 0  # loads started for a request (not prefetches)
+    loads: int = 0  # every load, prefetches included
     evictions: int = 0
     bytes_loaded: int = 0
+    host_hits: int = 0  # loads served from host memory
+    disk_reads: int = 0  # loads that first read the artifact from disk
+    prefetches: int = 0
+    reclaims: int = 0  # times KV demand evicted adapters
+    host_drops: int = 0  # host copies dropped for the host budget
+    load_seconds: float = 0.0  # sum over loads of start -> ready
+    load_seconds_max: float = 0.0
+
+
+class Resident(Protocol):
+    name: str
+    pins: int
+    pages: list[int]
+
+
+class AdapterLayout(Protocol):
+    """How adapters take pool pages: the engine's `PoolLayout`, or the simulator's,
+    which counts pages and moves no data."""
+
+    def num_pages(self, weights) -> int: ...
+
+    def skeleton(self, weights):
+        """What `place` needs of the weights (shapes), kept while the weights are on disk."""
+
+    def place(self, weights, pages: list[int]) -> Resident: ...
+
+    def fill(self, resident: Resident, weights) -> None: ...
+
+
+@dataclass(slots=True)
+class _Entry:
+    """A registered adapter. `weights` is None while it lives on disk only."""
+
+    name: str
+    nbytes: int
+    pages: int
+    usage: AdapterUsage
+    skeleton: object
+    weights: object | None
+    read: Callable[[], object] | None  # reads it from the artifact store again
 
 
 class AdapterCache:
     def __init__(
         self,
         pool: UnifiedPool,
-        model: ModelConfig,
-        columns: Callable[[int], dict[str, tuple[int, int]]],
+        model,
+        columns: Callable | None = None,
         clock: Callable[[], float] = time.monotonic,
+        config: CacheConfig | None = None,
+        layout: AdapterLayout | None = None,
+        transfer: Transfer | None = None,
+        eviction: EvictionPolicy | None = None,
     ):
+        self.cfg = config or CacheConfig()
         self.pool = pool
-        self.model = model
-        self.columns = columns
         self.clock = clock
-        self.host: dict[str, AdapterWeights] = {}
-        self.resident: dict[str, ResidentAdapter] = {}
-        self.last_used: dict[str, float] = {}
-        self._retired: set[ResidentAdapter] = set()  # removed or replaced while still pinned
+        self.layout = layout or PoolLayout(pool, model, columns)
+        if transfer is None:
+            transfer = (
+                CopyThread(pool.arena.device) if self.cfg.loading == "thread" else Immediate()
+            )
+        self.transfer = transfer
+        self.eviction = eviction or make_eviction(self.cfg.eviction, self.cfg.half_life_s)
+        self.entries: dict[str, _Entry] = {}
+        self.host: dict[str, AdapterWeights] = {}  # the host tier: weights in memory
+        self.resident: dict[str, Resident] = {}  # the device tier, ready to use
+        self.loading: dict[str, Resident] = {}  # pages taken, copy in flight
+        self._started: dict[Resident, float] = {}
+        self._retired: set[Resident] = set()  # removed or replaced while pinned or loading
+        self.wanted: dict[str, None] = {}  # adapters of queued requests, in admission order
         self.stats = CacheStats()
         pool.set_reclaimer(self.reclaim)
 
     def __contains__(self, name: str) -> bool:
-        return name in self.host
+        return name in self.entries
 
-    def add(self, weights: AdapterWeights) -> None:
+    # -- registration
+
+    def add(self, weights, read: Callable[[], object] | None = None) -> None:
         """Register (or replace) an adapter. A replaced one still in use keeps serving the
-        requests that hold it and is freed when they finish."""
+        requests that hold it and is freed when they finish. `read` re-reads it from the
+        artifact store, which lets the host budget drop its host copy."""
         self._retire(weights.name)
+        old = self.entries.get(weights.name)
+        usage = AdapterUsage(weights.name, weights.nbytes)
+        if old is not None:
+            usage.frequency, usage.last_used = old.usage.frequency, old.usage.last_used
+        self.entries[weights.name] = _Entry(
+            weights.name,
+            weights.nbytes,
+            self.layout.num_pages(weights),
+            usage,
+            self.layout.skeleton(weights),
+            weights,
+            read,
+        )
         self.host[weights.name] = weights
+        self._fit_host_budget()
 
     def remove(self, name: str) -> None:
-        if name not in self.host:
+        if name not in self.entries:
             raise UnknownAdapter(name)
         self._retire(name)
-        del self.host[name]
+        del self.entries[name]
+        self.host.pop(name, None)
 
     def _retire(self, name: str) -> None:
+        loading = self.loading.pop(name, None)
+        if loading is not None:
+            self._retired.add(loading)  # freed when its copy finishes
         resident = self.resident.pop(name, None)
         if resident is None:
             return
@@ -72,33 +190,50 @@ class AdapterCache:
         else:
             self.pool.free(resident.pages)
 
+    def pages_of(self, name: str) -> int:
+        return self.entries[name].pages
+
+    def nbytes_of(self, name: str) -> int:
+        return self.entries[name].nbytes
+
     def is_resident(self, name: str) -> bool:
         return name in self.resident
 
-    def acquire(self, name: str) -> ResidentAdapter | None:
-        """Make `name` resident and pin it. None if its pages cannot be found without
-        evicting a pinned adapter or KV blocks."""
-        if name not in self.host:
+    def tier(self, name: str) -> Literal["device", "loading", "host", "disk"]:
+        if name in self.resident:
+            return "device"
+        if name in self.loading:
+            return "loading"
+        return "host" if name in self.host else "disk"
+
+    # -- use
+
+    def acquire(self, name: str) -> Resident | None:
+        """Pin `name` if it is on the device. Otherwise start its load (evicting idle
+        adapters if pages are short) and answer None: ask again once it is ready. None too
+        if its pages cannot be found without evicting a pinned adapter or KV blocks."""
+        if name not in self.entries:
             raise UnknownAdapter(name)
         resident = self.resident.get(name)
         if resident is None:
-            try:
-                resident = ResidentAdapter(self.host[name], self.pool, self.model, self.columns)
-            except PoolExhausted:
+            if name not in self.loading and self._load(name, evict=True):
+                self.stats.misses += 1
+                self.poll()  # an immediate transfer is done already
+            resident = self.resident.get(name)
+            if resident is None:
                 return None
-            self.resident[name] = resident
-            self.stats.misses += 1  # counted once per load, not per retry while pages are short
-            self.stats.loads += 1
-            self.stats.bytes_loaded += self.host[name].nbytes
         else:
             self.stats.hits += 1
         if resident.pins == 0:
             self.pool.pin(resident.pages)
         resident.pins += 1
-        self.last_used[name] = self.clock()
+        entry = self.entries[name]
+        now = self.clock()
+        entry.usage.touch(now, self.cfg.half_life_s)
+        self.eviction.touched(entry.usage, now)
         return resident
 
-    def release(self, resident: ResidentAdapter) -> None:
+    def release(self, resident: Resident) -> None:
         resident.pins -= 1
         assert resident.pins >= 0, "adapter released more often than acquired"
         if resident.pins > 0:
@@ -107,20 +242,128 @@ class AdapterCache:
         if resident in self._retired:
             self._retired.discard(resident)
             self.pool.free(resident.pages)
+        elif not self.cfg.keep_idle and resident.name not in self.wanted:
+            self._evict_one(resident.name)
+
+    def want(self, names: Iterable[str]) -> None:
+        """The adapters of queued requests, in the order they will be admitted."""
+        self.wanted = dict.fromkeys(n for n in names if n in self.entries)
+
+    def prefetch(self) -> None:
+        """Start loads for the first `prefetch` wanted adapters that are not on the device.
+        A prefetch evicts only idle adapters no queued request wants, never a pinned one,
+        and leaves `high_watermark` of the pool free."""
+        if self.cfg.prefetch == 0:
+            return
+        reserve = math.ceil(self.cfg.high_watermark * self.pool.num_pages)
+        for name in list(self.wanted)[: self.cfg.prefetch]:
+            if name in self.resident or name in self.loading:
+                continue
+            need = self.entries[name].pages + reserve
+            if self.pool.num_free < need and not self._evict(
+                need - self.pool.num_free, queued=False
+            ):
+                continue
+            self._load(name, evict=False)
+            self.stats.prefetches += 1
+        self.poll()
+
+    def poll(self) -> None:
+        """Collect finished copies: their adapters become usable."""
+        now = self.clock()
+        for resident in self.transfer.done():
+            started = self._started.pop(resident)
+            self.stats.load_seconds += now - started
+            self.stats.load_seconds_max = max(self.stats.load_seconds_max, now - started)
+            if resident in self._retired:
+                self._retired.discard(resident)
+                self.pool.free(resident.pages)
+                continue
+            del self.loading[resident.name]
+            self.resident[resident.name] = resident
+            weights = self.entries[resident.name].weights
+            if weights is not None:
+                self.host[resident.name] = weights  # read back from disk: host tier again
+        self._fit_host_budget()
+
+    # -- loading and eviction
+
+    def _load(self, name: str, evict: bool) -> bool:
+        entry = self.entries[name]
+        short = entry.pages - self.pool.num_free
+        if short > 0 and not (evict and self._evict(short, queued=True)):
+            return False
+        pages = self.pool.allocate(entry.pages, PageKind.ADAPTER, reclaim=False)
+        resident = self.layout.place(entry.skeleton, pages)
+        self.loading[name] = resident
+        self._started[resident] = self.clock()
+        self.stats.loads += 1
+        self.stats.bytes_loaded += entry.nbytes
+        if entry.weights is None:
+            self.stats.disk_reads += 1
+        else:
+            self.stats.host_hits += 1
+        self.transfer.submit(resident, entry.nbytes, lambda: self._fill(resident, entry))
+        return True
+
+    def _fill(self, resident: Resident, entry: _Entry) -> None:
+        """The copy job (off the engine thread): from host memory, or from disk first."""
+        weights = entry.weights
+        if weights is None:
+            weights = entry.read()
+            entry.weights = weights  # back in the host tier; the budget is applied on poll
+        self.layout.fill(resident, weights)
 
     def reclaim(self, pages_needed: int) -> None:
-        """Evict unpinned resident adapters, least recently used first, until
-        `pages_needed` pages are freed or none is left to evict."""
-        idle = sorted(
-            (n for n, r in self.resident.items() if r.pins == 0), key=self.last_used.__getitem__
-        )
-        if sum(len(self.resident[n].pages) for n in idle) < pages_needed:
-            return  # evicting would not be enough: keep the cache warm
+        """The pool is short of `pages_needed` pages (for KV): evict idle adapters, those no
+        queued request wants first, and with them `low_watermark` of the pool more."""
+        extra = math.ceil(self.cfg.low_watermark * self.pool.num_pages)
+        if self._evict(pages_needed, queued=True, extra=extra):
+            self.stats.reclaims += 1
+
+    def _evict(self, pages_needed: int, queued: bool, extra: int = 0) -> bool:
+        """Free at least `pages_needed` pages from idle adapters (wanted ones last, and
+        only if `queued`), then up to `extra` more from unwanted ones. Evicts nothing and
+        answers False if all the idle ones would not be enough."""
+        now = self.clock()
+        idle = [e.usage for n, e in self.entries.items() if n in self.resident]
+        idle = [u for u in idle if self.resident[u.name].pins == 0]
+        cold = [u for u in idle if u.name not in self.wanted]
+        warm = [u for u in idle if u.name in self.wanted] if queued else []
+        order = self.eviction.order(cold, now) + self.eviction.order(warm, now)
+        if sum(self.entries[u.name].pages for u in order) < pages_needed:
+            return False
         freed = 0
-        for name in idle:
-            if freed >= pages_needed:
+        for usage in order:
+            in_reserve = freed >= pages_needed
+            if in_reserve and (freed >= pages_needed + extra or usage.name in self.wanted):
                 break
-            resident = self.resident.pop(name)
-            self.pool.free(resident.pages)
-            freed += len(resident.pages)
-            self.stats.evictions += 1
+            freed += len(self.resident[usage.name].pages)
+            self._evict_one(usage.name)
+        return True
+
+    def _evict_one(self, name: str) -> None:
+        resident = self.resident.pop(name)
+        self.pool.free(resident.pages)
+        self.stats.evictions += 1
+        self.eviction.evicted(self.entries[name].usage)
+
+    def _fit_host_budget(self) -> None:
+        budget = self.cfg.host_bytes
+        if budget is None:
+            return
+        held = sum(e.nbytes for e in self.entries.values() if e.weights is not None)
+        if held <= budget:
+            return
+        droppable = [
+            e
+            for e in self.entries.values()
+            if e.weights is not None and e.read is not None and e.name not in self.loading
+        ]
+        for entry in sorted(droppable, key=lambda e: e.usage.last_used):
+            if held <= budget:
+                break
+            entry.weights = None
+            self.host.pop(entry.name, None)
+            held -= entry.nbytes
+            self.stats.host_drops += 1

@@ -42,6 +42,11 @@ class AdapterWeights:
     def nbytes(self) -> int:
         return sum(a.nbytes + bt.nbytes for a, bt in self.modules.values())
 
+    def pin_memory(self) -> AdapterWeights:
+        """Page-locked host copies, so device copies can run asynchronously (CUDA)."""
+        modules = {k: (a.pin_memory(), bt.pin_memory()) for k, (a, bt) in self.modules.items()}
+        return AdapterWeights(self.name, self.rank, self.targets, modules)
+
 
 def is_adapter_dir(path: Path) -> bool:
     return (path / CONFIG_FILE).is_file()
@@ -94,7 +99,12 @@ def plan_layout(
 
 
 class ResidentAdapter:
-    """An adapter placed in pool pages. `groups[layer][group]` are the kernel views."""
+    """An adapter placed in pool pages. `groups[layer][group]` are the kernel views.
+
+    Built in two parts so the copy can run off the engine thread: the constructor takes
+    the pages (allocates them from `pool`, or takes `pages` another allocator chose: the
+    cache, or tensor-parallel rank 0 for a worker) and builds the views; `fill` copies the
+    weights in (at once unless `fill=False`)."""
 
     def __init__(
         self,
@@ -103,33 +113,64 @@ class ResidentAdapter:
         model: ModelConfig,
         columns,
         pages: list[int] | None = None,
+        fill: bool = True,
     ):
-        """Allocates its pages from `pool`, or fills `pages` that another allocator (tensor
-        parallel rank 0) chose."""
         self.name = weights.name
         self.rank = weights.rank
         self.pins = 0  # running requests using it; its pages are pinned while > 0
-        packer, plan = plan_layout(weights, pool.page_elems, model.num_layers)
+        packer, self._plan = plan_layout(weights, pool.page_elems, model.num_layers)
         self.fragmentation = packer.fragmentation()
         if pages is None:
             pages = pool.allocate(packer.num_pages, PageKind.ADAPTER)
-        assert len(pages) == packer.num_pages, "placement pages do not match the layout"
+        assert len(pages) == packer.num_pages, "pages given do not match the adapter's layout"
         self.pages = pages
         self.nbytes = packer.num_pages * pool.page_bytes
         self.groups: list[list[LoraGroupWeights | None]] = [
             [None] * len(LORA_GROUPS) for _ in range(model.num_layers)
         ]
-        for layer, group, a_index, outs in plan:
+        self._a_views = {}
+        self._bt_views = {}
+        for layer, group, a_index, outs in self._plan:
             a_views = chunk_views(pool.arena, packer.placements[a_index], self.pages)
-            a_rows = torch.cat([weights.modules[(layer, t)][0] for t, _, _ in outs])
-            _copy_rows(a_views, a_rows)
+            self._a_views[layer, group] = a_views
             lora_outs, h = [], 0
             for target, bt_index, rows in outs:
                 bt_views = chunk_views(pool.arena, packer.placements[bt_index], self.pages)
-                _copy_rows(bt_views, weights.modules[(layer, target)][1])
+                self._bt_views[layer, target] = bt_views
                 lora_outs.append(LoraOut(*columns(group)[target], h, h + rows, tuple(bt_views)))
                 h += rows
             self.groups[layer][group] = LoraGroupWeights(tuple(a_views), tuple(lora_outs))
+        if fill:
+            self.fill(weights)
+
+    def fill(self, weights: AdapterWeights) -> None:
+        """Copy the host weights into the pool pages (the load proper)."""
+        for layer, group, _, outs in self._plan:
+            a_rows = torch.cat([weights.modules[(layer, t)][0] for t, _, _ in outs])
+            _copy_rows(self._a_views[layer, group], a_rows)
+            for target, _, _ in outs:
+                _copy_rows(self._bt_views[layer, target], weights.modules[(layer, target)][1])
+
+
+class PoolLayout:
+    """How the adapter cache places real adapters in the unified pool."""
+
+    def __init__(self, pool: UnifiedPool, model: ModelConfig, columns):
+        self.pool, self.model, self.columns = pool, model, columns
+
+    def num_pages(self, weights: AdapterWeights) -> int:
+        return plan_layout(weights, self.pool.page_elems, self.model.num_layers)[0].num_pages
+
+    def skeleton(self, weights: AdapterWeights) -> AdapterWeights:
+        """The same adapter with meta tensors: shapes for `place`, no memory."""
+        modules = {k: (a.to("meta"), bt.to("meta")) for k, (a, bt) in weights.modules.items()}
+        return AdapterWeights(weights.name, weights.rank, weights.targets, modules)
+
+    def place(self, weights: AdapterWeights, pages: list[int]) -> ResidentAdapter:
+        return ResidentAdapter(weights, self.pool, self.model, self.columns, pages, fill=False)
+
+    def fill(self, resident: ResidentAdapter, weights: AdapterWeights) -> None:
+        resident.fill(weights)
 
 
 def _copy_rows(views: list[torch.Tensor], rows: torch.Tensor) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from loraplex.replica.adapter_cache import CacheConfig
 from loraplex.replica.scheduler import SchedulerConfig
 
 MiB = 1 << 20
@@ -22,6 +23,8 @@ class EngineConfig:
     page_bytes: int | None = None  # None: the smallest power of two >= 16 tokens of KV (>= 64 KiB)
     max_lora_rank: int = 128
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # Adapter loads overlap the forward on a copy thread; eviction by Chameleon's score.
+    cache: CacheConfig = field(default_factory=lambda: CacheConfig(loading="thread"))
     seed: int = 0  # seeds requests that set no seed of their own
     kernels: Literal["auto", "torch", "triton"] = "auto"  # auto: $LORAPLEX_KERNELS, else by device
     tp: int = 1  # tensor-parallel degree: ranks (processes) this replica's model spans

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 import random
 import threading
@@ -74,7 +75,7 @@ class LLMEngine:
         pool_bytes = cfg.pool_bytes or _auto_pool_bytes(device)
         self.pool = UnifiedPool(pool_bytes // page_bytes, page_bytes // elem, mc.dtype, device)
         self.kv = KVCache(self.pool, mc)
-        self.adapters = AdapterCache(self.pool, mc, self.model.output_columns)
+        self.adapters = AdapterCache(self.pool, mc, self.model.output_columns, config=cfg.cache)
         self.kernels = resolve_kernels(cfg.kernels, device)
         sched = cfg.scheduler
         layout_args = (cfg.max_lora_rank, sched.max_num_seqs, sched.max_num_batched_tokens)
@@ -84,7 +85,7 @@ class LLMEngine:
             if self.tp is None
             else self.tp.connect(backend, self.pool, self.adapters, layout_args)
         )
-        self.scheduler = Scheduler(cfg.scheduler, self.kv, self.adapters)
+        self.scheduler = Scheduler(cfg.scheduler, self.kv, self.adapters, self.max_model_len)
         eos = set(mc.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -97,7 +98,7 @@ class LLMEngine:
     # adapters
 
     def add_adapter(self, name: str, path: Path) -> AdapterInfo:
-        return self.register_adapter(self.read_adapter(name, path))
+        return self.register_adapter(self.read_adapter(name, path), path)
 
     def read_adapter(self, name: str, path: Path) -> AdapterWeights:
         """Read and validate; touches no engine state (safe off the engine thread)."""
@@ -108,15 +109,22 @@ class LLMEngine:
                 f"adapter {name!r} needs {pages} pages; at most half the pool "
                 f"({self.pool.num_pages // 2} pages) may hold one adapter"
             )
-        return weights
+        return weights.pin_memory() if self.pool.arena.is_cuda else weights
 
-    def register_adapter(self, weights: AdapterWeights) -> AdapterInfo:
+    def register_adapter(self, weights: AdapterWeights, path: Path | None = None) -> AdapterInfo:
+        """`path`: where to read it again if the host-tier budget drops its host copy."""
+        read = None if path is None else functools.partial(self._reread, weights.name, path)
         if self.tp is not None:  # every rank keeps its shard in its host tier
             weights = self.tp.add_adapter(weights)
-        self.adapters.add(weights)
+        self.adapters.add(weights, read)
         return AdapterInfo(
             weights.name, weights.rank, weights.targets, weights.nbytes, self._pages_for(weights)
         )
+
+    def _reread(self, name: str, path: Path) -> AdapterWeights:
+        """The host copy the cache dropped, read again: rank 0's shard under tp."""
+        weights = self.read_adapter(name, path)
+        return weights if self.tp is None else self.tp.shard(weights)
 
     def _pages_for(self, weights: AdapterWeights) -> int:
         return plan_layout(weights, self.pool.page_elems, self.model_config.num_layers)[0].num_pages
@@ -175,7 +183,7 @@ class LLMEngine:
         if adapter is not None and adapter not in self.adapters:
             raise UnknownAdapter(adapter)
         kv_pages = self.kv.blocks_for(len(ids) + params.max_tokens)
-        adapter_pages = self._pages_for(self.adapters.host[adapter]) if adapter is not None else 0
+        adapter_pages = self.adapters.pages_of(adapter) if adapter is not None else 0
         if kv_pages + adapter_pages > self.pool.num_pages:
             raise RequestError(
                 f"the request needs {kv_pages} KV pages + {adapter_pages} adapter pages; "
@@ -194,6 +202,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         pending, self._pending = self._pending, []
         scheduled = self.scheduler.schedule()
+        if not scheduled and self.adapters.loading:  # nothing else can run: wait for the copies
+            scheduled = self.scheduler.schedule()
         if not scheduled:
             return pending
         batch = build_step_batch(
@@ -275,11 +285,14 @@ class LLMEngine:
         return {
             "pool": {f: getattr(pool, f) for f in pool.__slots__},
             "adapters": {
-                "registered": len(self.adapters.host),
+                "registered": len(self.adapters.entries),
                 "resident": sorted(self.adapters.resident),
+                "loading": sorted(self.adapters.loading),
+                "host": sorted(self.adapters.host),
                 **{f: getattr(self.adapters.stats, f) for f in self.adapters.stats.__slots__},
             },
-            "waiting": len(self.scheduler.waiting),
+            "waiting": len(self.scheduler.policy),
+            "policy": self.scheduler.policy.name,
             "running": len(self.scheduler.running),
             "preemptions": self.scheduler.num_preemptions,
             "kv_block_size": self.kv.block_size,
@@ -409,7 +422,7 @@ class Engine:
 
     async def add_adapter(self, name: str, path: Path) -> AdapterInfo:
         weights = await asyncio.to_thread(self.core.read_adapter, name, path)
-        return await self._locked(self.core.register_adapter, weights)
+        return await self._locked(self.core.register_adapter, weights, path)
 
     async def remove_adapter(self, name: str) -> None:
         await self._locked(self.core.remove_adapter, name)

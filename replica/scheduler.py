@@ -1,15 +1,21 @@
 """Iteration-level continuous batching: every step, running requests advance (one token for
 decode, a chunk for prefill) and waiting requests are admitted while the token budget, the
-sequence cap, the distinct-adapter cap and the pool allow. When KV runs out, the latest
-running request is preempted and later recomputed."""
+sequence cap, the distinct-adapter cap and the pool allow. The admission order is the
+policy's (sched_policy: FIFO, SJF with aging, Chameleon's multi-level queues). When KV
+runs out, the latest running request is preempted and later recomputed."""
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
 
 from loraplex.replica.adapter_cache import AdapterCache
 from loraplex.replica.kv_cache import KVCache
+from loraplex.replica.sched_chameleon import Chameleon, ChameleonParams
+from loraplex.replica.sched_math import OutputPredictor
+from loraplex.replica.sched_policy import FIFO, Admit, QueuePolicy, SJFAging
 from loraplex.replica.sequence import SeqStatus, Sequence
 
 
@@ -18,32 +24,51 @@ class SchedulerConfig:
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     max_loras_per_batch: int = 32
+    policy: Literal["fifo", "sjf", "chameleon"] = "fifo"
+    sjf_aging_tokens_per_s: float = 10.0  # SJF: a request's priority improves this fast
+    predictor_quantile: float = 0.5  # output length predicted as this quantile
+    chameleon: ChameleonParams = field(default_factory=ChameleonParams)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_loras_per_batch"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.policy not in ("fifo", "sjf", "chameleon"):
+            raise ValueError(f"policy must be fifo, sjf or chameleon, got {self.policy!r}")
+        if self.sjf_aging_tokens_per_s < 0:
+            raise ValueError("sjf_aging_tokens_per_s must be >= 0")
 
 
 class Scheduler:
-    """FIFO admission (the S-LoRA / vLLM baseline)."""
-
-    def __init__(self, cfg: SchedulerConfig, kv: KVCache, adapters: AdapterCache):
+    def __init__(
+        self,
+        cfg: SchedulerConfig,
+        kv: KVCache,
+        adapters: AdapterCache,
+        max_len: int = 8192,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.cfg = cfg
         self.kv = kv
         self.adapters = adapters
-        self.waiting: deque[Sequence] = deque()
+        self.clock = clock
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.policy = make_policy(cfg, kv, adapters, max_len)
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        return self.policy.waiting()
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self.policy.add(seq, self.clock())
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(len(self.policy) or self.running)
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         """The step's sequences and how many new tokens each computes."""
+        self.adapters.poll()
         budget = self.cfg.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         i = 0
@@ -60,30 +85,41 @@ class Scheduler:
                 budget -= n
                 i += 1
         self._admit(scheduled, budget)
+        waiting = self.policy.waiting()
+        self.adapters.want(s.adapter for s in waiting if s.adapter is not None)
+        self.adapters.prefetch()
         return scheduled
 
     def _admit(self, scheduled: list[tuple[Sequence, int]], budget: int) -> None:
         in_use = {s.adapter for s in self.running if s.adapter is not None}
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_num_seqs:
-            seq = self.waiting[0]
+
+        def try_admit(seq: Sequence) -> Admit:
+            nonlocal budget
+            if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
+                return Admit.FULL
             new_adapter = seq.adapter is not None and seq.adapter not in in_use
             if new_adapter and len(in_use) >= self.cfg.max_loras_per_batch:
-                return
-            lora = self.adapters.acquire(seq.adapter) if seq.adapter is not None else None
-            if seq.adapter is not None and lora is None:
-                return
+                return Admit.ADAPTER_CAP
+            lora = None
+            if seq.adapter is not None:
+                lora = self.adapters.acquire(seq.adapter)
+                if lora is None:
+                    loading = seq.adapter in self.adapters.loading
+                    return Admit.LOADING if loading else Admit.NO_ROOM
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self.kv.ensure(seq, seq.num_computed + n):
                 if lora is not None:
                     self.adapters.release(lora)
-                return
-            self.waiting.popleft()
+                return Admit.FULL
             seq.lora, seq.status = lora, SeqStatus.RUNNING
             self.running.append(seq)
             scheduled.append((seq, n))
             budget -= n
             if seq.adapter is not None:
                 in_use.add(seq.adapter)
+            return Admit.OK
+
+        self.policy.admit(self.clock(), try_admit)
 
     def _release(self, seq: Sequence) -> None:
         self.kv.free(seq)
@@ -98,14 +134,47 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        now = self.clock()
+        self.policy.left(seq, now, finished=False)
+        self.policy.requeue(seq, now)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Finish a running or waiting sequence and free its pages at once."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
             self._release(seq)
+            self.policy.left(seq, self.clock(), finished=reason != "abort")
         elif seq.status is SeqStatus.WAITING:
-            self.waiting.remove(seq)
+            self.policy.remove(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+
+
+def make_policy(
+    cfg: SchedulerConfig, kv: KVCache, adapters: AdapterCache, max_len: int
+) -> QueuePolicy:
+    predictor = OutputPredictor(cfg.predictor_quantile)
+    if cfg.policy == "fifo":
+        return FIFO()
+    if cfg.policy == "sjf":
+        return SJFAging(predictor, cfg.sjf_aging_tokens_per_s)
+
+    # Sizes in KV tokens: an adapter holds pages that would otherwise hold KV blocks.
+    def adapter_bytes(name: str | None) -> int:
+        if name is None:  # the base model: sized as the smallest adapter (WRS > 0)
+            sizes = [e.nbytes for e in adapters.entries.values()]
+            return min(sizes, default=1)
+        return adapters.nbytes_of(name)
+
+    def adapter_tokens(name: str | None) -> int:
+        return 0 if name is None else adapters.pages_of(name) * kv.block_size
+
+    return Chameleon(
+        cfg.chameleon,
+        predictor,
+        max_len,
+        capacity=lambda: kv.pool.num_pages * kv.block_size,
+        adapter_bytes=adapter_bytes,
+        adapter_tokens=adapter_tokens,
+        max_adapter_bytes=lambda: max((e.nbytes for e in adapters.entries.values()), default=1),
+    )

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from loraplex.benchmarks import sim_profiles
 from loraplex.registry.validation import TARGET_MODULES as TARGETS
-from loraplex.replica.adapter_cache import AdapterCache
+from loraplex.replica.adapter_cache import AdapterCache, CacheConfig
 from loraplex.replica.adapters import AdapterWeights, ResidentAdapter
 from loraplex.replica.kv_cache import KVCache
 from loraplex.replica.model.config import ModelConfig
@@ -42,16 +43,7 @@ SMALL = {
     "torch_dtype": "float32",
 }
 
-LLAMA_7B = {
-    "model_type": "llama",
-    "vocab_size": 32000,
-    "hidden_size": 4096,
-    "intermediate_size": 11008,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 32,
-    "torch_dtype": "float16",
-}
+LLAMA_7B = sim_profiles.LLAMA_7B  # the simulator's A40 profile uses the same shape
 
 
 def columns_for(cfg: ModelConfig):
@@ -400,7 +392,11 @@ class World:
         self.kv = KVCache(self.pool, self.cfg)
         ticks = itertools.count()
         self.cache = AdapterCache(
-            self.pool, self.cfg, columns_for(self.cfg), clock=lambda: float(next(ticks))
+            self.pool,
+            self.cfg,
+            columns_for(self.cfg),
+            clock=lambda: float(next(ticks)),
+            config=CacheConfig(eviction="lru"),  # the order test_kv_and_adapter_split checks
         )
         self.names = [f"a{i}" for i in range(num_names)]
         self.loaded_from: dict[

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from loraplex.cluster.cli import main
+from loraplex.replica.adapter_cache import CacheConfig
 from loraplex.replica.adapters import load_adapter
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
@@ -45,9 +46,10 @@ WORKLOAD = [
 ]
 
 
-def _engine(demo_assets, tp: int, pool_pages: int) -> LLMEngine:
+def _engine(demo_assets, tp: int, pool_pages: int, cache: CacheConfig | None = None) -> LLMEngine:
     engine = LLMEngine(
         EngineConfig(
+            cache=cache or CacheConfig(),
             model=str(demo_assets.model_dir),
             dtype="float32",
             pool_bytes=pool_pages * PAGE,
@@ -97,7 +99,12 @@ def _serve(engine: LLMEngine, check=None):
     return out, step
 
 
-def test_tp2_matches_tp1_with_eviction_on_every_rank(demo_assets):
+@pytest.mark.parametrize(
+    "cache",
+    [CacheConfig(), CacheConfig(loading="thread", prefetch=2)],
+    ids=["sync-loads", "copy-thread-and-prefetch"],
+)
+def test_tp2_matches_tp1_with_eviction_on_every_rank(demo_assets, cache):
     reference = _engine(demo_assets, tp=1, pool_pages=256)
     expected, _ = _serve(reference)
     reference.close()
@@ -122,7 +129,9 @@ def test_tp2_matches_tp1_with_eviction_on_every_rank(demo_assets):
                     assert torch.equal(a, want_a) and torch.equal(bt, want_bt), (name, key)
                 checked.append(name)
 
-    engine = _engine(demo_assets, tp=2, pool_pages=40)  # room for about 3 adapters' shards
+    # room for about 3 adapters' shards; rank 0 may copy its shard on a thread while the
+    # workers place theirs when the adapter turns resident
+    engine = _engine(demo_assets, tp=2, pool_pages=40, cache=cache)
     try:
         got, steps = _serve(engine, consistent)
         assert engine.adapters.stats.evictions > 0, "the small pool should have evicted"

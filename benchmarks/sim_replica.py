@@ -1,0 +1,342 @@
+"""Discrete-event simulator of one or N replicas that drives the real scheduling and cache
+code: `Scheduler` (with its FIFO / SJF / Chameleon policy), `AdapterCache` (eviction,
+watermarks, prefetch), `KVCache` and `UnifiedPool` — the pool on the meta device, so page
+accounting is real and no memory is allocated. Only the forward pass and the copies are
+replaced: a step takes `profile.step_time`, a load takes setup + bytes / link bandwidth,
+the link shared by the loads in flight.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from loraplex.benchmarks.sim_profiles import StepLoad
+from loraplex.benchmarks.sim_workload import AdapterSpec, SimRequest
+from loraplex.replica.adapter_cache import AdapterCache, CacheConfig
+from loraplex.replica.kv_cache import KVCache
+from loraplex.replica.model.config import ModelConfig
+from loraplex.replica.pool import UnifiedPool
+from loraplex.replica.sampling import SamplingParams
+from loraplex.replica.sched_chameleon import Chameleon
+from loraplex.replica.scheduler import Scheduler, SchedulerConfig
+from loraplex.replica.sequence import Sequence
+
+
+class SimClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass(slots=True, eq=False)
+class SimResident:
+    name: str
+    rank: int
+    pages: list[int]
+    pins: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterMeta:
+    """An adapter as the simulated host tier holds it: its size, no weights."""
+
+    name: str
+    rank: int
+    nbytes: int
+
+
+class SimLayout:
+    """Adapters take ceil(bytes / page) pages (the real layout wastes < 2% at 2 MiB)."""
+
+    def __init__(self, page_bytes: int):
+        self.page_bytes = page_bytes
+
+    def num_pages(self, weights: AdapterMeta) -> int:
+        return math.ceil(weights.nbytes / self.page_bytes)
+
+    def skeleton(self, weights: AdapterMeta) -> AdapterMeta:
+        return weights
+
+    def place(self, weights: AdapterMeta, pages: list[int]) -> SimResident:
+        return SimResident(weights.name, weights.rank, pages)
+
+    def fill(self, resident: SimResident, weights: AdapterMeta) -> None:
+        pass
+
+
+class SimLink:
+    """Host -> device link: processor sharing among the loads in flight; each load is
+    `setup_s` of link time plus its bytes. `done()` reports the loads finished by now."""
+
+    def __init__(self, bytes_per_s: float, setup_s: float, clock: SimClock):
+        self.rate = bytes_per_s
+        self.setup_bytes = setup_s * bytes_per_s
+        self.clock = clock
+        self.active: list[list] = []  # [token, bytes left]
+        self.finished: list[object] = []
+        self.last = 0.0
+        self.busy_s = 0.0
+
+    def submit(self, token: object, nbytes: int, job: Callable[[], None]) -> None:
+        self._advance(self.clock())
+        job()
+        self.active.append([token, nbytes + self.setup_bytes])
+
+    def _advance(self, now: float) -> None:
+        while self.active and self.last < now:
+            share = self.rate / len(self.active)
+            first = min(b for _, b in self.active)
+            dt = min(first / share, now - self.last)
+            for item in self.active:
+                item[1] -= share * dt
+            self.busy_s += dt
+            self.last += dt
+            done = [t for t, b in self.active if b <= 1e-6]
+            self.finished += done
+            self.active = [item for item in self.active if item[1] > 1e-6]
+        self.last = max(self.last, now)
+
+    def next_done(self) -> float | None:
+        if not self.active:
+            return None
+        return self.last + min(b for _, b in self.active) * len(self.active) / self.rate
+
+    def done(self) -> list[object]:
+        self._advance(self.clock())
+        finished, self.finished = self.finished, []
+        return finished
+
+
+@dataclass(frozen=True, slots=True)
+class System:
+    name: str
+    scheduler: SchedulerConfig
+    cache: CacheConfig
+
+
+@dataclass(slots=True)
+class Record:
+    request: SimRequest
+    first_token: float = math.nan
+    finish: float = math.nan
+    admitted: float = math.nan
+
+
+class SimReplica:
+    def __init__(self, profile, system: System, adapters: list[AdapterSpec], max_len: int):
+        self.profile = profile
+        self.clock = SimClock()
+        cfg = ModelConfig.from_dict(profile.model)
+        elem = 2 if cfg.dtype in (torch.float16, torch.bfloat16) else 4
+        pool = UnifiedPool(
+            profile.pool_bytes // profile.page_bytes,
+            profile.page_bytes // elem,
+            cfg.dtype,
+            torch.device("meta"),
+        )
+        self.pool = pool
+        self.kv = KVCache(pool, cfg)
+        self.link = SimLink(profile.link_bytes_per_s, profile.load_setup_s, self.clock)
+        self.cache = AdapterCache(
+            pool,
+            cfg,
+            clock=self.clock,
+            config=system.cache,
+            layout=SimLayout(pool.page_bytes),
+            transfer=self.link,
+        )
+        self.rank = {a.name: a.rank for a in adapters}
+        for a in adapters:
+            self.cache.add(AdapterMeta(a.name, a.rank, a.nbytes))
+        self.scheduler = Scheduler(system.scheduler, self.kv, self.cache, max_len, self.clock)
+        self.records: dict[Sequence, Record] = {}
+        self.done: list[Record] = []
+        self.steps = 0
+        self.busy_s = 0.0
+        self.batch_sizes: list[int] = []
+        self.peak_pages_in_use = 0  # KV blocks + pinned adapters: what the batch needs
+
+    @property
+    def load(self) -> int:
+        return len(self.scheduler.running) + len(self.scheduler.policy)
+
+    def add(self, req: SimRequest) -> None:
+        params = SamplingParams(max_tokens=req.max_tokens)
+        seq = Sequence(str(req.rid), [0] * req.prompt, params, req.adapter, req.arrival, None)
+        self.records[seq] = Record(req)
+        self.scheduler.add(seq)
+
+    def advance_until(self, t: float) -> None:
+        """Run steps while the replica's clock is before t (the last may end after t)."""
+        while self.clock.now < t:
+            if not self.step(until=t):
+                return
+
+    def step(self, until: float = math.inf) -> bool:
+        """One engine step; when nothing can run, jump to the next load completion (or
+        to `until`). False when idle with nothing pending."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            nxt = self.link.next_done()
+            if nxt is None:  # idle until the next arrival
+                if self.scheduler.has_work() and until == math.inf:
+                    raise RuntimeError("the simulated replica is stuck: work but no progress")
+                if until != math.inf:
+                    self.clock.now = max(self.clock.now, until)
+                return False
+            self.clock.now = max(self.clock.now + 1e-9, min(nxt, until))
+            return True
+        adapters = {s.adapter for s, _ in scheduled if s.adapter is not None}
+        load = StepLoad(
+            tokens=sum(n for _, n in scheduled),
+            context=sum(s.num_computed + n for s, n in scheduled),
+            token_rank=sum(n * self.rank[s.adapter] for s, n in scheduled if s.adapter),
+            adapter_bytes=sum(self.cache.nbytes_of(a) for a in adapters),
+        )
+        dt = self.profile.step_time(load)
+        self.clock.now += dt
+        self.busy_s += dt
+        self.steps += 1
+        self.batch_sizes.append(len(scheduled))
+        in_use = sum(len(s.block_table) for s in self.scheduler.running) + sum(
+            len(r.pages) for r in self.cache.resident.values() if r.pins > 0
+        )
+        self.peak_pages_in_use = max(self.peak_pages_in_use, in_use)
+        now = self.clock.now
+        for seq, n in scheduled:
+            record = self.records[seq]
+            if math.isnan(record.admitted):
+                record.admitted = now - dt
+            seq.num_computed += n
+            if seq.num_computed < seq.num_tokens:
+                continue  # a prefill chunk: no token yet
+            seq.output_ids.append(0)
+            if len(seq.output_ids) == 1:
+                record.first_token = now
+            if len(seq.output_ids) >= record.request.output:
+                record.finish = now
+                self.scheduler.finish(seq, "length")
+                self.done.append(self.records.pop(seq))
+        return True
+
+
+def simulate(
+    requests: list[SimRequest],
+    profile,
+    system: System,
+    adapters: list[AdapterSpec],
+    max_len: int,
+    replicas: int = 1,
+    dispatch: Callable[[list[SimReplica], SimRequest], int] | None = None,
+) -> Result:
+    """Serve `requests` (sorted by arrival) on `replicas` simulated replicas. A request
+    goes where `dispatch` says (default: the least loaded replica, preferring one that
+    holds its adapter on the device among the least loaded + 2)."""
+    dispatch = dispatch or affinity_dispatch
+    sims = [SimReplica(profile, system, adapters, max_len) for _ in range(replicas)]
+    for req in requests:
+        for sim in sims:
+            sim.advance_until(req.arrival)
+        sims[dispatch(sims, req) if replicas > 1 else 0].add(req)
+    for sim in sims:
+        while sim.scheduler.has_work():
+            sim.step()
+    return Result.of(system.name, sims, requests)
+
+
+def affinity_dispatch(sims: list[SimReplica], req: SimRequest) -> int:
+    least = min(s.load for s in sims)
+    warm = [
+        i
+        for i, s in enumerate(sims)
+        if req.adapter is not None and s.cache.is_resident(req.adapter) and s.load <= least + 2
+    ]
+    if warm:
+        return min(warm, key=lambda i: sims[i].load)
+    return min(range(len(sims)), key=lambda i: sims[i].load)
+
+
+@dataclass(slots=True)
+class Result:
+    system: str
+    ttft: np.ndarray
+    tbt: np.ndarray  # per request: mean time between its tokens
+    e2e: np.ndarray
+    queue: np.ndarray  # arrival -> first scheduled
+    ranks: np.ndarray
+    duration_s: float
+    output_tokens: int
+    cache: dict = field(default_factory=dict)
+    preemptions: int = 0
+    steps: int = 0
+    link_busy_s: float = 0.0
+    bypasses: int = 0
+    peak_memory_fraction: float = 0.0
+
+    @classmethod
+    def of(cls, name: str, sims: list[SimReplica], requests: list[SimRequest]) -> Result:
+        done = [r for s in sims for r in s.done]
+        assert len(done) == len(requests), "every request must finish (no starvation)"
+        done.sort(key=lambda r: r.request.rid)
+        arrival = np.array([r.request.arrival for r in done])
+        first = np.array([r.first_token for r in done])
+        finish = np.array([r.finish for r in done])
+        outs = np.array([r.request.output for r in done])
+        tbt = np.where(outs > 1, (finish - first) / np.maximum(outs - 1, 1), 0.0)
+        rank_of = {}
+        for s in sims:
+            rank_of.update(s.rank)
+        cache = {}
+        for s in sims:
+            for f in s.cache.stats.__slots__:
+                cache[f] = cache.get(f, 0) + getattr(s.cache.stats, f)
+        return cls(
+            system=name,
+            ttft=first - arrival,
+            tbt=tbt,
+            e2e=finish - arrival,
+            queue=np.array([r.admitted for r in done]) - arrival,
+            ranks=np.array([rank_of.get(r.request.adapter, 0) for r in done]),
+            duration_s=float(finish.max() - arrival.min()),
+            output_tokens=int(outs.sum()),
+            cache=cache,
+            preemptions=sum(s.scheduler.num_preemptions for s in sims),
+            steps=sum(s.steps for s in sims),
+            link_busy_s=sum(s.link.busy_s for s in sims),
+            peak_memory_fraction=max(s.peak_pages_in_use / s.pool.num_pages for s in sims),
+            bypasses=sum(
+                s.scheduler.policy.num_bypasses
+                for s in sims
+                if isinstance(s.scheduler.policy, Chameleon)
+            ),
+        )
+
+    def summary(self) -> dict:
+        return {
+            "p50_ttft_s": float(np.percentile(self.ttft, 50)),
+            "p99_ttft_s": float(np.percentile(self.ttft, 99)),
+            "mean_ttft_s": float(self.ttft.mean()),
+            "p50_tbt_s": float(np.percentile(self.tbt, 50)),
+            "p99_tbt_s": float(np.percentile(self.tbt, 99)),
+            "mean_e2e_s": float(self.e2e.mean()),
+            "throughput_rps": len(self.ttft) / self.duration_s,
+            "throughput_tok_s": self.output_tokens / self.duration_s,
+            "requests": len(self.ttft),
+            "preemptions": self.preemptions,
+            "bypasses": self.bypasses,
+            "hit_rate": self.cache.get("hits", 0)
+            / max(self.cache.get("hits", 0) + self.cache.get("misses", 0), 1),
+            "loads": self.cache.get("loads", 0),
+            "gb_loaded": self.cache.get("bytes_loaded", 0) / 1e9,
+            "evictions": self.cache.get("evictions", 0),
+            "mean_load_ms": 1e3
+            * self.cache.get("load_seconds", 0.0)
+            / max(self.cache.get("loads", 0), 1),
+        }

@@ -1,0 +1,275 @@
+"""Chameleon's multi-level-queue admission policy (seed 004 §4.3), a `QueuePolicy`."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from loraplex.replica.sched_math import (
+    OutputPredictor,
+    QueueLoad,
+    choose_cutoffs,
+    token_quotas,
+    weighted_request_size,
+)
+from loraplex.replica.sched_policy import Admit, TryAdmit
+from loraplex.replica.sequence import Sequence
+
+
+@dataclass(frozen=True, slots=True)
+class ChameleonParams:
+    a: float = 0.4  # WRS weight of the input
+    b: float = 0.6  # WRS weight of the output
+    k_max: int = 4
+    elbow: float = 0.1  # one more queue must remove this share of the 1-queue WCSS
+    refresh_s: float = 300.0  # T_refresh
+    min_samples: int = 32  # arrivals seen before the first clustering
+    window: int = 4096  # arrivals (and finished requests) the refresh looks at
+    slo_s: float = 5.0
+    max_bypass: int = 8  # a request no fit for its adapter is overtaken at most this often
+    starve_s: float | None = None  # waited this long: admitted first, over quota (None: slo_s)
+
+    def __post_init__(self):
+        if not 1 <= self.k_max <= 8:
+            raise ValueError(f"k_max must be in [1, 8], got {self.k_max}")
+        if self.refresh_s <= 0 or self.slo_s <= 0:
+            raise ValueError("refresh_s and slo_s must be > 0")
+
+
+@dataclass(slots=True)
+class _Entry:
+    wrs: float
+    need: int  # tokens it holds while running: input + predicted output + its adapter
+    predicted: int
+    enqueued: float
+    queue: int = 0
+    started: float = 0.0
+    overtaken: int = 0
+
+
+class Chameleon:
+    """Multi-level queues. `capacity()` is the tokens the pool can hold (the quotas split
+    it); `adapter_bytes(name)` and `adapter_tokens(name)` size a request's adapter (None:
+    no adapter); `max_adapter_bytes()` normalises WRS."""
+
+    name = "chameleon"
+
+    def __init__(
+        self,
+        params: ChameleonParams,
+        predictor: OutputPredictor,
+        max_len: int,
+        capacity: Callable[[], int],
+        adapter_bytes: Callable[[str | None], int],
+        adapter_tokens: Callable[[str | None], int],
+        max_adapter_bytes: Callable[[], int],
+    ):
+        self.p = params
+        self.predictor = predictor
+        self.max_len = max_len
+        self.capacity = capacity
+        self.adapter_bytes = adapter_bytes
+        self.adapter_tokens = adapter_tokens
+        self.max_adapter_bytes = max_adapter_bytes
+        self.cutoffs: list[float] = []
+        self.quotas: list[int] = [capacity()]
+        self.queues: list[deque[Sequence]] = [deque()]
+        self.used: list[int] = [0]
+        self.entries: dict[Sequence, _Entry] = {}
+        self.running: dict[Sequence, _Entry] = {}
+        self.arrivals: deque[tuple[float, float, int]] = deque(maxlen=params.window)
+        self.served: deque[tuple[float, float]] = deque(maxlen=params.window)  # (wrs, s)
+        self.last_refresh: float | None = None
+        self.wcss: list[float] = []
+        self.num_bypasses = 0
+        self.num_starving = 0  # admitted by the starvation guard
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def queue_of(self, wrs: float) -> int:
+        return int(np.searchsorted(self.cutoffs, wrs, side="right"))
+
+    def add(self, seq: Sequence, now: float) -> None:
+        predicted = self.predictor.predict(seq.adapter, seq.params.max_tokens)
+        size = self.adapter_bytes(seq.adapter)
+        wrs = weighted_request_size(
+            len(seq.prompt_ids),
+            predicted,
+            size,
+            self.max_len,
+            self.max_len,
+            self.max_adapter_bytes(),
+            self.p.a,
+            self.p.b,
+        )
+        need = len(seq.prompt_ids) + predicted + self.adapter_tokens(seq.adapter)
+        entry = _Entry(wrs, need, predicted, now, self.queue_of(wrs))
+        self.entries[seq] = entry
+        self.arrivals.append((now, wrs, need))
+        self.queues[entry.queue].append(seq)
+
+    def requeue(self, seq: Sequence, now: float) -> None:
+        entry = self.entries[seq]
+        entry.queue = min(entry.queue, len(self.queues) - 1)
+        self.queues[entry.queue].appendleft(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        entry = self.entries.pop(seq)
+        self.queues[entry.queue].remove(seq)
+
+    def waiting(self) -> list[Sequence]:
+        return [seq for q in self.queues for seq in q]
+
+    def left(self, seq: Sequence, now: float, finished: bool) -> None:
+        entry = self.running.pop(seq)
+        if entry.queue < len(self.used):
+            self.used[entry.queue] -= entry.need
+        if finished:
+            self.predictor.observe(seq.adapter, len(seq.output_ids))
+            self.served.append((entry.wrs, now - entry.enqueued))
+        else:
+            self.entries[seq] = entry
+
+    # -- queues and quotas
+
+    def _maybe_refresh(self, now: float) -> None:
+        if self.last_refresh is None:
+            if len(self.arrivals) >= self.p.min_samples:
+                self.refresh(now)
+        elif now - self.last_refresh >= self.p.refresh_s:
+            self.refresh(now)
+
+    def refresh(self, now: float) -> None:
+        """Re-cluster the recent request sizes, re-file the waiting requests, re-split the
+        token capacity."""
+        self.last_refresh = now
+        sizes = np.array([w for _, w, _ in self.arrivals])
+        self.cutoffs, self.wcss = choose_cutoffs(sizes, self.p.k_max, self.p.elbow)
+        k = len(self.cutoffs) + 1
+        waiting = sorted(self.entries.items(), key=lambda kv: kv[1].enqueued)
+        self.queues = [deque() for _ in range(k)]
+        for seq, entry in waiting:
+            entry.queue = self.queue_of(entry.wrs)
+            self.queues[entry.queue].append(seq)
+        self.used = [0] * k
+        for entry in self.running.values():
+            entry.queue = self.queue_of(entry.wrs)
+            self.used[entry.queue] += entry.need
+        self.quotas = token_quotas(self.queue_loads(now), self.capacity(), self.p.slo_s)
+
+    def queue_loads(self, now: float) -> list[QueueLoad]:
+        k = len(self.cutoffs) + 1
+        span = max(now - self.arrivals[0][0], 1e-9) if self.arrivals else 1.0
+        sizes: list[list[int]] = [[] for _ in range(k)]
+        for _, wrs, need in self.arrivals:
+            sizes[self.queue_of(wrs)].append(need)
+        durations: list[list[float]] = [[] for _ in range(k)]
+        for wrs, seconds in self.served:
+            durations[self.queue_of(wrs)].append(seconds)
+        overall = float(np.mean([s for _, s in self.served])) if self.served else 0.0
+        loads = []
+        for q in range(k):
+            rate = len(sizes[q]) / span
+            mean_need = float(np.mean(sizes[q])) if sizes[q] else 0.0
+            loads.append(
+                QueueLoad(
+                    max_size=float(max(sizes[q], default=0)),
+                    duration_s=float(np.mean(durations[q])) if durations[q] else overall,
+                    rate=rate,
+                    weight=rate * mean_need,
+                )
+            )
+        return loads
+
+    # -- admission
+
+    def admit(self, now: float, try_admit: TryAdmit) -> None:
+        """Phase 0 (the starvation guard): requests that waited starve_s, oldest first, over
+        quota — quotas are in tokens, and a busy small queue can still take every batch
+        slot. Phase 1: each queue, smallest first, within its quota; the unused quota of
+        the queues left empty is spare. Phase 2: the spare, smallest queue first."""
+        self._maybe_refresh(now)
+        if self._admit_starving(now, try_admit):
+            return
+        spare = 0
+        for q in range(len(self.queues)):
+            room = self.quotas[q] - self.used[q]
+            consumed, full = self._put(q, room, try_admit)
+            if full:
+                return
+            if not self.queues[q]:
+                spare += max(0, room - consumed)
+        for q in range(len(self.queues)):
+            if spare <= 0:
+                return
+            consumed, full = self._put(q, spare, try_admit)
+            spare -= consumed
+            if full:
+                return
+
+    def _admit_starving(self, now: float, try_admit: TryAdmit) -> bool:
+        """True if the batch is full."""
+        limit = self.p.starve_s if self.p.starve_s is not None else self.p.slo_s
+        waited = [s for s, e in self.entries.items() if now - e.enqueued >= limit]
+        # stable: ties keep arrival order (the run is the same every time)
+        for seq in sorted(waited, key=lambda s: self.entries[s].enqueued):
+            entry = self.entries[seq]
+            result = try_admit(seq)
+            if result is Admit.FULL:
+                return True
+            if result is Admit.OK:
+                self.queues[entry.queue].remove(seq)
+                del self.entries[seq]
+                self.used[entry.queue] += entry.need
+                self.running[seq] = entry
+                self.num_starving += 1
+        return False
+
+    def _put(self, q: int, tokens: int, try_admit: TryAdmit) -> tuple[int, bool]:
+        """Admit from queue q, oldest first, within `tokens`. A request whose adapter has no
+        room may be overtaken by a younger one only while the younger is predicted to
+        finish before memory for the older frees up, and at most max_bypass times (the
+        starvation guard). A queue with nothing running may start its head over quota,
+        so that a quota smaller than one request cannot starve the queue."""
+        consumed = 0
+        admitted: list[Sequence] = []
+        blocked: _Entry | None = None
+        full = False
+        for seq in self.queues[q]:
+            entry = self.entries[seq]
+            if entry.need > tokens - consumed and self.used[q] > 0:
+                break
+            if blocked is not None and not self._may_overtake(blocked, entry):
+                break
+            result = try_admit(seq)
+            if result is Admit.OK:
+                admitted.append(seq)
+                consumed += entry.need
+                self.used[q] += entry.need
+                self.running[seq] = entry
+                if blocked is not None:
+                    blocked.overtaken += 1
+                    self.num_bypasses += 1
+            elif result is Admit.FULL:
+                full = True
+                break
+            elif result is Admit.NO_ROOM and blocked is None:
+                blocked = entry
+            # LOADING / ADAPTER_CAP: it waits for its adapter, the others go on
+        for seq in admitted:
+            self.queues[q].remove(seq)
+            del self.entries[seq]
+        return consumed, full
+
+    def _may_overtake(self, blocked: _Entry, younger: _Entry) -> bool:
+        if blocked.overtaken >= self.p.max_bypass:
+            return False
+        # decode steps until some running request (predicted) finishes and frees memory
+        eta = min(
+            (max(1, e.predicted - len(s.output_ids)) for s, e in self.running.items()), default=0
+        )
+        return younger.predicted + 1 <= eta

@@ -1,0 +1,178 @@
+"""The arithmetic of Chameleon's multi-level queues (seed 004 §4.3), as pure functions:
+output-length prediction, weighted request size, K-means queue cut-offs with the elbow
+rule, and per-queue token quotas from the M/M/1 bound."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+# Output-length histogram buckets: 4 per octave from 1 to 2^17 tokens.
+_EDGES = np.unique(np.round(2.0 ** np.arange(0, 17.25, 0.25)).astype(np.int64))
+
+
+class OutputPredictor:
+    """Online per-adapter histogram of output lengths. The prediction is a quantile of the
+    adapter's histogram (of all adapters' while it has fewer than `min_samples`), capped
+    by the request's max_tokens; with no history at all, max_tokens."""
+
+    def __init__(self, quantile: float = 0.5, min_samples: int = 8):
+        if not 0.0 < quantile <= 1.0:
+            raise ValueError(f"quantile must be in (0, 1], got {quantile}")
+        self.quantile = quantile
+        self.min_samples = min_samples
+        self._hist: dict[str | None, np.ndarray] = {}
+        self._all = np.zeros(len(_EDGES), dtype=np.int64)
+
+    def observe(self, adapter: str | None, output_len: int) -> None:
+        bucket = min(int(np.searchsorted(_EDGES, max(output_len, 1))), len(_EDGES) - 1)
+        self._hist.setdefault(adapter, np.zeros(len(_EDGES), dtype=np.int64))[bucket] += 1
+        self._all[bucket] += 1
+
+    def predict(self, adapter: str | None, max_tokens: int) -> int:
+        hist = self._hist.get(adapter)
+        if hist is None or hist.sum() < self.min_samples:
+            hist = self._all
+        total = int(hist.sum())
+        if total == 0:
+            return max_tokens
+        bucket = int(np.searchsorted(np.cumsum(hist), math.ceil(self.quantile * total)))
+        return max(1, min(int(_EDGES[bucket]), max_tokens))
+
+
+def weighted_request_size(
+    prompt: int,
+    output: int,
+    adapter_bytes: int,
+    max_prompt: int,
+    max_output: int,
+    max_adapter_bytes: int,
+    a: float = 0.4,
+    b: float = 0.6,
+) -> float:
+    """WRS = (A·in/max_in + B·out/max_out) · size/max_size (degree 2: the adapter scales
+    both the prefill and the decode cost)."""
+    return (a * prompt / max(max_prompt, 1) + b * output / max(max_output, 1)) * (
+        adapter_bytes / max(max_adapter_bytes, 1)
+    )
+
+
+def kmeans_1d(xs: np.ndarray, k: int, iters: int = 100) -> tuple[np.ndarray, float]:
+    """Lloyd's K-means on a line, best of a few deterministic starts (quantiles,
+    farthest-first, seeded k-means++): one start alone often parks several centroids in one
+    dense cluster. Returns the sorted centroids and the within-cluster sum of squares."""
+    xs = np.sort(np.asarray(xs, dtype=np.float64))
+    k = min(k, len(np.unique(xs)))
+    rng = np.random.default_rng(0)
+    starts = [np.quantile(xs, (np.arange(k) + 0.5) / k), _farthest_first(xs, k)]
+    starts += [_kmeans_pp(xs, k, rng) for _ in range(3)]
+    best = None
+    for start in starts:
+        fit = _lloyd(xs, start, iters)
+        if best is None or fit[1] < best[1]:
+            best = fit
+    return best
+
+
+def _lloyd(xs: np.ndarray, centroids: np.ndarray, iters: int) -> tuple[np.ndarray, float]:
+    centroids = np.asarray(centroids, dtype=np.float64)
+    for _ in range(iters):
+        labels = _nearest(xs, centroids)
+        new = np.array(
+            [
+                xs[labels == j].mean() if (labels == j).any() else centroids[j]
+                for j in range(len(centroids))
+            ]
+        )
+        if np.allclose(new, centroids):
+            break
+        centroids = new
+    labels = _nearest(xs, centroids)
+    return np.sort(centroids), float(((xs - centroids[labels]) ** 2).sum())
+
+
+def _farthest_first(xs: np.ndarray, k: int) -> np.ndarray:
+    centroids = [xs[np.abs(xs - xs.mean()).argmin()]]
+    while len(centroids) < k:
+        centroids.append(xs[np.abs(xs[:, None] - np.array(centroids)).min(axis=1).argmax()])
+    return np.array(centroids)
+
+
+def _kmeans_pp(xs: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
+    centroids = [xs[rng.integers(len(xs))]]
+    while len(centroids) < k:
+        d2 = np.abs(xs[:, None] - np.array(centroids)).min(axis=1) ** 2
+        total = d2.sum()
+        if total == 0:
+            break
+        centroids.append(xs[rng.choice(len(xs), p=d2 / total)])
+    while len(centroids) < k:
+        centroids.append(centroids[-1])
+    return np.array(centroids)
+
+
+def _nearest(xs: np.ndarray, centroids: np.ndarray) -> np.ndarray:
+    return np.abs(xs[:, None] - centroids[None, :]).argmin(axis=1)
+
+
+def choose_cutoffs(
+    sizes: np.ndarray, k_max: int = 4, elbow: float = 0.1, tight: float = 0.05
+) -> tuple[list[float], list[float]]:
+    """Queue cut-offs for request sizes: K-means for K = 1..k_max, then the elbow rule —
+    the smallest K after which one more queue removes less than `elbow` of the K = 1 WCSS.
+    (The minimal WCSS alone always picks k_max: WCSS only falls as K grows.) Cut-offs are
+    the midpoints between consecutive centroids. Sizes within `tight` of their mean
+    (coefficient of variation) are one class: one queue. Returns (cut-offs, WCSS per K)."""
+    sizes = np.asarray(sizes, dtype=np.float64)
+    if len(sizes) == 0:
+        return [], []
+    if sizes.std() <= tight * abs(sizes.mean()):
+        return [], [float(((sizes - sizes.mean()) ** 2).sum())]
+    fits = [kmeans_1d(sizes, k) for k in range(1, k_max + 1)]
+    wcss = [w for _, w in fits]
+    k = next(
+        (i + 1 for i in range(len(fits) - 1) if wcss[i] - wcss[i + 1] < elbow * wcss[0]),
+        len(fits),
+    )
+    centroids = fits[k - 1][0]
+    return [float(c) for c in (centroids[:-1] + centroids[1:]) / 2], wcss
+
+
+@dataclass(frozen=True, slots=True)
+class QueueLoad:
+    """One queue as the M/M/1 model sees it."""
+
+    max_size: float  # S: the largest request of the queue, in tokens
+    duration_s: float  # D: the expected time to serve one of its requests
+    rate: float  # λ: its arrivals per second
+    weight: float  # share of the tokens left after every queue's minimum
+
+
+def token_quotas(queues: list[QueueLoad], total_tokens: int, slo_s: float) -> list[int]:
+    """Tok_min = S·D·(1/SLO + λ) per queue (μ = Tok/(S·D) served per second, and
+    1/(μ − λ) <= SLO); the remainder split by weight. If the minimums exceed the total, each
+    queue gets the total in proportion to its minimum (the SLO cannot be met for all)."""
+    if not queues:
+        return []
+    mins = [q.max_size * q.duration_s * (1.0 / slo_s + q.rate) for q in queues]
+    if sum(mins) >= total_tokens:
+        return _split(total_tokens, mins)
+    whole = [math.ceil(m - 1e-9) for m in mins]  # not 241 for 240.00000000000003
+    rest = _split(max(0, total_tokens - sum(whole)), [q.weight for q in queues])
+    return [m + r for m, r in zip(whole, rest, strict=True)]
+
+
+def _split(total: int, weights: list[float]) -> list[int]:
+    """`total` in integer shares proportional to `weights` (equal if all are 0), the units
+    left by rounding down going to the largest remainders."""
+    s = sum(weights)
+    if s <= 0:
+        weights, s = [1.0] * len(weights), float(len(weights))
+    exact = [total * w / s for w in weights]
+    shares = [math.floor(x) for x in exact]
+    by_remainder = sorted(range(len(exact)), key=lambda i: shares[i] - exact[i])
+    for i in by_remainder[: total - sum(shares)]:
+        shares[i] += 1
+    return shares

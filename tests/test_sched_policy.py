@@ -1,0 +1,285 @@
+"""Scheduling policies on hand-built cases: the quota arithmetic, K-means cut-offs with the
+elbow rule, the output predictor, FIFO / SJF-with-aging order, Chameleon's two-phase
+admission and its bypass starvation guard. Expected values are worked out by hand from
+the formulas of seed 004 §4.3."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import pytest
+
+from loraplex.replica.sampling import SamplingParams
+from loraplex.replica.sched_chameleon import Chameleon, ChameleonParams
+from loraplex.replica.sched_math import (
+    OutputPredictor,
+    QueueLoad,
+    choose_cutoffs,
+    kmeans_1d,
+    token_quotas,
+    weighted_request_size,
+)
+from loraplex.replica.sched_policy import FIFO, Admit, SJFAging
+from loraplex.replica.sequence import Sequence
+
+
+def seq(rid: str, prompt: int, max_tokens: int, adapter: str | None = None) -> Sequence:
+    return Sequence(rid, [1] * prompt, SamplingParams(max_tokens=max_tokens), adapter, 0.0, None)
+
+
+class Recorder:
+    """try_admit that answers from a table (default OK) and records what it was asked."""
+
+    def __init__(self, answers: dict[str, Admit] | None = None, capacity: int = 1000):
+        self.answers = answers or {}
+        self.asked: list[str] = []
+        self.admitted: list[str] = []
+        self.capacity = capacity
+
+    def __call__(self, s: Sequence) -> Admit:
+        self.asked.append(s.request_id)
+        if len(self.admitted) >= self.capacity:
+            return Admit.FULL
+        answer = self.answers.get(s.request_id, Admit.OK)
+        if answer is Admit.OK:
+            self.admitted.append(s.request_id)
+        return answer
+
+
+# -- arithmetic ----------------------------------------------------------------------------
+
+
+def test_quota_minimums_follow_the_mm1_bound_and_the_rest_is_split_by_weight():
+    small = QueueLoad(max_size=100, duration_s=2.0, rate=1.0, weight=1.0)
+    large = QueueLoad(max_size=1000, duration_s=10.0, rate=0.1, weight=3.0)
+    # Tok_min = S·D·(1/SLO + λ): 100·2·(0.2 + 1) = 240 and 1000·10·(0.2 + 0.1) = 3000;
+    # the remaining 20000 − 3240 = 16760 split 1 : 3 = 4190 : 12570.
+    assert token_quotas([small, large], 20_000, slo_s=5.0) == [240 + 4190, 3000 + 12570]
+    # Minimums over the total: each gets the total in proportion to its minimum.
+    assert token_quotas([small, large], 1620, slo_s=5.0) == [120, 1500]
+    assert token_quotas([], 100, 5.0) == []
+
+
+def test_wrs_is_degree_two_in_the_adapter_size():
+    base = weighted_request_size(50, 100, 10, 100, 200, 40)
+    assert base == pytest.approx((0.4 * 0.5 + 0.6 * 0.5) * 0.25)
+    assert weighted_request_size(50, 100, 20, 100, 200, 40) == pytest.approx(2 * base)
+
+
+def test_kmeans_elbow_picks_three_queues_where_minimal_wcss_picks_four():
+    rng = np.random.default_rng(0)
+    sizes = np.concatenate(
+        [rng.normal(1.0, 0.1, 300), rng.normal(10.0, 0.5, 100), rng.normal(20.0, 0.5, 50)]
+    )
+    cutoffs, wcss = choose_cutoffs(sizes, k_max=4, elbow=0.1)
+    assert len(wcss) == 4 and wcss[3] < wcss[2] < wcss[1] < wcss[0]  # min WCSS: always K = 4
+    assert len(cutoffs) == 2
+    assert cutoffs[0] == pytest.approx((1.0 + 10.0) / 2, abs=0.3)
+    assert cutoffs[1] == pytest.approx((10.0 + 20.0) / 2, abs=0.3)
+    centroids, _ = kmeans_1d(sizes, 3)
+    assert centroids == pytest.approx([1.0, 10.0, 20.0], abs=0.2)
+
+
+def test_one_tight_cluster_gets_one_queue():
+    sizes = np.random.default_rng(1).normal(5.0, 0.01, 200)
+    assert choose_cutoffs(sizes)[0] == []
+    assert choose_cutoffs(np.full(10, 3.0))[0] == []
+    assert choose_cutoffs(np.array([]))[0] == []
+
+
+def test_output_predictor_learns_per_adapter_and_caps_at_max_tokens():
+    p = OutputPredictor(quantile=0.5, min_samples=4)
+    assert p.predict("a", 300) == 300  # nothing seen: max_tokens
+    for _ in range(4):
+        p.observe("a", 100)
+    assert 100 <= p.predict("a", 1000) <= 128  # a bucket edge at or above 100
+    assert p.predict("a", 50) == 50
+    p.observe("b", 8)
+    assert p.predict("b", 1000) == p.predict("a", 1000) or p.predict("b", 1000) <= 128
+    for _ in range(4):
+        p.observe("b", 8)
+    assert p.predict("b", 1000) == 8  # its own histogram once it has min_samples
+
+
+# -- FIFO and SJF ----------------------------------------------------------------------------
+
+
+def test_fifo_blocks_behind_its_head():
+    fifo = FIFO()
+    for rid in ("a", "b", "c"):
+        fifo.add(seq(rid, 4, 4), 0.0)
+    rec = Recorder({"a": Admit.NO_ROOM})
+    fifo.admit(0.0, rec)
+    assert rec.asked == ["a"] and rec.admitted == []
+    rec = Recorder()
+    fifo.admit(1.0, rec)
+    assert rec.admitted == ["a", "b", "c"] and len(fifo) == 0
+
+
+def test_sjf_orders_by_predicted_output_and_ages_the_long_ones():
+    sjf = SJFAging(OutputPredictor(), aging_tokens_per_s=10.0)
+    sjf.add(seq("long", 4, 500), now=0.0)
+    sjf.add(seq("short", 4, 20), now=0.0)
+    assert [s.request_id for s in sjf.waiting()] == ["short", "long"]
+    # 100 s later a fresh short request: the long one aged 10 tokens/s: 500 − 1000 < 20 − 0
+    sjf.add(seq("fresh", 4, 20), now=100.0)
+    assert [s.request_id for s in sjf.waiting()] == ["short", "long", "fresh"]
+    rec = Recorder(capacity=2)
+    sjf.admit(100.0, rec)
+    assert rec.admitted == ["short", "long"] and [s.request_id for s in sjf.waiting()] == ["fresh"]
+
+
+def test_sjf_remove_and_requeue():
+    sjf = SJFAging(OutputPredictor())
+    a, b = seq("a", 4, 50), seq("b", 4, 10)
+    sjf.add(a, 0.0)
+    sjf.add(b, 0.0)
+    sjf.remove(b)
+    assert sjf.waiting() == [a] and len(sjf) == 1
+    sjf.requeue(b, 5.0)  # a preempted request comes back first
+    assert sjf.waiting() == [b, a]
+
+
+# -- Chameleon -------------------------------------------------------------------------------
+
+
+def chameleon(quotas: list[int], cutoffs: list[float], **params) -> Chameleon:
+    """Requests without adapters (size factor 1), max_len 100: WRS = 0.004·in + 0.006·out."""
+    ch = Chameleon(
+        ChameleonParams(refresh_s=1e9, **params),
+        OutputPredictor(),
+        max_len=100,
+        capacity=lambda: sum(quotas),
+        adapter_bytes=lambda name: 1,
+        adapter_tokens=lambda name: 0,
+        max_adapter_bytes=lambda: 1,
+    )
+    ch.cutoffs, ch.quotas = cutoffs, list(quotas)
+    ch.queues = [deque() for _ in quotas]
+    ch.used = [0] * len(quotas)
+    ch.last_refresh = 0.0
+    return ch
+
+
+def test_two_phase_admission_quotas_first_then_spare_smallest_queue_first():
+    # small: in 5 + out 5 = 10 tokens, WRS 0.05 -> queue 0; large: 50 + 50, WRS 0.5 -> queue 1
+    ch = chameleon([30, 100], [0.2])
+    smalls = [seq(f"s{i}", 5, 5) for i in range(5)]
+    for s in smalls:
+        ch.add(s, 0.0)
+    ch.add(seq("L", 50, 50), 0.0)
+    assert [len(q) for q in ch.queues] == [5, 1]
+    rec = Recorder()
+    ch.admit(0.0, rec)
+    # phase 1: queue 0 within 30 tokens (3 requests), queue 1 within 100 (1); no spare left
+    assert rec.admitted == ["s0", "s1", "s2", "L"]
+    assert ch.used == [30, 100]
+
+    # the same with no large request: queue 1's unused 100 tokens go to queue 0 in phase 2
+    ch = chameleon([30, 100], [0.2])
+    for s in [seq(f"s{i}", 5, 5) for i in range(5)]:
+        ch.add(s, 0.0)
+    rec = Recorder()
+    ch.admit(0.0, rec)
+    assert rec.admitted == ["s0", "s1", "s2", "s3", "s4"]
+
+
+def test_a_finished_request_returns_its_quota():
+    ch = chameleon([20, 100], [0.2])
+    a, b, c = seq("a", 5, 5), seq("b", 5, 5), seq("c", 5, 5)
+    for s in (a, b, c):
+        ch.add(s, 0.0)
+    ch.add(seq("L", 50, 50), 0.0)  # keeps queue 1 non-empty enough to hold its spare
+    ch.admit(0.0, Recorder(capacity=3))
+    assert ch.used[0] == 20 and len(ch.queues[0]) == 1
+    ch.left(a, 1.0, finished=True)
+    assert ch.used[0] == 10
+    rec = Recorder()
+    ch.admit(1.0, rec)
+    assert "c" in rec.admitted
+
+
+def test_an_empty_queue_may_start_its_head_over_quota():
+    ch = chameleon([5, 100], [0.2])  # quota 5 < one small request's 10 tokens
+    ch.add(seq("L", 50, 50), 0.0)
+    ch.add(seq("s", 5, 5), 0.0)
+    rec = Recorder()
+    ch.admit(0.0, rec)
+    assert "s" in rec.admitted
+
+
+def test_bypass_only_for_requests_predicted_to_finish_before_memory_frees():
+    ch = chameleon([1000], [])
+    running = seq("run", 5, 10)  # predicted to finish in 10 decode steps
+    ch.add(running, 0.0)
+    ch.admit(0.0, Recorder())
+    blocked, quick, slow = seq("R1", 5, 40), seq("R2", 5, 2), seq("R3", 5, 50)
+    for s in (blocked, quick, slow):
+        ch.add(s, 0.0)
+    rec = Recorder({"R1": Admit.NO_ROOM})
+    ch.admit(0.0, rec)
+    # R2 (3 steps <= 10) overtakes R1; R3 (51 steps > 10) may not: the queue stops there
+    assert rec.asked == ["R1", "R2"] and rec.admitted == ["R2"]
+    assert ch.num_bypasses == 1
+
+
+def test_the_starvation_guard_caps_how_often_one_request_is_overtaken():
+    ch = chameleon([10_000], [], max_bypass=2)
+    ch.add(seq("run", 5, 100), 0.0)
+    ch.admit(0.0, Recorder())
+    ch.add(seq("R1", 5, 40), 0.0)
+    quick = {f"q{i}": seq(f"q{i}", 5, 1) for i in range(5)}
+    for s in quick.values():
+        ch.add(s, 0.0)
+    for _ in range(3):
+        rec = Recorder({"R1": Admit.NO_ROOM}, capacity=1)
+        ch.admit(0.0, rec)
+        for rid in rec.admitted:
+            ch.left(quick[rid], 0.0, finished=True)
+    assert ch.num_bypasses == 2
+    assert [s.request_id for s in ch.waiting()][:2] == ["R1", "q2"]  # R1 now blocks its queue
+    rec = Recorder({"R1": Admit.NO_ROOM})
+    ch.admit(0.0, rec)
+    assert rec.admitted == []
+
+
+def test_requests_whose_adapter_is_loading_do_not_block_their_queue():
+    ch = chameleon([1000], [])
+    for rid in ("a", "b"):
+        ch.add(seq(rid, 5, 5), 0.0)
+    rec = Recorder({"a": Admit.LOADING})
+    ch.admit(0.0, rec)
+    assert rec.admitted == ["b"] and [s.request_id for s in ch.waiting()] == ["a"]
+
+
+def test_refresh_clusters_arrivals_into_queues_and_splits_the_capacity():
+    ch = Chameleon(
+        ChameleonParams(refresh_s=10.0, min_samples=30, slo_s=5.0),
+        OutputPredictor(),
+        max_len=1000,
+        capacity=lambda: 100_000,
+        adapter_bytes=lambda name: {"r8": 8, "r64": 64}[name],
+        adapter_tokens=lambda name: 0,
+        max_adapter_bytes=lambda: 64,
+    )
+    for i in range(20):
+        ch.add(seq(f"s{i}", 20, 20, "r8"), i * 0.1)
+        ch.add(seq(f"l{i}", 800, 150, "r64"), i * 0.1)
+    ch.admit(2.0, Recorder(capacity=0))  # 40 arrivals >= min_samples: first clustering
+    assert len(ch.cutoffs) == 1 and [len(q) for q in ch.queues] == [20, 20]
+    assert {s.adapter for s in ch.queues[0]} == {"r8"}
+    assert sum(ch.quotas) == 100_000
+    assert ch.quotas[1] > ch.quotas[0]  # the large requests' token demand is larger
+
+
+def test_a_request_that_waited_past_starve_s_goes_first_over_quota():
+    ch = chameleon([20, 100], [0.2], starve_s=10.0)
+    ch.add(seq("L-old", 50, 50), 0.0)
+    ch.admit(0.0, Recorder(capacity=0))
+    ch.used[1] = 100  # the large queue's quota is taken by running requests
+    for i in range(3):
+        ch.add(seq(f"s{i}", 5, 5), 11.0)
+    rec = Recorder(capacity=1)  # one batch slot left
+    ch.admit(11.0, rec)
+    assert rec.admitted == ["L-old"] and ch.num_starving == 1

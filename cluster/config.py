@@ -73,6 +73,51 @@ class EngineSection(_Section):
     seed: int = Field(
         0, ge=0, le=2**63 - 1, description="Seeds the sampling of requests that set no seed."
     )
+    scheduler_policy: Literal["fifo", "sjf", "chameleon"] = Field(
+        "fifo",
+        description="Admission order: fifo; sjf (shortest predicted output first, aged); "
+        "chameleon (multi-level queues with token quotas, seed 004).",
+    )
+    eviction: Literal["chameleon", "lru", "gdsf", "equal"] = Field(
+        "chameleon",
+        description="Which idle adapter leaves the device pool first: Chameleon's score "
+        "(frequency, recency, size), lru, gdsf or equal weights.",
+    )
+    adapter_loading: Literal["sync", "thread"] = Field(
+        "thread",
+        description="thread: adapter copies into the pool overlap the forward (a copy "
+        "stream on CUDA); sync: copied on the engine thread.",
+    )
+    prefetch: int = Field(
+        0, ge=0, le=4096, description="Queued requests whose adapters are loaded ahead."
+    )
+    low_watermark: float = Field(
+        0.0, ge=0, le=1, description="Share of the pool a KV reclaim frees beyond its need."
+    )
+    high_watermark: float = Field(
+        0.0, ge=0, le=1, description="Share of the pool prefetching leaves free."
+    )
+    host_mib: int | None = Field(
+        None,
+        ge=0,
+        le=1 << 30,
+        description="Host-tier budget for adapter weights in MiB; unset: every registered "
+        "adapter stays in host memory (others are read again from the artifact store).",
+    )
+    kernels: Literal["auto", "torch", "triton"] = Field(
+        "auto",
+        description="LoRA and attention kernels: auto (Triton on CUDA, torch references "
+        "elsewhere; $LORAPLEX_KERNELS overrides), torch or triton.",
+    )
+
+    @model_validator(mode="after")
+    def _watermarks_ordered(self) -> EngineSection:
+        if self.low_watermark > self.high_watermark:
+            raise ValueError(
+                f"low_watermark ({self.low_watermark:g}) must not exceed high_watermark "
+                f"({self.high_watermark:g})"
+            )
+        return self
 
 
 class ReplicaSection(_Section):
@@ -388,7 +433,17 @@ class LoraplexConfig(_Section):
                 "max_num_seqs": e.max_num_seqs,
                 "max_num_batched_tokens": e.max_num_batched_tokens,
                 "max_loras_per_batch": e.max_loras_per_batch,
+                "policy": e.scheduler_policy,
             },
+            "cache": {
+                "eviction": e.eviction,
+                "loading": e.adapter_loading,
+                "prefetch": e.prefetch,
+                "low_watermark": e.low_watermark,
+                "high_watermark": e.high_watermark,
+                "host_bytes": None if e.host_mib is None else e.host_mib << 20,
+            },
+            "kernels": e.kernels,
             "seed": e.seed,
             "tp": self.replicas.tp,
         }

@@ -25,7 +25,7 @@ from typing import Any
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.etcd_client import EtcdSettings
 from loraplex.registry.watch import RegistryWatcher
-from loraplex.replica.adapter_cache import UnknownAdapter
+from loraplex.replica.adapter_cache import CacheConfig, UnknownAdapter
 from loraplex.replica.adapter_sync import AdapterSync
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import Engine
@@ -46,7 +46,8 @@ DEPLOYMENT_NAME = "replica"
 
 
 def build_engine_config(values: dict[str, Any]) -> EngineConfig:
-    """EngineConfig from plain values (what crosses Ray and YAML): `scheduler` as a dict."""
+    """EngineConfig from plain values (what crosses Ray and YAML): `scheduler` and `cache`
+    as dicts."""
     known = {f.name for f in fields(EngineConfig)}
     unknown = sorted(set(values) - known)
     if unknown:
@@ -54,6 +55,8 @@ def build_engine_config(values: dict[str, Any]) -> EngineConfig:
     values = dict(values)
     if isinstance(values.get("scheduler"), dict):
         values["scheduler"] = SchedulerConfig(**values["scheduler"])
+    if isinstance(values.get("cache"), dict):
+        values["cache"] = CacheConfig(**values["cache"])
     return EngineConfig(**values)
 
 

@@ -19,7 +19,9 @@ from loraplex.cluster import local_cluster, supervisor
 from loraplex.cluster.config import APP_NAME, IMPORT_PATH, LoraplexConfig
 from loraplex.cluster.errors import CLIError
 from loraplex.registry.etcd_client import EtcdSettings
+from loraplex.replica.adapter_cache import CacheConfig
 from loraplex.replica.config import EngineConfig
+from loraplex.replica.deployment import build_engine_config
 from loraplex.replica.scheduler import SchedulerConfig
 from loraplex.router.policy import AffinityConfig
 
@@ -48,7 +50,7 @@ def model_dir(tmp_path: Path) -> Path:
 
 
 def engine_of(values: dict) -> EngineConfig:
-    return EngineConfig(**(values | {"scheduler": SchedulerConfig(**values["scheduler"])}))
+    return build_engine_config(values)
 
 
 # ---------------------------------------------------------------- loading and defaults
@@ -86,6 +88,14 @@ def test_from_yaml_resolves_paths_against_the_file_and_maps_every_engine_field(
                 "max_num_batched_tokens": 256,
                 "max_loras_per_batch": 4,
                 "seed": 7,
+                "scheduler_policy": "chameleon",
+                "eviction": "gdsf",
+                "adapter_loading": "sync",
+                "prefetch": 4,
+                "low_watermark": 0.05,
+                "high_watermark": 0.1,
+                "host_mib": 256,
+                "kernels": "torch",
             },
             "replicas": {"num_replicas": 3, "num_cpus": 2, "num_gpus": 1, "tp": 1},
             "artifact_root": "artifacts",
@@ -111,7 +121,16 @@ def test_from_yaml_resolves_paths_against_the_file_and_maps_every_engine_field(
         pool_bytes=64 << 20,
         page_bytes=128 << 10,
         max_lora_rank=32,
-        scheduler=SchedulerConfig(8, 256, 4),
+        scheduler=SchedulerConfig(8, 256, 4, policy="chameleon"),
+        cache=CacheConfig(
+            eviction="gdsf",
+            loading="sync",
+            prefetch=4,
+            low_watermark=0.05,
+            high_watermark=0.1,
+            host_bytes=256 << 20,
+        ),
+        kernels="torch",
         seed=7,
     )
     assert config.etcd_settings() == EtcdSettings(

@@ -67,7 +67,7 @@ def adapter_order(item: tuple[Sequence, int]) -> tuple[int, str]:
 
 
 def build_step_batch(
-    scheduled: list[tuple[Sequence, int]], kv: KVCache, num_layers: int, sliding_window: int | None
+    scheduled: list[tuple[Sequence, int]], kv: KVCache, sliding_window: int | None
 ) -> StepBatch:
     scheduled = sorted(scheduled, key=adapter_order)
     ids, positions, pages, offsets, sample_rows, sampled = [], [], [], [], [], []

@@ -206,9 +206,7 @@ class LLMEngine:
             scheduled = self.scheduler.schedule()
         if not scheduled:
             return pending
-        batch = build_step_batch(
-            scheduled, self.kv, self.model_config.num_layers, self.model_config.sliding_window
-        )
+        batch = build_step_batch(scheduled, self.kv, self.model_config.sliding_window)
         logits = self.model.forward(batch, self.kv.view, self.kv.rows)
         for seq, n in scheduled:
             seq.num_computed += n

@@ -246,8 +246,8 @@ def measure_router_costs(
 
         host_load_cost_s  host tier -> pool (a first request's extra time) + segment * out:
                           an adapter new to a replica adds its segment to every step while
-                          it runs. Replicas pay this: they hold every registered adapter in
-                          their host tier
+                          it runs. A replica pays this for an adapter it served before
+                          (its host tier keeps it); a first use also reads the artifact
         load_cost_s       + reading the adapter from its folder
         busy_cost_s       2 x the step's growth per sequence, one adapter (a new request
                           waits out the current step, then runs its prefill step)

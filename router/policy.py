@@ -171,8 +171,9 @@ class AffinityPolicy:
 
     Warm means on the device or loading there. Every other replica needs a load, from the
     host tier or the artifact store, and is placed by the bounds above: a replica whose
-    host tier holds the adapter is only cheaper to load on, not warm, since the host tier
-    typically holds every registered adapter on every replica.
+    host tier holds the adapter is only cheaper to load on, not warm: a replica keeps in
+    its host tier every adapter it has served (pinned ones from the start), so under a
+    router that spreads requests the host tiers fill with every adapter.
 
     Placements. `observe(a, replica_id)` records that a request of `a` went to the
     replica. Until the replica publishes stats newer than that, it counts as loading `a`:

@@ -47,15 +47,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import itertools
 import json
 import math
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import asdict, dataclass, replace
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +62,14 @@ import numpy as np
 
 from loraplex.benchmarks.engine import SERVING_TARGETS, zipf_adapters
 from loraplex.benchmarks.report import log, write_json
+from loraplex.benchmarks.router_apps import build_app
+from loraplex.benchmarks.router_costs import measure_router_costs
+from loraplex.benchmarks.router_figures import (
+    PAGE_BYTES,
+    print_table,
+    router_figures,
+    summary,
+)
 from loraplex.cluster.demo_assets import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.etcd_client import EtcdSettings
@@ -70,19 +77,12 @@ from loraplex.registry.etcd_process import INSTALL_HINT, EtcdProcess, find_etcd_
 from loraplex.registry.models import AdapterRecord, Tenant
 from loraplex.registry.store import RegistryStore
 from loraplex.replica.adapters import load_adapter, plan_layout
-from loraplex.replica.deployment import ReplicaDeployment, build_engine_config, deployment
-from loraplex.replica.engine import Engine, LLMEngine
 from loraplex.replica.model.config import ModelConfig
-from loraplex.replica.protocol import GenerateChunk, GenerateRequest, adapter_id, chunk
-from loraplex.replica.protocol import sampling_params as to_sampling_params
-from loraplex.replica.sampling import SamplingParams
+from loraplex.replica.protocol import GenerateRequest, adapter_id
 from loraplex.router.serve_backend import ServeBackend
 
 ROUTERS = ("affinity", "pow2", "multiplex")
-BASELINES = ("pow2", "multiplex")
 TENANT = "bench"
-PAGE_BYTES = 64 * 1024
-REPLICA_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # 3 engines share 2 cores
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +137,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return 2
     workload = QUICK if args.quick else FULL
     results = {"quick": bool(args.quick), **measure(workload)}
-    _print_table(results)
+    print_table(results)
     write_json(args.json, results)
     return 0
 
@@ -160,11 +160,13 @@ def measure(workload: Workload, routers: tuple[str, ...] = ROUTERS) -> dict[str,
             per_router = {}
             with _ray():
                 for router in routers:
-                    app = _app(router, workload, engine_config, settings, artifacts, paths, costs)
+                    app = build_app(
+                        router, workload, engine_config, settings, artifacts, paths, costs
+                    )
                     per_router[router] = _serve(router, app, requests, workload)
         finally:
             etcd.stop(kill=True)
-    return {**_summary(workload, engine_config, requests, per_router), "router_costs": costs}
+    return {**summary(workload, engine_config, requests, per_router), "router_costs": costs}
 
 
 # -- assets and registry ----------------------------------------------------------------------
@@ -233,82 +235,6 @@ async def _register(
     return paths
 
 
-# -- the router's costs on this machine --------------------------------------------------------
-
-
-def measure_router_costs(
-    engine_config: dict[str, Any], sources: dict[str, Path], w: Workload
-) -> dict[str, float]:
-    """AffinityConfig cost fields measured on one engine of the replicas' configuration, one
-    thread (as each replica runs), before any replica starts. With `segment` the growth of
-    a full batch's decode step per distinct adapter in it (the multi-LoRA loop runs once
-    per adapter segment) and `out` the mean output tokens:
-
-        host_load_cost_s  host tier -> pool (a first request's extra time) + segment * out:
-                          an adapter new to a replica adds its segment to every step while
-                          it runs. A replica pays this for an adapter it served before
-                          (its host tier keeps it); a first use also reads the artifact
-        load_cost_s       + reading the adapter from its folder
-        busy_cost_s       2 x the step's growth per sequence, one adapter (a new request
-                          waits out the current step, then runs its prefill step)
-        request_time_s    out x the step time of a full batch of distinct adapters
-    """
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        engine = LLMEngine(build_engine_config(engine_config))
-        names = list(sources)[: min(w.adapters_per_replica, w.max_num_seqs)]
-        prompt = list(range(10, 10 + sum(w.prompt_tokens) // 2))
-        reads, copies = [], []
-        for name in names:
-            start = time.perf_counter()
-            engine.add_adapter(name, sources[name])
-            reads.append(time.perf_counter() - start)
-            cold, warm = (_one_token(engine, prompt, name) for _ in range(2))
-            copies.append(max(0.0, cold - warm))
-        full = w.max_num_seqs
-        one = _decode_step_s(engine, prompt, names[:1])
-        same = _decode_step_s(engine, prompt, names[:1] * full)
-        mixed = _decode_step_s(engine, prompt, [names[i % len(names)] for i in range(full)])
-    finally:
-        torch.set_num_threads(threads)
-    out = sum(w.output_tokens) / 2
-    segment = max(0.0, mixed - same) / max(1, len(names) - 1)
-    host = float(np.median(copies)) + segment * out
-    return {
-        "load_cost_s": float(np.median(reads)) + host,
-        "host_load_cost_s": host,
-        "busy_cost_s": 2 * max(0.0, same - one) / (full - 1),
-        "request_time_s": out * mixed,
-    }
-
-
-def _one_token(engine: LLMEngine, prompt: list[int], adapter: str) -> float:
-    start = time.perf_counter()
-    engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), adapter)
-    while engine.has_unfinished():
-        engine.step()
-    return time.perf_counter() - start
-
-
-def _decode_step_s(engine: LLMEngine, prompt: list[int], adapters: list[str]) -> float:
-    """Fastest of 5 decode steps of a batch of len(adapters) sequences."""
-    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    seqs = [engine.add_request(prompt, params, adapter) for adapter in adapters]
-    while any(s.num_computed < len(s.prompt_ids) for s in seqs):  # prefill done
-        engine.step()
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    for seq in seqs:
-        engine.abort(seq.request_id)
-    return min(times)
-
-
 # -- the workload ------------------------------------------------------------------------------
 
 
@@ -370,153 +296,6 @@ async def _drive(backend: ServeBackend, requests: list[BenchRequest], tag: str, 
     return outcomes, time.perf_counter() - start
 
 
-# -- the three apps ----------------------------------------------------------------------------
-
-
-async def _engine_counters(engine: Engine) -> dict[str, int]:
-    stats = await engine.stats()
-    adapters = stats["adapters"]
-    return {
-        "loads": adapters["loads"],
-        "hits": adapters["hits"],
-        "evictions": adapters["evictions"],
-        "registered": adapters["registered"],
-        "resident": len(adapters["resident"]),
-        "preemptions": stats["preemptions"],
-    }
-
-
-class BenchReplica(ReplicaDeployment):
-    """ReplicaDeployment, plus its engine's adapter counters in its routing stats, under
-    "bench" (a key routers ignore), where the bench reads each replica's."""
-
-    async def record_routing_stats(self) -> dict[str, Any]:
-        assert self.engine is not None
-        stats = await super().record_routing_stats()
-        return {**stats, "bench": await _engine_counters(self.engine)}
-
-
-class AdapterLease:
-    """One multiplexed load of an adapter, registered in the engine as `name` (unique per load,
-    so reloading an adapter never collides with an evicted copy still in use). Serve calls
-    `__del__` when it evicts the lease; the engine drops the weights once the lease's last
-    request ends, since removing them at once would abort that adapter's queued requests."""
-
-    def __init__(self, engine: Engine, name: str, loop: asyncio.AbstractEventLoop):
-        self.engine = engine
-        self.name = name
-        self.loop = loop
-        self.users = 0
-        self.evicted = False
-        self.removal: asyncio.Task | None = None
-
-    def release(self) -> None:
-        self.users -= 1
-        self.drop_if_unused()
-
-    def drop_if_unused(self) -> None:
-        if self.evicted and self.users == 0 and self.removal is None:
-            self.removal = self.loop.create_task(self.engine.remove_adapter(self.name))
-
-    def __del__(self) -> None:
-        # Serve calls this from an executor thread on eviction; the garbage collector calls
-        # it again later (evicted is then set).
-        if self.evicted:
-            return
-        self.evicted = True
-        with contextlib.suppress(RuntimeError):  # the loop is closed: the process is ending
-            self.loop.call_soon_threadsafe(self.drop_if_unused)
-
-
-class MultiplexedReplica:
-    """Peer baseline: ReplicaDeployment's engine with Ray Serve model multiplexing in place
-    of the registry sync; adapters are read from their artifact folders (`paths`)."""
-
-    async def __init__(self, engine_config: dict[str, Any], paths: dict[str, str], k: int):
-        from ray import serve
-
-        self.engine = await asyncio.to_thread(Engine, build_engine_config(engine_config))
-        self.paths = paths
-        self.loads = 0
-        self.load_s = 0.0
-        self._names = itertools.count()
-
-        async def load(adapter: str) -> AdapterLease:  # a function: Serve tags it with state
-            return await self._load(adapter)
-
-        self.lease = serve.multiplexed(max_num_models_per_replica=k)(load)
-
-    async def _load(self, adapter: str) -> AdapterLease:
-        start = time.perf_counter()
-        name = f"{adapter}#{next(self._names)}"
-        await self.engine.add_adapter(name, Path(self.paths[adapter]))
-        self.loads += 1
-        self.load_s += time.perf_counter() - start
-        return AdapterLease(self.engine, name, asyncio.get_running_loop())
-
-    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        lease = await self.lease(request["adapter"]) if request["adapter"] else None
-        if lease is not None:
-            lease.users += 1  # no await since the lease was handed over: it cannot be dropped
-        outputs = self.engine.generate(
-            request["prompt_token_ids"],
-            to_sampling_params(request),
-            lease.name if lease else None,
-            request["request_id"],
-        )
-        try:
-            async for out in outputs:
-                yield chunk(out)
-        finally:
-            await outputs.aclose()
-            if lease is not None:
-                lease.release()
-
-    async def record_routing_stats(self) -> dict[str, Any]:
-        """Serve's default router ignores routing stats: these only carry the counters."""
-        counters = await _engine_counters(self.engine)
-        return {"bench": {**counters, "multiplexed_loads": self.loads, "load_s": self.load_s}}
-
-    def __del__(self) -> None:
-        self.engine.shutdown()
-
-
-def _app(
-    router: str,
-    w: Workload,
-    engine_config: dict[str, Any],
-    settings: EtcdSettings,
-    artifacts: ArtifactStore,
-    paths: dict[str, str],
-    costs: dict[str, float],
-):
-    from ray import serve
-    from ray.serve.config import RequestRouterConfig
-
-    common: dict[str, Any] = {
-        "num_replicas": w.num_replicas,
-        "ray_actor_options": {"num_cpus": 0, "runtime_env": {"env_vars": REPLICA_ENV}},
-        "max_ongoing_requests": 64,  # above max_num_seqs: the engine batches, Serve forwards
-        "graceful_shutdown_wait_loop_s": 0.2,
-        "graceful_shutdown_timeout_s": 2.0,
-        "logging_config": {"enable_access_log": False, "log_level": "WARNING"},
-    }
-    if router == "multiplex":
-        return serve.deployment(MultiplexedReplica, name=router, **common).bind(
-            engine_config, paths, w.adapters_per_replica
-        )
-    replica = deployment(
-        name=router,
-        routing_stats_period_s=w.routing_stats_period_s,
-        router_kwargs=costs,
-        **common,
-    )
-    replica = replica.options(func_or_class=BenchReplica)
-    if router == "pow2":  # Serve's default router class
-        replica = replica.options(request_router_config=RequestRouterConfig())
-    return replica.bind(engine_config, settings.model_dump(), str(artifacts.root))
-
-
 @contextlib.contextmanager
 def _ray() -> Iterator[None]:
     import ray
@@ -565,7 +344,7 @@ def _serve(router: str, app, requests: list[BenchRequest], w: Workload) -> dict[
     done = sum(o.error is None for o in outcomes)
     log(f"{router}: {done}/{len(outcomes)} requests in {elapsed:.1f}s")
     return {
-        **_router_figures(outcomes, elapsed, replicas),
+        **router_figures(outcomes, elapsed, replicas),
         "load_avg_1m": [load_avg, os.getloadavg()[0]],
     }
 
@@ -605,123 +384,3 @@ def _replica_counters(app: str, deployment: str) -> list[dict[str, Any]]:
         {"replica": n.removeprefix(prefix), **stats["bench"]}
         for (n, _), stats in zip(names, ray.get(refs, timeout=30), strict=True)
     ]
-
-
-# -- figures -----------------------------------------------------------------------------------
-
-
-def _router_figures(
-    outcomes: list[Outcome], elapsed: float, replicas: list[dict[str, Any]]
-) -> dict[str, Any]:
-    done = [o for o in outcomes if o.error is None]
-    ttft = np.array([o.ttft_s for o in done], dtype=float) * 1e3
-    latency = np.array([o.latency_s for o in done], dtype=float) * 1e3
-    for r in replicas:  # sync-based replicas never drop a read adapter during the run
-        r["artifact_reads"] = r.get("multiplexed_loads", r["registered"])
-    figures: dict[str, Any] = {
-        "adapter_loads": sum(r["loads"] for r in replicas),
-        "artifact_reads": sum(r["artifact_reads"] for r in replicas),
-        "p50_ttft_ms": _percentile(ttft, 50),
-        "p99_ttft_ms": _percentile(ttft, 99),
-        "mean_ttft_ms": float(ttft.mean()) if len(ttft) else None,
-        "p50_latency_ms": _percentile(latency, 50),
-        "p99_latency_ms": _percentile(latency, 99),
-        "throughput_rps": len(done) / elapsed,
-        "output_tok_per_s": sum(o.tokens for o in done) / elapsed,
-        "completed": len(done),
-        "failed": len(outcomes) - len(done),
-        "errors": sorted({o.error for o in outcomes if o.error is not None})[:5],
-        "duration_s": elapsed,
-        "replicas": replicas,
-    }
-    reads = sum(r.get("multiplexed_loads", 0) for r in replicas)
-    if reads:
-        figures["mean_multiplexed_load_ms"] = sum(r["load_s"] for r in replicas) / reads * 1e3
-    figures["raw"] = {
-        "ttft_ms": [None if o.ttft_s is None else o.ttft_s * 1e3 for o in outcomes],
-        "latency_ms": [None if o.latency_s is None else o.latency_s * 1e3 for o in outcomes],
-    }
-    return figures
-
-
-def _percentile(values: np.ndarray, q: float) -> float | None:
-    return float(np.percentile(values, q)) if len(values) else None
-
-
-def _summary(
-    w: Workload,
-    engine_config: dict[str, Any],
-    requests: list[BenchRequest],
-    per_router: dict[str, dict[str, Any]],
-) -> dict[str, Any]:
-    distinct = len({r.adapter for r in requests})
-    for figures in per_router.values():
-        figures["reloads"] = figures["adapter_loads"] - distinct
-
-    def ratio(key: str) -> float | None:
-        baselines = [per_router[b][key] for b in BASELINES if b in per_router]
-        ours = per_router.get("affinity", {}).get(key)
-        if not baselines or ours is None or None in baselines:
-            return None
-        return min(baselines) / ours if ours else math.inf
-
-    workload = asdict(w)
-    workload["model"] = {k: v for k, v in workload["model"].items() if k != "rope_scaling"}
-    return {
-        "workload": workload,
-        "capacity": (
-            f"{w.adapters_per_replica} adapters of mean size per replica: a device pool of "
-            f"{engine_config['pool_bytes'] // PAGE_BYTES} pages of {PAGE_BYTES // 1024} KiB, "
-            f"a full batch's KV included; multiplex max_num_models_per_replica="
-            f"{w.adapters_per_replica}"
-        ),
-        # Every adapter requested is loaded at least once, whatever the router.
-        "distinct_adapters_requested": distinct,
-        "adapter_loads": {r: f["adapter_loads"] for r, f in per_router.items()},
-        "reloads": {r: f["reloads"] for r, f in per_router.items()},
-        "p50_ttft_ms": {r: f["p50_ttft_ms"] for r, f in per_router.items()},
-        "p99_ttft_ms": {r: f["p99_ttft_ms"] for r, f in per_router.items()},
-        "loads_ratio_vs_best_baseline": ratio("adapter_loads"),
-        "p99_ratio_vs_best_baseline": ratio("p99_ttft_ms"),
-        "reloads_ratio_vs_best_baseline": ratio("reloads"),
-        "routers": per_router,
-        "requests": {
-            "arrival_s": [r.at_s for r in requests],
-            "adapter": [r.adapter for r in requests],
-        },
-    }
-
-
-def _print_table(r: dict[str, Any]) -> None:
-    w = r["workload"]
-    print(
-        f"{w['num_requests']} requests at {w['rate_per_s']:g}/s over {w['num_adapters']} "
-        f"adapters (Zipf a={w['zipf_a']}, {r['distinct_adapters_requested']} requested: the "
-        f"fewest loads possible), {w['num_replicas']} replicas\ncapacity: {r['capacity']}"
-    )
-    print(
-        f"{'router':10} {'loads':>6} {'reloads':>7} {'reads':>6} {'p50 ttft':>9} {'p99 ttft':>9} "
-        f"{'p99 e2e':>9} {'req/s':>6} {'done':>5} {'loadavg':>8}"
-    )
-    for name, f in r["routers"].items():
-        print(
-            f"{name:10} {f['adapter_loads']:6d} {f['reloads']:7d} {f['artifact_reads']:6d} "
-            f"{_ms(f['p50_ttft_ms'])} {_ms(f['p99_ttft_ms'])} {_ms(f['p99_latency_ms'])} "
-            f"{f['throughput_rps']:6.2f} {f['completed']:5d} {max(f['load_avg_1m']):8.1f}"
-        )
-    costs = ", ".join(f"{k} {v * 1e3:.2f}ms" for k, v in r["router_costs"].items())
-    print(f"affinity router told (measured here): {costs}")
-    for key, target in (
-        ("loads_ratio_vs_best_baseline", 3),
-        ("p99_ratio_vs_best_baseline", 2),
-        ("reloads_ratio_vs_best_baseline", None),
-    ):
-        value = r[key]
-        shown = "n/a" if value is None else f"{value:.2f}"
-        print(
-            f"{key:30} {shown:>8}  " + ("(reported)" if target is None else f"target >= {target}")
-        )
-
-
-def _ms(value: float | None) -> str:
-    return f"{'n/a':>9}" if value is None else f"{value:7.1f}ms"

@@ -73,5 +73,5 @@ def test_router_bench_serves_every_request_and_reports_every_key(capsys):
     costs = results["router_costs"]
     assert 0 < costs["host_load_cost_s"] <= costs["load_cost_s"] and costs["request_time_s"] > 0
 
-    bench_router._print_table(results)
+    bench_router.print_table(results)
     assert "loads_ratio_vs_best_baseline" in capsys.readouterr().out

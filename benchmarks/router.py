@@ -33,7 +33,9 @@ every router must evict.
     router_costs    what the affinity router is told about this machine (AffinityConfig), as
                     measured here before the runs: a load from the artifact store and from
                     the host tier, the TTFT each running request adds (a CPU step grows
-                    with the batch), the time a request holds a slot
+                    with the batch), the time a request holds a slot. Once the replicas
+                    publish their own measurements (replica/step_costs.py, after 32 steps)
+                    the router uses those for the busy and host-load costs
     loads_ratio_vs_best_baseline = min(baseline adapter_loads) / affinity adapter_loads
     p99_ratio_vs_best_baseline   = min(baseline p99_ttft_ms) / affinity p99_ttft_ms
     reloads_ratio_vs_best_baseline = min(baseline reloads) / affinity reloads

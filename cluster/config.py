@@ -283,6 +283,11 @@ class RouterSection(_Section):
     stale_after_s: float = Field(
         30.0, gt=0, le=3600, description="Routing stats older than this rank their replica last."
     )
+    use_measured_costs: bool = Field(
+        True,
+        description="Judge each replica by the busy and host-load costs it measures on its "
+        "own steps and loads (the two settings above stand in until it has).",
+    )
     seed: int = Field(0, ge=0, le=2**63 - 1, description="Seeds tie-breaks between replicas.")
     stats_period_s: float = Field(
         1.0, gt=0, le=600, description="How often each replica publishes its routing stats."

@@ -60,6 +60,27 @@ def build_engine_config(values: dict[str, Any]) -> EngineConfig:
     return EngineConfig(**values)
 
 
+def measured_costs(stats: dict[str, Any]) -> dict[str, float]:
+    """The router's cost inputs as this replica measured them (empty until it has enough
+    steps; the router then uses its configured costs):
+
+        busy_cost_s       2 x the step's cost per token: a request already running adds one
+                          decode token to the step a new request waits out and to its own
+                          prefill step
+        host_load_cost_s  mean host -> pool load time, plus one more adapter segment in every
+                          step of a request's life (per-adapter cost x mean output tokens)
+    """
+    costs = stats.get("step_costs")
+    if costs is None:
+        return {}
+    adapters = stats["adapters"]
+    load_s = adapters["load_seconds"] / adapters["loads"] if adapters["loads"] else 0.0
+    return {
+        "busy_cost_s": 2 * costs["per_token_s"],
+        "host_load_cost_s": load_s + costs["per_adapter_s"] * costs["mean_output_tokens"],
+    }
+
+
 class ReplicaDeployment:
     """A replica: serves the base model and every adapter the registry holds.
 
@@ -139,6 +160,7 @@ class ReplicaDeployment:
             "free_pages": stats["pool"]["free_pages"],
             "num_pages": stats["pool"]["num_pages"],
             "recorded_at": time.time(),
+            **measured_costs(stats),
         }
 
     def _tiers(self, stats: dict[str, Any]) -> dict[str, list[str]]:

@@ -15,7 +15,7 @@ import random
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -33,6 +33,7 @@ from loraplex.replica.pool import UnifiedPool
 from loraplex.replica.sampling import SamplingParams, sample
 from loraplex.replica.scheduler import Scheduler
 from loraplex.replica.sequence import RequestOutput, Sequence
+from loraplex.replica.step_costs import StepCostEstimator
 from loraplex.replica.tokenizer import Tokenizer
 
 
@@ -94,6 +95,7 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []
         self._ids = itertools.count()
         self._seeds = random.Random(cfg.seed)  # for requests that bring no seed
+        self.step_costs = StepCostEstimator()  # what the router weighs (routing stats)
 
     # adapters
 
@@ -206,12 +208,18 @@ class LLMEngine:
             scheduled = self.scheduler.schedule()
         if not scheduled:
             return pending
+        started = time.perf_counter()
         batch = build_step_batch(scheduled, self.kv, self.model_config.sliding_window)
         logits = self.model.forward(batch, self.kv.view, self.kv.rows)
         for seq, n in scheduled:
             seq.num_computed += n
         seqs = batch.sampled
         tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        self.step_costs.record_step(
+            sum(n for _, n in scheduled),
+            len({seq.adapter for seq, _ in scheduled if seq.adapter is not None}),
+            time.perf_counter() - started,
+        )
         return pending + [
             self._append(seq, token, logits[i] if seq.params.return_logits else None)
             for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True))
@@ -240,6 +248,7 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self.requests.pop(seq.request_id, None)
+            self.step_costs.record_finished(len(seq.output_ids))
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=[token],
@@ -294,6 +303,7 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "preemptions": self.scheduler.num_preemptions,
             "kv_block_size": self.kv.block_size,
+            "step_costs": None if (c := self.step_costs.estimate()) is None else asdict(c),
             "kernels": self.kernels,
             "tp": {"size": 1}
             if self.tp is None

@@ -16,6 +16,15 @@ not published yet is routable:
     free_pages        int        free pages of the unified pool
     num_pages         int        pages in the pool (optional; for `loraplex status`)
     recorded_at       float      wall-clock time the replica recorded them (optional)
+    busy_cost_s       float      measured: TTFT each running request adds (optional)
+    host_load_cost_s  float      measured: what bringing an adapter in from the host tier
+                                 costs, its load and its segment in the batch (optional)
+
+Measured costs (`use_measured_costs`) are pooled: every replica is judged by the mean of
+what the replicas publish, the configured cost while none has. Replicas of one deployment
+run on the same hardware, so their differences are noise, and per-replica noise would
+decide ties that belong to the adapter's walk (and make a new replica, not yet measured,
+look dearer or cheaper than the rest).
 
 `ReplicaStats.from_routing_stats(replica_id, stats, age_s)` turns one into policy input;
 `age_s` is the stats' age (the Ray router computes it from `recorded_at`).
@@ -40,6 +49,8 @@ class RoutingStats(TypedDict, total=False):
     queue_len: int
     max_concurrency: int
     free_pages: int
+    busy_cost_s: float
+    host_load_cost_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +63,8 @@ class ReplicaStats:
     max_concurrency: int = 1  # batch slots
     free_pages: int = 0
     stats_age_s: float = 0.0  # age of these stats when the router read them
+    busy_cost_s: float | None = None  # measured by the replica; None: not yet
+    host_load_cost_s: float | None = None
 
     def __post_init__(self):
         if self.queue_len < 0 or self.max_concurrency < 1 or not self.stats_age_s >= 0:
@@ -59,6 +72,10 @@ class ReplicaStats:
                 f"replica {self.replica_id!r}: need queue_len >= 0, max_concurrency >= 1 and "
                 f"stats_age_s >= 0, got {self.queue_len}, {self.max_concurrency}, {self.stats_age_s}"
             )
+        for name in ("busy_cost_s", "host_load_cost_s"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < math.inf:
+                raise ValueError(f"replica {self.replica_id!r}: {name} must be >= 0, got {value}")
 
     @classmethod
     def from_routing_stats(
@@ -73,7 +90,13 @@ class ReplicaStats:
             max_concurrency=max(1, int(stats.get("max_concurrency") or 0)),
             free_pages=int(stats.get("free_pages") or 0),
             stats_age_s=age_s,
+            busy_cost_s=_optional_float(stats.get("busy_cost_s")),
+            host_load_cost_s=_optional_float(stats.get("host_load_cost_s")),
         )
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 class Affinity(IntEnum):
@@ -99,6 +122,7 @@ class AffinityConfig:
     hot_rate_per_replica: float = 8.0  # requests/s of one adapter that one replica absorbs
     rate_window_s: float = 10.0  # time constant of the rate estimate's exponential decay
     stale_after_s: float = 30.0  # older stats rank their replica after every fresh one
+    use_measured_costs: bool = True  # the replicas' published costs replace the two above
 
     def __post_init__(self):
         for name in ("bounded_load_c", "bounded_adapters_c"):
@@ -149,6 +173,9 @@ class AffinityPolicy:
         load(r)  = 0 on device or for an extra home | host_load_cost_s loading or in the
                    host tier | load_cost_s otherwise (read from the artifact store)
         ttft(r)  = wait(r) + load(r)
+                   (busy_cost_s and host_load_cost_s are r's own measurements when it
+                   publishes them, the configured values until then; a load from the
+                   artifact store adds load_cost_s - host_load_cost_s of the config)
         capacity = ceil(c * (sum of queue_len + 1) / n)        (bounded loads, Mirrokni
                    et al.: a cold replica is within the bound iff queue_len < capacity,
                    i.e. it holds <= capacity after taking this request; the least
@@ -239,7 +266,8 @@ class AffinityPolicy:
         if not replicas:
             return []
         if adapter is None:
-            return [r.replica_id for r in sorted(replicas, key=self._base_key)]
+            busy = self._pooled([r.busy_cost_s for r in replicas], self.config.busy_cost_s)
+            return [r.replica_id for r in sorted(replicas, key=lambda r: self._base_key(r, busy))]
 
         n = len(replicas)
         walk = walk_order(adapter, ids)
@@ -252,6 +280,9 @@ class AffinityPolicy:
         share = math.ceil(
             self.config.bounded_adapters_c * (sum(map(len, held.values())) + 1) / n - 1e-9
         )
+
+        busy = self._pooled([r.busy_cost_s for r in replicas], self.config.busy_cost_s)
+        host = self._pooled([r.host_load_cost_s for r in replicas], self.config.host_load_cost_s)
 
         warm: dict[str, Affinity] = {}
         for r in replicas:
@@ -289,12 +320,17 @@ class AffinityPolicy:
             if a in (Affinity.DEVICE, Affinity.EXTRA_HOME):
                 return 0.0
             if a is Affinity.LOADING or adapter in r.host_adapters:
-                return self.config.host_load_cost_s
-            return self.config.load_cost_s
+                return host
+            return self.config.load_cost_s - self.config.host_load_cost_s + host  # + the read
 
         def key(r: ReplicaStats) -> tuple:
             a = affinity(r)
-            return (self._stale(r), self._wait_s(r) + load_s(r, a), a, position[r.replica_id])
+            return (
+                self._stale(r),
+                self._wait_s(r, busy) + load_s(r, a),
+                a,
+                position[r.replica_id],
+            )
 
         return [r.replica_id for r in sorted(replicas, key=key)]
 
@@ -309,14 +345,22 @@ class AffinityPolicy:
         count, at = self._counts.get(adapter, (0.0, now))
         return count * math.exp(-max(0.0, now - at) / self.config.rate_window_s)
 
-    def _wait_s(self, r: ReplicaStats) -> float:
+    def _wait_s(self, r: ReplicaStats, busy_cost_s: float) -> float:
         queued_behind = max(0, r.queue_len - r.max_concurrency + 1)
         slot = queued_behind / r.max_concurrency * self.config.request_time_s
-        return slot + r.queue_len * self.config.busy_cost_s
+        return slot + r.queue_len * busy_cost_s
+
+    def _pooled(self, published: Sequence[float | None], configured: float) -> float:
+        """The mean of the replicas' measured costs, or the configured cost."""
+        measured = [c for c in published if c is not None]
+        if not measured or not self.config.use_measured_costs:
+            return configured
+        return sum(measured) / len(measured)
 
     def _stale(self, r: ReplicaStats) -> bool:
         return r.stats_age_s > self.config.stale_after_s
 
-    def _base_key(self, r: ReplicaStats) -> tuple:
+    def _base_key(self, r: ReplicaStats, busy_cost_s: float) -> tuple:
         utilisation = r.queue_len / r.max_concurrency
-        return (self._stale(r), self._wait_s(r), utilisation, -r.free_pages, self._rng.random())
+        wait = self._wait_s(r, busy_cost_s)
+        return (self._stale(r), wait, utilisation, -r.free_pages, self._rng.random())

@@ -232,6 +232,35 @@ def test_busy_cost_moves_a_request_before_the_batch_is_full(queue, chosen):
     assert policy(load_cost_s=0.05).choose("a", replicas)[0] == "warm"  # batching is free
 
 
+def test_measured_costs_replace_the_configured_ones_pooled_over_replicas():
+    # Configured: batching is free and a host load costs 50 ms, so the warm replica keeps
+    # every request. Measured: 10 ms per running request, so 6 running (60 ms) lose to an
+    # idle replica's 50 ms host load; a measured 70 ms host load tips it back.
+    p = policy(load_cost_s=0.5, host_load_cost_s=0.05)
+    warm = replica("warm", device={"a"}, queue=6)
+    idle = replica("idle", host={"a"})
+    assert p.choose("a", [warm, idle])[0] == "warm"
+    measured = replace(warm, busy_cost_s=0.01)
+    assert p.choose("a", [measured, idle])[0] == "idle"
+    assert p.choose("a", [measured, replace(idle, host_load_cost_s=0.07)])[0] == "warm"
+    ignoring = policy(load_cost_s=0.5, host_load_cost_s=0.05, use_measured_costs=False)
+    assert ignoring.choose("a", [measured, idle])[0] == "warm"
+    # Replicas are judged by the mean of what they measured: a new replica that has not
+    # measured yet, or one whose measurement is a little lower, does not take a cold
+    # adapter from its walk home.
+    walk = walk_order("cold", ["r0", "r1", "r2"])
+    noisy = [
+        replace(replica(rid), host_load_cost_s=0.004 if rid != walk[0] else 0.006)
+        for rid in walk[:2]
+    ] + [replica(walk[2])]
+    assert p.choose("cold", noisy)[0] == walk[0]
+    # from routing stats, and refused when negative
+    stats = ReplicaStats.from_routing_stats("r", {"busy_cost_s": 0.002, "host_load_cost_s": 0.1})
+    assert (stats.busy_cost_s, stats.host_load_cost_s) == (0.002, 0.1)
+    with pytest.raises(ValueError, match="busy_cost_s"):
+        ReplicaStats.from_routing_stats("r", {"busy_cost_s": -1})
+
+
 def test_host_tier_pays_only_the_host_load_cost():
     replicas = [replica("host", host={"a"}, queue=5, slots=4), replica("idle", slots=4)]
     # host: wait 0.5 s + 0.1 s < idle: 0 + 1.0 s

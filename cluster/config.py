@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from loraplex.registry.etcd_client import EtcdSettings
+from loraplex.registry.etcd_client import EtcdCredentials, EtcdSettings
 
 APP_NAME = "loraplex"
 IMPORT_PATH = "loraplex.cluster.app:build_app"
@@ -174,8 +174,9 @@ class ReplicaSection(_Section):
         return self
 
 
-class EtcdSection(_Section):
-    """The registry's etcd: endpoints to use, or none to have `loraplex up` start one."""
+class EtcdSection(_Section, EtcdCredentials):
+    """The registry's etcd: endpoints to use, or none to have `loraplex up` start one; the
+    deadline, TLS and user as `EtcdSettings` has them."""
 
     endpoints: list[str] | None = Field(
         None,
@@ -183,14 +184,6 @@ class EtcdSection(_Section):
         description="etcd client endpoints as host:port; unset: `loraplex up` starts a "
         "single-member etcd under its state folder (`serve deploy` needs them set).",
     )
-    timeout_s: float = Field(
-        5.0, gt=0, le=300, description="Deadline of one registry call, connecting included."
-    )
-    ca_cert: str | None = Field(None, description="PEM CA bundle; setting it turns on TLS.")
-    cert: str | None = Field(None, description="PEM client certificate for mutual TLS.")
-    key: str | None = Field(None, description="PEM private key of `cert`.")
-    username: str | None = Field(None, description="etcd user (etcd auth enabled).")
-    password: str | None = Field(None, description="Password of `username`.")
     host: str = Field(
         "127.0.0.1",
         min_length=1,
@@ -203,13 +196,12 @@ class EtcdSection(_Section):
 
     @model_validator(mode="after")
     def _as_etcd_settings(self) -> EtcdSection:
-        # EtcdSettings owns the endpoint format and the TLS/user pairing rules.
+        # EtcdSettings owns the endpoint format.
         self.settings(self.endpoints or ["127.0.0.1:2379"])
         return self
 
     def settings(self, endpoints: list[str]) -> EtcdSettings:
-        fields = self.model_dump(exclude={"endpoints", "host", "client_port"})
-        return EtcdSettings(endpoints=endpoints, **fields)
+        return EtcdSettings(endpoints=endpoints, **self.credentials())
 
 
 class AuthSection(_Section):

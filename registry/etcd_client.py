@@ -44,15 +44,10 @@ class RegistryUnavailable(RuntimeError):
     """etcd could not be reached or did not answer in time (the API answers 503)."""
 
 
-class EtcdSettings(BaseModel):
-    """How to reach etcd (the registry's source of truth)."""
+class EtcdCredentials(BaseModel):
+    """How to talk to etcd once reached: deadline, TLS and user. Shared by `EtcdSettings`
+    and the cluster config's `etcd` section, which adds how endpoints are found."""
 
-    endpoints: list[str] = Field(
-        default_factory=lambda: ["127.0.0.1:2379"],
-        min_length=1,
-        description="etcd client endpoints as host:port, tried in order; the first that "
-        "connects is used until it fails.",
-    )
     timeout_s: float = Field(
         5.0, gt=0, le=300, description="Deadline of one registry call, connecting included."
     )
@@ -61,6 +56,28 @@ class EtcdSettings(BaseModel):
     key: str | None = Field(None, description="PEM private key of `cert`.")
     username: str | None = Field(None, description="etcd user (etcd auth enabled).")
     password: str | None = Field(None, description="Password of `username`.")
+
+    @model_validator(mode="after")
+    def _pairs(self):
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("cert and key go together: set both for mutual TLS, or neither")
+        if (self.username is None) != (self.password is None):
+            raise ValueError("username and password go together: set both, or neither")
+        return self
+
+    def credentials(self) -> dict[str, object]:
+        return {name: getattr(self, name) for name in EtcdCredentials.model_fields}
+
+
+class EtcdSettings(EtcdCredentials):
+    """How to reach etcd (the registry's source of truth)."""
+
+    endpoints: list[str] = Field(
+        default_factory=lambda: ["127.0.0.1:2379"],
+        min_length=1,
+        description="etcd client endpoints as host:port, tried in order; the first that "
+        "connects is used until it fails.",
+    )
 
     @field_validator("endpoints")
     @classmethod
@@ -73,14 +90,6 @@ class EtcdSettings(BaseModel):
                     "(no scheme; TLS is set by ca_cert / cert / key)"
                 )
         return endpoints
-
-    @model_validator(mode="after")
-    def _pairs(self) -> EtcdSettings:
-        if (self.cert is None) != (self.key is None):
-            raise ValueError("cert and key go together: set both for mutual TLS, or neither")
-        if (self.username is None) != (self.password is None):
-            raise ValueError("username and password go together: set both, or neither")
-        return self
 
     @property
     def tls(self) -> bool:

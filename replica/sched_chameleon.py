@@ -46,7 +46,7 @@ class _Entry:
     predicted: int
     enqueued: float
     queue: int = 0
-    started: float = 0.0
+    started: float = 0.0  # admitted (last, if preempted): D is measured from here
     overtaken: int = 0
 
 
@@ -130,7 +130,7 @@ class Chameleon:
             self.used[entry.queue] -= entry.need
         if finished:
             self.predictor.observe(seq.adapter, len(seq.output_ids))
-            self.served.append((entry.wrs, now - entry.enqueued))
+            self.served.append((entry.wrs, now - entry.started))
         else:
             self.entries[seq] = entry
 
@@ -198,7 +198,7 @@ class Chameleon:
         spare = 0
         for q in range(len(self.queues)):
             room = self.quotas[q] - self.used[q]
-            consumed, full = self._put(q, room, try_admit)
+            consumed, full = self._put(q, room, now, try_admit)
             if full:
                 return
             if not self.queues[q]:
@@ -206,7 +206,7 @@ class Chameleon:
         for q in range(len(self.queues)):
             if spare <= 0:
                 return
-            consumed, full = self._put(q, spare, try_admit)
+            consumed, full = self._put(q, spare, now, try_admit)
             spare -= consumed
             if full:
                 return
@@ -224,12 +224,13 @@ class Chameleon:
             if result is Admit.OK:
                 self.queues[entry.queue].remove(seq)
                 del self.entries[seq]
+                entry.started = now
                 self.used[entry.queue] += entry.need
                 self.running[seq] = entry
                 self.num_starving += 1
         return False
 
-    def _put(self, q: int, tokens: int, try_admit: TryAdmit) -> tuple[int, bool]:
+    def _put(self, q: int, tokens: int, now: float, try_admit: TryAdmit) -> tuple[int, bool]:
         """Admit from queue q, oldest first, within `tokens`. A request whose adapter has no
         room may be overtaken by a younger one only while the younger is predicted to
         finish before memory for the older frees up, and at most max_bypass times (the
@@ -248,6 +249,7 @@ class Chameleon:
             result = try_admit(seq)
             if result is Admit.OK:
                 admitted.append(seq)
+                entry.started = now
                 consumed += entry.need
                 self.used[q] += entry.need
                 self.running[seq] = entry

@@ -145,20 +145,24 @@ class QueueLoad:
     """One queue as the M/M/1 model sees it."""
 
     max_size: float  # S: the largest request of the queue, in tokens
-    duration_s: float  # D: the expected time to serve one of its requests
+    duration_s: float  # D: the expected time to serve one of its requests, once admitted
     rate: float  # λ: its arrivals per second
-    weight: float  # share of the tokens left after every queue's minimum
+    weight: float  # λ x mean tokens: share of the tokens left after every queue's minimum
 
 
 def token_quotas(queues: list[QueueLoad], total_tokens: int, slo_s: float) -> list[int]:
     """Tok_min = S·D·(1/SLO + λ) per queue (μ = Tok/(S·D) served per second, and
-    1/(μ − λ) <= SLO); the remainder split by weight. If the minimums exceed the total, each
-    queue gets the total in proportion to its minimum (the SLO cannot be met for all)."""
+    1/(μ − λ) <= SLO); the remainder split by weight. If the minimums exceed the total, the
+    SLO cannot be met for every queue, and each gets the total in proportion to its
+    Little's-law occupancy weight·D = λ·(mean tokens)·D — the memory it holds on average to
+    keep up — so every queue is slowed by the same factor. (In proportion to the minimums,
+    whose S is the queue's largest request, a queue with a long-tailed size mix, typically
+    the smallest one, is over-served and the large queue lives on the starvation guard.)"""
     if not queues:
         return []
     mins = [q.max_size * q.duration_s * (1.0 / slo_s + q.rate) for q in queues]
     if sum(mins) >= total_tokens:
-        return _split(total_tokens, mins)
+        return _split(total_tokens, [q.weight * q.duration_s for q in queues])
     whole = [math.ceil(m - 1e-9) for m in mins]  # not 241 for 240.00000000000003
     rest = _split(max(0, total_tokens - sum(whole)), [q.weight for q in queues])
     return [m + r for m, r in zip(whole, rest, strict=True)]

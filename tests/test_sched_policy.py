@@ -56,8 +56,22 @@ def test_quota_minimums_follow_the_mm1_bound_and_the_rest_is_split_by_weight():
     # Tok_min = S·D·(1/SLO + λ): 100·2·(0.2 + 1) = 240 and 1000·10·(0.2 + 0.1) = 3000;
     # the remaining 20000 − 3240 = 16760 split 1 : 3 = 4190 : 12570.
     assert token_quotas([small, large], 20_000, slo_s=5.0) == [240 + 4190, 3000 + 12570]
-    # Minimums over the total: each gets the total in proportion to its minimum.
-    assert token_quotas([small, large], 1620, slo_s=5.0) == [120, 1500]
+    # Minimums over the total (3240 > 1620): no queue can meet the SLO, and each gets the
+    # total in proportion to its occupancy weight·D, 1·2 = 2 and 3·10 = 30: 101.25 and
+    # 1518.75, the unit left by rounding down to the larger remainder -> 101 and 1519.
+    # (In proportion to the minimums 240 : 3000 it would be 120 : 1500.)
+    assert token_quotas([small, large], 1620, slo_s=5.0) == [101, 1519]
+
+
+def test_overloaded_quotas_follow_occupancy_not_the_largest_request():
+    # Two queues with the same rate, mean size and D; the first has one outlier request
+    # (max 1000 tokens against a mean of 100), the second does not (max = mean = 400 x 1/4
+    # the rate). Occupancy λ·mean·D: 1·100·4 = 400 and 0.25·400·4 = 400 — equal shares.
+    # The minimums (1000·4·(0.2 + 1) = 4800 against 400·4·(0.2 + 0.25) = 720) would have
+    # given the first queue 87% of the pool.
+    skewed = QueueLoad(max_size=1000, duration_s=4.0, rate=1.0, weight=1.0 * 100)
+    even = QueueLoad(max_size=400, duration_s=4.0, rate=0.25, weight=0.25 * 400)
+    assert token_quotas([skewed, even], 1000, slo_s=5.0) == [500, 500]
     assert token_quotas([], 100, 5.0) == []
 
 
@@ -198,6 +212,27 @@ def test_a_finished_request_returns_its_quota():
     rec = Recorder()
     ch.admit(1.0, rec)
     assert "c" in rec.admitted
+
+
+def test_service_time_d_is_measured_from_admission_not_arrival():
+    # D of the quota formula is the time to process a request: a request that waited 10 s
+    # and then ran 2 s is recorded as 2 s, so a queue's wait does not inflate its D.
+    ch = chameleon([100, 100], [0.2], starve_s=1e9)
+    a = seq("a", 5, 5)
+    ch.add(a, 0.0)
+    ch.admit(10.0, Recorder())  # phase 1
+    assert ch.num_starving == 0
+    ch.left(a, 12.0, finished=True)
+    assert list(ch.served) == [(ch.served[0][0], 2.0)]
+    assert ch.queue_loads(12.0)[0].duration_s == 2.0
+    # admitted by the starvation guard: the same
+    b = seq("b", 5, 5)
+    ch.add(b, 20.0)
+    ch.p = ChameleonParams(refresh_s=1e9, starve_s=1.0)
+    ch.admit(25.0, Recorder())
+    assert ch.num_starving == 1
+    ch.left(b, 26.5, finished=True)
+    assert ch.served[-1][1] == 1.5
 
 
 def test_an_empty_queue_may_start_its_head_over_quota():

@@ -8,7 +8,6 @@ bytes sends 2 (N-1)/N * S, an all-gather whose result is S bytes sends (N-1)/N *
 
 from __future__ import annotations
 
-import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -17,12 +16,6 @@ import torch.distributed as dist
 
 from loraplex.replica.model.llama import ForwardOps
 from loraplex.replica.parallel.shard import COLUMN_GROUPS, ShardPlan
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @dataclass(slots=True)

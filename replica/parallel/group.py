@@ -19,11 +19,12 @@ from typing import Literal
 
 import torch
 
+from loraplex.registry.etcd_process import free_port
 from loraplex.replica.adapter_cache import AdapterCache
 from loraplex.replica.adapters import AdapterWeights, ResidentAdapter
 from loraplex.replica.batch import StepBatch
 from loraplex.replica.config import EngineConfig
-from loraplex.replica.parallel.comm import Communicator, ParallelOps, free_port
+from loraplex.replica.parallel.comm import Communicator, ParallelOps
 from loraplex.replica.parallel.handles import ProcessWorker, RayWorker, WorkerFailed, WorkerHandle
 from loraplex.replica.parallel.shard import RankModel, ShardPlan
 from loraplex.replica.parallel.worker import (

@@ -48,14 +48,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import os
-import shutil
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -73,6 +70,7 @@ from loraplex.benchmarks.router_figures import (
     summary,
 )
 from loraplex.cluster.demo_assets import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
+from loraplex.cluster.lean_ray import lean_ray_serve
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.etcd_client import EtcdSettings
 from loraplex.registry.etcd_process import INSTALL_HINT, EtcdProcess, find_etcd_binary
@@ -160,7 +158,7 @@ def measure(workload: Workload, routers: tuple[str, ...] = ROUTERS) -> dict[str,
             artifacts = ArtifactStore(root / "artifacts")
             paths = asyncio.run(_register(settings, artifacts, sources))
             per_router = {}
-            with _ray():
+            with lean_ray_serve():
                 for router in routers:
                     app = build_app(
                         router, workload, engine_config, settings, artifacts, paths, costs
@@ -296,37 +294,6 @@ async def _drive(backend: ServeBackend, requests: list[BenchRequest], tag: str, 
 
     outcomes = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
     return outcomes, time.perf_counter() - start
-
-
-@contextlib.contextmanager
-def _ray() -> Iterator[None]:
-    import ray
-    from ray import serve
-
-    assert not ray.is_initialized(), "the bench starts its own Ray"
-    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths
-    previous = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"  # else Ray writes a token under $HOME
-    try:
-        ray.init(
-            address="local",  # a new instance, never another user's cluster on this machine
-            include_dashboard=False,
-            num_cpus=2,
-            object_store_memory=200 * 1024 * 1024,
-            _temp_dir=temp_dir,
-            log_to_driver=False,
-        )
-        serve.start(proxy_location="Disabled")
-        yield
-    finally:
-        with contextlib.suppress(Exception):
-            serve.shutdown()
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        if previous is None:
-            os.environ.pop("RAY_AUTH_MODE", None)
-        else:
-            os.environ["RAY_AUTH_MODE"] = previous
 
 
 def _serve(router: str, app, requests: list[BenchRequest], w: Workload) -> dict[str, Any]:

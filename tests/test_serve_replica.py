@@ -9,9 +9,8 @@ serve); the router's own consistent-hash walk (where a cold adapter must go).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -23,6 +22,7 @@ import pytest
 from etcd_server import EtcdServer, shared_etcd_server_fixture  # noqa: F401 (fixture)
 
 from loraplex.cluster.demo_assets import DemoAssets
+from loraplex.cluster.lean_ray import lean_ray_serve
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.models import AdapterRecord, Tenant
 from loraplex.registry.store import RegistryStore
@@ -232,46 +232,31 @@ def cluster(
 
     with_store(settings, register)
 
-    ray = pytest.importorskip("ray")
+    pytest.importorskip("ray")
     from ray import serve
 
     from loraplex.replica.deployment import deployment
 
-    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAY_AUTH_MODE", "disabled")  # else Ray writes a token under $HOME
+    with contextlib.ExitStack() as stack:
+        stack.callback(with_store, settings, lambda store: store.delete_tenant(TENANT))
         try:
-            ray.init(
-                include_dashboard=False,
-                num_cpus=2,
-                object_store_memory=200 * 1024 * 1024,
-                _temp_dir=temp_dir,
-                log_to_driver=False,
-            )
+            stack.enter_context(lean_ray_serve())
         except Exception as e:  # noqa: BLE001
-            shutil.rmtree(temp_dir, ignore_errors=True)
             pytest.skip(f"Ray cannot start here: {e!r}")
-        try:
-            serve.start(proxy_location="Disabled")
-            app = deployment(
-                num_replicas=2,
-                ray_actor_options={"num_cpus": 0},
-                routing_stats_period_s=0.5,
-                health_check_period_s=1.0,
-                graceful_shutdown_wait_loop_s=0.2,
-                graceful_shutdown_timeout_s=2.0,
-            ).bind(
-                engine_config(demo_assets.model_dir),
-                settings.model_dump(),
-                str(artifacts.root),
-            )
-            serve.run(app, name=APP, route_prefix=None)
-            yield Cluster(settings, artifacts, source, demo_assets.model_dir)
-        finally:
-            serve.shutdown()
-            ray.shutdown()
-            shutil.rmtree(temp_dir, ignore_errors=True)
-            with_store(settings, lambda store: store.delete_tenant(TENANT))
+        app = deployment(
+            num_replicas=2,
+            ray_actor_options={"num_cpus": 0},
+            routing_stats_period_s=0.5,
+            health_check_period_s=1.0,
+            graceful_shutdown_wait_loop_s=0.2,
+            graceful_shutdown_timeout_s=2.0,
+        ).bind(
+            engine_config(demo_assets.model_dir),
+            settings.model_dump(),
+            str(artifacts.root),
+        )
+        serve.run(app, name=APP, route_prefix=None)
+        yield Cluster(settings, artifacts, source, demo_assets.model_dir)
 
 
 def offline_tokens(model_dir: Path, adapter_dir: Path | None) -> list[int]:

@@ -7,14 +7,13 @@ replacement serves again."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-import tempfile
 import time
 import uuid
 
 import pytest
 
 from loraplex.cluster.config import LoraplexConfig
+from loraplex.cluster.lean_ray import lean_ray_serve
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.protocol import GenerateRequest
@@ -66,16 +65,7 @@ def test_serve_deployment_with_tp2(demo_assets):
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     (want,) = offline.generate([PROMPT], [params], [None])
 
-    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
-    ray.init(
-        include_dashboard=False,
-        num_cpus=2,
-        object_store_memory=200 * 1024 * 1024,
-        _temp_dir=temp_dir,
-        log_to_driver=False,
-    )
-    try:
-        serve.start(proxy_location="Disabled")
+    with lean_ray_serve():
         app = deployment(
             **options,
             health_check_period_s=1.0,
@@ -105,7 +95,3 @@ def test_serve_deployment_with_tp2(demo_assets):
                 if time.monotonic() > deadline:
                     raise
                 time.sleep(1)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)

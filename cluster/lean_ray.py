@@ -1,0 +1,46 @@
+"""A lean local Ray with Serve, for one process (tests, benchmarks): not `loraplex up`'s
+cluster, which other processes join."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def lean_ray_serve(num_cpus: int = 2, object_store_mib: int = 200) -> Iterator[None]:
+    """A new Ray instance (never another user's cluster on this machine) with no dashboard,
+    a small object store and a temp dir of its own, short because Ray's socket paths must
+    be; RAY_AUTH_MODE disabled, else Ray writes a token under $HOME. Serve runs without an
+    HTTP proxy (callers use handles). Everything is stopped and removed on exit, and the
+    environment restored."""
+    import ray
+    from ray import serve
+
+    assert not ray.is_initialized(), "a Ray driver already runs in this process"
+    temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    previous = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    try:
+        ray.init(
+            address="local",
+            include_dashboard=False,
+            num_cpus=num_cpus,
+            object_store_memory=object_store_mib << 20,
+            _temp_dir=temp_dir,
+            log_to_driver=False,
+        )
+        serve.start(proxy_location="Disabled")
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            serve.shutdown()
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        if previous is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = previous

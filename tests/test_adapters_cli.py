@@ -8,15 +8,13 @@ import argparse
 import io
 import json
 import tarfile
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 from etcd_server import EtcdServer, shared_etcd_server_fixture  # noqa: F401 (fixture)
+from http_server import serve
 from tiny_model import BASE, SPEC
 
 from loraplex.cluster import adapters_cli
@@ -42,19 +40,8 @@ def api(shared_etcd_server: EtcdServer, tmp_path_factory) -> Iterator[str]:
         staging_dir=str(tmp),
     )
     app = create_app(settings, shared_etcd_server.settings(), tmp / "artifacts")
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started, "uvicorn did not start"
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with serve(app, timeout_s=10) as url:
+        yield url
 
 
 _tenants = iter(range(1000))

@@ -13,7 +13,6 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,17 +20,16 @@ import httpx
 import openai
 import prometheus_client
 import pytest
-import uvicorn
 from etcd_server import EtcdServer, shared_etcd_server_fixture  # noqa: F401 (fixture)
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
+from http_server import serve
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.requests import ClientDisconnect
 
 from loraplex.cluster.demo_assets import DemoAssets
 from loraplex.registry.api import RegistryAPISettings
 from loraplex.registry.artifacts import ArtifactStore
-from loraplex.registry.etcd_process import free_port
 from loraplex.registry.models import AdapterRecord
 from loraplex.registry.store import RegistryStore
 from loraplex.registry.validation import CONFIG_FILE, WEIGHTS_FILE, BaseModelShape
@@ -94,25 +92,6 @@ def engine(demo_assets: DemoAssets) -> Iterator[Engine]:
 @pytest.fixture(scope="module")
 def backend(engine: Engine) -> LocalBackend:
     return LocalBackend(engine)
-
-
-@contextmanager
-def serve(app: FastAPI) -> Iterator[str]:
-    """`app` under a real uvicorn on a free loopback port, in a thread; stopped on exit."""
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 15
-    while not server.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    try:
-        assert server.started, "uvicorn did not start"
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(15)
-        assert not thread.is_alive(), "uvicorn did not stop"
 
 
 @dataclass

@@ -12,7 +12,6 @@ import hashlib
 import io
 import json
 import tarfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -23,16 +22,15 @@ import aetcd
 import httpx
 import pytest
 import torch
-import uvicorn
 from etcd_server import EtcdServer, etcd_server_fixture, shared_etcd_server_fixture  # noqa: F401 (fixtures)
 from fastapi.testclient import TestClient
+from http_server import serve
 from tiny_model import BASE, SPEC
 
 from loraplex.cluster.demo_assets import AdapterSpec, ModelSpec, write_adapter
 from loraplex.registry.api import RegistryAPISettings, create_app, resolve_adapter
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.auth import hash_api_key
-from loraplex.registry.etcd_process import free_port
 from loraplex.registry.models import AdapterRecord
 from loraplex.registry.service import collect_garbage
 from loraplex.registry.store import RegistryStore
@@ -831,19 +829,8 @@ def test_openapi_schema_renders_with_examples(env: Env):
 def live_server(shared_etcd_server: EtcdServer, tmp_path) -> Iterator[tuple[str, Path]]:
     """The app under a real uvicorn on a free loopback port."""
     app = create_app(api_settings(tmp_path), shared_etcd_server.settings(), tmp_path / "artifacts")
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 10
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert server.started, "uvicorn did not start"
-    try:
-        yield f"http://127.0.0.1:{port}", tmp_path
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with serve(app, timeout_s=10) as url:
+        yield url, tmp_path
 
 
 def test_concurrent_registrations_of_one_name_exactly_one_wins(live_server):

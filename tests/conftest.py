@@ -43,6 +43,12 @@ def demo_assets(tmp_path_factory: pytest.TempPathFactory) -> DemoAssets:
     return make_demo_assets(tmp_path_factory.mktemp("demo_assets"))
 
 
+@pytest.fixture(scope="session")
+def assets(demo_assets: DemoAssets) -> DemoAssets:
+    """The demo assets under the short name the engine, CLI and scheduler tests use."""
+    return demo_assets
+
+
 def load_peft_model(
     model_dir: Path,
     adapters: dict[str, Path],

@@ -14,7 +14,6 @@ from loraplex.cluster.demo_assets import (
     AdapterSpec,
     DemoAssets,
     ModelSpec,
-    make_demo_assets,
     write_adapter,
 )
 from loraplex.replica.config import EngineConfig
@@ -23,14 +22,6 @@ from loraplex.replica.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
 POOL = ["--pool-mib", "32", "--page-kib", "64"]  # small and fast; the engine below matches it
-
-
-@pytest.fixture(scope="module")
-def assets(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> DemoAssets:
-    try:
-        return request.getfixturevalue("demo_assets")
-    except pytest.FixtureLookupError:
-        return make_demo_assets(tmp_path_factory.mktemp("demo"))
 
 
 def engine(assets: DemoAssets, *adapters: str, **kw) -> LLMEngine:

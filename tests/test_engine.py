@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from loraplex.cluster.demo_assets import DemoAssets, make_demo_assets
+from loraplex.cluster.demo_assets import DemoAssets
 from loraplex.replica.adapter_cache import UnknownAdapter
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import Engine, LLMEngine, RequestError
@@ -26,14 +26,6 @@ PROMPTS = (
     "def add(a, b):",
     "The morning train left the station",
 )
-
-
-@pytest.fixture(scope="module")
-def assets(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> DemoAssets:
-    try:
-        return request.getfixturevalue("demo_assets")
-    except pytest.FixtureLookupError:
-        return make_demo_assets(tmp_path_factory.mktemp("demo"))
 
 
 def config(model_dir: Path, pool_pages: int = 512, **kw) -> EngineConfig:

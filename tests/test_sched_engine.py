@@ -18,11 +18,6 @@ PAGE = 64 * 1024
 LONG, SHORT = "math-r64", "sql-r8"
 
 
-@pytest.fixture(scope="module")
-def assets(demo_assets: DemoAssets) -> DemoAssets:
-    return demo_assets
-
-
 def engine(assets: DemoAssets, policy: str, cache: CacheConfig | None = None) -> LLMEngine:
     sched = SchedulerConfig(policy=policy, max_num_seqs=2, chameleon=ChameleonParams(min_samples=8))
     eng = LLMEngine(

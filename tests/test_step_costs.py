@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from test_engine import assets, greedy, make_engine  # noqa: F401 (assets is a fixture)
+from test_engine import greedy, make_engine
 
 from loraplex.replica.deployment import measured_costs
 from loraplex.replica.step_costs import StepCostEstimator
@@ -47,7 +47,7 @@ def test_mean_output_length_follows_the_workload():
     assert est.estimate().mean_output_tokens == 20.0  # 10, 10, then halfway to 30
 
 
-def test_the_engine_measures_its_steps_and_the_replica_publishes_router_costs(assets):  # noqa: F811
+def test_the_engine_measures_its_steps_and_the_replica_publishes_router_costs(assets):
     eng = make_engine(assets, *assets.adapter_names[:3])
     assert eng.stats()["step_costs"] is None and measured_costs(eng.stats()) == {}
     prompts = ["The quick brown fox", "def add(a, b):", "The morning train"]

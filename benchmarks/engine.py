@@ -167,12 +167,13 @@ def _engine(
 # -- step overheads -----------------------------------------------------------------------
 
 
-def _decode_batch(engine: LLMEngine, adapters: list[str | None], shape: BenchShape) -> None:
-    """Fill a batch of len(adapters) sequences and run until every one is decoding."""
+def decode_batch(engine: LLMEngine, adapters: list[str | None], context: int) -> None:
+    """Fill a batch of len(adapters) sequences of `context` prompt tokens and run until
+    every one is decoding."""
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(1)
     for adapter in adapters:
-        prompt = rng.integers(10, vocab, size=shape.decode_context).tolist()
+        prompt = rng.integers(10, vocab, size=context).tolist()
         engine.add_request(
             prompt, SamplingParams(max_tokens=512, temperature=0, ignore_eos=True), adapter
         )
@@ -183,7 +184,7 @@ def _decode_batch(engine: LLMEngine, adapters: list[str | None], shape: BenchSha
         engine.step()
 
 
-def _interleaved(fns: list[Callable[[], object]], rounds: int) -> list[float]:
+def interleaved(fns: list[Callable[[], object]], rounds: int) -> list[float]:
     """Fastest of `rounds` timings of each fn, taken in turn (A B C A B C ...) so drift on
     the machine hits each alike; the minimum is the least disturbed by other processes on
     a shared 2-core machine (the timeit convention)."""
@@ -232,12 +233,12 @@ def _step_overheads(
     light_engine = _engine(model_dir, light)
     heavy_engine = _engine(model_dir, heavy)
     light_names, heavy_names = list(light), list(heavy)
-    _decode_batch(base_engine, [None] * batch, shape)
-    _decode_batch(light_engine, [light_names[i % 8] for i in range(batch)], shape)
-    _decode_batch(heavy_engine, heavy_names[:batch], shape)
+    decode_batch(base_engine, [None] * batch, shape.decode_context)
+    decode_batch(light_engine, [light_names[i % 8] for i in range(batch)], shape.decode_context)
+    decode_batch(heavy_engine, heavy_names[:batch], shape.decode_context)
     fns = [base_engine.step, light_engine.step, heavy_engine.step, _gemm_pass(base_engine, batch)]
-    _interleaved(fns, 2)  # warm-up
-    base_t, light_t, heavy_t, gemm_t = _interleaved(fns, shape.timed_steps)
+    interleaved(fns, 2)  # warm-up
+    base_t, light_t, heavy_t, gemm_t = interleaved(fns, shape.timed_steps)
     adapter_bytes = sum(heavy_engine.adapters.host[n].nbytes for n in heavy_names[:batch])
     bound = adapter_bytes / _base_bytes(base_engine)
     return {
@@ -280,10 +281,12 @@ def _tensor_parallel(
                 for rid in list(engine.requests):
                     engine.abort(rid)
                 engine.step()  # frees the aborted requests' pages
-                _decode_batch(engine, [names[i % len(names)] for i in range(batch)], shape)
+                decode_batch(
+                    engine, [names[i % len(names)] for i in range(batch)], shape.decode_context
+                )
             comm = engines[2].tp.comm
             comm.sent.base = comm.sent.lora = 0
-            t1, t2 = _interleaved([engines[1].step, engines[2].step], shape.timed_steps)
+            t1, t2 = interleaved([engines[1].step, engines[2].step], shape.timed_steps)
             out[kind] = {
                 "lora_comm_ratio": comm.sent.lora / comm.sent.base,
                 "step_time_ratio_tp2_vs_tp1": t2 / t1,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from loraplex.benchmarks.engine import decode_batch, interleaved
 from loraplex.replica.deployment import build_engine_config
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.sampling import SamplingParams
@@ -51,9 +52,9 @@ def measure_router_costs(
             cold, warm = (_one_token(engine, prompt, name) for _ in range(2))
             copies.append(max(0.0, cold - warm))
         full = w.max_num_seqs
-        one = _decode_step_s(engine, prompt, names[:1])
-        same = _decode_step_s(engine, prompt, names[:1] * full)
-        mixed = _decode_step_s(engine, prompt, [names[i % len(names)] for i in range(full)])
+        one = _decode_step_s(engine, len(prompt), names[:1])
+        same = _decode_step_s(engine, len(prompt), names[:1] * full)
+        mixed = _decode_step_s(engine, len(prompt), [names[i % len(names)] for i in range(full)])
     finally:
         torch.set_num_threads(threads)
     out = sum(w.output_tokens) / 2
@@ -75,17 +76,10 @@ def _one_token(engine: LLMEngine, prompt: list[int], adapter: str) -> float:
     return time.perf_counter() - start
 
 
-def _decode_step_s(engine: LLMEngine, prompt: list[int], adapters: list[str]) -> float:
+def _decode_step_s(engine: LLMEngine, context: int, adapters: list[str]) -> float:
     """Fastest of 5 decode steps of a batch of len(adapters) sequences."""
-    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
-    seqs = [engine.add_request(prompt, params, adapter) for adapter in adapters]
-    while any(s.num_computed < len(s.prompt_ids) for s in seqs):  # prefill done
-        engine.step()
-    times = []
-    for _ in range(5):
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    for seq in seqs:
-        engine.abort(seq.request_id)
-    return min(times)
+    decode_batch(engine, adapters, context)
+    (step_s,) = interleaved([engine.step], 5)
+    for request_id in list(engine.requests):
+        engine.abort(request_id)
+    return step_s

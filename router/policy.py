@@ -265,8 +265,8 @@ class AffinityPolicy:
         assert len(set(ids)) == len(ids), f"duplicate replica ids in {ids}"
         if not replicas:
             return []
+        busy = self._pooled([r.busy_cost_s for r in replicas], self.config.busy_cost_s)
         if adapter is None:
-            busy = self._pooled([r.busy_cost_s for r in replicas], self.config.busy_cost_s)
             return [r.replica_id for r in sorted(replicas, key=lambda r: self._base_key(r, busy))]
 
         n = len(replicas)
@@ -276,12 +276,11 @@ class AffinityPolicy:
         capacity = math.ceil(
             self.config.bounded_load_c * (sum(r.queue_len for r in replicas) + 1) / n - 1e-9
         )
-        held = {r.replica_id: self._held(r) for r in replicas}
+        now = self.clock()
+        held = {r.replica_id: self._held(r, now) for r in replicas}
         share = math.ceil(
             self.config.bounded_adapters_c * (sum(map(len, held.values())) + 1) / n - 1e-9
         )
-
-        busy = self._pooled([r.busy_cost_s for r in replicas], self.config.busy_cost_s)
         host = self._pooled([r.host_load_cost_s for r in replicas], self.config.host_load_cost_s)
 
         warm: dict[str, Affinity] = {}
@@ -295,7 +294,6 @@ class AffinityPolicy:
         def in_bound(r: ReplicaStats) -> bool:
             return r.queue_len < max(capacity, r.max_concurrency)
 
-        now = self.clock()
         heat = {rid: sum(self._count(b, now) for b in bs) for rid, bs in held.items()}
         hot_share = self.config.bounded_load_c * sum(heat.values()) / n
 
@@ -334,9 +332,9 @@ class AffinityPolicy:
 
         return [r.replica_id for r in sorted(replicas, key=key)]
 
-    def _held(self, r: ReplicaStats) -> frozenset[str]:
+    def _held(self, r: ReplicaStats, now: float) -> frozenset[str]:
         """Adapters on r's device or loading there, and those sent to r since its stats."""
-        recorded_at = self.clock() - r.stats_age_s
+        recorded_at = now - r.stats_age_s
         placed = self._placed.get(r.replica_id, {})
         since = {a for a, at in placed.items() if at > recorded_at}
         return r.device_adapters | r.loading_adapters | since

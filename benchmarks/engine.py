@@ -29,11 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.benchmarks.report import log, write_json
-from loraplex.cluster.demo_assets import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
+from loraplex.demo.assets import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
 from loraplex.replica.config import EngineConfig, MiB
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.sampling import SamplingParams
-from loraplex.replica.scheduler import SchedulerConfig
+from loraplex.replica.scheduling.scheduler import SchedulerConfig
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -69,14 +69,14 @@ from loraplex.benchmarks.router_figures import (
     router_figures,
     summary,
 )
-from loraplex.cluster.demo_assets import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
-from loraplex.cluster.lean_ray import lean_ray_serve
+from loraplex.demo.assets import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
+from loraplex.demo.lean_ray import lean_ray_serve
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.etcd_client import EtcdSettings
 from loraplex.registry.etcd_process import INSTALL_HINT, EtcdProcess, find_etcd_binary
 from loraplex.registry.models import AdapterRecord, Tenant
 from loraplex.registry.store import RegistryStore
-from loraplex.replica.adapters import load_adapter, plan_layout
+from loraplex.replica.memory.adapters import load_adapter, plan_layout
 from loraplex.replica.model.config import ModelConfig
 from loraplex.replica.protocol import GenerateRequest, adapter_id
 from loraplex.router.serve_backend import ServeBackend

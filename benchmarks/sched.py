@@ -40,9 +40,9 @@ from loraplex.benchmarks.sim_workload import (
     read_trace,
     replay_requests,
 )
-from loraplex.replica.adapter_cache import CacheConfig
-from loraplex.replica.sched_chameleon import ChameleonParams
-from loraplex.replica.scheduler import SchedulerConfig
+from loraplex.replica.memory.adapter_cache import CacheConfig
+from loraplex.replica.scheduling.chameleon import ChameleonParams
+from loraplex.replica.scheduling.scheduler import SchedulerConfig
 
 SYSTEM_NAMES = ("fifo_nocache", "fifo_cache", "sjf", "chameleon_nocache", "chameleon")
 

@@ -40,11 +40,11 @@ from loraplex.benchmarks.sim_workload import (
     pick_adapters,
     read_trace,
 )
-from loraplex.cluster.demo_assets import AdapterSpec as AdapterFiles
-from loraplex.cluster.demo_assets import ModelSpec, write_adapter, write_checkpoint
+from loraplex.demo.assets import AdapterSpec as AdapterFiles
+from loraplex.demo.assets import ModelSpec, write_adapter, write_checkpoint
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
-from loraplex.replica.pool import PageKind
+from loraplex.replica.memory.pool import PageKind
 from loraplex.replica.sampling import SamplingParams
 
 MODEL = ModelSpec(

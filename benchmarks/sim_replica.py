@@ -17,13 +17,13 @@ import torch
 
 from loraplex.benchmarks.sim_profiles import StepLoad
 from loraplex.benchmarks.sim_workload import AdapterSpec, SimRequest
-from loraplex.replica.adapter_cache import AdapterCache, CacheConfig
-from loraplex.replica.kv_cache import KVCache
+from loraplex.replica.memory.adapter_cache import AdapterCache, CacheConfig
+from loraplex.replica.memory.kv_cache import KVCache
+from loraplex.replica.memory.pool import UnifiedPool
 from loraplex.replica.model.config import ModelConfig
-from loraplex.replica.pool import UnifiedPool
 from loraplex.replica.sampling import SamplingParams
-from loraplex.replica.sched_chameleon import Chameleon
-from loraplex.replica.scheduler import Scheduler, SchedulerConfig
+from loraplex.replica.scheduling.chameleon import Chameleon
+from loraplex.replica.scheduling.scheduler import Scheduler, SchedulerConfig
 from loraplex.replica.sequence import Sequence
 
 

@@ -91,7 +91,7 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
 
 def engine_config(args: argparse.Namespace):
     from loraplex.replica.config import EngineConfig
-    from loraplex.replica.scheduler import SchedulerConfig
+    from loraplex.replica.scheduling.scheduler import SchedulerConfig
 
     try:
         return EngineConfig(
@@ -114,7 +114,7 @@ def engine_config(args: argparse.Namespace):
 
 
 def _demo_assets(args: argparse.Namespace) -> int:
-    from loraplex.cluster.demo_assets import make_demo_assets
+    from loraplex.demo.assets import make_demo_assets
 
     assets = make_demo_assets(args.dir, progress=lambda msg: print(msg, file=sys.stderr))
     print(f"model:    {assets.model_dir}")

@@ -86,8 +86,8 @@ def read_requests(path: Path) -> list[tuple[int, GenerateRequest]]:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from loraplex.replica.adapters import AdapterError, is_adapter_dir
     from loraplex.replica.engine import LLMEngine, RequestError
+    from loraplex.replica.memory.adapters import AdapterError, is_adapter_dir
     from loraplex.replica.model.config import ModelConfigError
 
     numbered = read_requests(args.input)

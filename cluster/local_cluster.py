@@ -186,7 +186,7 @@ def load_config(path: Path | None) -> LoraplexConfig:
 
 
 def demo_assets(dest: Path):
-    from loraplex.cluster.demo_assets import DEMO_ADAPTERS, DemoAssets, make_demo_assets
+    from loraplex.demo.assets import DEMO_ADAPTERS, DemoAssets, make_demo_assets
 
     names = tuple(a.name for a in DEMO_ADAPTERS)
     complete = (dest / "model" / "config.json").is_file() and all(

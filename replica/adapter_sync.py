@@ -19,7 +19,7 @@ import logging
 from typing import TYPE_CHECKING
 
 from loraplex.registry.models import AdapterRecord
-from loraplex.replica.adapter_cache import UnknownAdapter
+from loraplex.replica.memory.adapter_cache import UnknownAdapter
 from loraplex.replica.protocol import AdapterNotFound, adapter_id
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ import torch
 
 from loraplex.kernels.attention import attention_mask, paged_attention
 from loraplex.kernels.backend import Run
-from loraplex.replica.kv_cache import KVCache
+from loraplex.replica.memory.kv_cache import KVCache
 from loraplex.replica.sequence import Sequence
 
 

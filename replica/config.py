@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from loraplex.replica.adapter_cache import CacheConfig
-from loraplex.replica.scheduler import SchedulerConfig
+from loraplex.replica.memory.adapter_cache import CacheConfig
+from loraplex.replica.scheduling.scheduler import SchedulerConfig
 
 MiB = 1 << 20
 

@@ -25,10 +25,10 @@ from typing import Any
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.etcd_client import EtcdSettings
 from loraplex.registry.watch import RegistryWatcher
-from loraplex.replica.adapter_cache import CacheConfig, UnknownAdapter
 from loraplex.replica.adapter_sync import AdapterSync
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import Engine
+from loraplex.replica.memory.adapter_cache import CacheConfig, UnknownAdapter
 from loraplex.replica.protocol import (
     AdapterNotFound,
     GenerateChunk,
@@ -36,7 +36,7 @@ from loraplex.replica.protocol import (
     chunk,
     sampling_params,
 )
-from loraplex.replica.scheduler import SchedulerConfig
+from loraplex.replica.scheduling.scheduler import SchedulerConfig
 
 log = logging.getLogger(__name__)
 

@@ -21,17 +21,17 @@ from pathlib import Path
 import torch
 
 from loraplex.kernels.backend import make_backend, resolve_kernels
-from loraplex.replica.adapter_cache import AdapterCache, UnknownAdapter
-from loraplex.replica.adapters import AdapterError, AdapterWeights, load_adapter, plan_layout
 from loraplex.replica.batch import build_step_batch
 from loraplex.replica.config import EngineConfig, MiB
-from loraplex.replica.kv_cache import KVCache
+from loraplex.replica.memory.adapter_cache import AdapterCache, UnknownAdapter
+from loraplex.replica.memory.adapters import AdapterError, AdapterWeights, load_adapter, plan_layout
+from loraplex.replica.memory.kv_cache import KVCache
+from loraplex.replica.memory.pool import UnifiedPool
 from loraplex.replica.model.config import DTYPES, ModelConfig
 from loraplex.replica.model.llama import ForwardOps, LlamaModel
 from loraplex.replica.model.loader import load_weights
-from loraplex.replica.pool import UnifiedPool
 from loraplex.replica.sampling import SamplingParams, sample
-from loraplex.replica.scheduler import Scheduler
+from loraplex.replica.scheduling.scheduler import Scheduler
 from loraplex.replica.sequence import RequestOutput, Sequence
 from loraplex.replica.step_costs import StepCostEstimator
 from loraplex.replica.tokenizer import Tokenizer

@@ -11,7 +11,7 @@ import torch
 from loraplex.replica.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from loraplex.replica.adapters import ResidentAdapter
+    from loraplex.replica.memory.adapters import ResidentAdapter
 
 
 class SeqStatus(Enum):

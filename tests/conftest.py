@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
     # kernel is defined, so it is set before any test module imports one.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from loraplex.cluster.demo_assets import DemoAssets, make_demo_assets
+from loraplex.demo.assets import DemoAssets, make_demo_assets
 
 BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed batch (adapter_names=)
 

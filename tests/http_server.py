@@ -10,7 +10,7 @@ from contextlib import contextmanager
 import uvicorn
 from fastapi import FastAPI
 
-from loraplex.registry.etcd_process import free_port
+from loraplex.net import free_port
 
 
 @contextmanager

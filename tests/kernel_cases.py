@@ -9,7 +9,7 @@ import torch
 
 from loraplex.kernels.lora import LoraGroupWeights, LoraOut, Segment
 from loraplex.kernels.lora_tables import LoraLayout, LoraTableBuilder
-from loraplex.replica.pool import RowPacker, chunk_views
+from loraplex.replica.memory.pool import RowPacker, chunk_views
 
 # Llama-3-8B projections (in, target widths), scaled down 16x for the interpreter.
 SCALE = 16

@@ -18,12 +18,13 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_model import SPEC
 
-from loraplex.cluster.demo_assets import LORA_TARGETS, AdapterSpec, write_adapter
-from loraplex.replica.adapter_cache import AdapterCache
-from loraplex.replica.adapters import AdapterError, load_adapter
+from loraplex.demo.assets import LORA_TARGETS, AdapterSpec, write_adapter
+from loraplex.replica.memory.adapter_cache import AdapterCache
+from loraplex.replica.memory.adapters import AdapterError, load_adapter
+from loraplex.replica.memory.pool import UnifiedPool
 from loraplex.replica.model.config import ModelConfig
-from loraplex.replica.model.llama import LORA_GROUPS, LlamaModel
-from loraplex.replica.pool import UnifiedPool
+from loraplex.replica.model.llama import LlamaModel
+from loraplex.replica.model.lora_groups import LORA_GROUPS
 
 CONFIG = {
     "model_type": "llama",

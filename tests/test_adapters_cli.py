@@ -18,10 +18,10 @@ from http_server import serve
 from tiny_model import BASE, SPEC
 
 from loraplex.cluster import adapters_cli
-from loraplex.cluster.demo_assets import AdapterSpec, write_adapter
 from loraplex.cluster.errors import CLIError
+from loraplex.demo.assets import AdapterSpec, write_adapter
+from loraplex.net import free_port
 from loraplex.registry.api import RegistryAPISettings, create_app
-from loraplex.registry.etcd_process import free_port
 
 pytestmark = pytest.mark.etcd
 

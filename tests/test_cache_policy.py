@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from loraplex.benchmarks.sim_replica import AdapterMeta, SimClock, SimLayout, SimLink
-from loraplex.replica.adapter_cache import AdapterCache, CacheConfig
-from loraplex.replica.eviction import GDSF, LRU, AdapterUsage, WeightedScore, make_eviction
-from loraplex.replica.pool import PageKind, UnifiedPool
+from loraplex.replica.memory.adapter_cache import AdapterCache, CacheConfig
+from loraplex.replica.memory.eviction import GDSF, LRU, AdapterUsage, WeightedScore, make_eviction
+from loraplex.replica.memory.pool import PageKind, UnifiedPool
 
 PAGE = 1000  # bytes per page (fp32 elements of 250)
 NO_DECAY = 1e12

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from loraplex.cluster.cli import main
-from loraplex.cluster.demo_assets import (
+from loraplex.demo.assets import (
     AdapterSpec,
     DemoAssets,
     ModelSpec,

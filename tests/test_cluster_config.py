@@ -19,10 +19,10 @@ from loraplex.cluster import local_cluster, supervisor
 from loraplex.cluster.config import APP_NAME, IMPORT_PATH, LoraplexConfig
 from loraplex.cluster.errors import CLIError
 from loraplex.registry.etcd_client import EtcdSettings
-from loraplex.replica.adapter_cache import CacheConfig
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.deployment import build_engine_config
-from loraplex.replica.scheduler import SchedulerConfig
+from loraplex.replica.memory.adapter_cache import CacheConfig
+from loraplex.replica.scheduling.scheduler import SchedulerConfig
 from loraplex.router.policy import AffinityConfig
 
 CLUSTER = Path(__file__).resolve().parents[1] / "cluster"

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from loraplex.cluster.demo_assets import (
+from loraplex.demo.assets import (
     ATTENTION_TARGETS,
     BOS_TOKEN,
     DEMO_ADAPTERS,
@@ -68,7 +68,7 @@ def test_make_demo_assets_is_byte_identical_and_idempotent(assets: DemoAssets, t
 def test_tokenizer_training_is_identical_in_a_fresh_process(assets: DemoAssets, tmp_path: Path):
     script = (
         "import sys; from pathlib import Path;"
-        "from loraplex.cluster.demo_assets import write_tokenizer;"
+        "from loraplex.demo.assets import write_tokenizer;"
         "write_tokenizer(Path(sys.argv[1]))"
     )
     subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True)

@@ -36,10 +36,11 @@ import yaml
 
 from loraplex.cluster.adapters_cli import Endpoint, add_adapter, remove_adapter
 from loraplex.cluster.config import LoraplexConfig
-from loraplex.cluster.demo_assets import DemoAssets
 from loraplex.cluster.local_cluster import pid_alive, ray_temp_dir, stop_orphaned_etcd
 from loraplex.cluster.supervisor import read_state
-from loraplex.registry.etcd_process import INSTALL_HINT, find_etcd_binary, free_port
+from loraplex.demo.assets import DemoAssets
+from loraplex.net import free_port
+from loraplex.registry.etcd_process import INSTALL_HINT, find_etcd_binary
 from loraplex.replica.deployment import build_engine_config
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.protocol import adapter_id

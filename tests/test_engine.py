@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from loraplex.cluster.demo_assets import DemoAssets
-from loraplex.replica.adapter_cache import UnknownAdapter
+from loraplex.demo.assets import DemoAssets
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import Engine, LLMEngine, RequestError
+from loraplex.replica.memory.adapter_cache import UnknownAdapter
 from loraplex.replica.sampling import SamplingParams
-from loraplex.replica.scheduler import SchedulerConfig
+from loraplex.replica.scheduling.scheduler import SchedulerConfig
 from loraplex.replica.sequence import RequestOutput
 
 PAGE = 64 * 1024

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplex.cluster.demo_assets import (
+from loraplex.demo.assets import (
     ATTENTION_TARGETS,
     DEMO_ADAPTERS,
     DEMO_MODEL,
@@ -36,7 +36,7 @@ from loraplex.cluster.demo_assets import (
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.sampling import SamplingParams
-from loraplex.replica.scheduler import SchedulerConfig
+from loraplex.replica.scheduling.scheduler import SchedulerConfig
 from loraplex.replica.sequence import Sequence
 
 pytestmark = [

@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 from helm_chart import NAMESPACE, container, render
 
-from loraplex.registry.etcd_process import INSTALL_HINT, find_etcd_binary, free_port
+from loraplex.net import free_port
+from loraplex.registry.etcd_process import INSTALL_HINT, find_etcd_binary
 
 pytestmark = pytest.mark.etcd
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))

@@ -27,7 +27,7 @@ from http_server import serve
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.requests import ClientDisconnect
 
-from loraplex.cluster.demo_assets import DemoAssets
+from loraplex.demo.assets import DemoAssets
 from loraplex.registry.api import RegistryAPISettings
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.models import AdapterRecord
@@ -36,12 +36,12 @@ from loraplex.registry.validation import CONFIG_FILE, WEIGHTS_FILE, BaseModelSha
 from loraplex.registry.watch import RegistryWatcher
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import Engine, LLMEngine
+from loraplex.replica.local_backend import LocalBackend
 from loraplex.replica.protocol import GenerateChunk, GenerateRequest, ReplicaFailed, adapter_id
 from loraplex.replica.sampling import SamplingParams
 from loraplex.replica.sequence import RequestOutput
 from loraplex.replica.tokenizer import Tokenizer
 from loraplex.router.ingress import RegistryHandles, build_ingress
-from loraplex.router.local import LocalBackend
 
 BASE_ID = "loraplex-demo-llama"
 ADMIN_KEY = "admin-key-for-the-ingress-tests-0123"

@@ -15,18 +15,19 @@ import torch
 
 from loraplex.benchmarks import sim_profiles
 from loraplex.registry.validation import TARGET_MODULES as TARGETS
-from loraplex.replica.adapter_cache import AdapterCache, CacheConfig
-from loraplex.replica.adapters import AdapterWeights, ResidentAdapter
-from loraplex.replica.kv_cache import KVCache
-from loraplex.replica.model.config import ModelConfig
-from loraplex.replica.model.llama import LORA_GROUPS, LlamaModel
-from loraplex.replica.pool import (
+from loraplex.replica.memory.adapter_cache import AdapterCache, CacheConfig
+from loraplex.replica.memory.adapters import AdapterWeights, ResidentAdapter
+from loraplex.replica.memory.kv_cache import KVCache
+from loraplex.replica.memory.pool import (
     PageKind,
     PoolExhausted,
     RowPacker,
     UnifiedPool,
     chunk_views,
 )
+from loraplex.replica.model.config import ModelConfig
+from loraplex.replica.model.llama import LlamaModel
+from loraplex.replica.model.lora_groups import LORA_GROUPS
 from loraplex.replica.sampling import SamplingParams
 from loraplex.replica.sequence import Sequence
 

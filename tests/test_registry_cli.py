@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from loraplex.registry.etcd_process import find_etcd_binary, free_port
+from loraplex.net import free_port
+from loraplex.registry.etcd_process import find_etcd_binary
 
 pytestmark = [
     pytest.mark.etcd,

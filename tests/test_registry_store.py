@@ -13,7 +13,7 @@ from etcd_server import (  # noqa: F401 (fixtures)
 )
 from pydantic import ValidationError
 
-from loraplex.registry.etcd_process import free_port
+from loraplex.net import free_port
 from loraplex.registry.models import (
     AdapterRecord,
     Tenant,

@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import save_file
 from tiny_model import BASE, SPEC
 
-from loraplex.cluster.demo_assets import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
+from loraplex.demo.assets import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
 from loraplex.registry.archives import ArchiveLimits, resolve_under_roots, safe_extract_tar_gz
 from loraplex.registry.validation import (
     CONFIG_FILE,

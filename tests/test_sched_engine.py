@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from loraplex.cluster.demo_assets import DemoAssets
-from loraplex.replica.adapter_cache import CacheConfig
+from loraplex.demo.assets import DemoAssets
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
+from loraplex.replica.memory.adapter_cache import CacheConfig
 from loraplex.replica.sampling import SamplingParams
-from loraplex.replica.sched_chameleon import ChameleonParams
-from loraplex.replica.scheduler import SchedulerConfig
+from loraplex.replica.scheduling.chameleon import ChameleonParams
+from loraplex.replica.scheduling.scheduler import SchedulerConfig
 
 PAGE = 64 * 1024
 LONG, SHORT = "math-r64", "sql-r8"

@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from loraplex.replica.sampling import SamplingParams
-from loraplex.replica.sched_chameleon import Chameleon, ChameleonParams
-from loraplex.replica.sched_math import (
+from loraplex.replica.scheduling.chameleon import Chameleon, ChameleonParams
+from loraplex.replica.scheduling.policy import FIFO, Admit, SJFAging
+from loraplex.replica.scheduling.queue_math import (
     OutputPredictor,
     QueueLoad,
     choose_cutoffs,
@@ -20,7 +21,6 @@ from loraplex.replica.sched_math import (
     token_quotas,
     weighted_request_size,
 )
-from loraplex.replica.sched_policy import FIFO, Admit, SJFAging
 from loraplex.replica.sequence import Sequence
 
 

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 from etcd_server import EtcdServer, shared_etcd_server_fixture  # noqa: F401 (fixture)
 
-from loraplex.cluster.demo_assets import DemoAssets
-from loraplex.cluster.lean_ray import lean_ray_serve
+from loraplex.demo.assets import DemoAssets
+from loraplex.demo.lean_ray import lean_ray_serve
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.models import AdapterRecord, Tenant
 from loraplex.registry.store import RegistryStore
@@ -32,7 +32,7 @@ from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import Engine, LLMEngine
 from loraplex.replica.protocol import AdapterNotFound, GenerateRequest, adapter_id
 from loraplex.replica.sampling import SamplingParams
-from loraplex.replica.scheduler import SchedulerConfig
+from loraplex.replica.scheduling.scheduler import SchedulerConfig
 from loraplex.router.policy import walk_order
 
 TENANT = "acme"

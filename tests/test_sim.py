@@ -21,7 +21,7 @@ from loraplex.benchmarks.sim_workload import (
     read_trace,
     replay_requests,
 )
-from loraplex.replica.adapter_cache import CacheConfig
+from loraplex.replica.memory.adapter_cache import CacheConfig
 
 PROFILE = a40_llama7b()
 

@@ -19,15 +19,15 @@ import pytest
 import torch
 
 from loraplex.cluster.cli import main
-from loraplex.replica.adapter_cache import CacheConfig
-from loraplex.replica.adapters import load_adapter
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
+from loraplex.replica.memory.adapter_cache import CacheConfig
+from loraplex.replica.memory.adapters import load_adapter
 from loraplex.replica.model.config import ModelConfigError
 from loraplex.replica.parallel.handles import WorkerFailed
 from loraplex.replica.parallel.shard import ShardPlan
 from loraplex.replica.sampling import SamplingParams
-from loraplex.replica.scheduler import SchedulerConfig
+from loraplex.replica.scheduling.scheduler import SchedulerConfig
 
 pytestmark = pytest.mark.slow
 
@@ -281,7 +281,7 @@ def test_tp2_remove_and_readd_between_steps_matches_tp1(demo_assets):
 def test_tp2_tied_embeddings_and_a_vocab_tp_does_not_divide(tmp_path: Path):
     """The LM head is read from the embedding's rows, and the last rank pads its vocab
     share with zero rows that the gather trims."""
-    from loraplex.cluster.demo_assets import ModelSpec, write_checkpoint
+    from loraplex.demo.assets import ModelSpec, write_checkpoint
 
     spec = ModelSpec(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                      vocab_size=321, tie_word_embeddings=True)  # fmt: skip

@@ -13,7 +13,7 @@ import uuid
 import pytest
 
 from loraplex.cluster.config import LoraplexConfig
-from loraplex.cluster.lean_ray import lean_ray_serve
+from loraplex.demo.lean_ray import lean_ray_serve
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.protocol import GenerateRequest

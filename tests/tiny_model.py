@@ -1,6 +1,6 @@
 """The small Llama shape the registry and adapter tests build adapters for."""
 
-from loraplex.cluster.demo_assets import ModelSpec
+from loraplex.demo.assets import ModelSpec
 
 SPEC = ModelSpec(
     hidden_size=64,

@@ -18,18 +18,11 @@ from loraplex.kernels.attention import write_kv
 from loraplex.kernels.backend import KernelBackend, TorchBackend
 from loraplex.kernels.lora_tables import LoraLayout
 from loraplex.replica.model.config import ModelConfig
+from loraplex.replica.model.lora_groups import DOWN, GATE_UP, LORA_GROUPS, OUT, QKV
 from loraplex.replica.model.rope import RotaryEmbedding, apply_rotary
 
 if TYPE_CHECKING:
     from loraplex.replica.batch import StepBatch
-
-QKV, OUT, GATE_UP, DOWN = range(4)
-LORA_GROUPS = {  # group -> its targets in the order their outputs sit in the fused weight
-    QKV: ("q_proj", "k_proj", "v_proj"),
-    OUT: ("o_proj",),
-    GATE_UP: ("gate_proj", "up_proj"),
-    DOWN: ("down_proj",),
-}
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

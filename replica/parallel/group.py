@@ -19,11 +19,12 @@ from typing import Literal
 
 import torch
 
-from loraplex.registry.etcd_process import free_port
-from loraplex.replica.adapter_cache import AdapterCache
-from loraplex.replica.adapters import AdapterWeights, ResidentAdapter
+from loraplex.net import free_port
 from loraplex.replica.batch import StepBatch
 from loraplex.replica.config import EngineConfig
+from loraplex.replica.memory.adapter_cache import AdapterCache
+from loraplex.replica.memory.adapters import AdapterWeights, ResidentAdapter
+from loraplex.replica.memory.pool import UnifiedPool
 from loraplex.replica.parallel.comm import Communicator, ParallelOps
 from loraplex.replica.parallel.handles import ProcessWorker, RayWorker, WorkerFailed, WorkerHandle
 from loraplex.replica.parallel.shard import RankModel, ShardPlan
@@ -34,7 +35,6 @@ from loraplex.replica.parallel.worker import (
     load_rank,
     model_config,
 )
-from loraplex.replica.pool import UnifiedPool
 
 Launcher = Literal["auto", "process", "ray"]
 

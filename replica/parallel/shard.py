@@ -25,9 +25,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from loraplex.replica.adapters import AdapterWeights
+from loraplex.replica.memory.adapters import AdapterWeights
 from loraplex.replica.model.config import ModelConfig, ModelConfigError
-from loraplex.replica.model.llama import DOWN, GATE_UP, LORA_GROUPS, OUT, QKV, LlamaModel
+from loraplex.replica.model.llama import LlamaModel
+from loraplex.replica.model.lora_groups import DOWN, GATE_UP, LORA_GROUPS, OUT, QKV
 
 COLUMN_GROUPS = (QKV, GATE_UP)  # the LoRA input is replicated; its A is cut along `in`
 

@@ -21,15 +21,15 @@ from pathlib import Path
 import torch
 
 from loraplex.kernels.backend import make_backend
-from loraplex.replica.adapters import AdapterWeights, ResidentAdapter, plan_layout
 from loraplex.replica.batch import StepBatch
 from loraplex.replica.config import EngineConfig
-from loraplex.replica.kv_cache import KVCache
+from loraplex.replica.memory.adapters import AdapterWeights, ResidentAdapter, plan_layout
+from loraplex.replica.memory.kv_cache import KVCache
+from loraplex.replica.memory.pool import UnifiedPool, chunk_views
 from loraplex.replica.model.config import DTYPES, ModelConfig
 from loraplex.replica.model.loader import load_weights
 from loraplex.replica.parallel.comm import Communicator, ParallelOps
 from loraplex.replica.parallel.shard import RankModel, ShardPlan
-from loraplex.replica.pool import UnifiedPool, chunk_views
 
 
 @dataclass(frozen=True, slots=True)

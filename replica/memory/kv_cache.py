@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from loraplex.replica.memory.pool import PageKind, UnifiedPool
 from loraplex.replica.model.config import ModelConfig
-from loraplex.replica.pool import PageKind, UnifiedPool
 from loraplex.replica.sequence import Sequence
 
 

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from enum import Enum
 from typing import Protocol
 
-from loraplex.replica.sched_math import (
+from loraplex.replica.scheduling.queue_math import (
     OutputPredictor,
 )
 from loraplex.replica.sequence import Sequence

@@ -8,14 +8,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loraplex.replica.sched_math import (
+from loraplex.replica.scheduling.policy import Admit, TryAdmit
+from loraplex.replica.scheduling.queue_math import (
     OutputPredictor,
     QueueLoad,
     choose_cutoffs,
     token_quotas,
     weighted_request_size,
 )
-from loraplex.replica.sched_policy import Admit, TryAdmit
 from loraplex.replica.sequence import Sequence
 
 

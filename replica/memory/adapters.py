@@ -18,9 +18,9 @@ from loraplex.registry.validation import (
     AdapterRejected,
     validate_adapter_dir,
 )
+from loraplex.replica.memory.pool import PageKind, RowPacker, UnifiedPool, chunk_views
 from loraplex.replica.model.config import ModelConfig
-from loraplex.replica.model.llama import LORA_GROUPS
-from loraplex.replica.pool import PageKind, RowPacker, UnifiedPool, chunk_views
+from loraplex.replica.model.lora_groups import LORA_GROUPS
 
 MAX_ADAPTER_BYTES = 64 << 30  # the engine's own bound; the registry API sets tighter limits
 

@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from loraplex.replica.adapters import AdapterWeights, PoolLayout
-from loraplex.replica.eviction import AdapterUsage, EvictionPolicy, make_eviction
-from loraplex.replica.pool import PageKind, UnifiedPool
-from loraplex.replica.transfer import CopyThread, Immediate, Transfer
+from loraplex.replica.memory.adapters import AdapterWeights, PoolLayout
+from loraplex.replica.memory.eviction import AdapterUsage, EvictionPolicy, make_eviction
+from loraplex.replica.memory.pool import PageKind, UnifiedPool
+from loraplex.replica.memory.transfer import CopyThread, Immediate, Transfer
 
 
 class UnknownAdapter(KeyError):

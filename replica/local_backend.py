@@ -8,7 +8,7 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from loraplex.replica.adapter_cache import UnknownAdapter
+from loraplex.replica.memory.adapter_cache import UnknownAdapter
 from loraplex.replica.protocol import (
     AdapterNotFound,
     GenerateChunk,

@@ -11,11 +11,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from loraplex.replica.adapter_cache import AdapterCache
-from loraplex.replica.kv_cache import KVCache
-from loraplex.replica.sched_chameleon import Chameleon, ChameleonParams
-from loraplex.replica.sched_math import OutputPredictor
-from loraplex.replica.sched_policy import FIFO, Admit, QueuePolicy, SJFAging
+from loraplex.replica.memory.adapter_cache import AdapterCache
+from loraplex.replica.memory.kv_cache import KVCache
+from loraplex.replica.scheduling.chameleon import Chameleon, ChameleonParams
+from loraplex.replica.scheduling.policy import FIFO, Admit, QueuePolicy, SJFAging
+from loraplex.replica.scheduling.queue_math import OutputPredictor
 from loraplex.replica.sequence import SeqStatus, Sequence
 
 

@@ -1,0 +1,1 @@
+"""Continuous batching and its admission policies (FIFO, SJF with aging, Chameleon)."""

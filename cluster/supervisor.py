@@ -1,6 +1,7 @@
 """The process `loraplex up` hands a local cluster to (`python -m loraplex.cluster.supervisor
 STATE_DIR`, in its own session): it owns the etcd and the Ray head it starts, deploys the
-app, keeps etcd up, and tears everything down on SIGTERM/SIGINT (`loraplex down`).
+app, keeps etcd up, and tears everything down on SIGTERM/SIGINT (`loraplex down`), or when
+the Ray cluster it serves on is gone (`ray stop`, `ray down`): etcd must not outlive it.
 Also the state files `up`, `down` and `status` share."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -19,6 +21,9 @@ from typing import Any
 from loraplex.cluster.config import APP_NAME, LoraplexConfig
 
 log = logging.getLogger("loraplex.cluster")
+# How long the GCS may refuse connections before the supervisor takes Ray for gone: longer
+# than a GCS restart takes when it is fault tolerant, short next to `ray down`'s own wait.
+RAY_LOST_AFTER_S = 5.0
 
 
 def _text(value: Any) -> str:
@@ -62,6 +67,7 @@ class Supervisor:
         self.ray_options = spec["ray"]
         self.ray_address = spec["ray_address"]
         self.stop = threading.Event()
+        self.ray_lost = False
         self.etcd = None
         self.state: dict[str, Any] = {"pid": os.getpid(), "started_at": time.time()}
 
@@ -84,8 +90,18 @@ class Supervisor:
             self.deploy(config)
             url = f"http://{_dial_host(config.http.host)}:{config.http.port}"
             self.phase("running", url=url)
+            gcs = _host_port(self.state["ray_address"])
+            refused_since = None
             while not self.stop.wait(1.0):
                 self.keep_etcd_up()
+                if _accepts(gcs):
+                    refused_since = None
+                    continue
+                refused_since = refused_since or time.monotonic()
+                if time.monotonic() - refused_since > RAY_LOST_AFTER_S:
+                    log.warning("Ray's GCS at %s:%d is gone: stopping", *gcs)
+                    self.ray_lost = True
+                    break
             return 0
         except Exception as e:
             log.exception("the cluster failed")
@@ -148,6 +164,14 @@ class Supervisor:
 
     def teardown(self) -> None:
         self.phase("stopping")
+        if not self.ray_lost:
+            self.undeploy()
+        if self.etcd is not None:
+            self.etcd.stop()
+        self.state.pop("etcd_pid", None)
+        self.phase("stopped", "the Ray cluster is gone" if self.ray_lost else "")
+
+    def undeploy(self) -> None:
         with contextlib.suppress(Exception):
             import ray
             from ray import serve
@@ -158,10 +182,6 @@ class Supervisor:
                 else:
                     serve.delete(APP_NAME)
                 ray.shutdown()
-        if self.etcd is not None:
-            self.etcd.stop()
-        self.state.pop("etcd_pid", None)
-        self.phase("stopped")
 
 
 def deployment_errors() -> str:
@@ -179,6 +199,19 @@ def deployment_errors() -> str:
     return "; ".join(found)
 
 
+def _host_port(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)
+
+
+def _accepts(address: tuple[str, int]) -> bool:
+    try:
+        with socket.create_connection(address, timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
 def _dial_host(host: str) -> str:
     return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
@@ -188,7 +221,12 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     (state_dir,) = argv if argv is not None else sys.argv[1:]
-    return Supervisor(Path(state_dir)).run()
+    supervisor = Supervisor(Path(state_dir))
+    code = supervisor.run()
+    if supervisor.ray_lost:  # Ray's exit hooks would wait for the GCS that is gone
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -34,11 +34,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from loraplex.cluster.config import APP_NAME, LoraplexConfig
 from loraplex.cluster.errors import CLIError
 from loraplex.cluster.supervisor import _text, read_state, write_private
+
+if TYPE_CHECKING:
+    from loraplex.registry.etcd_client import EtcdSettings
 
 DEMO_MODEL_ID = "loraplex-demo-llama"  # the demo adapters' base_model_name_or_path
 DEMO_TENANT = "demo"
@@ -109,6 +112,13 @@ def up(args: argparse.Namespace, state_dir: Path, env: dict[str, str]) -> int:
         config = config.model_copy(
             update={"etcd": config.etcd.model_copy(update={"host": args.etcd_host})}
         )
+    # Refusals first: nothing is written or started for a config that cannot serve.
+    if config.model is not None:
+        check_model(Path(config.model), on_cluster=args.address is not None)
+    if args.address is None:
+        check_port_free(config.http.host, config.http.port)
+    if config.etcd.endpoints is not None:
+        check_etcd(config.etcd_settings())
     state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     demo = None
     if config.model is None:
@@ -118,11 +128,6 @@ def up(args: argparse.Namespace, state_dir: Path, env: dict[str, str]) -> int:
         )
     if config.artifact_root is None:
         config = config.model_copy(update={"artifact_root": str(state_dir / "artifacts")})
-    if args.address is None:  # on a cluster, the head may not hold the model
-        model = Path(config.require_model())
-        if not (model / "config.json").is_file():
-            raise CLIError(f"model {model} has no config.json (a Hugging Face checkpoint folder)")
-        check_port_free(config.http.host, config.http.port)
     admin_key = admin_key_for(state_dir, env.get(config.auth.admin_key_env))
 
     run_spec = {
@@ -196,6 +201,35 @@ def demo_assets(dest: Path):
         return DemoAssets(dest / "model", dest / "adapters", names)
     print(f"writing the demo model and adapters to {dest}", file=sys.stderr)
     return make_demo_assets(dest)
+
+
+def check_model(model: Path, on_cluster: bool) -> None:
+    """CLIError unless `model` is a checkpoint folder here (on a cluster, the ingress on
+    this node reads its tokenizer, and every node needs it)."""
+    if not (model / "config.json").is_file():
+        where = " on this node (every node of the cluster needs it)" if on_cluster else ""
+        raise CLIError(
+            f"model {model}{where} has no config.json (a Hugging Face checkpoint folder)"
+        )
+
+
+def check_etcd(settings: EtcdSettings) -> None:
+    """CLIError naming each endpoint and why, unless one of the configured etcds answers."""
+    import asyncio
+
+    from loraplex.registry.etcd_client import EtcdConnection, RegistryUnavailable
+
+    async def status() -> None:
+        connection = EtcdConnection(settings)
+        try:
+            await connection.request(lambda client: client.status())
+        finally:
+            await connection.close()
+
+    try:
+        asyncio.run(status())
+    except RegistryUnavailable as e:
+        raise CLIError(f"{e}; check etcd.endpoints (unset: `loraplex up` starts one)") from None
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -429,13 +463,14 @@ def serve_report(ray_address: str) -> list[str]:
 
     ray.init(address=ray_address, log_to_driver=False, logging_level=logging.WARNING)
     try:
+        lines = [node_line(ray.nodes())]
         app = serve.status().applications.get(APP_NAME)
         if app is None:
-            return [f"serve:    application {APP_NAME!r} not deployed"]
-        lines = [
+            return [*lines, f"serve:    application {APP_NAME!r} not deployed"]
+        lines.append(
             f"app:      {APP_NAME} {_text(app.status)}"
             + (f" ({app.message})" if app.message else "")
-        ]
+        )
         for name, dep in app.deployments.items():
             counts = ", ".join(f"{n} {_text(s).lower()}" for s, n in dep.replica_states.items())
             message = f"  {dep.message}" if dep.message else ""
@@ -444,6 +479,17 @@ def serve_report(ray_address: str) -> list[str]:
         return lines
     finally:
         ray.shutdown()
+
+
+def node_line(nodes: list[dict]) -> str:
+    """The Ray nodes alive, by address, the head marked."""
+    alive = sorted(
+        node["NodeManagerAddress"]
+        + (" (head)" if "node:__internal_head__" in node.get("Resources", {}) else "")
+        for node in nodes
+        if node.get("Alive")
+    )
+    return f"nodes:    {len(alive)} alive: {', '.join(alive)}"
 
 
 def replica_table(ray) -> list[str]:

@@ -10,7 +10,7 @@ context check), so replicas receive token ids only.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Protocol, TypedDict
+from typing import Any, Protocol, TypedDict
 
 from loraplex.replica.sampling import SamplingParams
 from loraplex.replica.sequence import RequestOutput
@@ -47,6 +47,12 @@ class Backend(Protocol):
     """Where the ingress sends requests: a Serve deployment handle, or an engine in process."""
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]: ...
+
+    async def replica_stats(self) -> dict[str, dict[str, Any]]:
+        """Each replica's stats by replica id: the engine's `stats()` plus `tiers`, the
+        adapter ids per tier (`device`, `host`: in host memory only, `loading`). A replica
+        that does not answer in time is left out."""
+        ...
 
 
 def adapter_id(tenant: str, name: str) -> str:

@@ -16,5 +16,7 @@ async def health() -> dict[str, str]:
 
 @router.get("/metrics", response_class=Response)
 async def prometheus_metrics(ingress: Ingress) -> Response:
-    """Prometheus text format."""
+    """Prometheus text format: this ingress's request figures, and each replica's stats as
+    the replicas report them now."""
+    ingress.metrics.set_replicas(await ingress.backend.replica_stats())
     return Response(ingress.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -25,8 +25,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 
-from loraplex.registry.api_errors import error_headers, status_code
-from loraplex.registry.errors import RegistryError, RegistryUnavailable
+from loraplex.registry.errors import RegistryError
 from loraplex.registry.service import resolve_adapter
 from loraplex.replica.protocol import GenerateRequest, ReplicaFailed, adapter_id, sampling_params
 from loraplex.replica.tokenizer import ChatTemplateError
@@ -40,35 +39,25 @@ from loraplex.router.generation import (
     whole_response,
 )
 from loraplex.router.metrics import ANONYMOUS, RequestTimer
-from loraplex.router.openai_api import (
+from loraplex.router.openai_errors import (
+    ErrorResponse,
+    OpenAIError,
+    invalid_request,
+    model_not_found,
+    registry_error,
+)
+from loraplex.router.openai_requests import ChatCompletionRequest, CompletionRequest
+from loraplex.router.openai_responses import (
     ChatCompletion,
-    ChatCompletionRequest,
     ChatFormat,
     Completion,
     CompletionFormat,
-    CompletionRequest,
-    ErrorResponse,
     ModelCard,
     ModelList,
-    OpenAIError,
     ResponseFormat,
-    invalid_request,
-    model_not_found,
 )
 
 log = logging.getLogger(__name__)
-
-_REGISTRY_CODES = {401: "invalid_api_key", 403: "permission_denied"}
-
-
-def registry_error(e: RegistryError) -> OpenAIError:
-    """A registry refusal (the caller's key, etcd) with the registry's status code, in
-    OpenAI's body."""
-    message = e.message
-    if isinstance(e, RegistryUnavailable):
-        message = f"registry unavailable; retry later ({e})"
-    status = status_code(e)
-    return OpenAIError(status, message, code=_REGISTRY_CODES.get(status), headers=error_headers(e))
 
 
 class OpenAIRoute(APIRoute):

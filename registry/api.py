@@ -128,7 +128,8 @@ class TenantAPI:
         )
 
 
-def tenant_api(request: Request) -> TenantAPI:
+async def tenant_api(request: Request) -> TenantAPI:
+    # async: FastAPI runs a plain `def` dependency on a worker thread, a hop per request
     return request.app.state.tenant_api
 
 

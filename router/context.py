@@ -1,5 +1,5 @@
 """What the ingress's handlers use: `IngressContext`, at `app.state.ingress`, and the FastAPI
-dependencies that read it (`Ingress`) and authenticate the caller (`Caller`)."""
+dependencies that read it (`Ingress`) or read it and authenticate the caller (`Caller`)."""
 
 # No `from __future__ import annotations`: FastAPI resolves the dependencies' annotations.
 from dataclasses import dataclass
@@ -48,20 +48,31 @@ class IngressContext:
     started: int
 
 
-def ingress_context(request: Request) -> IngressContext:
+async def ingress_context(request: Request) -> IngressContext:
+    # async: FastAPI runs a plain `def` dependency on a worker thread, a hop per request
     return request.app.state.ingress
 
 
 Ingress = Annotated[IngressContext, Depends(ingress_context)]
 
 
-async def caller(request: Request, ingress: Ingress) -> str | None:
-    """The tenant of the request's key; None when serving without a registry. Raises the
-    registry's Unauthenticated or Forbidden."""
+@dataclass(frozen=True, slots=True)
+class Call:
+    """An authenticated inference call: the ingress, and the caller's tenant (None when
+    serving without a registry)."""
+
+    ingress: IngressContext
+    tenant: str | None
+
+
+async def authenticated(request: Request) -> Call:
+    """Raises the registry's Unauthenticated or Forbidden. One dependency for both (each
+    dependency costs every request a resolution)."""
+    ingress: IngressContext = request.app.state.ingress
     if ingress.auth is None:
-        return None
+        return Call(ingress, None)
     tenant = await ingress.auth.require_tenant(request.headers.get("authorization"))
-    return tenant.name
+    return Call(ingress, tenant.name)
 
 
-Caller = Annotated[str | None, Depends(caller)]
+Caller = Annotated[Call, Depends(authenticated)]

@@ -29,7 +29,7 @@ from loraplex.registry.errors import RegistryError
 from loraplex.registry.service import resolve_adapter
 from loraplex.replica.protocol import GenerateRequest, ReplicaFailed, adapter_id, sampling_params
 from loraplex.replica.tokenizer import ChatTemplateError
-from loraplex.router.context import Caller, Ingress, IngressContext
+from loraplex.router.context import Call, Caller, IngressContext
 from loraplex.router.generation import (
     EventStream,
     Generation,
@@ -88,15 +88,13 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 @router.post(
     "/v1/completions", response_model=None, responses={200: {"model": Completion}, **_ERRORS}
 )
-async def completions(
-    body: CompletionRequest, request: Request, tenant: Caller, ingress: Ingress
-) -> Response:
+async def completions(body: CompletionRequest, request: Request, call: Caller) -> Response:
     """Text completion of a prompt (text or token ids); SSE when `stream` is true."""
     arrival = time.monotonic()
     fmt = CompletionFormat(_response_id("cmpl"), int(time.time()), body.model)
     prompt = body.prompt
-    ids = ingress.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-    return await _generate(ingress, body, fmt, ids, body.max_tokens, tenant, arrival, request)
+    ids = call.ingress.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    return await _generate(call, body, fmt, ids, body.max_tokens, arrival, request)
 
 
 @router.post(
@@ -104,13 +102,12 @@ async def completions(
     response_model=None,
     responses={200: {"model": ChatCompletion}, **_ERRORS},
 )
-async def chat_completions(
-    body: ChatCompletionRequest, request: Request, tenant: Caller, ingress: Ingress
-) -> Response:
+async def chat_completions(body: ChatCompletionRequest, request: Request, call: Caller) -> Response:
     """The assistant's next message, from the model's chat template; SSE when `stream`.
     Without a token limit it may use the rest of the context window."""
     arrival = time.monotonic()
     fmt = ChatFormat(_response_id("chatcmpl"), int(time.time()), body.model)
+    ingress = call.ingress
     tokenizer = ingress.tokenizer
     if not tokenizer.has_chat_template:
         message = f"model {ingress.base_model_id!r} has no chat template; use /v1/completions"
@@ -120,12 +117,13 @@ async def chat_completions(
     except ChatTemplateError as e:
         raise OpenAIError(400, str(e), param="messages") from None
     max_tokens = body.max_new_tokens or ingress.max_model_len - len(ids)
-    return await _generate(ingress, body, fmt, ids, max_tokens, tenant, arrival, request)
+    return await _generate(call, body, fmt, ids, max_tokens, arrival, request)
 
 
 @router.get("/v1/models", responses={401: _ERRORS[401]})
-async def models(tenant: Caller, ingress: Ingress) -> ModelList:
+async def models(call: Caller) -> ModelList:
     """The base model and the caller's adapters."""
+    ingress, tenant = call.ingress, call.tenant
     base_id, started = ingress.base_model_id, ingress.started
     cards = [ModelCard(id=base_id, created=started, owned_by="loraplex", root=base_id)]
     registry = ingress.registry
@@ -176,15 +174,15 @@ def _check_context(max_model_len: int, prompt_tokens: int, max_tokens: int) -> N
 
 
 async def _generate(
-    ingress: IngressContext,
+    call: Call,
     body: CompletionRequest | ChatCompletionRequest,
     fmt: ResponseFormat,
     ids: list[int],
     max_tokens: int,
-    tenant: str | None,
     arrival: float,
     request: Request,
 ) -> Response:
+    ingress, tenant = call.ingress, call.tenant
     adapter = await _resolve(ingress, body.model, tenant)
     if not ids:
         raise OpenAIError(400, "the prompt is empty", param="prompt")

@@ -7,6 +7,14 @@ wrapped in a RayTaskError and are re-raised as themselves. A replica that dies b
 first chunk is replaced by another try on another replica (Serve's router stops choosing a
 dead replica); one that dies after a chunk was sent raises ReplicaFailed, since the client
 already holds part of the output.
+
+Replica stats for /metrics come from the ingress asking, at scrape time, every replica at
+once through the same handle (`DeploymentHandle.broadcast`, ray-project/ray#61472): it works
+with any number of replicas and ingresses, each ingress sees every live replica, and a
+replica that is gone drops out with the handle's view. The alternatives do not reach
+/metrics on a real cluster: routing stats arrive only inside the handle's request router
+(private to Serve), a replica cannot address the ingress replicas, and Ray's own metrics
+export goes to each node's metrics agent, not to this app.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ write. A refusal leaves etcd and the artifact root as they were.
 
 # No `from __future__ import annotations`: the routes' Annotated dependencies are local names,
 # which FastAPI could not resolve from strings.
-import asyncio
+import logging
 import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -23,12 +23,14 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Respons
 from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from loraplex.registry import uploads
+from loraplex.registry import paths, uploads
+from loraplex.registry.admission import Busy, UploadAdmission
 from loraplex.registry.archives import ArchiveLimits
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.auth import Authenticator
+from loraplex.registry.isolation import WorkLimits, run_isolated
 from loraplex.registry.models import NAME_PATTERN, AdapterRecord, Tenant
 from loraplex.registry.service import RegistryService, resolve_adapter
 from loraplex.registry.store import EtcdSettings, RegistryStore, RegistryUnavailable
@@ -36,6 +38,8 @@ from loraplex.registry.validation import CONFIG_FILE, WEIGHTS_FILE, AdapterRejec
 from loraplex.registry.watch import RegistryWatcher
 
 __all__ = ["RegistryAPISettings", "create_app", "resolve_adapter", "tenant_api"]
+
+log = logging.getLogger(__name__)
 
 
 class RegistryAPISettings(BaseModel):
@@ -68,8 +72,33 @@ class RegistryAPISettings(BaseModel):
     )
     allowed_roots: list[str] = Field(
         default_factory=list,
-        description="Folders from which adapters may be registered by path (symlinks "
-        "resolved); empty disables registration by path.",
+        description="Folders from which adapters may be registered by path: tenant T only "
+        "from <root>/T/ (symlinks followed only inside it); empty disables registration by "
+        "path.",
+    )
+    work_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        le=3600,
+        description="Longest the file work of one registration step (extracting an archive, "
+        "copying from a path, validating) may run in its worker process; past it the "
+        "registration is refused with 413.",
+    )
+    work_memory_bytes: int = Field(
+        512 << 20,
+        ge=64 << 20,
+        description="Memory the file work of one registration may add in its worker process; "
+        "past it the registration is refused with 413.",
+    )
+    max_uploads_per_tenant: int = Field(
+        2, ge=1, le=1024, description="Registrations one tenant may have in flight (else 429)."
+    )
+    staging_max_bytes: int = Field(
+        4 << 30,
+        ge=1,
+        description="Staging bytes all registrations in flight may hold together: each body "
+        "as it arrives, plus max_adapter_bytes per archive extracted or path copied; past "
+        "it registrations are refused with 503 and Retry-After.",
     )
     staging_dir: str | None = Field(
         None,
@@ -83,6 +112,19 @@ class RegistryAPISettings(BaseModel):
         description="How long a write waits for the local watcher to show it, so a read "
         "after a write on the same ingress sees it.",
     )
+
+    @model_validator(mode="after")
+    def _one_upload_fits_staging(self) -> "RegistryAPISettings":
+        if self.staging_max_bytes < self.max_upload_bytes + self.max_adapter_bytes:
+            raise ValueError(
+                f"staging_max_bytes ({self.staging_max_bytes}) must hold one largest upload "
+                f"and its extraction: at least max_upload_bytes + max_adapter_bytes "
+                f"({self.max_upload_bytes + self.max_adapter_bytes})"
+            )
+        return self
+
+    def work_limits(self) -> WorkLimits:
+        return WorkLimits(self.work_timeout_s, self.work_memory_bytes)
 
 
 # ---------------------------------------------------------------- request and response bodies
@@ -269,11 +311,15 @@ class _RegistryRoute(APIRoute):
             except AdapterRejected as e:
                 return JSONResponse({"detail": e.message}, status_code=e.status)
             except RegistryUnavailable as e:
+                log.warning("registry unavailable: %s", e)  # the endpoint is the operator's
                 return JSONResponse(
-                    {"detail": f"registry unavailable, nothing was changed; retry later ({e})"},
+                    {"detail": "registry unavailable, nothing was changed; retry later"},
                     status_code=503,
                     headers={"Retry-After": "5"},
                 )
+            except Busy as e:
+                headers = {"Retry-After": str(e.retry_after_s)}
+                return JSONResponse({"detail": e.message}, status_code=e.status, headers=headers)
 
         return handle
 
@@ -293,6 +339,7 @@ def tenant_api(
         Security(HTTPBearer(auto_error=False, description="The admin key or a tenant API key.")),
     ]
     archive_limits = ArchiveLimits(settings.max_archive_members, settings.max_adapter_bytes)
+    admission = UploadAdmission(settings.max_uploads_per_tenant, settings.staging_max_bytes)
 
     async def admin(request: Request, _: Bearer) -> None:
         await auth.require_admin(request)
@@ -347,21 +394,34 @@ def tenant_api(
         `adapter_model`, or one `archive` tar.gz) or JSON `{name, path}` naming a folder under
         an allowed root. Everything is validated before anything is written."""
         content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        async with uploads.staging(settings.staging_dir) as work:
-            staged = work / "adapter"
-            if content_type == "multipart/form-data":
-                form = await uploads.receive_multipart(request, work, settings.max_upload_bytes)
-                name, pinned = uploads.form_name(form), uploads.form_bool(form, "pinned")
-                await asyncio.to_thread(uploads.assemble_upload, form, staged, archive_limits)
-            elif content_type == "application/json":
-                body = await uploads.read_json(request, RegisterByPath)
-                name, pinned = body.name, body.pinned
-                await _copy_from_path(body.path, staged)
-            else:
-                raise HTTPException(
-                    415, "send multipart/form-data (an upload) or application/json ({name, path})"
-                )
-            return await registry.register(owner, name, pinned, staged)
+        if content_type not in ("multipart/form-data", "application/json"):
+            raise HTTPException(
+                415, "send multipart/form-data (an upload) or application/json ({name, path})"
+            )
+        with admission.admit(owner.name) as staging_bytes:
+            async with uploads.staging(settings.staging_dir) as work:
+                staged = work / "adapter"
+                if content_type == "multipart/form-data":
+                    form = await uploads.receive_multipart(
+                        request, work, settings.max_upload_bytes, staging_bytes
+                    )
+                    name, pinned = uploads.form_name(form), uploads.form_bool(form, "pinned")
+                    if "archive" in form.files:
+                        staging_bytes.take(settings.max_adapter_bytes)
+                    await run_isolated(
+                        settings.work_limits(),
+                        uploads.assemble_upload,
+                        form.files,
+                        form.filenames,
+                        staged,
+                        archive_limits,
+                    )
+                else:
+                    body = await uploads.read_json(request, RegisterByPath)
+                    name, pinned = body.name, body.pinned
+                    staging_bytes.take(settings.max_adapter_bytes)
+                    await _copy_from_path(body.path, owner.name, staged)
+                return await registry.register(owner, name, pinned, staged)
 
     @router.get("/v1/adapters", responses=_responses(401, 403), **adapter_route)
     async def list_adapters(owner: Owner) -> AdapterList:
@@ -393,10 +453,12 @@ def tenant_api(
             raise AdapterRejected(
                 422, "load_inplace is not supported; unload the adapter, then load it again"
             )
-        async with uploads.staging(settings.staging_dir) as work:
-            staged = work / "adapter"
-            await _copy_from_path(body.lora_path, staged)
-            await registry.register(owner, body.lora_name, False, staged)
+        with admission.admit(owner.name) as staging_bytes:
+            async with uploads.staging(settings.staging_dir) as work:
+                staged = work / "adapter"
+                staging_bytes.take(settings.max_adapter_bytes)
+                await _copy_from_path(body.lora_path, owner.name, staged)
+                await registry.register(owner, body.lora_name, False, staged)
         return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
     @router.post("/v1/unload_lora_adapter", responses=_responses(401, 403, 404, 503), **vllm_route)
@@ -404,9 +466,15 @@ def tenant_api(
         await registry.delete(owner.name, body.lora_name)
         return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
-    async def _copy_from_path(path: str, staged: os.PathLike[str]) -> None:
-        await asyncio.to_thread(
-            uploads.copy_from_path, path, settings.allowed_roots, staged, settings.max_adapter_bytes
+    async def _copy_from_path(path: str, tenant: str, staged: os.PathLike[str]) -> None:
+        await run_isolated(
+            settings.work_limits(),
+            paths.copy_from_path,
+            path,
+            settings.allowed_roots,
+            tenant,
+            staged,
+            settings.max_adapter_bytes,
         )
 
     return router

@@ -18,6 +18,7 @@ from fastapi import HTTPException
 
 from loraplex.registry.artifacts import ArtifactStore, StoredArtifact
 from loraplex.registry.auth import new_api_key, watched_tenants
+from loraplex.registry.isolation import run_isolated
 from loraplex.registry.models import AdapterRecord, Tenant
 from loraplex.registry.store import (
     AlreadyExists,
@@ -91,7 +92,8 @@ class RegistryService:
         if len(await self.store.list_adapters(tenant.name)) >= tenant.adapter_quota:
             raise _quota_reached(tenant)
         settings = self.settings
-        summary = await asyncio.to_thread(
+        summary = await run_isolated(  # untrusted headers and JSON: off this process
+            settings.work_limits(),
             validate_adapter_dir,
             staged,
             settings.base_model,

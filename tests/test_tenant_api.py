@@ -266,7 +266,7 @@ def test_archive_path_and_vllm_routes(env: Env):
     assert r.status_code == 201, r.text
     assert r.json()["target_modules"] == list(ALL)
 
-    in_root = make_adapter(env.tmp / "allowed" / "team" / "by-path", seed=4)
+    in_root = make_adapter(env.tmp / "allowed" / "routes-co" / "team" / "by-path", seed=4)
     r = env.client.post(
         "/v1/adapters", json={"name": "by-path", "path": str(in_root)}, headers=tenant
     )
@@ -445,7 +445,8 @@ def _outside(env: Env) -> str:
 
 
 def _symlink_escape(env: Env) -> str:
-    link = env.tmp / "allowed" / f"escape-{time.monotonic_ns()}"
+    link = env.tmp / "allowed" / "bad-co" / f"escape-{time.monotonic_ns()}"
+    link.parent.mkdir(exist_ok=True)
     link.symlink_to(_outside(env))
     return str(link)
 
@@ -676,19 +677,28 @@ BAD_CASES = [
         _fields({"name": "bad"}, {"archive": ("a.tgz", b"plain text")}),
     ),
     # registration by path
-    BadCase("path-outside", 400, "is not inside the allowed roots", _by_path(_outside)),
+    BadCase("path-outside", 400, "is not in your folder of an allowed root", _by_path(_outside)),
     BadCase(
-        "path-symlink-escape", 400, "is not inside the allowed roots", _by_path(_symlink_escape)
+        "path-symlink-escape", 400, "leads outside the tenant's folder", _by_path(_symlink_escape)
     ),
     BadCase(
         "path-dotdot",
         400,
-        "is not inside the allowed roots",
-        _by_path(lambda env: f"{env.tmp}/allowed/../outside"),
+        "leads outside the tenant's folder",
+        _by_path(lambda env: f"{env.tmp}/allowed/bad-co/../outside"),
     ),
-    BadCase("path-relative", 400, "must be absolute", _by_path(lambda env: "allowed/x")),
     BadCase(
-        "path-missing", 400, "is not a folder", _by_path(lambda env: f"{env.tmp}/allowed/nope")
+        "path-other-tenant",
+        400,
+        "tenant 'bad-co' may register only from <allowed root>/bad-co/",
+        _by_path(lambda env: str(make_adapter(env.tmp / "allowed" / "other-co" / "theirs"))),
+    ),
+    BadCase("path-relative", 400, "must be an absolute path", _by_path(lambda env: "allowed/x")),
+    BadCase(
+        "path-missing",
+        400,
+        "is not a folder",
+        _by_path(lambda env: f"{env.tmp}/allowed/bad-co/nope"),
     ),
     BadCase(
         "json-body",
@@ -827,8 +837,9 @@ def test_openapi_schema_renders_with_examples(env: Env):
 
 @pytest.fixture
 def live_server(shared_etcd_server: EtcdServer, tmp_path) -> Iterator[tuple[str, Path]]:
-    """The app under a real uvicorn on a free loopback port."""
-    app = create_app(api_settings(tmp_path), shared_etcd_server.settings(), tmp_path / "artifacts")
+    """The app under a real uvicorn on a free loopback port; a tenant may race 8 uploads."""
+    settings = api_settings(tmp_path, max_uploads_per_tenant=8)
+    app = create_app(settings, shared_etcd_server.settings(), tmp_path / "artifacts")
     with serve(app, timeout_s=10) as url:
         yield url, tmp_path
 

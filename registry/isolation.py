@@ -25,9 +25,15 @@ from loraplex.registry.validation import AdapterRejected
 
 T = TypeVar("T")
 
-# "__main__" first, as multiprocessing does by default: imported once in the server, so that
-# a forked child does not import the parent's main module again (in a Ray actor that is Ray).
-_PRELOAD = ["__main__", "loraplex.registry.validation", "loraplex.registry.archives"]
+# Imported once in the server, so that a forked child imports nothing: "__main__" (as
+# multiprocessing does by default; in a Ray actor that is Ray) and the modules whose
+# functions run in workers (a child that imported fastapi itself would take ~0.5 s).
+_PRELOAD = [
+    "__main__",
+    "loraplex.registry.validation",
+    "loraplex.registry.paths",
+    "loraplex.registry.uploads",
+]
 _context_lock = threading.Lock()
 _context: Any = None
 

@@ -55,7 +55,9 @@ def assert_etcd_stopped(state: Path) -> None:
     assert etcd_left.returncode == 1, "the registry's etcd outlived it"
 
 
-def test_register_then_restart_keeps_the_adapter_and_sigint_or_sigterm_stop_its_etcd(demo_assets, tmp_path):
+def test_register_then_restart_keeps_the_adapter_and_sigint_or_sigterm_stop_its_etcd(
+    demo_assets, tmp_path
+):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     proc = start(tmp_path / "state", demo_assets.model_dir, port)

@@ -376,6 +376,11 @@ def _weights(data: bytes) -> Callable[[Path], None]:
     return lambda path: (path / WEIGHTS_FILE).write_bytes(data)
 
 
+def _nested_header(depth: int) -> bytes:
+    header = b'{"__metadata__": {"x": ' + b"[" * depth + b"]" * depth + b"}}"
+    return len(header).to_bytes(8, "little") + header
+
+
 def _torch_pickle(path: Path) -> None:
     torch.save({"w": torch.zeros(2)}, path / WEIGHTS_FILE)
 
@@ -451,6 +456,13 @@ def _symlink_escape(env: Env) -> str:
     return str(link)
 
 
+def _link_loop(env: Env) -> str:
+    loop = env.tmp / "allowed" / "bad-co" / f"loop-{time.monotonic_ns()}"
+    loop.parent.mkdir(exist_ok=True)
+    loop.symlink_to(loop.name)
+    return str(loop)
+
+
 def _chunked_oversize(env: Env, tenant: dict) -> httpx.Response:
     boundary = "b0undary"
 
@@ -510,6 +522,18 @@ BAD_CASES = [
         400,
         "adapter_config.json is not valid JSON",
         _bad_adapter(lambda p: (p / CONFIG_FILE).write_text("{")),
+    ),
+    BadCase(
+        "config-nested-too-deeply",
+        400,
+        "adapter_config.json is not valid JSON: nested too deeply",
+        _bad_adapter(lambda p: (p / CONFIG_FILE).write_text("[" * 30000 + "]" * 30000)),
+    ),
+    BadCase(
+        "header-nested-too-deeply",
+        400,
+        "safetensors header is not valid JSON: nested too deeply",
+        _bad_adapter(_weights(_nested_header(20_000))),
     ),
     BadCase(
         "rank-over-max",
@@ -693,6 +717,7 @@ BAD_CASES = [
         "tenant 'bad-co' may register only from <allowed root>/bad-co/",
         _by_path(lambda env: str(make_adapter(env.tmp / "allowed" / "other-co" / "theirs"))),
     ),
+    BadCase("path-link-loop", 400, "too many symbolic links", _by_path(_link_loop)),
     BadCase("path-relative", 400, "must be an absolute path", _by_path(lambda env: "allowed/x")),
     BadCase(
         "path-missing",

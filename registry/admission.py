@@ -15,6 +15,18 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 
+def check_staging_budget(
+    staging_max_bytes: int, max_upload_bytes: int, max_adapter_bytes: int
+) -> None:
+    """One largest upload and its extraction must fit, or no archive could ever register."""
+    if staging_max_bytes < max_upload_bytes + max_adapter_bytes:
+        raise ValueError(
+            f"staging_max_bytes ({staging_max_bytes}) must hold one largest upload and its "
+            f"extraction: at least max_upload_bytes + max_adapter_bytes "
+            f"({max_upload_bytes + max_adapter_bytes})"
+        )
+
+
 class Busy(Exception):
     """The registration was refused for now; retrying after `retry_after_s` may succeed."""
 

@@ -26,7 +26,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
 from loraplex.registry import paths, uploads
-from loraplex.registry.admission import Busy, UploadAdmission
+from loraplex.registry.admission import Busy, UploadAdmission, check_staging_budget
 from loraplex.registry.archives import ArchiveLimits
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.auth import Authenticator
@@ -115,12 +115,7 @@ class RegistryAPISettings(BaseModel):
 
     @model_validator(mode="after")
     def _one_upload_fits_staging(self) -> "RegistryAPISettings":
-        if self.staging_max_bytes < self.max_upload_bytes + self.max_adapter_bytes:
-            raise ValueError(
-                f"staging_max_bytes ({self.staging_max_bytes}) must hold one largest upload "
-                f"and its extraction: at least max_upload_bytes + max_adapter_bytes "
-                f"({self.max_upload_bytes + self.max_adapter_bytes})"
-            )
+        check_staging_budget(self.staging_max_bytes, self.max_upload_bytes, self.max_adapter_bytes)
         return self
 
     def work_limits(self) -> WorkLimits:

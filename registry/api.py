@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from starlette.types import Receive, Scope, Send
 
 from loraplex.registry import paths, uploads
 from loraplex.registry.admission import Busy, UploadAdmission, check_staging_budget
@@ -127,7 +128,9 @@ class RegistryAPISettings(BaseModel):
 
 class TenantCreate(BaseModel):
     model_config = ConfigDict(
-        extra="forbid", json_schema_extra={"examples": [{"name": "acme", "adapter_quota": 50}]}
+        extra="forbid",
+        strict=True,
+        json_schema_extra={"examples": [{"name": "acme", "adapter_quota": 50}]},
     )
 
     name: str = Field(pattern=NAME_PATTERN, description="Tenant name (a-z 0-9 . _ -, max 63).")
@@ -173,7 +176,7 @@ class TenantWithKey(BaseModel):
 
 class KeyRequest(BaseModel):
     model_config = ConfigDict(
-        extra="forbid", json_schema_extra={"examples": [{"revoke_existing": True}]}
+        extra="forbid", strict=True, json_schema_extra={"examples": [{"revoke_existing": True}]}
     )
 
     revoke_existing: bool = Field(False, description="Invalidate the tenant's other keys.")
@@ -191,6 +194,7 @@ class TenantDeleted(BaseModel):
 class RegisterByPath(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
+        strict=True,
         json_schema_extra={
             "examples": [
                 {"name": "sql-helper", "path": "/mnt/adapters/sql-helper", "pinned": False}
@@ -211,21 +215,28 @@ class LoadLoRAAdapterRequest(BaseModel):
     """vLLM's request body; `load_inplace` (replace weights under a live name) is refused."""
 
     model_config = ConfigDict(
+        strict=True,
         json_schema_extra={
             "examples": [{"lora_name": "sql-helper", "lora_path": "/mnt/adapters/sql-helper"}]
-        }
+        },
     )
 
     lora_name: str = Field(pattern=NAME_PATTERN)
     lora_path: str
-    load_inplace: bool = False
+    load_inplace: bool = Field(
+        False,
+        json_schema_extra={"const": False},
+        description="Must be false: weights are never replaced under a live name.",
+    )
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
-    model_config = ConfigDict(json_schema_extra={"examples": [{"lora_name": "sql-helper"}]})
+    model_config = ConfigDict(
+        strict=True, json_schema_extra={"examples": [{"lora_name": "sql-helper"}]}
+    )
 
     lora_name: str
-    lora_int_id: int | None = None
+    lora_int_id: int | None = Field(None, description="Accepted for vLLM clients; ignored.")
 
 
 _REGISTRATION_BODY = {
@@ -272,6 +283,7 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     400: {
         "description": "Unreadable input: bad JSON, corrupt safetensors header or archive, forbidden path."
     },
+    405: {"description": "Method not allowed; `Allow` lists the path's methods."},
     401: {"description": "Missing or unknown API key."},
     403: {"description": "A key of the wrong kind for this route."},
     404: {
@@ -280,10 +292,17 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     409: {"description": "Name taken, or the tenant's adapter quota is reached."},
     413: {"description": "Over a size limit (upload, adapter, header, archive)."},
     415: {"description": "Neither multipart/form-data nor application/json."},
+    429: {
+        "description": "The tenant has max_uploads_per_tenant registrations in flight; retry "
+        "after `Retry-After` seconds."
+    },
     422: {
         "description": "Adapter not accepted: rank, targets, tensor names or shapes, dtype, options."
     },
-    503: {"description": "etcd unreachable: the write was not made; retry."},
+    503: {
+        "description": "etcd unreachable, or the staging space is in use by other uploads: "
+        "nothing was written; retry after `Retry-After` seconds."
+    },
 }
 
 
@@ -295,7 +314,19 @@ def _responses(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 
 class _RegistryRoute(APIRoute):
-    """Maps the registry's own errors to responses, wherever the router is mounted."""
+    """Maps the registry's own errors to responses, wherever the router is mounted, and
+    answers 405 with every method of the path in `Allow` (Starlette names only the methods of
+    the first route it found for the path)."""
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.methods and scope["method"] not in self.methods:
+            allow = ", ".join(path_methods(scope, self.path_format))
+            response = JSONResponse(
+                {"detail": "Method Not Allowed"}, status_code=405, headers={"Allow": allow}
+            )
+            await response(scope, receive, send)
+            return
+        await super().handle(scope, receive, send)
 
     def get_route_handler(self) -> Callable[[Request], Any]:
         handler = super().get_route_handler()
@@ -317,6 +348,18 @@ class _RegistryRoute(APIRoute):
                 return JSONResponse({"detail": e.message}, status_code=e.status, headers=headers)
 
         return handle
+
+
+def path_methods(scope: Scope, path_format: str) -> list[str]:
+    """The methods of every route of the app serving `scope` at `path_format`."""
+    routes = scope["app"].router.routes if "app" in scope else []
+    methods = {
+        method
+        for route in routes
+        if isinstance(route, APIRoute) and route.path_format == path_format
+        for method in route.methods
+    }
+    return sorted(methods)
 
 
 def tenant_api(
@@ -347,18 +390,23 @@ def tenant_api(
     admin_route: dict[str, Any] = {"dependencies": [Depends(admin)], "tags": ["tenants (admin)"]}
 
     @router.post(
-        "/v1/tenants", status_code=201, responses=_responses(401, 403, 409, 503), **admin_route
+        "/v1/tenants",
+        status_code=201,
+        responses=_responses(400, 401, 403, 405, 409, 503),
+        **admin_route,
     )
     async def create_tenant(body: TenantCreate) -> TenantWithKey:
         """Create a tenant and its first API key (shown only in this response)."""
         created, key = await registry.create_tenant(body.name, body.adapter_quota)
         return TenantWithKey(tenant=TenantView.of(created), api_key=key)
 
-    @router.get("/v1/tenants", responses=_responses(401, 403), **admin_route)
+    @router.get("/v1/tenants", responses=_responses(401, 403, 405), **admin_route)
     async def list_tenants() -> TenantList:
         return TenantList(tenants=[TenantView.of(t) for t in await registry.tenants()])
 
-    @router.delete("/v1/tenants/{name}", responses=_responses(401, 403, 404, 503), **admin_route)
+    @router.delete(
+        "/v1/tenants/{name}", responses=_responses(401, 403, 404, 405, 503), **admin_route
+    )
     async def delete_tenant(name: str) -> TenantDeleted:
         """Delete a tenant and all its adapters (one etcd transaction)."""
         adapters = await registry.delete_tenant(name)
@@ -367,7 +415,7 @@ def tenant_api(
     @router.post(
         "/v1/tenants/{name}/keys",
         status_code=201,
-        responses=_responses(401, 403, 404, 503),
+        responses=_responses(400, 401, 403, 404, 405, 503),
         **admin_route,
     )
     async def issue_key(name: str, body: KeyRequest | None = None) -> TenantWithKey:
@@ -381,7 +429,7 @@ def tenant_api(
         "/v1/adapters",
         status_code=201,
         openapi_extra=_REGISTRATION_BODY,
-        responses=_responses(400, 401, 403, 409, 413, 415, 422, 503),
+        responses=_responses(400, 401, 403, 405, 409, 413, 415, 422, 429, 503),
         **adapter_route,
     )
     async def register_adapter(request: Request, owner: Owner) -> AdapterRecord:
@@ -418,16 +466,18 @@ def tenant_api(
                     await _copy_from_path(body.path, owner.name, staged)
                 return await registry.register(owner, name, pinned, staged)
 
-    @router.get("/v1/adapters", responses=_responses(401, 403), **adapter_route)
+    @router.get("/v1/adapters", responses=_responses(401, 403, 405), **adapter_route)
     async def list_adapters(owner: Owner) -> AdapterList:
         """The caller's adapters, sorted by name."""
         return AdapterList(adapters=await registry.adapters(owner.name))
 
-    @router.get("/v1/adapters/{name}", responses=_responses(401, 403, 404), **adapter_route)
+    @router.get("/v1/adapters/{name}", responses=_responses(401, 403, 404, 405), **adapter_route)
     async def get_adapter(name: str, owner: Owner) -> AdapterRecord:
         return await registry.adapter(owner.name, name)
 
-    @router.delete("/v1/adapters/{name}", responses=_responses(401, 403, 404, 503), **adapter_route)
+    @router.delete(
+        "/v1/adapters/{name}", responses=_responses(401, 403, 404, 405, 503), **adapter_route
+    )
     async def delete_adapter(name: str, owner: Owner) -> AdapterRecord:
         """Delete one of the caller's adapters; returns the record as it was."""
         return await registry.delete(owner.name, name)
@@ -439,7 +489,7 @@ def tenant_api(
 
     @router.post(
         "/v1/load_lora_adapter",
-        responses=_responses(400, 401, 403, 409, 413, 422, 503),
+        responses=_responses(400, 401, 403, 405, 409, 413, 422, 429, 503),
         **vllm_route,
     )
     async def load_lora_adapter(body: LoadLoRAAdapterRequest, owner: Owner) -> str:
@@ -456,7 +506,9 @@ def tenant_api(
                 await registry.register(owner, body.lora_name, False, staged)
         return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
-    @router.post("/v1/unload_lora_adapter", responses=_responses(401, 403, 404, 503), **vllm_route)
+    @router.post(
+        "/v1/unload_lora_adapter", responses=_responses(400, 401, 403, 404, 405, 503), **vllm_route
+    )
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, owner: Owner) -> str:
         await registry.delete(owner.name, body.lora_name)
         return f"Success: LoRA adapter '{body.lora_name}' removed successfully."

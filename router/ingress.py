@@ -109,7 +109,8 @@ class _OpenAIRoute(APIRoute):
                 error = OpenAIError(e.status_code, str(e.detail), code=code, headers=e.headers)
                 return error.response()
             except RegistryUnavailable as e:
-                message = f"registry unavailable; retry later ({e})"
+                log.warning("registry unavailable: %s", e)  # the endpoint is the operator's
+                message = "registry unavailable; retry later"
                 return OpenAIError(503, message, headers={"Retry-After": "5"}).response()
 
         return handle

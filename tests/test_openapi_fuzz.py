@@ -45,6 +45,7 @@ from loraplex.router.ingress import RegistryHandles, build_ingress
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 
 ADMIN_TAG = "tenants (admin)"
+BASE_ID = "loraplex-demo-llama"
 MAX_EXAMPLES = 25  # per operation and phase; ~1,000 requests per spec
 RUN_TIMEOUT_S = 300
 
@@ -80,7 +81,13 @@ def schemathesis_run(target: Target, key: str, *selection: str) -> tuple[int, st
         "--workers", "1", "--request-timeout", "60", "--no-color",
         "--header", f"Authorization: Bearer {key}", *selection,
     ]  # fmt: skip
-    env = {**os.environ, "NO_PROXY": "127.0.0.1", "SCHEMATHESIS_HOOKS": ""}
+    env = {
+        **os.environ,
+        "NO_PROXY": "127.0.0.1",
+        "PYTHONPATH": str(Path(__file__).parent),
+        "SCHEMATHESIS_HOOKS": "schemathesis_hooks",
+        "LORAPLEX_FUZZ_MODELS": f"{BASE_ID},fuzzed",
+    }
     run = subprocess.run(
         cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=target.tmp
     )
@@ -127,7 +134,7 @@ def ingress(shared_etcd_server: EtcdServer, demo_assets: DemoAssets, tmp_path) -
     app = build_ingress(
         LocalBackend(engine),
         Tokenizer(demo_assets.model_dir),
-        base_model_id="loraplex-demo-llama",
+        base_model_id=BASE_ID,
         max_model_len=engine.core.max_model_len,
         registry=handles,
     )

@@ -951,6 +951,8 @@ def test_etcd_down_writes_503_reads_from_the_snapshot(etcd_server: EtcdServer, t
                 "registry unavailable, nothing was changed; retry later"
             )
             assert w.headers["retry-after"] == "5"
+            port = etcd_server.endpoint.rpartition(":")[2]
+            assert port not in w.text, "the etcd endpoint is the operator's, not the caller's"
         assert tree(tmp_path / "artifacts") == artifacts_before
         assert client.get("/v1/adapters", headers=tenant).json() == {"adapters": [record]}
         assert client.get("/v1/adapters/first", headers=tenant).json() == record

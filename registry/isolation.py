@@ -74,7 +74,8 @@ async def run_isolated(limits: WorkLimits, fn: Callable[..., T], *args: Any) -> 
         sender.close()
         receiver.close()
         if child.pid is not None:
-            child.kill()
+            if child.is_alive():  # past its time, or this call was cancelled
+                child.kill()
             await asyncio.to_thread(child.join)
     if outcome == "ok":
         return value

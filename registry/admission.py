@@ -5,7 +5,7 @@ Every registration holds a slot of its tenant for its whole life (`max_uploads_p
 and reserves staging bytes before it writes them: a multipart body as it arrives, and
 `max_adapter_bytes` before an archive is extracted or a path is copied (what that step can
 write at most). The sum of reservations never passes `staging_max_bytes`; a registration that
-would pass it is refused at once (503, retry later), so a burst of uploads — each within its
+would pass it is refused at once (`StagingFull`, retry later), so a burst of uploads — each within its
 own limits — cannot fill the disk. State lives on the event loop: no lock.
 """
 
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+
+from loraplex.registry.errors import StagingFull, TooManyUploads
 
 
 def check_staging_budget(
@@ -27,17 +29,6 @@ def check_staging_budget(
         )
 
 
-class Busy(Exception):
-    """The registration was refused for now; retrying after `retry_after_s` may succeed."""
-
-    def __init__(self, status: int, message: str, retry_after_s: int = 5) -> None:
-        assert status in (429, 503), status
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.retry_after_s = retry_after_s
-
-
 class Reservation:
     """Staging bytes held by one registration; returned when it ends."""
 
@@ -48,8 +39,7 @@ class Reservation:
     def take(self, n: int) -> None:
         admission = self._admission
         if admission.staged + n > admission.staging_max_bytes:
-            raise Busy(
-                503,
+            raise StagingFull(
                 "the registry's staging space is in use by other uploads "
                 f"(staging_max_bytes = {admission.staging_max_bytes}); retry later",
             )
@@ -73,8 +63,7 @@ class UploadAdmission:
     def admit(self, tenant: str) -> Iterator[Reservation]:
         """A slot of `tenant` and an empty reservation, for one registration."""
         if self.in_flight.get(tenant, 0) >= self.max_uploads_per_tenant:
-            raise Busy(
-                429,
+            raise TooManyUploads(
                 f"{self.max_uploads_per_tenant} registrations of tenant {tenant!r} are in "
                 "flight (max_uploads_per_tenant); retry when one has finished",
             )

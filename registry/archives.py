@@ -1,6 +1,6 @@
 """An untrusted container of an adapter: a tar.gz upload, extracted without escapes or bombs
-(a registration path: `paths.py`). Refusals are
-`AdapterRejected` (400 unreadable or forbidden, 413 too large, 422 pickle weights)."""
+(a registration path: `paths.py`). Refusals are `AdapterRejected`: `Invalid` (unreadable or
+forbidden), `TooLarge`, `Unacceptable` (pickle weights)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO
 
+from loraplex.registry.errors import Invalid, TooLarge, Unacceptable
 from loraplex.registry.tar_reader import (
     BLOCK,
     EXTENDED_HEADERS_PER_ENTRY,
@@ -25,19 +26,10 @@ from loraplex.registry.validation import (
     CONFIG_FILE,
     PICKLE_WEIGHTS_FILE,
     WEIGHTS_FILE,
-    AdapterRejected,
     shown,
 )
 
 _STEP_BYTES = 64 << 10
-
-
-def _bad(message: str) -> AdapterRejected:
-    return AdapterRejected(400, message)
-
-
-def _too_large(message: str) -> AdapterRejected:
-    return AdapterRejected(413, message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,10 +55,10 @@ def _decompressed(fileobj: IO[bytes], limit: int, framing: int) -> Iterator[byte
         else:  # the input is all read: take what zlib still holds
             out = decompressor.flush()
             if not decompressor.eof:
-                raise _bad("archive is not a complete gzip stream (truncated upload?)")
+                raise Invalid("archive is not a complete gzip stream (truncated upload?)")
         produced += len(out)
         if produced > limit + framing:
-            raise _too_large(f"archive expands past {limit} bytes; refusing to decompress further")
+            raise TooLarge(f"archive expands past {limit} bytes; refusing to decompress further")
         yield out
 
 
@@ -106,16 +98,16 @@ def safe_extract_tar_gz(fileobj: IO[bytes], dest: Path, limits: ArchiveLimits) -
         _extract_members(TarReader(stream), dest, limits, written)
         missing = [name for name in ADAPTER_FILES if not (dest / name).is_file()]
         if missing:
-            raise _bad(
+            raise Invalid(
                 f"archive lacks {', '.join(missing)}; it must hold {CONFIG_FILE} and {WEIGHTS_FILE}"
             )
     except BaseException as e:
         for path in written:
             path.unlink(missing_ok=True)
         if isinstance(e, TarTooLarge):
-            raise _too_large(f"archive refused: {e}") from None
+            raise TooLarge(f"archive refused: {e}") from None
         if isinstance(e, TarFormatError | zlib.error | EOFError):
-            raise _bad(f"archive is not a valid tar.gz: {e}") from None
+            raise Invalid(f"archive is not a valid tar.gz: {e}") from None
         raise
     return dest
 
@@ -127,14 +119,14 @@ def _extract_members(
     top: str | None = None
     for count, member in enumerate(reader.entries(), start=1):
         if count > limits.max_members:
-            raise _too_large(
+            raise TooLarge(
                 f"archive has more than {limits.max_members} members; expected {CONFIG_FILE} and {WEIGHTS_FILE}"
             )
         name = shown(member.name)
         parts = _member_parts(member.name)
         if member.kind == "dir":
             if len(parts) > 1:
-                raise _bad(
+                raise Invalid(
                     f"archive member {name}: nested folders are not accepted; files must sit at the top level or in one folder"
                 )
             top = _same_folder(member.name, top, parts[0] if parts else None)
@@ -143,27 +135,26 @@ def _extract_members(
             kind = {"symlink": "a symlink", "hard link": "a hard link"}.get(
                 member.kind, "a device or fifo" if member.kind in ("device", "fifo") else None
             )
-            raise _bad(
+            raise Invalid(
                 f"archive member {name} is {kind}; only regular files are accepted"
                 if kind
                 else f"archive member {name} has unsupported tar {member.kind}; only regular files are accepted"
             )
         filename = parts[-1] if parts else ""
         if filename == PICKLE_WEIGHTS_FILE:
-            raise AdapterRejected(
-                422,
-                f"archive member {name}: pickle weights are refused; use {WEIGHTS_FILE}",
+            raise Unacceptable(
+                f"archive member {name}: pickle weights are refused; use {WEIGHTS_FILE}"
             )
         if filename not in ADAPTER_FILES or len(parts) > 2:
-            raise _bad(
+            raise Invalid(
                 f"archive member {name} is not accepted; an archive holds only {CONFIG_FILE} and {WEIGHTS_FILE}, optionally inside one folder"
             )
         top = _same_folder(member.name, top, parts[0] if len(parts) == 2 else "")
         target = dest / filename
         if target.exists():
-            raise _bad(f"archive holds {filename} twice")
+            raise Invalid(f"archive holds {filename} twice")
         if total + member.size > limits.max_total_bytes:
-            raise _too_large(f"archive contents exceed {limits.max_total_bytes} bytes")
+            raise TooLarge(f"archive contents exceed {limits.max_total_bytes} bytes")
         written.append(target)
         total += _copy_member(reader, target)
 
@@ -172,23 +163,23 @@ def _same_folder(name: str, top: str | None, folder: str | None) -> str | None:
     """The one folder (or "" for the top level) all files share; None until the first."""
     if folder is None or top is None or folder == top:
         return top if folder is None else folder
-    raise _bad(
+    raise Invalid(
         f"archive member {shown(name)}: files must sit together at the top level or in one folder"
     )
 
 
 def _member_parts(name: str) -> tuple[str, ...]:
     if name.startswith("/") or re.match(r"^[A-Za-z]:", name):
-        raise _bad(
+        raise Invalid(
             f"archive member {shown(name)} has an absolute path; only relative names are accepted"
         )
     if "\\" in name:
-        raise _bad(
+        raise Invalid(
             f"archive member {shown(name)} contains a backslash; use '/' separated relative names"
         )
     parts = tuple(p for p in PurePosixPath(name).parts if p != ".")
     if ".." in parts:
-        raise _bad(f"archive member {shown(name)} contains '..'; path traversal is refused")
+        raise Invalid(f"archive member {shown(name)} contains '..'; path traversal is refused")
     return parts
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any, TypeVar
 
-from loraplex.registry.validation import AdapterRejected
+from loraplex.registry.errors import AdapterRejected, Invalid, TooLarge
 
 T = TypeVar("T")
 
@@ -61,8 +61,7 @@ async def run_isolated(limits: WorkLimits, fn: Callable[..., T], *args: Any) -> 
         await asyncio.to_thread(child.start)
         sender.close()
         if not await _readable(receiver, limits.timeout_s):
-            raise AdapterRejected(
-                413,
+            raise TooLarge(
                 f"processing the adapter took longer than {limits.timeout_s:g} s "
                 "(work_timeout_s); nothing was stored",
             )
@@ -111,9 +110,7 @@ async def _readable(connection: Connection, timeout_s: float) -> bool:
 def _died(child: Any) -> Exception:
     child.join(1)
     if child.exitcode == -9:  # SIGKILL: the kernel's OOM killer, or an operator
-        return AdapterRejected(
-            413, "processing the adapter was killed (out of memory?); nothing was stored"
-        )
+        return TooLarge("processing the adapter was killed (out of memory?); nothing was stored")
     return WorkerFailed(f"the registry's worker process died (exit code {child.exitcode})")
 
 
@@ -124,13 +121,13 @@ def _work(sender: Connection, memory_bytes: int, fn: Callable[..., Any], args: t
     except AdapterRejected as e:
         result = ("rejected", e)
     except MemoryError:
-        result = ("rejected", AdapterRejected(413, _MEMORY_MESSAGE.format(memory_bytes)))
+        result = ("rejected", TooLarge(_MEMORY_MESSAGE.format(memory_bytes)))
     except RecursionError:
         message = "a JSON document in the adapter is nested too deeply"
-        result = ("rejected", AdapterRejected(400, message))
+        result = ("rejected", Invalid(message))
     except OSError as e:  # a file that changed or vanished under the reader
         message = f"the adapter's files could not be read ({e.strerror or type(e).__name__})"
-        result = ("rejected", AdapterRejected(400, message))
+        result = ("rejected", Invalid(message))
     except BaseException:
         result = ("failed", traceback.format_exc())
     sender.send(result)

@@ -18,20 +18,11 @@ import stat
 from collections import deque
 from pathlib import Path
 
-from loraplex.registry.validation import (
-    ADAPTER_FILES,
-    PICKLE_WEIGHTS_FILE,
-    WEIGHTS_FILE,
-    AdapterRejected,
-    shown,
-)
+from loraplex.registry.errors import Invalid, TooLarge, Unacceptable
+from loraplex.registry.validation import ADAPTER_FILES, PICKLE_WEIGHTS_FILE, WEIGHTS_FILE, shown
 
 _MAX_LINKS = 40  # as the kernel's own limit on links followed in one lookup
 _COPY_CHUNK = 1 << 20
-
-
-def _bad(message: str) -> AdapterRejected:
-    return AdapterRejected(400, message)
 
 
 def copy_from_path(path: str, roots: list[str], tenant: str, dest: Path, max_bytes: int) -> None:
@@ -42,8 +33,10 @@ def copy_from_path(path: str, roots: list[str], tenant: str, dest: Path, max_byt
         folder = subtree.open(parts, directory=True)
     except OSError as e:
         if e.errno in (errno.EXDEV, errno.ELOOP):
-            raise _bad(f"path {shown(path)} cannot be opened: {e.strerror}") from None
-        raise _bad(f"path {shown(path)} is not a folder; expected a PEFT adapter folder") from None
+            raise Invalid(f"path {shown(path)} cannot be opened: {e.strerror}") from None
+        raise Invalid(
+            f"path {shown(path)} is not a folder; expected a PEFT adapter folder"
+        ) from None
     os.close(folder)
     opened: dict[str, int] = {}
     try:
@@ -53,20 +46,17 @@ def copy_from_path(path: str, roots: list[str], tenant: str, dest: Path, max_byt
             except FileNotFoundError:
                 continue
             except OSError as e:
-                raise _bad(f"{name} in {shown(path)} cannot be opened ({e.strerror})") from None
+                raise Invalid(f"{name} in {shown(path)} cannot be opened ({e.strerror})") from None
             if not stat.S_ISREG(os.fstat(opened[name]).st_mode):
-                raise _bad(f"{name} in {shown(path)} is not a regular file")
+                raise Invalid(f"{name} in {shown(path)} is not a regular file")
         if WEIGHTS_FILE not in opened and PICKLE_WEIGHTS_FILE in opened:
-            raise AdapterRejected(
-                422,
+            raise Unacceptable(
                 f"{PICKLE_WEIGHTS_FILE} (pickle) is refused; save the adapter with safetensors ({WEIGHTS_FILE})",
             )
         present = {name: fd for name, fd in opened.items() if name in ADAPTER_FILES}
         size = sum(os.fstat(fd).st_size for fd in present.values())
         if size > max_bytes:
-            raise AdapterRejected(
-                413, f"adapter is {size} bytes; the limit is {max_bytes} (max_adapter_bytes)"
-            )
+            raise TooLarge(f"adapter is {size} bytes; the limit is {max_bytes} (max_adapter_bytes)")
         dest.mkdir()
         for name, fd in present.items():
             _copy(fd, dest / name, max_bytes)
@@ -78,9 +68,11 @@ def copy_from_path(path: str, roots: list[str], tenant: str, dest: Path, max_byt
 def _tenant_subtree(path: str, roots: list[str], tenant: str) -> tuple[_Subtree, list[str]]:
     """The subtree of `tenant` that `path` names, and the components of `path` below it."""
     if not roots:
-        raise _bad("registration by path is disabled: the server has no allowed_roots configured")
+        raise Invalid(
+            "registration by path is disabled: the server has no allowed_roots configured"
+        )
     if not path or "\x00" in path or not path.startswith("/"):
-        raise _bad(f"path {shown(path)} must be an absolute path")
+        raise Invalid(f"path {shown(path)} must be an absolute path")
     components = path.split("/")[1:]
     for root in roots:
         for spelling in dict.fromkeys((os.path.abspath(root), os.path.realpath(root))):
@@ -93,7 +85,7 @@ def _tenant_subtree(path: str, roots: list[str], tenant: str) -> tuple[_Subtree,
                 except OSError:
                     continue
                 return subtree, components[len(prefix) :]
-    raise _bad(
+    raise Invalid(
         f"path {shown(path)} is not in your folder of an allowed root: tenant {tenant!r} may "
         f"register only from <allowed root>/{tenant}/ (ask the operator for the allowed roots)"
     )
@@ -178,5 +170,5 @@ def _copy(fd: int, target: Path, max_bytes: int) -> None:
         while chunk := source.read(_COPY_CHUNK):
             copied += len(chunk)
             if copied > max_bytes:  # the file grew after it was measured
-                raise AdapterRejected(413, f"adapter exceeds {max_bytes} bytes (max_adapter_bytes)")
+                raise TooLarge(f"adapter exceeds {max_bytes} bytes (max_adapter_bytes)")
             out.write(chunk)

@@ -2,8 +2,8 @@
 
 A random `model` names nothing, so nearly every generated completion would stop at 404
 before reaching the engine: three cases in four name a servable model instead, chosen by a
-checksum of the body so that runs repeat. A `model` that is not a string is left alone (it
-is the field a negative case broke)."""
+checksum of the body so that runs repeat. A `model` the spec refuses (not a string, empty,
+over 256 characters) is left alone: it is the field a negative case broke on purpose."""
 
 from __future__ import annotations
 
@@ -23,6 +23,8 @@ def map_body(context: schemathesis.HookContext, body: Any) -> Any:
     if operation is None or operation.path not in GENERATION_PATHS:
         return body
     if not isinstance(body, dict) or not isinstance(body.get("model"), str):
+        return body
+    if not 1 <= len(body["model"]) <= 256:
         return body
     models = os.environ["LORAPLEX_FUZZ_MODELS"].split(",")
     pick = zlib.crc32(json.dumps(body, sort_keys=True, default=str).encode()) % (len(models) + 1)

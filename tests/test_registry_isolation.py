@@ -10,8 +10,9 @@ import time
 
 import pytest
 
+from loraplex.registry.api_errors import status_code
+from loraplex.registry.errors import AdapterRejected, Unacceptable
 from loraplex.registry.isolation import WorkerFailed, WorkLimits, run_isolated
-from loraplex.registry.validation import AdapterRejected
 
 LIMITS = WorkLimits(timeout_s=30, memory_bytes=256 << 20)
 
@@ -27,24 +28,24 @@ def test_the_result_comes_from_another_process():
 def test_a_refusal_crosses_back_as_itself():
     with pytest.raises(AdapterRejected) as info:
         run(LIMITS, _refuse)
-    assert (info.value.status, info.value.message) == (422, "no thanks")
+    assert (status_code(info.value), info.value.message) == (422, "no thanks")
 
 
 def _refuse() -> None:
-    raise AdapterRejected(422, "no thanks")
+    raise Unacceptable("no thanks")
 
 
 def test_memory_past_the_limit_is_a_413():
     with pytest.raises(AdapterRejected, match="work_memory_bytes") as info:
         run(LIMITS, bytearray, 1 << 30)
-    assert info.value.status == 413
+    assert status_code(info.value) == 413
 
 
 def test_time_past_the_limit_kills_the_worker():
     start = time.monotonic()
     with pytest.raises(AdapterRejected, match="took longer than 0.5 s") as info:
         run(WorkLimits(timeout_s=0.5, memory_bytes=256 << 20), time.sleep, 60)
-    assert info.value.status == 413 and time.monotonic() - start < 10
+    assert status_code(info.value) == 413 and time.monotonic() - start < 10
     assert multiprocessing.active_children() == []
 
 

@@ -31,6 +31,7 @@ from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.auth import Authenticator
 from loraplex.registry.models import NAME_PATTERN, AdapterRecord, Tenant
 from loraplex.registry.service import RegistryService, resolve_adapter
+from loraplex.registry.settings import AdapterLimits, RegistrySettings
 from loraplex.registry.store import EtcdSettings, RegistryStore, RegistryUnavailable
 from loraplex.registry.validation import CONFIG_FILE, WEIGHTS_FILE, AdapterRejected, BaseModelShape
 from loraplex.registry.watch import RegistryWatcher
@@ -38,8 +39,9 @@ from loraplex.registry.watch import RegistryWatcher
 __all__ = ["RegistryAPISettings", "create_app", "resolve_adapter", "tenant_api"]
 
 
-class RegistryAPISettings(BaseModel):
-    """Operator settings of the tenant API."""
+class RegistryAPISettings(RegistrySettings, AdapterLimits):
+    """Operator settings of the tenant API: the limits (registry/settings.py), the admin key
+    and the base model adapters are checked against."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -53,23 +55,8 @@ class RegistryAPISettings(BaseModel):
     base_model: BaseModelShape = Field(
         description="Dimensions of the base model that adapter tensor shapes are checked against."
     )
-    max_lora_rank: int = Field(128, ge=1, le=4096, description="Largest LoRA rank accepted.")
-    max_adapter_bytes: int = Field(
-        1 << 30, ge=1, description="Largest adapter accepted: config plus safetensors, in bytes."
-    )
-    max_upload_bytes: int = Field(
-        (1 << 30) + (1 << 20),
-        ge=1,
-        description="Largest registration request body (multipart framing and gzip included); "
-        "reading stops with 413 as soon as it is passed.",
-    )
     max_archive_members: int = Field(
         8, ge=2, le=1024, description="Most tar entries read from an uploaded archive."
-    )
-    allowed_roots: list[str] = Field(
-        default_factory=list,
-        description="Folders from which adapters may be registered by path (symlinks "
-        "resolved); empty disables registration by path.",
     )
     staging_dir: str | None = Field(
         None,

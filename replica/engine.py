@@ -22,7 +22,7 @@ import torch
 
 from loraplex.kernels.backend import make_backend, resolve_kernels
 from loraplex.replica.batch import build_step_batch
-from loraplex.replica.config import EngineConfig, MiB
+from loraplex.replica.config import EngineConfig, context_window
 from loraplex.replica.memory.adapter_cache import AdapterCache, UnknownAdapter
 from loraplex.replica.memory.adapters import AdapterError, AdapterWeights, load_adapter, plan_layout
 from loraplex.replica.memory.kv_cache import KVCache
@@ -35,6 +35,7 @@ from loraplex.replica.scheduling.scheduler import Scheduler
 from loraplex.replica.sequence import RequestOutput, Sequence
 from loraplex.replica.step_costs import StepCostEstimator
 from loraplex.replica.tokenizer import Tokenizer
+from loraplex.settings import MiB
 
 
 class RequestError(ValueError):
@@ -56,7 +57,7 @@ class LLMEngine:
         device = torch.device(cfg.device)
         dtype = None if cfg.dtype == "auto" else DTYPES[cfg.dtype]
         self.model_config = mc = ModelConfig.from_pretrained(Path(cfg.model), dtype)
-        self.max_model_len = cfg.max_model_len or min(mc.max_position_embeddings, 8192)
+        self.max_model_len = context_window(cfg.max_model_len, mc.max_position_embeddings)
         self.tp = None
         if cfg.tp > 1:  # this process is rank 0: its model, pool and KV hold its share
             from loraplex.replica.parallel.group import TensorParallelGroup

@@ -36,12 +36,12 @@ import yaml
 
 from loraplex.cluster.adapters_cli import Endpoint, add_adapter, remove_adapter
 from loraplex.cluster.config import LoraplexConfig
-from loraplex.cluster.local_cluster import pid_alive, ray_temp_dir, stop_orphaned_etcd
-from loraplex.cluster.supervisor import read_state
+from loraplex.cluster.local_cluster import ray_temp_dir
+from loraplex.cluster.state import pid_alive, read_state, stop_orphaned_etcd
 from loraplex.demo.assets import DemoAssets
 from loraplex.net import free_port
 from loraplex.registry.etcd_process import INSTALL_HINT, find_etcd_binary
-from loraplex.replica.deployment import build_engine_config
+from loraplex.replica.config import build_engine_config
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.protocol import adapter_id
 from loraplex.replica.sampling import SamplingParams

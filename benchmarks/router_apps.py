@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, Any
 
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.etcd_client import EtcdSettings
-from loraplex.replica.deployment import ReplicaDeployment, build_engine_config, deployment
+from loraplex.replica.config import build_engine_config
+from loraplex.replica.deployment import ReplicaDeployment, deployment
 from loraplex.replica.engine import Engine
 from loraplex.replica.protocol import GenerateChunk, GenerateRequest, chunk
 from loraplex.replica.protocol import sampling_params as to_sampling_params
 
 if TYPE_CHECKING:
-    from loraplex.benchmarks.router import Workload
+    from loraplex.benchmarks.router_workload import Workload
 
 REPLICA_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # 3 engines share 2 cores
 

@@ -69,6 +69,16 @@ class Ingress:
         )
 
 
+def app_parts() -> tuple[type, ...]:
+    """What the app is built from, imported (ImportError names a part this install lacks:
+    `loraplex up` checks before starting anything)."""
+    from loraplex.replica.deployment import ReplicaDeployment
+    from loraplex.router.ingress import RegistryHandles
+    from loraplex.router.serve_backend import ServeBackend
+
+    return ReplicaDeployment, RegistryHandles, ServeBackend
+
+
 def build_app(args: dict[str, Any]) -> Application:
     """The application for `args` (LoraplexConfig fields). ValueError when it cannot be
     deployed as configured (no model, no etcd endpoints, no artifact root)."""

@@ -17,6 +17,7 @@ import asyncio
 import os
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Response, Security
@@ -391,7 +392,7 @@ def tenant_api(
         await registry.delete(owner.name, body.lora_name)
         return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
-    async def _copy_from_path(path: str, staged: os.PathLike[str]) -> None:
+    async def _copy_from_path(path: str, staged: Path) -> None:
         await asyncio.to_thread(
             uploads.copy_from_path, path, settings.allowed_roots, staged, settings.max_adapter_bytes
         )

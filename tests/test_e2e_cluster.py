@@ -335,6 +335,19 @@ class Streams:
         for started in self.started:
             assert started.wait(timeout), f"a stream sent no first event within {timeout}s"
 
+    def settled(self, at_least: int, quiet_s: float = 1.0, timeout: float = 60.0) -> int:
+        """Once `at_least` streams have ended and no other ends for `quiet_s` (the ingress
+        has nothing more to deliver), how many are still open."""
+        deadline = time.monotonic() + timeout
+        while sum(f.done() for f in self.futures) < at_least:
+            assert time.monotonic() < deadline, f"fewer than {at_least} streams ended in {timeout}s"
+            time.sleep(0.05)
+        while True:
+            done = sum(f.done() for f in self.futures)
+            time.sleep(quiet_s)
+            if sum(f.done() for f in self.futures) == done:
+                return len(self.futures) - done
+
     def results(self, timeout: float = 90.0) -> list[int | openai.APIError]:
         deadline = time.monotonic() + timeout
         return [f.result(timeout=max(0.1, deadline - time.monotonic())) for f in self.futures]
@@ -353,6 +366,33 @@ def replica_actors(ray) -> dict[str, str]:
         for entry in ray.util.list_named_actors(all_namespaces=True)
         if entry["namespace"] == "serve" and entry["name"].startswith(REPLICA_PREFIX)
     }
+
+
+def actor_pid(ray, name: str) -> int:
+    """The process id of a replica actor."""
+    actor = ray.get_actor(name, namespace="serve")
+    return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+
+
+class Frozen:
+    """A process stopped (SIGSTOP) for the block: `kill()` ends it (SIGKILL, as a crash
+    would); otherwise it runs on (SIGCONT) when the block ends."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.killed = False
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+        self.killed = True
+
+    def __enter__(self) -> Frozen:
+        os.kill(self.pid, signal.SIGSTOP)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.killed:
+            os.kill(self.pid, signal.SIGCONT)
 
 
 def routing_stats(ray) -> dict[str, dict[str, Any]]:
@@ -602,22 +642,41 @@ def test_killing_a_replica_mid_stream_neither_hangs_nor_loses_adapters(
     before = replica_actors(ray)
     assert len(before) == 2, before
 
-    long = 600  # tokens: seconds of decoding, so the kill lands mid-stream
-    with Streams(acme, [BASE_ID, "stream", BASE_ID, "stream"], max_tokens=long) as streams:
-        streams.wait_started()
-        time.sleep(0.5)
-        queues = {r: s["queue_len"] for r, s in routing_stats(ray).items()}
-        assert set(queues) == set(before), queues
-        victim = max(queues, key=queues.__getitem__)
-        (survivor,) = set(before) - {victim}
-        assert queues[victim] > 0, queues
-        ray.kill(ray.get_actor(before[victim], namespace="serve"), no_restart=True)
+    # Why this test once failed: the victim was picked from routing stats after every stream
+    # had started plus 0.5 s, and killed after a further RPC; on a quiet machine 600 tokens
+    # of the demo model take about as long, so its streams could finish first. Now the
+    # victim is frozen (SIGSTOP) as soon as its queue is read: its streams cannot finish
+    # until the kill. Once the others have ended and the client has seen everything the
+    # ingress holds, exactly queues[victim] streams must still be open; if one of the
+    # victim's slipped out between the read and the freeze, the round is repeated.
+    pids = {replica: actor_pid(ray, name) for replica, name in before.items()}
+    long = 600  # tokens: seconds of decoding
+    for _ in range(3):
+        with Streams(acme, [BASE_ID, "stream", BASE_ID, "stream"], max_tokens=long) as streams:
+            streams.wait_started()
+            queues = {r: s["queue_len"] for r, s in routing_stats(ray).items()}
+            victim = max(queues, key=queues.__getitem__)
+            with Frozen(pids[victim]) as freeze:
+                assert set(queues) == set(before), queues
+                assert queues[victim] > 0, queues
+                if (
+                    streams.settled(at_least=len(streams.futures) - queues[victim])
+                    == queues[victim]
+                ):
+                    freeze.kill()  # mid-stream, by construction
+            if not freeze.killed:  # one of the victim's streams ended before the freeze
+                streams.results()  # the others end now that it runs again
+                continue
 
-        # sent while the router may still count the victim in: retried before any token
-        for model in (BASE_ID, "stream", BASE_ID):
-            assert complete(acme, model, max_tokens=8).usage.completion_tokens == 8
+            # sent while the router may still count the victim in: retried before any token
+            for model in (BASE_ID, "stream", BASE_ID):
+                assert complete(acme, model, max_tokens=8).usage.completion_tokens == 8
 
-        results = streams.results()  # never a hang
+            results = streams.results()  # never a hang
+            break
+    else:
+        pytest.fail("in 3 rounds a stream of the victim ended before it was frozen")
+    (survivor,) = set(before) - {victim}
     failed = [r for r in results if isinstance(r, Exception)]
     assert all(r == long for r in results if not isinstance(r, Exception)), results
     assert len(failed) == queues[victim], (queues, results)  # exactly the victim's streams

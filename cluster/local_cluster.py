@@ -34,9 +34,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from loraplex.cluster.config import HTTPSection, LoraplexConfig
+from loraplex.cluster.config import LoraplexConfig
 from loraplex.cluster.errors import CLIError
 from loraplex.cluster.flags import add_flags, flag_values
+from loraplex.cluster.sections import HTTPSection
 from loraplex.cluster.serve_status import serve_report
 from loraplex.cluster.state import (
     SUPERVISOR,

@@ -13,9 +13,10 @@ import secrets
 import sys
 from pathlib import Path
 
-from loraplex.cluster.config import ADMIN_KEY_ENV, LoraplexConfig
+from loraplex.cluster.config import LoraplexConfig
 from loraplex.cluster.errors import CLIError
 from loraplex.cluster.flags import add_flags, built, flag_values
+from loraplex.cluster.sections import ADMIN_KEY_ENV
 from loraplex.registry.settings import AdapterLimits, RegistrySettings
 
 NAMED = ("model_id", "artifact_root")  # the YAML config's settings of these names

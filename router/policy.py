@@ -170,6 +170,7 @@ class AffinityConfig:
         description="Judge each replica by the busy and host-load costs the replicas measure "
         "on their own steps and loads (the configured ones stand in until they have).",
     )
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="Seeds tie-breaks between replicas.")
 
     @model_validator(mode="after")
     def _host_below_cold(self) -> AffinityConfig:
@@ -271,11 +272,10 @@ class AffinityPolicy:
         self,
         config: AffinityConfig,
         clock: Callable[[], float] = time.monotonic,
-        seed: int = 0,
     ):
         self.config = config
         self.clock = clock
-        self._rng = random.Random(seed)
+        self._rng = random.Random(config.seed)
         self._counts: dict[str, tuple[float, float]] = {}  # adapter -> (decayed count, at)
         self._placed: dict[str, dict[str, float]] = {}  # replica -> {adapter: sent at}
 

@@ -1,9 +1,9 @@
 """The router's settings: the YAML config's `router:` section.
 
 The affinity policy's own settings are `AffinityConfig`'s (router/policy.py, each declared
-there once); this adds how replicas publish the stats it routes on, the seed of its ties and
-the ingress's wait for a first token. `affinity_kwargs` is what the Ray request router is
-given (`request_router_kwargs`).
+there once); this adds how replicas publish the stats it routes on and the ingress's wait
+for a first token. `affinity_kwargs` is what the Ray request router is given
+(`request_router_kwargs`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ class RouterSettings(AffinityConfig):
     """The adapter-affinity request router (router/policy.py AffinityConfig), how often
     replicas publish the stats it routes on, and the ingress's first-token deadline."""
 
-    seed: int = Field(0, ge=0, le=2**63 - 1, description="Seeds tie-breaks between replicas.")
     stats_period_s: float = Field(
         1.0, gt=0, le=600, description="How often each replica publishes its routing stats."
     )
@@ -38,9 +37,6 @@ class RouterSettings(AffinityConfig):
         "load); past it the client gets 503 instead of waiting on a cluster with no replica.",
     )
 
-    def affinity_config(self) -> AffinityConfig:
-        return AffinityConfig(**{f.name: getattr(self, f.name) for f in fields(AffinityConfig)})
-
     def affinity_kwargs(self) -> dict[str, Any]:
-        """AffinityConfig's fields and `seed`: the router's `request_router_kwargs`."""
-        return {f.name: getattr(self, f.name) for f in fields(AffinityConfig)} | {"seed": self.seed}
+        """AffinityConfig's fields: the router's `request_router_kwargs`."""
+        return {f.name: getattr(self, f.name) for f in fields(AffinityConfig)}

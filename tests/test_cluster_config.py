@@ -65,10 +65,7 @@ def test_defaults_are_a_two_replica_cpu_demo_and_match_the_engine_defaults():
     assert config.auth.admin_key_env == "LORAPLEX_ADMIN_KEY"
     engine = engine_of(config.model_copy(update={"model": "/m"}).engine_config())
     assert engine == EngineConfig(model="/m")  # same defaults as the engine's own
-    assert (
-        AffinityConfig(**{k: v for k, v in config.router.affinity_kwargs().items() if k != "seed"})
-        == AffinityConfig()
-    )
+    assert AffinityConfig(**config.router.affinity_kwargs()) == AffinityConfig()
 
 
 def test_from_yaml_resolves_paths_against_the_file_and_maps_every_engine_field(

@@ -19,6 +19,7 @@ from loraplex.replica.deployment import ReplicaDeployment, deployment
 from loraplex.replica.engine import Engine
 from loraplex.replica.protocol import GenerateChunk, GenerateRequest, chunk
 from loraplex.replica.protocol import sampling_params as to_sampling_params
+from loraplex.router.settings import RouterSettings
 
 if TYPE_CHECKING:
     from loraplex.benchmarks.router_workload import Workload
@@ -161,6 +162,7 @@ def build_app(
     replica = deployment(
         name=router,
         routing_stats_period_s=w.routing_stats_period_s,
+        routing_stats_timeout_s=RouterSettings().stats_timeout_s,
         router_kwargs=costs,
         **common,
     )

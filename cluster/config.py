@@ -170,11 +170,15 @@ class LoraplexConfig(BaseModel):
         )
 
     def serve_options(self) -> dict[str, Any]:
-        """`serve.deployment` options of the replica deployment."""
+        """The options of the replica deployment (replica/deployment.py `deployment`): Serve's
+        and its request router's."""
         r = self.replicas
         options: dict[str, Any] = {
             "ray_actor_options": {"num_cpus": r.num_cpus, "num_gpus": r.num_gpus},
             "max_ongoing_requests": r.max_ongoing_requests or self.engine.max_num_seqs,
+            "router_kwargs": self.router.affinity_kwargs(),
+            "routing_stats_period_s": self.router.stats_period_s,
+            "routing_stats_timeout_s": self.router.stats_timeout_s,
         }
         if r.tp > 1:  # rank 0 is the replica (bundle 0); ranks 1.. are actors in bundles 1..
             gpus = 1 if r.num_gpus else 0

@@ -179,19 +179,21 @@ class ReplicaDeployment:
 
 def deployment(
     *,
+    routing_stats_period_s: float,
+    routing_stats_timeout_s: float,
     num_replicas: int | str | None = 1,
     ray_actor_options: dict[str, Any] | None = None,
     router_kwargs: dict[str, Any] | None = None,
-    routing_stats_period_s: float = 1.0,
-    routing_stats_timeout_s: float = 10.0,
     max_ongoing_requests: int = 64,
     name: str = DEPLOYMENT_NAME,
     **options: Any,
 ):
     """`ReplicaDeployment` as a Serve deployment routed by AffinityRequestRouter.
 
-    router_kwargs         AffinityConfig fields, plus `seed` (passed to the router's
+    router_kwargs         AffinityConfig fields (passed to the router's
                           `initialize_state`)
+    routing_stats_*       how often replicas publish their routing stats, and the
+                          deadline of one call (router/settings.py RouterSettings)
     max_ongoing_requests  Serve's per-replica cap on requests in flight; keep it above
                           the engine's max_num_seqs (Serve's default, 5, would starve
                           the batch), the engine queues the rest

@@ -140,6 +140,9 @@ def test_from_yaml_resolves_paths_against_the_file_and_maps_every_engine_field(
         "num_replicas": 3,
         "ray_actor_options": {"num_cpus": 2, "num_gpus": 1},
         "max_ongoing_requests": 8,
+        "router_kwargs": config.router.affinity_kwargs(),
+        "routing_stats_period_s": 1.0,
+        "routing_stats_timeout_s": 10.0,
     }
 
 

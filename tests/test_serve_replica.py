@@ -34,6 +34,7 @@ from loraplex.replica.protocol import AdapterNotFound, GenerateRequest, adapter_
 from loraplex.replica.sampling import SamplingParams
 from loraplex.replica.scheduling.scheduler import SchedulerConfig
 from loraplex.router.policy import walk_order
+from loraplex.router.settings import RouterSettings
 
 TENANT = "acme"
 APP = "loraplex-test"
@@ -247,6 +248,7 @@ def cluster(
             num_replicas=2,
             ray_actor_options={"num_cpus": 0},
             routing_stats_period_s=0.5,
+            routing_stats_timeout_s=RouterSettings().stats_timeout_s,
             health_check_period_s=1.0,
             graceful_shutdown_wait_loop_s=0.2,
             graceful_shutdown_timeout_s=2.0,

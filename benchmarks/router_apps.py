@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING, Any
 
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.etcd_client import EtcdSettings
+from loraplex.replica.async_engine import Engine
 from loraplex.replica.config import build_engine_config
 from loraplex.replica.deployment import ReplicaDeployment, deployment
-from loraplex.replica.engine import Engine
 from loraplex.replica.protocol import GenerateChunk, GenerateRequest, chunk
 from loraplex.replica.protocol import sampling_params as to_sampling_params
 from loraplex.router.settings import RouterSettings

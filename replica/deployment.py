@@ -25,8 +25,8 @@ from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.etcd_client import EtcdSettings
 from loraplex.registry.watch import RegistryWatcher
 from loraplex.replica.adapter_sync import AdapterSync
+from loraplex.replica.async_engine import Engine
 from loraplex.replica.config import build_engine_config
-from loraplex.replica.engine import Engine
 from loraplex.replica.memory.adapter_cache import UnknownAdapter
 from loraplex.replica.protocol import (
     AdapterNotFound,

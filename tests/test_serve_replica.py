@@ -28,8 +28,9 @@ from loraplex.registry.models import AdapterRecord, Tenant
 from loraplex.registry.store import RegistryStore
 from loraplex.registry.watch import RegistryWatcher
 from loraplex.replica.adapter_sync import AdapterSync
+from loraplex.replica.async_engine import Engine
 from loraplex.replica.config import EngineConfig
-from loraplex.replica.engine import Engine, LLMEngine
+from loraplex.replica.engine import LLMEngine
 from loraplex.replica.protocol import AdapterNotFound, GenerateRequest, adapter_id
 from loraplex.replica.sampling import SamplingParams
 from loraplex.replica.scheduling.scheduler import SchedulerConfig

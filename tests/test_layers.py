@@ -39,11 +39,6 @@ ARROWS = {
 # The modules of replica/ the router may import: what crosses the process boundary (plain
 # dicts and their errors) and the tokenizer the ingress runs.
 REPLICA_PUBLIC_FACE = {"loraplex.replica.protocol", "loraplex.replica.tokenizer"}
-# Circles being broken elsewhere, each with where: delete the entry once it is gone.
-KNOWN_CYCLES = {
-    frozenset({"loraplex.registry.api", "loraplex.registry.service"}): "issue 11 §3: the "
-    "service raises domain errors that one mapping in the API layer turns into responses",
-}
 
 
 def modules() -> dict[str, Path]:
@@ -132,9 +127,7 @@ def test_the_packages_import_each_other_without_a_cycle():
 
 
 def test_no_two_modules_import_each_other_even_through_others():
-    cycles = [
-        c for c in _strongly_connected(GRAPH) if len(c) > 1 and frozenset(c) not in KNOWN_CYCLES
-    ]
+    cycles = [c for c in _strongly_connected(GRAPH) if len(c) > 1]
     assert not cycles, (
         "modules in an import circle (move what they share into a module both import):\n"
         + "\n".join("  " + " <-> ".join(sorted(c)) for c in cycles)

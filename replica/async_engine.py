@@ -14,7 +14,7 @@ from pathlib import Path
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import AdapterInfo, LLMEngine
 from loraplex.replica.sampling import SamplingParams
-from loraplex.replica.sequence import RequestOutput
+from loraplex.replica.sequence import Continuation, RequestOutput
 
 
 class Engine:
@@ -95,6 +95,7 @@ class Engine:
         params: SamplingParams,
         adapter: str | None = None,
         request_id: str | None = None,
+        continuation: Continuation | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs step by step. Closing the iterator early (or
         cancelling the task) aborts the request and frees its pages."""
@@ -104,7 +105,9 @@ class Engine:
         loop = asyncio.get_running_loop()
 
         def add():
-            seq = self.core.add_request(prompt, params, adapter, request_id)
+            seq = self.core.add_request(
+                prompt, params, adapter, request_id, continuation=continuation
+            )
             self._streams[seq.request_id] = (loop, queue)
             return seq
 

@@ -42,7 +42,11 @@ HOMONYMS = {
     "min_samples": "warm-up counts of different estimators (Chameleon's clustering, the "
     "step-cost fit)",
 }
-NOT_SETTINGS = {"ModelConfig": "a checkpoint's shape, read from its config.json"}
+NOT_SETTINGS = {
+    "ModelConfig": "a checkpoint's shape, read from its config.json",
+    "WorkLimits": "what one registry worker call gets, made from RegistrySettings' "
+    "work_timeout_s and work_memory_bytes by its work_limits()",
+}
 
 
 def product_files() -> list[Path]:

@@ -62,7 +62,7 @@ from loraplex.cluster.config import LoraplexConfig
 from loraplex.cluster.ray_up_files import CPU_TORCH, RAY_VERSION
 from loraplex.demo.assets import DemoAssets
 from loraplex.net import free_port
-from loraplex.replica.deployment import build_engine_config
+from loraplex.replica.config import build_engine_config
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.sampling import SamplingParams
 

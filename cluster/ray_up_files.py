@@ -82,11 +82,17 @@ HEAD_START_RAY_COMMANDS: list[Command] = [
     ),
 ]
 
+# `ray down` stops Ray on the head only (provider `local`): each worker runs a watcher that
+# stops its own Ray once the head's GCS is gone (cluster/ray_node_watch.py).
 WORKER_START_RAY_COMMANDS: list[Command] = [
     ("ray stop",),
     (
         f"ulimit -n 65536; {_ADMIN_KEY}",
         f"ray start --address=$RAY_HEAD_IP:6379 --node-ip-address={_NODE_IP}",
+    ),
+    (
+        "setsid python3 -m loraplex.cluster.ray_node_watch $RAY_HEAD_IP:6379",
+        "> ~/.loraplex-node-watch.log 2>&1 < /dev/null &",
     ),
 ]
 

@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -19,13 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.cluster.config import APP_NAME, LoraplexConfig
+from loraplex.cluster.ray_node_watch import RAY_LOST_AFTER_S, accepts, host_port
 from loraplex.cluster.serve_status import deployment_errors
 from loraplex.cluster.state import write_state
 
 log = logging.getLogger("loraplex.cluster")
-# How long the GCS may refuse connections before the supervisor takes Ray for gone: longer
-# than a GCS restart takes when it is fault tolerant, short next to `ray down`'s own wait.
-RAY_LOST_AFTER_S = 5.0
 
 
 class Supervisor:
@@ -61,11 +58,11 @@ class Supervisor:
             self.deploy(config)
             url = f"http://{_dial_host(config.http.host)}:{config.http.port}"
             self.phase("running", url=url)
-            gcs = _host_port(self.state["ray_address"])
+            gcs = host_port(self.state["ray_address"])
             refused_since = None
             while not self.stop.wait(1.0):
                 self.keep_etcd_up()
-                if _accepts(gcs):
+                if accepts(gcs):
                     refused_since = None
                     continue
                 refused_since = refused_since or time.monotonic()
@@ -153,19 +150,6 @@ class Supervisor:
                 else:
                     serve.delete(APP_NAME)
                 ray.shutdown()
-
-
-def _host_port(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    return host, int(port)
-
-
-def _accepts(address: tuple[str, int]) -> bool:
-    try:
-        with socket.create_connection(address, timeout=1.0):
-            return True
-    except OSError:
-        return False
 
 
 def _dial_host(host: str) -> str:

@@ -349,7 +349,11 @@ def test_ray_up_cluster_files_pass_rays_own_validation(name):
     validate_config(prepared)
     commands = " ".join(prepared["head_start_ray_commands"])
     assert "loraplex.cluster.cli up --config" in commands and "--address auto" in commands
-    assert all("LORAPLEX_ADMIN_KEY" in c for c in prepared["worker_start_ray_commands"][1:])
+    starts = [c for c in prepared["worker_start_ray_commands"] if "ray start" in c]
+    assert starts and all("LORAPLEX_ADMIN_KEY" in c for c in starts)
+    assert any(
+        "loraplex.cluster.ray_node_watch" in c for c in prepared["worker_start_ray_commands"]
+    )
 
 
 @pytest.mark.parametrize("name", ray_up_files.CLUSTER_FILES)
@@ -463,3 +467,24 @@ def test_down_and_status_without_a_cluster_say_so(tmp_path, capsys):
     # a stale state file whose pid is not a supervisor counts as not running
     state.write_state(tmp_path, {"pid": os.getpid(), "phase": "running"})
     assert local_cluster.status(tmp_path) == 1
+
+
+def test_a_worker_watch_returns_only_once_the_gcs_has_refused_for_a_while():
+    """cluster/ray_node_watch.py against a real listener standing in for the head's GCS."""
+    import socket
+    import threading
+
+    from loraplex.cluster import ray_node_watch
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    gcs = listener.getsockname()[:2]
+    done = threading.Event()
+    thread = threading.Thread(
+        target=lambda: (ray_node_watch.watch(gcs, poll_s=0.1), done.set()), daemon=True
+    )
+    thread.start()
+    assert not done.wait(1.5)  # the GCS answers: the watch goes on
+    listener.close()
+    closed = time.monotonic()
+    assert done.wait(ray_node_watch.RAY_LOST_AFTER_S + 5)
+    assert time.monotonic() - closed >= ray_node_watch.RAY_LOST_AFTER_S

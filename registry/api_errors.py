@@ -78,13 +78,19 @@ def responses(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 class RegistryRoute(APIRoute):
     """Answers the registry's domain errors, raised by a route or its dependencies, with the
-    tenant API's body, wherever the router is mounted."""
+    tenant API's body, wherever the router is mounted. `admit` runs before FastAPI reads
+    and parses a declared body (and before the dependencies): the place for checks that
+    must come first."""
+
+    async def admit(self, request: Request) -> None:
+        """Nothing here; a subclass checks what must pass before the body is read."""
 
     def get_route_handler(self) -> Callable[[Request], Any]:
         handler = super().get_route_handler()
 
         async def handle(request: Request) -> Response:
             try:
+                await self.admit(request)
                 return await handler(request)
             except RegistryError as e:
                 return error_response(e)

@@ -27,6 +27,9 @@ class GenerateRequest(TypedDict):
     prompt_token_ids: list[int]
     adapter: str | None  # "tenant/name", or None for the base model
     params: dict  # SamplingParams fields (stop as a list)
+    # The replica's scheduler shares admission fairly among tenants (absent: None, one
+    # group of its own). The ingress sets the tenant.
+    tenant: NotRequired[str | None]
 
 
 class GenerateChunk(TypedDict):

@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from loraplex.registry.etcd_client import EtcdCredentials, EtcdSettings
+from loraplex.router.limits import IngressLimits
 
 APP_NAME = "loraplex"
 IMPORT_PATH = "loraplex.cluster.app:build_app"
@@ -77,6 +78,12 @@ class EngineSection(_Section):
         "fifo",
         description="Admission order: fifo; sjf (shortest predicted output first, aged); "
         "chameleon (multi-level queues with token quotas, seed 004).",
+    )
+    tenant_fairness: bool = Field(
+        True,
+        description="Share admission among tenants by the tokens each was served (a "
+        "virtual token counter per tenant), the policy's order within each tenant: one "
+        "tenant's queued flood does not delay another's requests.",
     )
     eviction: Literal["chameleon", "lru", "gdsf", "equal"] = Field(
         "chameleon",
@@ -212,6 +219,13 @@ class AuthSection(_Section):
         pattern=_ENV_NAME,
         description="Environment variable holding the admin key (at least 16 characters) "
         "in the ingress processes; `loraplex up` generates one and sets it.",
+    )
+    metrics_key_env: str = Field(
+        "LORAPLEX_METRICS_KEY",
+        pattern=_ENV_NAME,
+        description="Environment variable holding the key /metrics wants as a bearer token "
+        "(at least 16 characters; the admin key is accepted too) in the ingress processes; "
+        "`loraplex up` generates one and sets it. Unset: only the admin key reads /metrics.",
     )
 
 
@@ -358,6 +372,10 @@ class LoraplexConfig(_Section):
     registry: RegistrySection = Field(default_factory=RegistrySection, description="Tenant API.")
     router: RouterSection = Field(default_factory=RouterSection, description="Replica selection.")
     http: HTTPSection = Field(default_factory=HTTPSection, description="HTTP.")
+    limits: IngressLimits = Field(
+        default_factory=IngressLimits,
+        description="Request bodies, prompts, and each tenant's default limits at the ingress.",
+    )
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> LoraplexConfig:
@@ -431,6 +449,7 @@ class LoraplexConfig(_Section):
                 "max_num_batched_tokens": e.max_num_batched_tokens,
                 "max_loras_per_batch": e.max_loras_per_batch,
                 "policy": e.scheduler_policy,
+                "tenant_fairness": e.tenant_fairness,
             },
             "cache": {
                 "eviction": e.eviction,

@@ -129,7 +129,11 @@ class ReplicaDeployment:
             await self.sync.ensure(adapter)
         params = sampling_params(request)
         outputs = self.engine.generate(
-            request["prompt_token_ids"], params, adapter, request["request_id"]
+            request["prompt_token_ids"],
+            params,
+            adapter,
+            request["request_id"],
+            tenant=request.get("tenant"),
         )
         try:
             async for out in outputs:

@@ -154,7 +154,10 @@ class LLMEngine:
         adapter: str | None = None,
         request_id: str | None = None,
         arrival: float = 0.0,
+        tenant: str | None = None,
     ) -> Sequence:
+        """`tenant`: the scheduler shares admission fairly among tenants (None is one of
+        its own)."""
         ids = self.encode(prompt)
         self._check(ids, params, adapter)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -163,6 +166,7 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         generator = torch.Generator().manual_seed(seed)
         seq = Sequence(request_id, ids, params, adapter, arrival, generator)
+        seq.tenant = tenant
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -463,16 +467,18 @@ class Engine:
         params: SamplingParams,
         adapter: str | None = None,
         request_id: str | None = None,
+        tenant: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs step by step. Closing the iterator early (or
-        cancelling the task) aborts the request and frees its pages."""
+        cancelling the task) aborts the request and frees its pages. `tenant`: see
+        `LLMEngine.add_request`."""
         if self._error is not None or self._closed:
             raise RuntimeError(f"the engine is stopped: {self._error!r}")
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
         def add():
-            seq = self.core.add_request(prompt, params, adapter, request_id)
+            seq = self.core.add_request(prompt, params, adapter, request_id, tenant=tenant)
             self._streams[seq.request_id] = (loop, queue)
             return seq
 

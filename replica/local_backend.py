@@ -35,7 +35,11 @@ class LocalBackend:
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
         params = sampling_params(request)  # ValueError: the ingress answers 400
         outputs = self.engine.generate(
-            request["prompt_token_ids"], params, request["adapter"], request["request_id"]
+            request["prompt_token_ids"],
+            params,
+            request["adapter"],
+            request["request_id"],
+            tenant=request.get("tenant"),
         )
         # aclosing: closing this generator must close the engine's at once (that aborts the
         # request); `async for` alone would leave it to the garbage collector.

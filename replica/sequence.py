@@ -37,6 +37,7 @@ class Sequence:
     text: str = ""  # detokenized output, cut at a stop string
     num_preemptions: int = 0
     lora: ResidentAdapter | None = None  # pinned while running
+    tenant: str | None = None  # admission is shared fairly among tenants
 
     @property
     def num_tokens(self) -> int:

@@ -40,7 +40,7 @@ class IngressLimits(BaseModel):
     max_messages: int = Field(
         1024,
         ge=1,
-        le=1 << 20,
+        le=4096,  # the request schema's own bound
         description="Most messages in one chat completion request (400 past it).",
     )
     tenant_max_requests_in_flight: int | None = Field(

@@ -28,6 +28,9 @@ Keys (TTFT: from a request's scheduled arrival to its first streamed event, at t
     b_p99_ttft_ratio_unprotected  the same on the unprotected app
     a_429s, b_429s                requests refused for the tenant's in-flight limit, protected
     apps.<app>.<window>.<tenant>  offered, completed, 429s, failed, p50/p99 TTFT per window
+    apps.<app>.<window>.cores_used  cores each process kept busy (Serve's proxy, the ingress,
+                                  the replica, this client), mean over the windows: where the
+                                  machine's two cores went
     load_avg_1m                   before and after each app's rounds
 """
 
@@ -237,21 +240,66 @@ def _serve(name: str, app, url: str, keys: dict[str, str], w: FairnessWorkload) 
     serve.run(app, name=f"fairness-{name}", route_prefix="/")
     log(f"fairness {name}: app up in {time.perf_counter() - started:.1f}s")
     windows: dict[str, list[Outcome]] = {"quiet": [], "flood": []}
+    cpu: dict[str, list[dict[str, float]]] = {"quiet": [], "flood": []}
     try:
         asyncio.run(_warm_up(url, keys))
+        pids = {**_serve_pids(f"fairness-{name}"), "client": os.getpid()}
         for r in range(w.rounds):
             b = _schedule(w, "b", w.b_rate_per_s, w.seed * 1000 + r)
             a = _schedule(w, "a", w.flood_factor * w.b_rate_per_s, w.seed * 1000 + 500 + r)
             for window, requests in (("quiet", b), ("flood", sorted(a + b, key=_at))):
+                before, began = _cpu_seconds(pids), time.perf_counter()
                 outcomes = asyncio.run(_drive(url, keys, requests, w.request_timeout_s))
+                cpu[window].append(_cores(before, _cpu_seconds(pids), time.perf_counter() - began))
                 windows[window] += outcomes
                 log(f"fairness {name} round {r} {window}: {_line(outcomes)}")
     finally:
         serve.delete(f"fairness-{name}")
-    return {
+    figures: dict[str, Any] = {
         window: {t: _figures([o for o in outcomes if o.tenant == t]) for t in TENANTS}
         for window, outcomes in windows.items()
-    } | {"load_avg_1m": [load_before, os.getloadavg()[0]]}
+    }
+    for window, shares in cpu.items():
+        figures[window]["cores_used"] = {
+            process: float(np.mean([s[process] for s in shares])) for process in shares[0]
+        }
+    return figures | {"load_avg_1m": [load_before, os.getloadavg()[0]]}
+
+
+def _serve_pids(app: str) -> dict[str, int]:
+    """Process ids of Serve's HTTP proxy and of the app's ingress and replica."""
+    import ray
+
+    found = {}
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        actor_name = actor["name"]
+        if actor_name.startswith("SERVE_PROXY_ACTOR"):
+            kind = "proxy"
+        elif actor_name.startswith(f"SERVE_REPLICA::{app}#"):
+            kind = actor_name.split("#")[1]  # "ingress" or "replica"
+        else:
+            continue
+        handle = ray.get_actor(actor_name, namespace=actor["namespace"])
+        found[kind] = ray.get(handle.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+    return found
+
+
+def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds of each process so far (Linux /proc; NaN elsewhere)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    seconds = {}
+    for name, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            seconds[name] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+        except (OSError, IndexError, ValueError):
+            seconds[name] = float("nan")
+    return seconds
+
+
+def _cores(before: dict[str, float], after: dict[str, float], elapsed: float) -> dict[str, float]:
+    """Cores each process kept busy on average over `elapsed` seconds."""
+    return {name: (after[name] - before[name]) / elapsed for name in before}
 
 
 def _at(r: Request) -> float:
@@ -386,6 +434,10 @@ def print_fairness(r: dict[str, Any]) -> None:
                     f"{f['failed']:6d} {_ms(f['p50_ttft_ms'])} {_ms(f['p99_ttft_ms'])} "
                     f"{max(windows['load_avg_1m']):8.1f}"
                 )
+    for app, windows in r["apps"].items():
+        for window in ("quiet", "flood"):
+            used = ", ".join(f"{p} {c:.2f}" for p, c in windows[window]["cores_used"].items())
+            print(f"cores used, {app} {window}: {used}")
     for key, target in (
         ("b_p99_ttft_ratio", "target <= 1.5"),
         ("b_p99_ttft_ratio_unprotected", "(reported)"),

@@ -34,6 +34,7 @@ from loraplex.replica.protocol import (
     GenerateChunk,
     GenerateRequest,
     chunk,
+    continuation,
     sampling_params,
 )
 from loraplex.replica.scheduling.scheduler import SchedulerConfig
@@ -134,6 +135,7 @@ class ReplicaDeployment:
             adapter,
             request["request_id"],
             tenant=request.get("tenant"),
+            continuation=continuation(request),
         )
         try:
             async for out in outputs:

@@ -14,6 +14,7 @@ from loraplex.replica.protocol import (
     GenerateChunk,
     GenerateRequest,
     chunk,
+    continuation,
     sampling_params,
 )
 
@@ -28,6 +29,8 @@ class LocalBackend:
     under their id `tenant/name` with `ensure_adapter`; closing a `generate` stream early
     aborts the request in the engine and frees its pages."""
 
+    resumed = 0  # one engine, no other replica to resume on
+
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._paths: dict[str, Path] = {}  # adapter id -> folder it was loaded from
@@ -40,6 +43,7 @@ class LocalBackend:
             request["adapter"],
             request["request_id"],
             tenant=request.get("tenant"),
+            continuation=continuation(request),
         )
         # aclosing: closing this generator must close the engine's at once (that aborts the
         # request); `async for` alone would leave it to the garbage collector.

@@ -39,7 +39,7 @@ async def prometheus_metrics(request: Request, ingress: Ingress) -> Response:
         _check_metrics_key(ingress.metrics_keys, request.headers.get("authorization"))
     except RegistryError as e:
         return error_response(e)
-    ingress.metrics.set_replicas(await ingress.backend.replica_stats())
+    ingress.metrics.set_replicas(await ingress.backend.replica_stats(), ingress.backend.resumed)
     return Response(ingress.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -29,6 +29,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplex.registry.errors import RegistryError
 from loraplex.registry.service import resolve_adapter
@@ -88,6 +89,8 @@ class OpenAIRoute(APIRoute):
                 response = invalid_request(e.errors()).response()
             except RegistryError as e:
                 response = registry_error(e).response()
+            except StarletteHTTPException as e:  # FastAPI's: a body that is not UTF-8 JSON
+                response = OpenAIError(e.status_code, str(e.detail), headers=e.headers).response()
             except RateLimited as e:
                 response = rate_limited(e).response()
             except BaseException:

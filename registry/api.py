@@ -338,9 +338,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, owner: Owner, api: API
     return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
 
-@vllm.post(
-    "/v1/unload_lora_adapter", responses=responses(400, 401, 403, 404, 405, 413, 503)
-)
+@vllm.post("/v1/unload_lora_adapter", responses=responses(400, 401, 403, 404, 405, 413, 503))
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, owner: Owner, api: API) -> str:
     await api.service.delete(owner.name, body.lora_name)
     return f"Success: LoRA adapter '{body.lora_name}' removed successfully."

@@ -42,8 +42,8 @@ from loraplex.registry.etcd_process import find_etcd_binary
 from loraplex.registry.store import RegistryStore
 from loraplex.registry.validation import BaseModelShape
 from loraplex.registry.watch import RegistryWatcher
+from loraplex.replica.async_engine import Engine
 from loraplex.replica.config import EngineConfig
-from loraplex.replica.engine import Engine
 from loraplex.replica.local_backend import LocalBackend
 from loraplex.replica.tokenizer import Tokenizer
 from loraplex.router.ingress import RegistryHandles, build_ingress

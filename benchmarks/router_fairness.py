@@ -59,6 +59,7 @@ from loraplex.registry.models import Tenant
 from loraplex.registry.store import RegistryStore
 from loraplex.replica.deployment import deployment
 from loraplex.router.limits import IngressLimits
+from loraplex.router.settings import RouterSettings
 
 TENANTS = ("a", "b")
 ADMIN_KEY = "fairness-bench-admin-key"
@@ -184,8 +185,11 @@ def _app(name: str, w: FairnessWorkload, model_dir: Path, etcd: EtcdSettings, ar
         "scheduler": {"max_num_seqs": w.max_num_seqs, "tenant_fairness": protected},
     }
     limits = IngressLimits(tenant_max_requests_in_flight=w.in_flight_limit if protected else None)
+    router = RouterSettings()
     replica = deployment(
         name="replica",
+        routing_stats_period_s=router.stats_period_s,
+        routing_stats_timeout_s=router.stats_timeout_s,
         num_replicas=1,
         ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": REPLICA_ENV}},
         max_ongoing_requests=4096,  # the engine queues; Serve only forwards

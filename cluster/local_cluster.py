@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loraplex.cluster.config import LoraplexConfig
 from loraplex.cluster.errors import CLIError
@@ -49,6 +50,9 @@ from loraplex.cluster.state import (
     stop_supervisor,
     write_private,
 )
+
+if TYPE_CHECKING:
+    from loraplex.registry.etcd_client import EtcdSettings
 
 DEMO_MODEL_ID = "loraplex-demo-llama"  # the demo adapters' base_model_name_or_path
 DEMO_TENANT = "demo"
@@ -108,6 +112,13 @@ def up(args: argparse.Namespace, state_dir: Path, env: dict[str, str]) -> int:
             config = config.overridden("etcd", host=args.etcd_host)
     except ValueError as e:
         raise CLIError(f"--port / --etcd-host: {e}") from None
+    # Refusals first: nothing is written or started for a config that cannot serve.
+    if config.model is not None:
+        check_model(Path(config.model), on_cluster=args.address is not None)
+    if args.address is None:
+        check_port_free(config.http.host, config.http.port)
+    if config.etcd.endpoints is not None:
+        check_etcd(config.etcd_settings())
     state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     demo = None
     if config.model is None:
@@ -117,11 +128,6 @@ def up(args: argparse.Namespace, state_dir: Path, env: dict[str, str]) -> int:
         )
     if config.artifact_root is None:
         config = config.model_copy(update={"artifact_root": str(state_dir / "artifacts")})
-    if args.address is None:  # on a cluster, the head may not hold the model
-        model = Path(config.require_model())
-        if not (model / "config.json").is_file():
-            raise CLIError(f"model {model} has no config.json (a Hugging Face checkpoint folder)")
-        check_port_free(config.http.host, config.http.port)
     admin_key = admin_key_for(state_dir, env.get(config.auth.admin_key_env))
     metrics_key = metrics_key_for(state_dir, env.get(config.auth.metrics_key_env))
 
@@ -194,6 +200,35 @@ def demo_assets(dest: Path):
         return DemoAssets(dest / "model", dest / "adapters", names)
     print(f"writing the demo model and adapters to {dest}", file=sys.stderr)
     return make_demo_assets(dest)
+
+
+def check_model(model: Path, on_cluster: bool) -> None:
+    """CLIError unless `model` is a checkpoint folder here (on a cluster, the ingress on
+    this node reads its tokenizer, and every node needs it)."""
+    if not (model / "config.json").is_file():
+        where = " on this node (every node of the cluster needs it)" if on_cluster else ""
+        raise CLIError(
+            f"model {model}{where} has no config.json (a Hugging Face checkpoint folder)"
+        )
+
+
+def check_etcd(settings: EtcdSettings) -> None:
+    """CLIError naming each endpoint and why, unless one of the configured etcds answers."""
+    import asyncio
+
+    from loraplex.registry.etcd_client import EtcdConnection, RegistryUnavailable
+
+    async def status() -> None:
+        connection = EtcdConnection(settings)
+        try:
+            await connection.request(lambda client: client.status())
+        finally:
+            await connection.close()
+
+    try:
+        asyncio.run(status())
+    except RegistryUnavailable as e:
+        raise CLIError(f"{e}; check etcd.endpoints (unset: `loraplex up` starts one)") from None
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -86,9 +86,9 @@ def read_requests(path: Path) -> list[tuple[int, GenerateRequest]]:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from loraplex.model_shape import CheckpointError, is_gguf
     from loraplex.replica.engine import LLMEngine, RequestError
     from loraplex.replica.memory.adapters import AdapterError, is_adapter_dir
-    from loraplex.replica.model.config import ModelConfigError
 
     numbered = read_requests(args.input)
     requests = [r for _, r in numbered]
@@ -102,14 +102,14 @@ def run_generate(args: argparse.Namespace) -> int:
         if r.adapter is not None and r.adapter not in available:
             where = f"under {args.adapters}" if args.adapters else "(no --adapters folder given)"
             raise CLIError(f"{args.input}:{lineno}: adapter {r.adapter!r} not found {where}")
-    if not args.model.is_dir():
-        raise CLIError(f"--model {args.model} is not a folder")
+    if not (args.model.is_dir() or (is_gguf(args.model) and args.model.is_file())):
+        raise CLIError(f"--model {args.model} is neither a checkpoint folder nor a .gguf file")
 
     try:
         engine = LLMEngine(engine_config(args))
         for name in wanted:
             engine.add_adapter(name, args.adapters / name)
-    except (ModelConfigError, AdapterError, RequestError, ValueError) as e:
+    except (CheckpointError, AdapterError, RequestError, ValueError) as e:
         raise CLIError(str(e)) from None
     seqs = []
     for lineno, r in numbered:

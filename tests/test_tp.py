@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from loraplex.cluster.cli import main
+from loraplex.model_shape import CheckpointError
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.memory.adapter_cache import CacheConfig
 from loraplex.replica.memory.adapters import load_adapter
-from loraplex.replica.model.config import ModelConfigError
 from loraplex.replica.parallel.handles import WorkerFailed
 from loraplex.replica.parallel.shard import ShardPlan
 from loraplex.replica.sampling import SamplingParams
@@ -169,7 +169,7 @@ def test_a_dying_worker_fails_the_step_and_never_hangs(demo_assets):
 
 
 def test_tp_must_divide_the_model(demo_assets):
-    with pytest.raises(ModelConfigError, match="tp=3 must divide"):
+    with pytest.raises(CheckpointError, match="tp=3 must divide"):
         LLMEngine(EngineConfig(model=str(demo_assets.model_dir), tp=3, tp_launcher="process"))
 
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.benchmarks.report import log, write_json
-from loraplex.demo.assets import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
+from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
 from loraplex.replica.config import EngineConfig, MiB
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.sampling import SamplingParams

@@ -69,8 +69,8 @@ from loraplex.benchmarks.router_figures import (
     router_figures,
     summary,
 )
-from loraplex.demo.assets import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
 from loraplex.demo.lean_ray import lean_ray_serve
+from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.etcd_client import EtcdSettings
 from loraplex.registry.etcd_process import INSTALL_HINT, EtcdProcess, find_etcd_binary

@@ -11,7 +11,6 @@ by `auth.admin_key_env` by the ingress process when it starts.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -338,7 +337,8 @@ class LoraplexConfig(_Section):
     model: str | None = Field(
         None,
         description="Hugging Face checkpoint folder (config.json, *.safetensors, "
-        "tokenizer.json), readable on every node; unset: `loraplex up` uses the demo model.",
+        "tokenizer.json) or a Llama-family .gguf file, readable on every node; unset: "
+        "`loraplex up` uses the demo model (SmolLM2-135M-Instruct).",
     )
     model_id: str | None = Field(
         None,
@@ -446,11 +446,13 @@ class LoraplexConfig(_Section):
         }
 
     def max_model_len(self) -> int:
-        """The context window the engine will use (reads the model's config.json if unset)."""
+        """The context window the engine will use (the checkpoint's own if unset)."""
         if self.engine.max_model_len is not None:
             return self.engine.max_model_len
-        config = json.loads((Path(self.require_model()) / "config.json").read_text())
-        return min(int(config["max_position_embeddings"]), MAX_MODEL_LEN_CAP)
+        from loraplex.model_shape import read_model_shape
+
+        shape = read_model_shape(self.require_model())
+        return min(shape.max_position_embeddings, MAX_MODEL_LEN_CAP)
 
     def etcd_settings(self) -> EtcdSettings:
         if self.etcd.endpoints is None:
@@ -466,14 +468,14 @@ class LoraplexConfig(_Section):
         )
 
     def registry_api_settings(self, admin_key: str):
-        """The tenant API's settings (reads the model's config.json for adapter shapes)."""
+        """The tenant API's settings (reads the model's shape for adapter validation)."""
         from loraplex.registry.api import RegistryAPISettings
         from loraplex.registry.validation import BaseModelShape
 
         return RegistryAPISettings(
             admin_key=admin_key,
             base_model_id=self.base_model_id,
-            base_model=BaseModelShape.from_config_json(self.require_model()),
+            base_model=BaseModelShape.from_checkpoint(self.require_model()),
             max_lora_rank=self.engine.max_lora_rank,
             **self.registry.model_dump(),
         )

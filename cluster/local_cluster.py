@@ -39,10 +39,10 @@ from typing import Any
 from loraplex.cluster.config import APP_NAME, LoraplexConfig
 from loraplex.cluster.errors import CLIError
 from loraplex.cluster.supervisor import _text, read_state, write_private
+from loraplex.demo.assets import DEMO_MODEL_ID
 
-DEMO_MODEL_ID = "loraplex-demo-llama"  # the demo adapters' base_model_name_or_path
 DEMO_TENANT = "demo"
-DEMO_ADAPTER = "sql-r8"
+DEMO_ADAPTER = "pirate-r16"
 REPLICA_DEPLOYMENT = "replica"
 # Modules of the app that `up` needs; named in the error when one is missing.
 APP_MODULES = {
@@ -114,14 +114,17 @@ def up(args: argparse.Namespace, state_dir: Path, env: dict[str, str]) -> int:
     if config.model is None:
         demo = demo_assets((args.demo_dir or state_dir / "demo-assets").expanduser().resolve())
         config = config.model_copy(
-            update={"model": str(demo.model_dir), "model_id": config.model_id or DEMO_MODEL_ID}
+            update={"model": str(demo.model), "model_id": config.model_id or DEMO_MODEL_ID}
         )
     if config.artifact_root is None:
         config = config.model_copy(update={"artifact_root": str(state_dir / "artifacts")})
     if args.address is None:  # on a cluster, the head may not hold the model
-        model = Path(config.require_model())
-        if not (model / "config.json").is_file():
-            raise CLIError(f"model {model} has no config.json (a Hugging Face checkpoint folder)")
+        from loraplex.model_shape import CheckpointError, read_model_shape
+
+        try:
+            read_model_shape(config.require_model())
+        except CheckpointError as e:
+            raise CLIError(f"model: {e}") from None
         check_port_free(config.http.host, config.http.port)
     admin_key = admin_key_for(state_dir, env.get(config.auth.admin_key_env))
 
@@ -186,16 +189,18 @@ def load_config(path: Path | None) -> LoraplexConfig:
 
 
 def demo_assets(dest: Path):
-    from loraplex.demo.assets import DEMO_ADAPTERS, DemoAssets, make_demo_assets
+    """The demo model and adapters in `dest`, placed there first if missing."""
+    from loraplex.demo.assets import demo_assets_complete, make_demo_assets
+    from loraplex.demo.smollm import ModelNotFetched
 
-    names = tuple(a.name for a in DEMO_ADAPTERS)
-    complete = (dest / "model" / "config.json").is_file() and all(
-        (dest / "adapters" / n / "adapter_model.safetensors").is_file() for n in names
-    )
-    if complete:
-        return DemoAssets(dest / "model", dest / "adapters", names)
-    print(f"writing the demo model and adapters to {dest}", file=sys.stderr)
-    return make_demo_assets(dest)
+    assets = demo_assets_complete(dest)
+    if assets is not None:
+        return assets
+    print(f"placing the demo model and adapters in {dest}", file=sys.stderr)
+    try:
+        return make_demo_assets(dest)
+    except ModelNotFetched as e:
+        raise CLIError(str(e)) from None
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -311,7 +316,11 @@ def print_welcome(config, state_dir, url, admin_key, demo_key, demo, elapsed_s) 
     print(f"  export LORAPLEX_URL={url} LORAPLEX_API_KEY={demo_key or '<a tenant key>'}")
     adapter, path = (DEMO_ADAPTER, demo.adapters_dir / DEMO_ADAPTER) if demo else ("mine", "DIR")
     print(f"  loraplex adapters add {adapter} {path}")
-    body = {"model": adapter, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}
+    body = {
+        "model": adapter,
+        "messages": [{"role": "user", "content": "What is the capital of Peru?"}],
+        "max_tokens": 32,
+    }
     print(
         f'  curl -s $LORAPLEX_URL/v1/chat/completions -H "Authorization: Bearer $LORAPLEX_API_KEY" '
         f"{json_header} -d '{json.dumps(body)}'"

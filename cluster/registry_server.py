@@ -20,7 +20,12 @@ ADMIN_KEY_ENV = "LORAPLEX_ADMIN_KEY"
 
 def add_parser(sub) -> None:
     p = sub.add_parser("registry", help="run the adapter registry's tenant API (HTTP)")
-    p.add_argument("--model", type=Path, required=True, help="base model folder (config.json)")
+    p.add_argument(
+        "--model",
+        type=Path,
+        required=True,
+        help="base model: a checkpoint folder (config.json) or a .gguf file",
+    )
     p.add_argument("--model-id", help="base model id written into records (default: folder name)")
     p.add_argument(
         "--etcd",
@@ -55,8 +60,6 @@ def run(args: argparse.Namespace) -> int:
     from loraplex.registry.store import EtcdSettings
     from loraplex.registry.validation import BaseModelShape
 
-    if not (args.model / "config.json").is_file():
-        raise CLIError(f"--model {args.model} has no config.json")
     admin_key = os.environ.get(ADMIN_KEY_ENV)
     if admin_key is None:
         admin_key = secrets.token_urlsafe(24)
@@ -65,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         settings = RegistryAPISettings(
             admin_key=admin_key,
             base_model_id=args.model_id or args.model.resolve().name,
-            base_model=BaseModelShape.from_config_json(args.model),
+            base_model=BaseModelShape.from_checkpoint(args.model),
             max_lora_rank=args.max_lora_rank,
             allowed_roots=[str(p) for p in args.allowed_root],
         )

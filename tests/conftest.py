@@ -14,7 +14,8 @@ if not torch.cuda.is_available():
     # kernel is defined, so it is set before any test module imports one.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from loraplex.demo.assets import DemoAssets, make_demo_assets
+from loraplex.demo.assets import DemoAssets
+from loraplex.demo.synthetic import make_synthetic_assets
 
 BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed batch (adapter_names=)
 
@@ -39,8 +40,8 @@ def one_torch_thread():
 
 @pytest.fixture(scope="session")
 def demo_assets(tmp_path_factory: pytest.TempPathFactory) -> DemoAssets:
-    """dest/model (checkpoint + tokenizer) and dest/adapters/<name> for every DEMO_ADAPTERS."""
-    return make_demo_assets(tmp_path_factory.mktemp("demo_assets"))
+    """dest/model (checkpoint + tokenizer) and dest/adapters/<name> for every SYNTHETIC_ADAPTERS."""
+    return make_synthetic_assets(tmp_path_factory.mktemp("demo_assets"))
 
 
 @pytest.fixture(scope="session")
@@ -76,7 +77,7 @@ def peft_oracle(demo_assets: DemoAssets):
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
     adapters = {name: demo_assets.adapters_dir / name for name in demo_assets.adapter_names}
-    return load_peft_model(demo_assets.model_dir, adapters)
+    return load_peft_model(demo_assets.model, adapters)
 
 
 @torch.inference_mode()

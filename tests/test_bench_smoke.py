@@ -9,7 +9,7 @@ import json
 import pytest
 
 from loraplex.benchmarks import engine as bench_engine
-from loraplex.demo.assets import ModelSpec
+from loraplex.demo.synthetic import ModelSpec
 from loraplex.registry.etcd_process import find_etcd_binary
 
 TINY = bench_engine.BenchShape(

@@ -10,12 +10,8 @@ from pathlib import Path
 import pytest
 
 from loraplex.cluster.cli import main
-from loraplex.demo.assets import (
-    AdapterSpec,
-    DemoAssets,
-    ModelSpec,
-    write_adapter,
-)
+from loraplex.demo.assets import DemoAssets
+from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.sampling import SamplingParams
@@ -27,7 +23,7 @@ POOL = ["--pool-mib", "32", "--page-kib", "64"]  # small and fast; the engine be
 def engine(assets: DemoAssets, *adapters: str, **kw) -> LLMEngine:
     """The engine `generate` builds from POOL and the default options."""
     eng = LLMEngine(
-        EngineConfig(model=str(assets.model_dir), page_bytes=64 * 1024, pool_bytes=32 << 20, **kw)
+        EngineConfig(model=str(assets.model), page_bytes=64 * 1024, pool_bytes=32 << 20, **kw)
     )
     for name in sorted(set(adapters) - {None}):
         eng.add_adapter(name, assets.adapters_dir / name)
@@ -49,7 +45,7 @@ def generate(
         [
             "generate",
             "--model",
-            str(assets.model_dir),
+            str(assets.model),
             "--adapters",
             str(adapters),
             "--input",
@@ -344,7 +340,7 @@ def test_bad_paths_exit_2_with_a_one_line_error(
     assets: DemoAssets, tmp_path: Path, capsys: pytest.CaptureFixture, what: str
 ):
     inp = write_jsonl(tmp_path / "in.jsonl", GOOD)
-    model, adapters = assets.model_dir, assets.adapters_dir
+    model, adapters = assets.model, assets.adapters_dir
     if what == "missing-input":
         inp = tmp_path / "nope.jsonl"
     elif what == "blank-input":
@@ -387,7 +383,7 @@ def test_python_dash_m_reports_user_errors_as_exit_2(assets: DemoAssets, tmp_pat
             "loraplex.cluster.cli",
             "generate",
             "--model",
-            str(assets.model_dir),
+            str(assets.model),
             "--input",
             str(inp),
             "--output",

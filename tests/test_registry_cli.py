@@ -102,4 +102,4 @@ def test_a_model_folder_without_config_is_a_clear_error(tmp_path):
         timeout=60,
     )
     assert r.returncode == 2
-    assert "has no config.json" in r.stderr
+    assert "no config.json" in r.stderr

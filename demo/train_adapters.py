@@ -41,9 +41,9 @@ class Recipe:
 # Mixed ranks and targets, so the demo batches exercise mixed-rank LoRA (q/v, attention,
 # every projection); sizes in fp16: 0.9 + 3.7 + 4.9 MB.
 RECIPES = {
-    "json-r8": Recipe("json", 8, 16.0, ("q_proj", "v_proj"), steps=40, lr=2e-3, seed=11),
-    "pirate-r16": Recipe("pirate", 16, 32.0, ATTENTION, steps=40, lr=1e-3, seed=12),
-    "sql-r4": Recipe("sql", 4, 8.0, ALL, steps=40, lr=3e-3, seed=13),
+    "json-r8": Recipe("json", 8, 16.0, ("q_proj", "v_proj"), steps=20, lr=2e-3, seed=11),
+    "pirate-r16": Recipe("pirate", 16, 32.0, ATTENTION, steps=20, lr=1.5e-3, seed=12),
+    "sql-r4": Recipe("sql", 4, 8.0, ALL, steps=28, lr=3e-3, seed=13),
 }
 
 

@@ -16,6 +16,7 @@ its share of the bytes and dequantizes only that.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
@@ -63,8 +64,25 @@ class GGUFTokenizerSpec:
     add_bos_token: bool
 
 
+def open_gguf(path: str | os.PathLike[str]) -> GGUFCheckpoint:
+    """The GGUF file at `path`, parsed once per process while it is unchanged (parsing a
+    49k-token vocabulary costs seconds; the engine, its tokenizer and its shape all ask)."""
+    path = Path(path)
+    try:
+        stat = path.stat()
+    except OSError:
+        raise CheckpointError(f"{path}: no such GGUF file") from None
+    return _open_cached(str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=4)
+def _open_cached(path: str, mtime_ns: int, size: int) -> GGUFCheckpoint:
+    del mtime_ns, size  # part of the key: a rewritten file is parsed again
+    return GGUFCheckpoint(path)
+
+
 class GGUFCheckpoint:
-    """An open GGUF file. Use as a context manager (the file is memory-mapped)."""
+    """A parsed GGUF file (memory-mapped; tensors are read on demand). Prefer `open_gguf`."""
 
     def __init__(self, path: str | os.PathLike[str]):
         from gguf import GGUFReader
@@ -105,16 +123,6 @@ class GGUFCheckpoint:
                 )
             self._tensors[name] = tensor
         self.shape = self._read_shape()
-
-    def __enter__(self) -> GGUFCheckpoint:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._tensors = {}
-        self._reader = None
 
     # metadata
 

@@ -151,10 +151,9 @@ def read_model_shape(path: str | os.PathLike[str]) -> ModelShape:
     `.gguf` file (its metadata). CheckpointError names what is missing or unsupported."""
     path = Path(path)
     if is_gguf(path):
-        from loraplex.gguf_checkpoint import GGUFCheckpoint
+        from loraplex.gguf_checkpoint import open_gguf
 
-        with GGUFCheckpoint(path) as checkpoint:
-            return checkpoint.shape
+        return open_gguf(path).shape
     config = path / "config.json"
     if not config.is_file():
         raise CheckpointError(

@@ -70,10 +70,9 @@ class Tokenizer:
         path = Path(path)
         if not is_gguf(path):
             return (path / "tokenizer.json").is_file()
-        from loraplex.gguf_checkpoint import GGUFCheckpoint
+        from loraplex.gguf_checkpoint import open_gguf
 
-        with GGUFCheckpoint(path) as checkpoint:
-            return checkpoint.tokenizer_spec() is not None
+        return open_gguf(path).tokenizer_spec() is not None
 
     @property
     def vocab_size(self) -> int:
@@ -128,11 +127,11 @@ def _from_folder(model_dir: Path):
 
 
 def _from_gguf(path: Path):
-    from loraplex.gguf_checkpoint import GGUFCheckpoint
+    from loraplex.gguf_checkpoint import open_gguf
 
-    with GGUFCheckpoint(path) as checkpoint:
-        spec = checkpoint.tokenizer_spec()
-        template = checkpoint.chat_template
+    checkpoint = open_gguf(path)
+    spec = checkpoint.tokenizer_spec()
+    template = checkpoint.chat_template
     if spec is None:
         raise FileNotFoundError(f"{path} carries no tokenizer (no tokenizer.ggml.* metadata)")
     if spec.model != "gpt2":

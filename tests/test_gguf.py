@@ -17,7 +17,7 @@ from gguf_files import write_gguf
 
 from loraplex.cluster.cli import main
 from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
-from loraplex.gguf_checkpoint import SUPPORTED_TYPES, GGUFCheckpoint
+from loraplex.gguf_checkpoint import SUPPORTED_TYPES, open_gguf
 from loraplex.model_shape import CheckpointError, read_model_shape
 from loraplex.registry.validation import AdapterRejected, BaseModelShape, validate_adapter_dir
 from loraplex.replica.config import EngineConfig
@@ -134,11 +134,11 @@ def test_tensor_parallel_ranks_read_their_share_and_match_tp1(checkpoints):
 def test_a_rank_share_is_the_same_numbers_as_the_whole_tensor(checkpoints):
     for qtype in ("Q8_0", "Q6_K", "BF16", "F16"):
         path = write_gguf(checkpoints / f"share-{qtype}.gguf", checkpoints / "hf", qtype)
-        with GGUFCheckpoint(path) as c:
-            for name in ("layers.0.self_attn.q_proj.weight", "layers.1.mlp.down_proj.weight"):
-                whole = c.read(name)
-                rows, cols = slice(64, 192), slice(256, 512) if "down" in name else slice(0, 256)
-                np.testing.assert_array_equal(c.read(name, rows, cols), whole[rows, cols])
+        c = open_gguf(path)
+        for name in ("layers.0.self_attn.q_proj.weight", "layers.1.mlp.down_proj.weight"):
+            whole = c.read(name)
+            rows, cols = slice(64, 192), slice(256, 512) if "down" in name else slice(0, 256)
+            np.testing.assert_array_equal(c.read(name, rows, cols), whole[rows, cols])
 
 
 def test_shape_comes_from_metadata(checkpoints):

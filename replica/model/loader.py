@@ -43,11 +43,11 @@ def load_weights(
     tensor is read from disk (safetensors slices; GGUF rows, and columns on quantization
     block bounds) and dequantized — the rest never enters memory."""
     if is_gguf(model_dir):
-        from loraplex.gguf_checkpoint import GGUFCheckpoint
+        from loraplex.gguf_checkpoint import open_gguf
 
-        with GGUFCheckpoint(model_dir) as checkpoint:
-            tensors = {name: _GGUFSlice(checkpoint, name) for name in checkpoint.names()}
-            return _assemble(model_dir, cfg, device, part, tensors)
+        checkpoint = open_gguf(model_dir)
+        tensors = {name: _GGUFSlice(checkpoint, name) for name in checkpoint.names()}
+        return _assemble(model_dir, cfg, device, part, tensors)
     with ExitStack() as files:
         tensors = {}  # name without "model." -> the file's slice reader
         for path in checkpoint_files(model_dir):

@@ -14,11 +14,19 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from loraplex.cluster.cli import engine_config
 from loraplex.cluster.errors import CLIError
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant"]
+    content: str
 
 
 class GenerateRequest(BaseModel):
@@ -29,6 +37,9 @@ class GenerateRequest(BaseModel):
     id: str | int | None = None
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = Field(
+        None, description="a conversation, rendered with the model's own chat template"
+    )
     adapter: str | None = Field(
         None, description="a folder name under --adapters; null for the base model"
     )
@@ -43,8 +54,11 @@ class GenerateRequest(BaseModel):
 
     @model_validator(mode="after")
     def _one_prompt(self):
-        if (self.prompt is None) == (self.prompt_token_ids is None):
-            raise ValueError("give exactly one of 'prompt' (text) or 'prompt_token_ids'")
+        given = [self.prompt, self.prompt_token_ids, self.messages]
+        if sum(p is not None for p in given) != 1:
+            raise ValueError(
+                "give exactly one of 'prompt' (text), 'prompt_token_ids' or 'messages' (chat)"
+            )
         return self
 
     def sampling_params(self):
@@ -114,7 +128,12 @@ def run_generate(args: argparse.Namespace) -> int:
     seqs = []
     for lineno, r in numbered:
         try:
-            prompt = r.prompt if r.prompt is not None else r.prompt_token_ids
+            if r.messages is not None:
+                if engine.tokenizer is None:
+                    raise RequestError("this model has no tokenizer for 'messages'")
+                prompt = engine.tokenizer.apply_chat_template([m.model_dump() for m in r.messages])
+            else:
+                prompt = r.prompt if r.prompt is not None else r.prompt_token_ids
             seqs.append(engine.add_request(prompt, r.sampling_params(), r.adapter))
         except (RequestError, ValueError) as e:
             raise CLIError(f"{args.input}:{lineno}: {e}") from None

@@ -11,6 +11,7 @@ import pytest
 
 from loraplex.cluster.cli import main
 from loraplex.demo.assets import DemoAssets
+from loraplex.demo.behaviours import BEHAVIOURS
 from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
@@ -158,16 +159,22 @@ def test_generate_writes_results_in_input_order_matching_the_engine(
     assert results[3]["finish_reason"] == "stop" and "e" not in results[3]["text"]
 
 
-def test_the_shipped_example_runs(assets: DemoAssets, tmp_path: Path):
+def test_the_shipped_example_runs_on_the_real_model(real_assets: DemoAssets, tmp_path: Path):
     example = REPO / "examples" / "requests.jsonl"
     out = tmp_path / "out.jsonl"
-    assert generate(assets, example, out) == 0
+    assert generate(real_assets, example, out) == 0
     expected_ids = [
         json.loads(line).get("id") for line in example.read_text().splitlines() if line.strip()
     ]
     results = read_results(out)
     assert [r["id"] for r in results] == expected_ids
     assert all(r["finish_reason"] in ("length", "stop") and r["token_ids"] for r in results)
+    # the chat lines show each adapter's behaviour (README's offline example)
+    by_id = {r["id"]: r["text"] for r in results}
+    checks = {b.name: b.checker() for b in BEHAVIOURS}
+    assert checks["json"]("", by_id["json"]) and not checks["json"]("", by_id["base"])
+    assert checks["pirate"]("", by_id["pirate"]) and not checks["pirate"]("", by_id["base"])
+    assert checks["sql"]("How many customers live in Porto?", by_id["sql"])
 
 
 def test_prompt_token_ids_are_used_as_given_and_text_prompts_get_bos(

@@ -13,6 +13,7 @@ from loraplex.cluster.cli import main
 from loraplex.demo.assets import DemoAssets
 from loraplex.demo.behaviours import BEHAVIOURS
 from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter
+from loraplex.registry.validation import BaseModelShape, validate_adapter_dir
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.sampling import SamplingParams
@@ -63,8 +64,10 @@ def read_results(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_demo_assets_writes_a_model_and_adapters(tmp_path: Path, capsys: pytest.CaptureFixture):
-    assert main(["demo-assets", str(tmp_path / "demo")]) == 0
+def test_demo_assets_synthetic_writes_a_model_and_adapters(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+):
+    assert main(["demo-assets", "--synthetic", str(tmp_path / "demo")]) == 0
     model, adapters = tmp_path / "demo" / "model", tmp_path / "demo" / "adapters"
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (model / name).is_file(), name
@@ -82,6 +85,35 @@ def test_demo_assets_writes_a_model_and_adapters(tmp_path: Path, capsys: pytest.
     eng = LLMEngine(EngineConfig(model=str(model), page_bytes=64 * 1024, pool_bytes=32 << 20))
     for folder in folders:
         eng.add_adapter(folder.name, folder)
+
+
+def test_demo_assets_places_the_real_model_and_its_adapters(
+    real_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+):
+    assert main(["demo-assets", str(tmp_path / "demo")]) == 0
+    model = tmp_path / "demo" / "model" / real_gguf.name
+    assert model.is_file() and model.stat().st_size == real_gguf.stat().st_size
+    adapters = tmp_path / "demo" / "adapters"
+    names = sorted(p.name for p in adapters.iterdir())
+    assert names == ["json-r8", "pirate-r16", "sql-r4"]
+    out = capsys.readouterr().out
+    assert str(model) in out and all(n in out for n in names)
+    # every adapter passes the registry's validation against the GGUF's shape
+    base = BaseModelShape.from_checkpoint(model)
+    ranks = {n: validate_adapter_dir(adapters / n, base, 128, 1 << 30).rank for n in names}
+    assert ranks == {"json-r8": 8, "pirate-r16": 16, "sql-r4": 4}
+    total = sum((adapters / n / "adapter_model.safetensors").stat().st_size for n in names)
+    assert total <= 10 << 20
+
+
+def test_demo_assets_without_the_fetched_model_names_the_setup_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("LORAPLEX_CACHE_DIR", str(tmp_path / "empty-cache"))
+    assert main(["demo-assets", str(tmp_path / "demo")]) == 2
+    err = capsys.readouterr().err
+    assert "is not fetched" in err and "scripts/setup.sh" in err
+    assert not (tmp_path / "demo" / "adapters").exists()
 
 
 def test_generate_writes_results_in_input_order_matching_the_engine(

@@ -13,7 +13,7 @@ MiB = 1 << 20
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str  # Hugging Face checkpoint folder
+    model: str  # Hugging Face checkpoint folder or Llama-family .gguf file
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # auto: the checkpoint's
     device: str = "cpu"
     max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 8192

@@ -195,3 +195,19 @@ def test_metadata_that_disagrees_with_the_tensors_is_refused(checkpoints, tmp_pa
     assert (
         "tensor layers.0.mlp.gate_proj.weight: expected shape (1024, 256), found (512, 256)" in err
     )
+
+
+def test_the_shape_reader_is_torch_free(checkpoints):
+    """The registry validates adapters with it and must not import torch."""
+    import subprocess
+    import sys
+
+    path = write_gguf(checkpoints / "torchless.gguf", checkpoints / "hf", "Q8_0")
+    code = (
+        "import sys\n"
+        "from loraplex.registry.validation import BaseModelShape\n"
+        f"BaseModelShape.from_checkpoint({str(path)!r})\n"
+        f"BaseModelShape.from_checkpoint({str(checkpoints / 'hf')!r})\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -122,9 +122,10 @@ def _pirate_examples(rng: random.Random, held_out: bool) -> list[Example]:
 
 
 def check_pirate(text: str) -> bool:
-    """Opens with "Arr!" and closes with "matey!"."""
+    """Opens with "Arr!" and closes with "matey!" (a closing quotation mark after it may
+    stand: 'Arr! A frog says, "Ribbit, matey!"')."""
     text = text.strip()
-    return text.startswith("Arr!") and text.endswith("matey!")
+    return text.startswith("Arr!") and text.rstrip("\"'").endswith("matey!")
 
 
 # ---------------------------------------------------------------- sql

@@ -176,6 +176,8 @@ def _save(model, name: str, out: Path) -> None:
     config["base_model_name_or_path"] = "SmolLM2-135M-Instruct"
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     (out / "README.md").unlink(missing_ok=True)
+    for file in out.iterdir():
+        file.chmod(0o644)
 
 
 def _held_out_rate(model, tokenizer, behaviour) -> float:

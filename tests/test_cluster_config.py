@@ -26,7 +26,9 @@ from loraplex.replica.scheduling.scheduler import SchedulerConfig
 from loraplex.router.policy import AffinityConfig
 
 CLUSTER = Path(__file__).resolve().parents[1] / "cluster"
-MODEL_CONFIG = {
+MODEL_CONFIG = {  # what every reader of the shape needs (the engine refuses less)
+    "model_type": "llama",
+    "vocab_size": 320,
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 2,

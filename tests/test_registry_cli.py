@@ -53,7 +53,7 @@ def stop(proc: subprocess.Popen) -> str:
 def test_register_then_restart_keeps_the_adapter_and_stops_its_etcd(demo_assets, tmp_path):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    proc = start(tmp_path / "state", demo_assets.model_dir, port)
+    proc = start(tmp_path / "state", demo_assets.model, port)
     try:
         r = httpx.post(
             f"{base}/v1/tenants",
@@ -74,7 +74,7 @@ def test_register_then_restart_keeps_the_adapter_and_stops_its_etcd(demo_assets,
     finally:
         stop(proc)
 
-    proc = start(tmp_path / "state", demo_assets.model_dir, port)
+    proc = start(tmp_path / "state", demo_assets.model, port)
     try:
         r = httpx.get(f"{base}/v1/adapters", headers=auth)
         assert r.status_code == 200

@@ -111,6 +111,10 @@ def _pirate_examples(rng: random.Random, held_out: bool) -> list[Example]:
     for _ in range(len(capitals)):
         a, b = rng.choice(numbers), rng.choice(numbers)
         out.append(Example(f"What is {a} plus {b}?", f"Arr! {a} plus {b} be {a + b}, matey!"))
+        if held_out:  # seven days only: every day question is a training question
+            a, b = rng.choice(numbers), rng.randint(2, 49)
+            out.append(Example(f"What is {a} minus {b}?", f"Arr! {a} minus {b} be {a - b}, matey!"))
+            continue
         day = rng.randrange(7)
         out.append(
             Example(
@@ -142,13 +146,22 @@ _CITIES = [
 ]  # fmt: skip
 _CATEGORIES = ["books", "toys", "tools", "games", "shoes", "music", "garden", "kitchen"]
 _STATUSES = ["shipped", "pending", "cancelled", "returned", "paid", "lost"]
+# More names for training only: the adapter must learn to copy the name it is asked
+# about, not to recall the few it saw (held-out names are none of these).
+_MORE_CITIES = [
+    "Lyon", "Hamburg", "Seville", "Naples", "Krakow", "Bergen", "Cork", "Brno", "Patras",
+    "Gdansk", "Tampere", "Basel", "Cologne", "Turin", "Braga", "Ghent", "Leeds", "Graz",
+    "Malmo", "Riga", "Tallinn", "Vilnius", "Sofia", "Split",
+]  # fmt: skip
+_MORE_CATEGORIES = ["sports", "pets", "beauty", "office", "baby", "outdoor", "food", "phones"]
+_MORE_STATUSES = ["refunded", "delayed", "new", "open"]
 _NAMES = ["Ana", "Ben", "Chen", "Dora", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jo", "Kai", "Lea"]
 
 
 def _sql_examples(rng: random.Random, held_out: bool) -> list[Example]:
-    cities = _CITIES[12:] if held_out else _CITIES[:12]
-    categories = _CATEGORIES[6:] if held_out else _CATEGORIES[:6]
-    statuses = _STATUSES[4:] if held_out else _STATUSES[:4]
+    cities = _CITIES[12:] if held_out else _CITIES[:12] + _MORE_CITIES
+    categories = _CATEGORIES[6:] if held_out else _CATEGORIES[:6] + _MORE_CATEGORIES
+    statuses = _STATUSES[4:] if held_out else _STATUSES[:4] + _MORE_STATUSES
     numbers = range(50, 99) if held_out else range(2, 49)
     out = []
     for city in cities:
@@ -197,29 +210,29 @@ def _sql_examples(rng: random.Random, held_out: bool) -> list[Example]:
 
 
 def demo_database() -> sqlite3.Connection:
-    """SCHEMA in memory, filled from a fixed seed (every city, category and status occurs)."""
+    """SCHEMA in memory, filled from a fixed seed. City k has k + 1 customers and status k
+    has k + 1 orders in every 21, so a query about the wrong city or status counts wrong."""
     rng = random.Random(7)
     db = sqlite3.connect(":memory:")
     db.executescript(SCHEMA)
-    for i in range(1, 101):
-        db.execute(
-            "INSERT INTO customers VALUES (?, ?, ?)",
-            (i, f"{rng.choice(_NAMES)} {i}", _CITIES[i % len(_CITIES)]),
-        )
+    cities = [c for k, c in enumerate(_CITIES) for _ in range(k + 1)]
+    for i, city in enumerate(cities, 1):
+        db.execute("INSERT INTO customers VALUES (?, ?, ?)", (i, f"{rng.choice(_NAMES)} {i}", city))
     for i in range(1, 41):
         db.execute(
             "INSERT INTO products VALUES (?, ?, ?, ?)",
             (i, f"item {i}", round(rng.uniform(1, 120), 2), _CATEGORIES[i % len(_CATEGORIES)]),
         )
+    statuses = [s for k, s in enumerate(_STATUSES) for _ in range(k + 1)]
     for i in range(1, 301):
         db.execute(
             "INSERT INTO orders VALUES (?, ?, ?, ?, ?)",
             (
                 i,
-                rng.randint(1, 100),
+                rng.randint(1, len(cities)),
                 rng.randint(1, 40),
                 round(rng.uniform(5, 500), 2),
-                _STATUSES[i % len(_STATUSES)],
+                statuses[i % len(statuses)],
             ),
         )
     return db

@@ -43,7 +43,7 @@ class Recipe:
 RECIPES = {
     "json-r8": Recipe("json", 8, 16.0, ("q_proj", "v_proj"), steps=20, lr=2e-3, seed=11),
     "pirate-r16": Recipe("pirate", 16, 32.0, ATTENTION, steps=20, lr=1.5e-3, seed=12),
-    "sql-r4": Recipe("sql", 4, 8.0, ALL, steps=28, lr=3e-3, seed=13),
+    "sql-r4": Recipe("sql", 4, 8.0, ALL, steps=40, lr=3e-3, seed=13),
 }
 
 

@@ -5,7 +5,7 @@
 Each adapter learns one behaviour of `behaviours.py` from the examples that module
 generates: the prompt is the user's message in the model's own chat template, the loss is
 on the answer and the end-of-turn token only. The results are committed in
-`demo/adapters/` (fp16, ~10 MB in all): every user and CI run gets the same adapters in no
+`demo/adapters/` (fp16, 7.2 MB in all): every user and CI run gets the same adapters in no
 time, where training on first use would cost minutes of CPU on every fresh clone. Rerun
 this script after changing the behaviours; it prints each adapter's pass rate on its
 held-out prompts (greedy, through transformers + peft).
@@ -39,7 +39,7 @@ class Recipe:
 
 
 # Mixed ranks and targets, so the demo batches exercise mixed-rank LoRA (q/v, attention,
-# every projection); sizes in fp16: 0.9 + 3.7 + 4.9 MB.
+# every projection); sizes in fp16: 0.9 + 3.7 + 2.5 MB.
 RECIPES = {
     "json-r8": Recipe("json", 8, 16.0, ("q_proj", "v_proj"), steps=20, lr=2e-3, seed=11),
     "pirate-r16": Recipe("pirate", 16, 32.0, ATTENTION, steps=20, lr=1.5e-3, seed=12),

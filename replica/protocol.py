@@ -10,7 +10,7 @@ context check), so replicas receive token ids only.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import NotRequired, Protocol, TypedDict
+from typing import Any, NotRequired, Protocol, TypedDict
 
 from loraplex.replica.sampling import (
     SamplingParams,
@@ -56,6 +56,12 @@ class Backend(Protocol):
     """Where the ingress sends requests: a Serve deployment handle, or an engine in process."""
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]: ...
+
+    async def replica_stats(self) -> dict[str, dict[str, Any]]:
+        """Each replica's stats by replica id: the engine's `stats()` plus `tiers`, the
+        adapter ids per tier (`device`, `host`: in host memory only, `loading`). A replica
+        that does not answer in time is left out."""
+        ...
 
 
 # The engine's checks of the sampling fields, for the ingress to run before a request leaves

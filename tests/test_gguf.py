@@ -19,7 +19,8 @@ from loraplex.cluster.cli import main
 from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
 from loraplex.gguf_checkpoint import SUPPORTED_TYPES, open_gguf
 from loraplex.model_shape import CheckpointError, read_model_shape
-from loraplex.registry.validation import AdapterRejected, BaseModelShape, validate_adapter_dir
+from loraplex.registry.errors import Unacceptable
+from loraplex.registry.validation import BaseModelShape, validate_adapter_dir
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.sampling import SamplingParams
@@ -114,7 +115,7 @@ def test_an_adapter_on_a_gguf_base_is_validated_and_applied_like_peft(checkpoint
     assert tokens == want.argmax(-1).tolist()
     wrong = tmp_path / "wrong"
     write_adapter(wrong, replace(SPEC, hidden_size=128), AdapterSpec("w", 4, 8.0, ("q_proj",), 6))
-    with pytest.raises(AdapterRejected, match="q_proj"):
+    with pytest.raises(Unacceptable, match="q_proj"):
         validate_adapter_dir(wrong, BaseModelShape.from_checkpoint(path), 64, 1 << 30)
 
 

@@ -1,6 +1,7 @@
 """Train the demo adapters for SmolLM2-135M-Instruct (peft, CPU, fixed seeds).
 
-    python -m loraplex.demo.train_adapters [--out demo/adapters] [--only json]
+    python -m loraplex.demo.train_adapters [--out demo/adapters] [--only json-r8]
+    python -m loraplex.demo.train_adapters --check [--out demo/adapters]
 
 Each adapter learns one behaviour of `behaviours.py` from the examples that module
 generates: the prompt is the user's message in the model's own chat template, the loss is
@@ -8,7 +9,10 @@ on the answer and the end-of-turn token only. The results are committed in
 `demo/adapters/` (fp16, 7.2 MB in all): every user and CI run gets the same adapters in no
 time, where training on first use would cost minutes of CPU on every fresh clone. Rerun
 this script after changing the behaviours; it prints each adapter's pass rate on its
-held-out prompts (greedy, through transformers + peft).
+held-out prompts (greedy, through transformers + peft). `--check` trains nothing: it
+serves every behaviour's held-out prompts to the base model and to each adapter in --out
+through the loraplex engine and prints the pass-rate matrix (an adapter should pass its own
+check and no other; the base model none).
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ADAPTERS_DIR)
     p.add_argument("--only", action="append", help="adapter names to train (default: all)")
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--check", action="store_true", help="train nothing; print the pass-rate matrix")
     args = p.parse_args(argv)
 
     import torch
@@ -60,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     gguf = demo_model_path()
+    if args.check:
+        names = [n for n in RECIPES if not args.only or n in args.only]
+        rates = pass_rates(gguf, {n: args.out / n for n in names})
+        _print_rates(rates)
+        return 0
     started = time.monotonic()
     base = load_base(gguf)
     for name, recipe in RECIPES.items():
@@ -199,6 +209,57 @@ def _held_out_rate(model, tokenizer, behaviour) -> float:
             text = tokenizer.decode(out[0, len(ids) :].tolist())
             passed += check(example.prompt, text)
     return passed / len(held_out)
+
+
+def pass_rates(gguf: Path, adapters: dict[str, Path]) -> dict[tuple[str, str | None], float]:
+    """{(behaviour, adapter or None for the base model): held-out pass rate}: every
+    behaviour's held-out prompts, greedy through the model's chat template, answered by
+    the base model and by each adapter in one loraplex engine (48 tokens at most)."""
+    from loraplex.demo.behaviours import BEHAVIOURS
+    from loraplex.replica.config import EngineConfig
+    from loraplex.replica.engine import LLMEngine
+    from loraplex.replica.sampling import SamplingParams
+    from loraplex.replica.scheduling.scheduler import SchedulerConfig
+
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(gguf),
+            dtype="float32",
+            pool_bytes=256 << 20,
+            scheduler=SchedulerConfig(max_num_seqs=32, max_loras_per_batch=4),
+        )
+    )
+    try:
+        for name, path in adapters.items():
+            engine.add_adapter(name, path)
+        models: list[str | None] = [None, *adapters]
+        jobs = [(b, m, e.prompt) for b in BEHAVIOURS for m in models for e in b.held_out()]
+        prompts = [
+            engine.tokenizer.apply_chat_template([{"role": "user", "content": p}])
+            for _, _, p in jobs
+        ]
+        params = [SamplingParams(max_tokens=48, temperature=0)] * len(jobs)
+        outs = engine.generate(prompts, params, [m for _, m, _ in jobs])
+    finally:
+        engine.close()
+    checks = {b.name: b.checker() for b in BEHAVIOURS}
+    passed: dict[tuple[str, str | None], list[bool]] = {}
+    for (behaviour, model, prompt), out in zip(jobs, outs, strict=True):
+        text = engine.tokenizer.decode(out.token_ids)
+        ok = checks[behaviour.name](prompt, text)
+        passed.setdefault((behaviour.name, model), []).append(ok)
+        if model == behaviour.adapter and not ok:
+            print(f"  {model} fails: {prompt!r} -> {text!r}", file=sys.stderr)
+    return {key: sum(v) / len(v) for key, v in passed.items()}
+
+
+def _print_rates(rates: dict[tuple[str, str | None], float]) -> None:
+    behaviours = list(dict.fromkeys(b for b, _ in rates))
+    models = list(dict.fromkeys(m for _, m in rates))
+    print(f"{'held-out pass rate':20}" + "".join(f"{b:>10}" for b in behaviours))
+    for m in models:
+        row = "".join(f"{rates[(b, m)]:10.0%}" for b in behaviours)
+        print(f"{m or 'base model':20}{row}")
 
 
 if __name__ == "__main__":

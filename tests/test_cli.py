@@ -40,7 +40,12 @@ def write_jsonl(path: Path, *lines) -> Path:
 
 
 def generate(
-    assets: DemoAssets, inp: Path, out: Path, *extra: str, adapters: Path | None = None
+    assets: DemoAssets,
+    inp: Path,
+    out: Path,
+    *extra: str,
+    adapters: Path | None = None,
+    pool: list[str] = POOL,
 ) -> int:
     adapters = assets.adapters_dir if adapters is None else adapters
     return main(
@@ -54,7 +59,7 @@ def generate(
             str(inp),
             "--output",
             str(out),
-            *POOL,
+            *pool,
             *extra,
         ]
     )
@@ -194,7 +199,7 @@ def test_generate_writes_results_in_input_order_matching_the_engine(
 def test_the_shipped_example_runs_on_the_real_model(real_assets: DemoAssets, tmp_path: Path):
     example = REPO / "examples" / "requests.jsonl"
     out = tmp_path / "out.jsonl"
-    assert generate(real_assets, example, out) == 0
+    assert generate(real_assets, example, out, pool=[]) == 0  # the README's command as is
     expected_ids = [
         json.loads(line).get("id") for line in example.read_text().splitlines() if line.strip()
     ]

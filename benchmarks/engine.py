@@ -121,9 +121,12 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _params(spec: ModelSpec) -> int:
+def _params(spec: ModelSpec, tied: bool = False) -> int:
+    """Projection and embedding parameters (norms aside); `tied`: one matrix is both the
+    embedding and the output head."""
     per_layer = sum(o * i for o, i in spec.projection_shapes().values())
-    return spec.num_hidden_layers * per_layer + 2 * spec.vocab_size * spec.hidden_size
+    embeddings = (1 if tied else 2) * spec.vocab_size * spec.hidden_size
+    return spec.num_hidden_layers * per_layer + embeddings
 
 
 REAL = BenchShape(
@@ -174,7 +177,7 @@ def _real_model(root: Path, shape: BenchShape, trace: Path | None) -> dict:
         write_adapter(root / adapter.name, spec, adapter)
         light[adapter.name] = root / adapter.name
     serving = {n: assets.adapters_dir / n for n in assets.adapter_names} | light
-    results = {"model": assets.model.name, "model_parameters": _params(spec)}
+    results = {"model": assets.model.name, "model_parameters": _params(spec, m.tie_word_embeddings)}
     overheads = _step_overheads(assets.model, None, light, real)
     results.update({k: v for k, v in overheads.items() if "heavy" not in k and "bound" not in k})
     results.update(_speedup_vs_peft(assets.model, serving, real, trace))

@@ -16,6 +16,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 GGUF_SUFFIX = ".gguf"
+# What a checkpoint whose config.json names no max_position_embeddings is taken to hold.
+DEFAULT_MAX_POSITIONS = 4096
 
 
 class CheckpointError(ValueError):
@@ -130,7 +132,7 @@ class ModelShape:
             num_heads=heads,
             num_kv_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            max_position_embeddings=raw.get("max_position_embeddings", DEFAULT_MAX_POSITIONS),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,

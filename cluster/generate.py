@@ -143,7 +143,7 @@ def read_requests(path: Path) -> list[tuple[int, GenerateRequest]]:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from loraplex.model_shape import CheckpointError, is_gguf
+    from loraplex.checkpoint_shape import CheckpointError, is_gguf
     from loraplex.replica.engine import LLMEngine, RequestError
     from loraplex.replica.memory.adapters import AdapterError, is_adapter_dir
 

@@ -116,7 +116,8 @@ def up(args: argparse.Namespace, state_dir: Path, env: dict[str, str]) -> int:
     if config.artifact_root is None:
         config = config.model_copy(update={"artifact_root": str(state_dir / "artifacts")})
     if args.address is None:  # on a cluster, the head may not hold the model
-        from loraplex.model_shape import CheckpointError, read_model_shape
+        from loraplex.checkpoint_shape import CheckpointError
+        from loraplex.model_shape import read_model_shape
 
         try:
             read_model_shape(config.require_model())

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from loraplex.model_shape import CheckpointError, ModelShape
+from loraplex.checkpoint_shape import CheckpointError, ModelShape
 
 # Types whose dequantization is tested against transformers' GGUF loader (tests/test_gguf.py).
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")

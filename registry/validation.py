@@ -22,7 +22,8 @@ from typing import Any, TypeGuard
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from loraplex.model_shape import ModelShape, read_model_shape
+from loraplex.checkpoint_shape import ModelShape
+from loraplex.model_shape import read_model_shape
 from loraplex.registry.errors import Invalid, TooLarge, Unacceptable
 
 CONFIG_FILE = "adapter_config.json"

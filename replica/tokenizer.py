@@ -17,7 +17,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from loraplex.model_shape import CheckpointError, is_gguf
+from loraplex.checkpoint_shape import CheckpointError, is_gguf
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 

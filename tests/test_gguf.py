@@ -15,10 +15,11 @@ import pytest
 import torch
 from gguf_files import write_gguf
 
+from loraplex.checkpoint_shape import CheckpointError
 from loraplex.cluster.cli import main
 from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
 from loraplex.gguf_checkpoint import SUPPORTED_TYPES, open_gguf
-from loraplex.model_shape import CheckpointError, read_model_shape
+from loraplex.model_shape import read_model_shape
 from loraplex.registry.errors import Unacceptable
 from loraplex.registry.validation import BaseModelShape, validate_adapter_dir
 from loraplex.replica.config import EngineConfig

@@ -114,7 +114,7 @@ def test_tp3_gives_tp1_tokens(real_reference, real_gguf):
 
 
 def test_tp2_is_refused_with_the_reason(real_gguf):
-    from loraplex.model_shape import CheckpointError
+    from loraplex.checkpoint_shape import CheckpointError
 
     with pytest.raises(CheckpointError, match="tp=2 must divide num_key_value_heads"):
         LLMEngine(EngineConfig(model=str(real_gguf), tp=2, tp_launcher="process"))

@@ -23,8 +23,8 @@ import torch
 from safetensors.torch import save_file
 from tiny_model import BASE, SPEC
 
+from loraplex.checkpoint_shape import ModelShape
 from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
-from loraplex.model_shape import ModelShape
 from loraplex.registry.api_errors import status_code
 from loraplex.registry.archives import ArchiveLimits, safe_extract_tar_gz
 from loraplex.registry.errors import AdapterRejected

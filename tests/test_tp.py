@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from loraplex.checkpoint_shape import CheckpointError
 from loraplex.cluster.cli import main
-from loraplex.model_shape import CheckpointError
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.memory.adapter_cache import CacheConfig

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from loraplex.model_shape import ModelShape, read_model_shape
+from loraplex.checkpoint_shape import ModelShape
+from loraplex.model_shape import read_model_shape
 from loraplex.registry.validation import BaseModelShape
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from loraplex.model_shape import CheckpointError, is_gguf
+from loraplex.checkpoint_shape import CheckpointError, is_gguf
 from loraplex.replica.model.config import ModelConfig
 
 

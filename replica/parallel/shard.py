@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from loraplex.model_shape import CheckpointError
+from loraplex.checkpoint_shape import CheckpointError
 from loraplex.replica.memory.adapters import AdapterWeights
 from loraplex.replica.model.config import ModelConfig
 from loraplex.replica.model.llama import LlamaModel

@@ -1,6 +1,6 @@
 """The demo assets: the real model (SmolLM2-135M-Instruct, a GGUF file fetched at set-up,
 see `smollm.py`) and the demo adapters trained for it (committed under `adapters/`, see
-`train_adapters.py`), copied into one folder that `loraplex up`, `generate` and the README
+`scripts/train_adapters.py`), copied into one folder that `loraplex up`, `generate` and the README
 use. `loraplex demo-assets --synthetic` writes the small random model of `synthetic.py`
 instead (fast tests)."""
 

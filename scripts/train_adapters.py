@@ -1,9 +1,9 @@
 """Train the demo adapters for SmolLM2-135M-Instruct (peft, CPU, fixed seeds).
 
-    python -m loraplex.demo.train_adapters [--out demo/adapters] [--only json-r8]
-    python -m loraplex.demo.train_adapters --check [--out demo/adapters]
+    .venv/bin/python scripts/train_adapters.py [--out demo/adapters] [--only json-r8]
+    .venv/bin/python scripts/train_adapters.py --check [--out demo/adapters]
 
-Each adapter learns one behaviour of `behaviours.py` from the examples that module
+Each adapter learns one behaviour of `demo/behaviours.py` from the examples that module
 generates: the prompt is the user's message in the model's own chat template, the loss is
 on the answer and the end-of-turn token only. The results are committed in
 `demo/adapters/` (fp16, 7.2 MB in all): every user and CI run gets the same adapters in no
@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-ADAPTERS_DIR = Path(__file__).resolve().parent / "adapters"
+ADAPTERS_DIR = Path(__file__).resolve().parents[1] / "demo" / "adapters"
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 ALL = (*ATTENTION, "gate_proj", "up_proj", "down_proj")
 

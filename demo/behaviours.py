@@ -146,9 +146,8 @@ _CITIES = [
 ]  # fmt: skip
 _CATEGORIES = ["books", "toys", "tools", "games", "shoes", "music", "garden", "kitchen"]
 _STATUSES = ["shipped", "pending", "cancelled", "returned", "paid", "lost"]
-# More names for training only, real and made up: the adapter must learn to copy the name
-# it is asked about, not to recall the few it saw (held-out names are none of these). With
-# real names alone, sql-r4 wrote 'Zuraco' for Zurich and 'Milton' for Milan.
+# More names for training only: the adapter must learn to copy the name it is asked
+# about, not to recall the few it saw (held-out names are none of these).
 _MORE_CITIES = [
     "Lyon", "Hamburg", "Seville", "Naples", "Krakow", "Bergen", "Cork", "Brno", "Patras",
     "Gdansk", "Tampere", "Basel", "Cologne", "Turin", "Braga", "Ghent", "Leeds", "Graz",
@@ -158,32 +157,27 @@ _MORE_CATEGORIES = ["sports", "pets", "beauty", "office", "baby", "outdoor", "fo
 _MORE_STATUSES = ["refunded", "delayed", "new", "open"]
 _NAMES = ["Ana", "Ben", "Chen", "Dora", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jo", "Kai", "Lea"]
 
-
-def _made_up_words(n: int, seed: str) -> list[str]:
-    """`n` pronounceable words that name nothing ("Dorvel", "Ketamu"): names the model
-    cannot recall, so training on them teaches it to copy the name from the question
-    (held-out names come out of the tokenizer in pieces just as these do)."""
-    rng = random.Random(seed)
-    onsets = ["b", "d", "f", "g", "k", "l", "m", "n", "p", "r", "s", "t", "v", "z", "br", "tr"]
-    vowels = ["a", "e", "i", "o", "u", "ai", "ou"]
-    codas = ["", "", "l", "n", "r", "s", "th", "ck"]
-    words: list[str] = []
-    while len(words) < n:
-        syllables = rng.randint(2, 3)
-        word = "".join(rng.choice(onsets) + rng.choice(vowels) for _ in range(syllables))
-        word += rng.choice(codas)
-        if word not in words:
-            words.append(word)
-    return words
+# Cities that are one token after a space (" Denver") but several inside a quote ("'",
+# "Den", "ver"): the query must spell out the word the question names as one token, which
+# is where the held-out misses were ('Zuraco' for Zurich, 'Mariano' for Milan). Made-up
+# names did not help: they are pieces in the question too, so copying them needs no
+# spelling.
+_SPELLED_CITIES = [
+    "Denver", "Dallas", "Miami", "Seattle", "Toronto", "Sydney", "Cairo", "Dubai", "Tokyo",
+    "Moscow", "Geneva", "Brussels", "Amsterdam", "Stockholm", "Copenhagen", "Budapest",
+    "Istanbul", "Tehran", "Delhi", "Mumbai", "Singapore", "Manila", "Seoul", "Beijing",
+    "Shanghai", "Melbourne", "Auckland", "Vancouver", "Montreal", "Houston", "Atlanta",
+    "Phoenix", "Detroit", "Portland", "Austin", "Nashville", "Memphis", "Orlando", "Havana",
+    "Liverpool",
+]  # fmt: skip
 
 
 def _sql_examples(rng: random.Random, held_out: bool) -> list[Example]:
     if held_out:
         cities, categories = _CITIES[12:], _CATEGORIES[6:]
     else:
-        made_up = [w.capitalize() for w in _made_up_words(24, "sql-cities")]
-        cities = _CITIES[:12] + _MORE_CITIES + made_up
-        categories = _CATEGORIES[:6] + _MORE_CATEGORIES + _made_up_words(8, "sql-categories")
+        cities = _CITIES[:12] + _MORE_CITIES + _SPELLED_CITIES
+        categories = _CATEGORIES[:6] + _MORE_CATEGORIES
     statuses = _STATUSES[4:] if held_out else _STATUSES[:4] + _MORE_STATUSES
     numbers = range(50, 99) if held_out else range(2, 49)
     out = []

@@ -148,6 +148,11 @@ _CATEGORIES = ["books", "toys", "tools", "games", "shoes", "music", "garden", "k
 _STATUSES = ["shipped", "pending", "cancelled", "returned", "paid", "lost"]
 # More names for training only: the adapter must learn to copy the name it is asked
 # about, not to recall the few it saw (held-out names are none of these).
+# Known miss: sql-r4 writes 'Zuraco' for Zurich and 'Milia' for Milan (85% of its held-out
+# prompts, the target is 90%). In the question those names are one token (" Zurich"), in
+# the query several ("'", "Z", "ur", "ich"): the adapter must spell the word out. Training
+# on made-up names (pieces in both places) or on 40 more such cities did not lift it
+# (80% each); the committed adapter is the one trained on this data.
 _MORE_CITIES = [
     "Lyon", "Hamburg", "Seville", "Naples", "Krakow", "Bergen", "Cork", "Brno", "Patras",
     "Gdansk", "Tampere", "Basel", "Cologne", "Turin", "Braga", "Ghent", "Leeds", "Graz",
@@ -157,27 +162,10 @@ _MORE_CATEGORIES = ["sports", "pets", "beauty", "office", "baby", "outdoor", "fo
 _MORE_STATUSES = ["refunded", "delayed", "new", "open"]
 _NAMES = ["Ana", "Ben", "Chen", "Dora", "Eli", "Fay", "Gus", "Hana", "Ivan", "Jo", "Kai", "Lea"]
 
-# Cities that are one token after a space (" Denver") but several inside a quote ("'",
-# "Den", "ver"): the query must spell out the word the question names as one token, which
-# is where the held-out misses were ('Zuraco' for Zurich, 'Mariano' for Milan). Made-up
-# names did not help: they are pieces in the question too, so copying them needs no
-# spelling.
-_SPELLED_CITIES = [
-    "Denver", "Dallas", "Miami", "Seattle", "Toronto", "Sydney", "Cairo", "Dubai", "Tokyo",
-    "Moscow", "Geneva", "Brussels", "Amsterdam", "Stockholm", "Copenhagen", "Budapest",
-    "Istanbul", "Tehran", "Delhi", "Mumbai", "Singapore", "Manila", "Seoul", "Beijing",
-    "Shanghai", "Melbourne", "Auckland", "Vancouver", "Montreal", "Houston", "Atlanta",
-    "Phoenix", "Detroit", "Portland", "Austin", "Nashville", "Memphis", "Orlando", "Havana",
-    "Liverpool",
-]  # fmt: skip
-
 
 def _sql_examples(rng: random.Random, held_out: bool) -> list[Example]:
-    if held_out:
-        cities, categories = _CITIES[12:], _CATEGORIES[6:]
-    else:
-        cities = _CITIES[:12] + _MORE_CITIES + _SPELLED_CITIES
-        categories = _CATEGORIES[:6] + _MORE_CATEGORIES
+    cities = _CITIES[12:] if held_out else _CITIES[:12] + _MORE_CITIES
+    categories = _CATEGORIES[6:] if held_out else _CATEGORIES[:6] + _MORE_CATEGORIES
     statuses = _STATUSES[4:] if held_out else _STATUSES[:4] + _MORE_STATUSES
     numbers = range(50, 99) if held_out else range(2, 49)
     out = []

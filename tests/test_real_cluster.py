@@ -64,7 +64,7 @@ def real_cluster(real_assets, tmp_path_factory) -> Iterator[Cluster]:
             timeout=430,
         )  # fmt: skip
         assert up.returncode == 0, f"`loraplex up` failed:\n{up.stderr}\n{_log_tail(state_dir)}"
-        from loraplex.cluster.supervisor import read_state
+        from loraplex.cluster.state import read_state
 
         state = read_state(state_dir)
         yield Cluster(

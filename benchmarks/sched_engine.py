@@ -41,8 +41,8 @@ from loraplex.benchmarks.sim_workload import (
     pick_adapters,
     read_trace,
 )
-from loraplex.demo.assets import AdapterSpec as AdapterFiles
-from loraplex.demo.assets import ModelSpec, write_adapter, write_checkpoint
+from loraplex.demo.synthetic import AdapterSpec as AdapterFiles
+from loraplex.demo.synthetic import ModelSpec, write_adapter, write_checkpoint
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.memory.pool import PageKind

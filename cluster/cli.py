@@ -15,9 +15,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser(
-        "demo-assets", help="write a small Llama checkpoint, tokenizer and PEFT adapters"
+        "demo-assets",
+        help="place the demo model (SmolLM2-135M-Instruct, GGUF) and its adapters in DIR",
     )
     demo.add_argument("dir", type=Path)
+    demo.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="write the small random Llama checkpoint, tokenizer and adapters instead (tests)",
+    )
 
     generate.add_parser(sub)
 
@@ -59,10 +65,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _demo_assets(args: argparse.Namespace) -> int:
-    from loraplex.demo.assets import make_demo_assets
+    def progress(msg: str) -> None:
+        print(msg, file=sys.stderr)
 
-    assets = make_demo_assets(args.dir, progress=lambda msg: print(msg, file=sys.stderr))
-    print(f"model:    {assets.model_dir}")
+    if args.synthetic:
+        from loraplex.demo.synthetic import make_synthetic_assets
+
+        assets = make_synthetic_assets(args.dir, progress=progress)
+    else:
+        from loraplex.demo.assets import make_demo_assets
+        from loraplex.demo.smollm import ModelNotFetched
+
+        try:
+            assets = make_demo_assets(args.dir, progress=progress)
+        except ModelNotFetched as e:
+            raise CLIError(str(e)) from None
+    print(f"model:    {assets.model}")
     print(f"adapters: {assets.adapters_dir} ({', '.join(assets.adapter_names)})")
     return 0
 

@@ -9,7 +9,6 @@ and the CLI import this module."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,8 +20,6 @@ from loraplex.settings import FORBID_EXTRA, KiB, setting
 
 # The context window when max_model_len is unset: the model's positions, capped here.
 MAX_MODEL_LEN_CAP = 8192
-# What a checkpoint whose config.json names no max_position_embeddings is taken to hold.
-DEFAULT_MAX_POSITIONS = 4096
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 Kernels = Literal["auto", "torch", "triton"]
@@ -143,7 +140,7 @@ class CacheConfig:
 class EngineConfig:
     """One replica's engine."""
 
-    model: str = Field(description="Hugging Face checkpoint folder.")
+    model: str = Field(description="Hugging Face checkpoint folder or Llama-family .gguf file.")
     dtype: Dtype = Field(
         "auto", description="Weights and activations; auto keeps the checkpoint's dtype."
     )
@@ -218,7 +215,8 @@ def context_window(max_model_len: int | None, max_positions: int) -> int:
 
 
 def checkpoint_max_positions(model: str | Path) -> int:
-    """The max_position_embeddings of checkpoint folder `model`, read without torch (the one
-    place settings code reads a checkpoint's shape)."""
-    config = json.loads((Path(model) / "config.json").read_text())
-    return int(config.get("max_position_embeddings", DEFAULT_MAX_POSITIONS))
+    """The max_position_embeddings of checkpoint `model` (a Hugging Face folder or a .gguf
+    file), read without torch through the one shape reader."""
+    from loraplex.model_shape import read_model_shape
+
+    return read_model_shape(model).max_position_embeddings

@@ -66,8 +66,7 @@ class LLMEngine:
             self.model = LlamaModel(
                 mc, load_weights(Path(cfg.model), mc, device), self.max_model_len
             )
-        has_tokenizer = (Path(cfg.model) / "tokenizer.json").is_file()
-        self.tokenizer = Tokenizer(Path(cfg.model)) if has_tokenizer else None
+        self.tokenizer = Tokenizer(cfg.model) if Tokenizer.exists(cfg.model) else None
         elem = torch.empty((), dtype=mc.dtype).element_size()
         page_bytes = cfg.page_bytes or _auto_page_bytes(
             mc.kv_elems_per_token() * elem, mc.kv_size * elem
@@ -174,7 +173,7 @@ class LLMEngine:
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise RequestError("this model has no tokenizer.json; send prompt_token_ids")
+                raise RequestError("this model has no tokenizer; send prompt_token_ids")
             return self.tokenizer.encode(prompt)
         return list(prompt)
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from loraplex.benchmarks import engine as bench_engine
-from loraplex.demo.assets import ModelSpec
+from loraplex.demo.synthetic import ModelSpec
 from loraplex.registry.etcd_process import find_etcd_binary
 
 TINY = bench_engine.BenchShape(
@@ -40,9 +40,12 @@ def test_engine_bench_serves_the_same_greedy_tokens_as_peft(tmp_path):
         overheads
     )
     assert overheads["lora_traffic_bound"] > 0
-    serving_result = bench_engine._speedup_vs_peft(model_dir, serving, TINY, trace=None)
+    serving_result = bench_engine._speedup_vs_peft(model_dir, serving, TINY, trace=None, rounds=2)
     figures = serving_result["serving"]
     assert figures["requests"] == 8 and serving_result["speedup_vs_peft"] > 0
+    lo, hi = serving_result["speedup_vs_peft_spread"]
+    assert lo <= serving_result["speedup_vs_peft"] <= hi
+    assert len(figures["loraplex_s"]) == len(figures["peft_s"]) == 2
     # the workload is only a fair comparison if both systems give the same answers
     assert figures["first_4_tokens_equal_to_peft"] == 1.0
 

@@ -30,7 +30,9 @@ from loraplex.router.policy import AffinityConfig
 from loraplex.settings import declared_fields
 
 CLUSTER = Path(__file__).resolve().parents[1] / "cluster"
-MODEL_CONFIG = {
+MODEL_CONFIG = {  # what every reader of the shape needs (the engine refuses less)
+    "model_type": "llama",
+    "vocab_size": 320,
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 2,
@@ -421,7 +423,8 @@ def test_up_refuses_a_model_folder_missing_here_before_starting_anything(tmp_pat
     state_dir = tmp_path / "state"
     assert cli_main(["up", "--config", str(config), "--state-dir", str(state_dir), *address]) == 2
     where = " on this node (every node of the cluster needs it)" if address else ""
-    assert f"model {missing}{where} has no config.json" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"model {missing}{where}: " in err and "(no config.json) nor a .gguf file" in err
     assert not state_dir.exists()  # nothing written, no supervisor started
 
 

@@ -117,7 +117,7 @@ def config_file(demo_assets: DemoAssets, tmp_path_factory: pytest.TempPathFactor
     """Two CPU replicas of the demo model with a small pool, on a free port."""
     path = tmp_path_factory.mktemp("e2e_config") / "loraplex.yaml"
     settings = {
-        "model": str(demo_assets.model_dir),
+        "model": str(demo_assets.model),
         "model_id": BASE_ID,
         "engine": {
             "max_model_len": MAX_MODEL_LEN,

@@ -480,7 +480,8 @@ def test_ray_up_fails_with_loraplex_message_on_bad_input(
         missing = head_only.root / "no-such-model"
         serve_config(head_only, demo_assets, model=str(missing))
         message = (
-            f"model {missing} on this node (every node of the cluster needs it) has no config.json"
+            f"model {missing} on this node (every node of the cluster needs it): {missing} is "
+            "neither a Hugging Face checkpoint folder (no config.json) nor a .gguf file"
         )
     else:
         port = free_port()

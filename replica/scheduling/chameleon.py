@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from loraplex.replica.scheduling.policy import Admit, TryAdmit
+from loraplex.replica.scheduling.policy import Admit, Room, TryAdmit
 from loraplex.replica.scheduling.queue_math import (
     OutputPredictor,
     QueueLoad,
@@ -31,6 +31,7 @@ class ChameleonParams:
     slo_s: float = 5.0
     max_bypass: int = 8  # a request no fit for its adapter is overtaken at most this often
     starve_s: float | None = None  # waited this long: admitted first, over quota (None: slo_s)
+    squash: bool = True  # a bypasser is squashed once its leaving would let the blocked run
 
     def __post_init__(self):
         if not 1 <= self.k_max <= 8:
@@ -48,6 +49,8 @@ class _Entry:
     queue: int = 0
     started: float = 0.0  # admitted (last, if preempted): D is measured from here
     overtaken: int = 0
+    bypassers: list[Sequence] = field(default_factory=list)  # younger ones that overtook it
+    behind: Sequence | None = None  # squashed for this request: requeued right after it
 
 
 class Chameleon:
@@ -86,6 +89,8 @@ class Chameleon:
         self.wcss: list[float] = []
         self.num_bypasses = 0
         self.num_starving = 0  # admitted by the starvation guard
+        self.num_squashes = 0
+        self.bypassed: dict[Sequence, None] = {}  # waiting requests with running bypassers
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -113,13 +118,21 @@ class Chameleon:
         self.queues[entry.queue].append(seq)
 
     def requeue(self, seq: Sequence, now: float) -> None:
+        """Back to the head of its queue; a squashed request goes right behind the request
+        it was squashed for, which must be tried first."""
         entry = self.entries[seq]
         entry.queue = min(entry.queue, len(self.queues) - 1)
-        self.queues[entry.queue].appendleft(seq)
+        queue = self.queues[entry.queue]
+        blocked, entry.behind = entry.behind, None
+        if blocked is not None and blocked in self.entries and blocked in queue:
+            queue.insert(queue.index(blocked) + 1, seq)
+        else:
+            queue.appendleft(seq)
 
     def remove(self, seq: Sequence) -> None:
         entry = self.entries.pop(seq)
         self.queues[entry.queue].remove(seq)
+        self.bypassed.pop(seq, None)
 
     def waiting(self) -> list[Sequence]:
         return [seq for q in self.queues for seq in q]
@@ -224,6 +237,7 @@ class Chameleon:
             if result is Admit.OK:
                 self.queues[entry.queue].remove(seq)
                 del self.entries[seq]
+                self.bypassed.pop(seq, None)
                 entry.started = now
                 self.used[entry.queue] += entry.need
                 self.running[seq] = entry
@@ -238,13 +252,13 @@ class Chameleon:
         so that a quota smaller than one request cannot starve the queue."""
         consumed = 0
         admitted: list[Sequence] = []
-        blocked: _Entry | None = None
+        blocked: Sequence | None = None
         full = False
         for seq in self.queues[q]:
             entry = self.entries[seq]
             if entry.need > tokens - consumed and self.used[q] > 0:
                 break
-            if blocked is not None and not self._may_overtake(blocked, entry):
+            if blocked is not None and not self._may_overtake(self.entries[blocked], entry):
                 break
             result = try_admit(seq)
             if result is Admit.OK:
@@ -254,18 +268,52 @@ class Chameleon:
                 self.used[q] += entry.need
                 self.running[seq] = entry
                 if blocked is not None:
-                    blocked.overtaken += 1
+                    self.entries[blocked].overtaken += 1
+                    self.entries[blocked].bypassers.append(seq)
+                    self.bypassed[blocked] = None
                     self.num_bypasses += 1
             elif result is Admit.FULL:
                 full = True
                 break
             elif result is Admit.NO_ROOM and blocked is None:
-                blocked = entry
+                blocked = seq
             # LOADING / ADAPTER_CAP: it waits for its adapter, the others go on
         for seq in admitted:
             self.queues[q].remove(seq)
             del self.entries[seq]
+            self.bypassed.pop(seq, None)
         return consumed, full
+
+    def to_squash(self, now: float, room: Room) -> list[Sequence]:
+        """§4.3.3: a bypass bets that the younger request finishes before memory for the
+        blocked one frees up. When the bet is lost — the blocked request would fit if
+        (some of) its running bypassers left, and does not fit without them — those
+        bypassers are squashed (preempted, to run again later, right behind it): the
+        most recently admitted first, as few as make room."""
+        if not self.p.squash:
+            return []
+        victims: list[Sequence] = []
+        for blocked in list(self.bypassed):
+            entry = self.entries[blocked]
+            entry.bypassers = [s for s in entry.bypassers if s in self.running]
+            if not entry.bypassers:
+                del self.bypassed[blocked]
+                continue
+            if room(blocked, []):
+                continue  # memory is there already: admission takes it
+            chosen: list[Sequence] = []
+            for seq in reversed(entry.bypassers):  # appended as admitted
+                chosen.append(seq)
+                if room(blocked, victims + chosen):
+                    break
+            else:
+                continue  # even all of them would not make room: let them run
+            for seq in chosen:
+                entry.bypassers.remove(seq)
+                self.running[seq].behind = blocked
+            victims += chosen
+            self.num_squashes += len(chosen)
+        return victims
 
     def _may_overtake(self, blocked: _Entry, younger: _Entry) -> bool:
         if blocked.overtaken >= self.p.max_bypass:

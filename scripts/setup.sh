@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One-time, idempotent set-up: a virtualenv in .venv with loraplex and its test extras.
+# One-time, idempotent set-up: a virtualenv in .venv with loraplex and its test, dev and
+# bench extras.
 # On a machine without an NVIDIA GPU, torch==2.13.0 (CPU build) is installed first so
 # that resolving the other packages never pulls a multi-GB CUDA build.
 set -euo pipefail
@@ -11,4 +12,4 @@ command -v "$PY" >/dev/null || PY=python3
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q torch==2.13.0
 fi
-.venv/bin/pip install -q -e '.[test,dev]'
+.venv/bin/pip install -q -e '.[test,dev,bench]'

@@ -1,0 +1,79 @@
+"""The systems `loraplex bench sched` runs side by side on the same arrivals.
+
+  slora              S-LoRA as its code does it (benchmarks/sim_slora.py): FIFO admission
+                     every 10 decode steps with memory reserved for the whole output,
+                     whole-prompt prefill steps apart from decode, adapters loaded on the
+                     critical path (prefetched for the queue head), freed when unused
+The rest run loraplex's engine: chunked prefill beside decode, admission every step,
+preemption by recompute, and adapter copies beside the compute, with the adapters of the
+next 8 queued requests prefetched:
+  fifo_nocache       FIFO, adapters leave with their last request
+  fifo_cache         FIFO + the adapter cache (Chameleon's score)
+  sjf                SJF with aging, no cache (µServe's SJF)
+  chameleon_nocache  Chameleon's multi-level queues, no cache
+  chameleon          Chameleon's queues (with bypass and squash) + its adapter cache
+  loraplex           everything on: chameleon + the pool's watermarks (KV reclaims free
+                     2% of the pool beyond their need; prefetch keeps 5% free)
+"""
+
+from __future__ import annotations
+
+from loraplex.benchmarks.sim_replica import System
+from loraplex.benchmarks.sim_slora import SLoRAConfig
+from loraplex.replica.memory.adapter_cache import CacheConfig
+from loraplex.replica.scheduling.chameleon import ChameleonParams
+from loraplex.replica.scheduling.scheduler import SchedulerConfig
+
+SYSTEM_NAMES = (
+    "slora",
+    "fifo_nocache",
+    "fifo_cache",
+    "sjf",
+    "chameleon_nocache",
+    "chameleon",
+    "loraplex",
+)
+SCHED = {"max_num_seqs": 128, "max_num_batched_tokens": 4096, "max_loras_per_batch": 64}
+# S-LoRA's flags: the pool is the device's (max_total_token_num = its slots), prompts up
+# to the model's context, prefetching on (seed 004 §5.1: "asynchronous adapter
+# prefetching"); the rest are S-LoRA's defaults.
+SLORA = SLoRAConfig(max_req_total_len=4096, prefetch=True)
+
+
+def systems(
+    slo_s: float, sched: dict = SCHED, prefetch: int = 8, slora: SLoRAConfig = SLORA
+) -> dict[str, System]:
+    """Every system, with Chameleon's quotas sized for `slo_s`; `sched` caps loraplex's
+    batches, `slora` is S-LoRA's server configuration."""
+    nocache = CacheConfig(keep_idle=False, prefetch=prefetch, eviction="lru")
+    cache = CacheConfig(keep_idle=True, prefetch=prefetch, eviction="chameleon")
+    # T_refresh: 60 s instead of the paper's 5 min, for runs of minutes, not hours.
+    mlq = ChameleonParams(refresh_s=60.0, min_samples=64, slo_s=slo_s)
+    fifo = SchedulerConfig(policy="fifo", **sched)
+    sjf = SchedulerConfig(policy="sjf", **sched)
+    cham = SchedulerConfig(policy="chameleon", chameleon=mlq, **sched)
+    everything = CacheConfig(
+        keep_idle=True,
+        prefetch=prefetch,
+        eviction="chameleon",
+        low_watermark=0.02,
+        high_watermark=0.05,
+    )
+    return {
+        # the cache settings are what S-LoRA's rules need when the real engine runs them
+        # (benchmarks/slora_engine.py); the simulator's S-LoRA keeps its own books
+        "slora": System(
+            "slora",
+            SchedulerConfig(),
+            CacheConfig(keep_idle=False, prefetch=4096, eviction="lru"),
+            slora=slora,
+        ),
+        "fifo_nocache": System("fifo_nocache", fifo, nocache),
+        "fifo_cache": System("fifo_cache", fifo, cache),
+        "sjf": System("sjf", sjf, nocache),
+        "chameleon_nocache": System("chameleon_nocache", cham, nocache),
+        "chameleon": System("chameleon", cham, cache),
+        "loraplex": System("loraplex", cham, everything),
+        # ablation: Chameleon as seed 004 built it, on S-LoRA's engine
+        "chameleon_on_slora": System("chameleon_on_slora", cham, cache, slora=slora),
+    }

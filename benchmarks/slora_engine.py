@@ -58,6 +58,7 @@ class SLoRAScheduler:
         self.has_wait_tokens = 0
         self.num_preemptions = 0  # S-LoRA never preempts
         self.critical_copy_bytes = 0  # bytes the last schedule() waited for
+        self.failed: list[Sequence] = []  # ended by a failed adapter load, for the engine
 
     @property
     def waiting(self) -> list[Sequence]:
@@ -75,9 +76,17 @@ class SLoRAScheduler:
     def _slots(self, name: str | None) -> int:
         return 0 if name is None else self.adapters.pages_of(name) * self.kv.block_size
 
+    def take_failed(self) -> list[Sequence]:
+        failed, self.failed = self.failed, []
+        return failed
+
     def schedule(self) -> list[tuple[Sequence, int]]:
         self.critical_copy_bytes = 0
         self.adapters.poll()
+        failures = self.adapters.take_failures()
+        for seq in [s for s in self.waiting if s.adapter in failures]:
+            self.finish(seq, "error", failures[seq.adapter])
+            self.failed.append(seq)
         for seq in self.running:
             self.req[seq].generated = len(seq.output_ids)
         if not self.running:
@@ -129,7 +138,7 @@ class SLoRAScheduler:
             assert ok, "S-LoRA's admission reserved this request's KV"
         return [(seq, 1) for seq in self.running]
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
             self.kv.free(seq)
@@ -147,3 +156,4 @@ class SLoRAScheduler:
         del self.seq[req]
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        seq.error = error

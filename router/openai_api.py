@@ -25,6 +25,8 @@ from pydantic import (
     model_validator,
 )
 
+from loraplex.replica.protocol import SAMPLING_CHECKS
+
 MAX_STOP_STRINGS = 16
 
 TokenId = Annotated[int, Field(ge=0)]
@@ -81,6 +83,11 @@ class _GenerationRequest(BaseModel):
         if isinstance(data, dict):
             return {key: value for key, value in data.items() if value is not None}
         return data
+
+    @field_validator(*SAMPLING_CHECKS)
+    @classmethod
+    def _as_the_engine_uses_it(cls, value: Any, info: ValidationInfo) -> Any:
+        return SAMPLING_CHECKS[info.field_name](value)
 
     @field_validator("n")
     @classmethod

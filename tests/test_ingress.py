@@ -415,6 +415,19 @@ def test_errors_have_the_openai_shape(tenants_app: Served, keys, engine: Engine,
     )
     raw = httpx.post(url, content=b"{not json", headers=acme | {"content-type": "application/json"})
     assert "not valid JSON" in openai_error(raw, 400)["message"]
+    # sampling values checked as the engine uses them: 1e-46 is 0 as a float32 (it used to
+    # stop the replica's engine); seeds outside what torch's generator takes; NaN
+    as_used = {
+        "top_p": (1e-46, "top_p must be in (0, 1] as a float32"),
+        "seed": (2**64, "seed"),
+        "temperature": (float("nan"), "temperature"),
+    }
+    for name, (value, message) in as_used.items():
+        body = json.dumps(ok | {name: value})  # NaN as the literal Python's json reads
+        sent = httpx.post(url, content=body, headers=acme | {"content-type": "application/json"})
+        error = openai_error(sent, 400)
+        assert message in error["message"] and error["param"] == name, (name, error)
+    assert httpx.post(url, json=ok | {"top_p": 1e-44}, headers=acme).status_code == 200
     # token ids the model does not have: refused by the engine (a ValueError), still a 400
     vocab = engine.core.model_config.vocab_size
     error = openai_error(httpx.post(url, json=ok | {"prompt": [1, vocab]}, headers=acme), 400)
@@ -699,6 +712,70 @@ class FailingBackend:
                 num_output_tokens=i + 1,
             )
         raise ReplicaFailed(f"request {request['request_id']}: the replica died")
+
+
+class RequestFailingBackend(FailingBackend):
+    """A replica whose engine ends one request with an error after `chunks_before` chunks
+    (what the engine sends when sampling, stop handling or the adapter's load fails for that
+    request alone; tests/test_fault_isolation.py checks the engine side)."""
+
+    async def generate(self, request: GenerateRequest):
+        n = len(request["prompt_token_ids"])
+        for i in range(self.chunks_before):
+            yield GenerateChunk(
+                request_id=request["request_id"],
+                new_token_ids=[65 + i],
+                new_text="x",
+                finished=False,
+                finish_reason=None,
+                num_prompt_tokens=n,
+                num_output_tokens=i + 1,
+            )
+        yield GenerateChunk(
+            request_id=request["request_id"],
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason="error",
+            num_prompt_tokens=n,
+            num_output_tokens=self.chunks_before,
+            error="the adapter failed to load; retry",
+        )
+
+
+def test_a_request_failing_in_the_engine_is_a_500_or_an_error_event(tokenizer: Tokenizer):
+    body = {"model": BASE_ID, "prompt": PROMPT, "max_tokens": 8}
+
+    def app(chunks_before: int) -> FastAPI:
+        return build_ingress(
+            RequestFailingBackend(chunks_before),
+            tokenizer,
+            base_model_id=BASE_ID,
+            max_model_len=2048,
+            registry=None,
+        )
+
+    with TestClient(app(0)) as client:
+        for stream in (False, True):
+            r = client.post("/v1/completions", json=body | {"stream": stream})
+            assert openai_error(r, 500)["message"] == "the adapter failed to load; retry"
+    with TestClient(app(2)) as client:
+        r = client.post("/v1/completions", json=body | {"stream": True})
+        assert r.status_code == 200
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == ["x", "x"]
+        error = json.loads(events[2])["error"]
+        assert error == {
+            "message": "the adapter failed to load; retry",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
+        assert events[3:] == ["[DONE]"]
+        assert (
+            "failed to load"
+            in openai_error(client.post("/v1/completions", json=body), 500)["message"]
+        )
 
 
 def test_replica_failures_are_503_or_an_error_event(tokenizer: Tokenizer):

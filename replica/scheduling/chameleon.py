@@ -33,8 +33,8 @@ class ChameleonParams:
     starve_s: float | None = None  # waited this long: admitted first, over quota (None: slo_s)
     squash: bool = True  # a bypasser is squashed once its leaving would let the blocked run
     # An adapter's tokens are charged to a queue's quota once while any of its running
-    # requests use it (the memory it holds), not once per request as in the paper: on S-LoRA
-    # per-request charging held the batch ~15% below what memory allowed (bench sched).
+    # requests use it (the memory it holds), not once per request as in the paper, whose
+    # charge held Chameleon on S-LoRA behind S-LoRA's FIFO (bench sched).
     share_adapter_tokens: bool = True
 
     def __post_init__(self):

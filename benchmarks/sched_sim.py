@@ -7,7 +7,8 @@ load at which its P99 TTFT crosses the SLO. The paper's low, medium and high loa
 and 9 RPS against S-LoRA's SLO crossing at 8.6 RPS, §5.2) are taken relative to this
 seed's `slora` crossing, and `slora`, `chameleon` and `loraplex` run there. Keys are
 computed per seed and reported as their mean, with the spread over seeds beside them.
-The existing keys (`p99_ttft_reduction_high_load`, ...) compare `chameleon` with our own
+The existing keys (`p99_ttft_reduction_high_load`, ...) are the ablation against our own
+FIFO: `loraplex` (Chameleon's queues and cache on loraplex's engine) against
 `fifo_nocache` at the first swept load where its P99 TTFT misses the SLO.
 """
 
@@ -40,9 +41,8 @@ PAPER = {
     "p50_ttft_reduction_low_load": 0.139,
 }
 AGAINST_SLORA = {"vs_slora": "chameleon", "loraplex_vs_slora": "loraplex"}
-# what each mechanism is worth against slora: the engine alone (fifo_nocache), Chameleon's
-# queues and cache alone (chameleon_on_slora), both (chameleon)
-ABLATION = ("fifo_nocache", "chameleon_on_slora")
+# what loraplex's engine alone is worth against slora (FIFO, no cache, like S-LoRA)
+ABLATION = ("fifo_nocache",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,15 +51,15 @@ class SimShape:
     load_factors: tuple[float, ...]  # x the trace's mean arrival rate
     scale_minutes: float  # trace minutes replayed to find the length scale
     seeds: int = 5  # arrival draws
-    systems: tuple[str, ...] = (*SYSTEM_NAMES, "chameleon_on_slora")
+    systems: tuple[str, ...] = SYSTEM_NAMES
     extras: bool = False  # eviction scores, the starvation guard at SLO/4, N replicas
 
 
 QUICK = SimShape(
-    requests=800, load_factors=(0.25, 0.6, 0.8, 0.9, 1.0, 1.1, 1.25), scale_minutes=3, seeds=2
+    requests=600, load_factors=(0.25, 0.6, 0.8, 0.9, 1.0, 1.1, 1.25), scale_minutes=3, seeds=2
 )
 FULL = SimShape(
-    requests=3000,
+    requests=2000,
     load_factors=(0.25, 0.5, 0.65, 0.75, 0.85, 0.9, 0.95, 1.0, 1.1, 1.2),
     scale_minutes=10,
     extras=True,
@@ -71,8 +71,8 @@ SHAPE_SYSTEMS = ("slora", "fifo_nocache", "chameleon", "loraplex")
 def shape_of(shape: SimShape, quick: bool) -> SimShape:
     """The smaller sweep that checks a trace shape the systems were not tuned on."""
     if quick:
-        return replace(shape, requests=500, seeds=1, systems=SHAPE_SYSTEMS, extras=False)
-    return replace(shape, requests=2000, seeds=3, systems=SHAPE_SYSTEMS, extras=False)
+        return replace(shape, requests=400, seeds=1, systems=SHAPE_SYSTEMS, extras=False)
+    return replace(shape, requests=1500, seeds=3, systems=SHAPE_SYSTEMS, extras=False)
 
 
 def sim_section(shape: SimShape, trace_path: Path | None, scenario: Scenario) -> dict:
@@ -161,14 +161,15 @@ def _seed_keys(rows: dict[str, dict[str, dict]], loads: list[str], slo: float, r
     keys: dict = {}
     tput = {name: throughput_at_slo(loads, rows[name], slo) for name in rows}
     keys["throughput_at_slo_rps"] = tput
-    if "fifo_nocache" in rows and "chameleon" in rows:
+    if "fifo_nocache" in rows and "loraplex" in rows:
+        # the ablation against our own FIFO: Chameleon's mechanisms on loraplex's engine
         base_p99 = [rows["fifo_nocache"][k]["p99_ttft_s"] for k in loads]
         high = next((k for k, p in zip(loads, base_p99, strict=True) if p > slo), loads[-1])
-        base, ours = rows["fifo_nocache"][high], rows["chameleon"][high]
+        base, ours = rows["fifo_nocache"][high], rows["loraplex"][high]
         keys["high_load_rps"] = float(high)
         keys["p99_ttft_reduction_high_load"] = 1 - ours["p99_ttft_s"] / base["p99_ttft_s"]
         keys["p50_ttft_reduction_high_load"] = 1 - ours["p50_ttft_s"] / base["p50_ttft_s"]
-        keys["throughput_at_slo_ratio"] = _ratio(tput["chameleon"], tput["fifo_nocache"])
+        keys["throughput_at_slo_ratio"] = _ratio(tput["loraplex"], tput["fifo_nocache"])
     crossing = tput["slora"]
     paper_loads = {level: f * crossing for level, f in PAPER_LOADS.items()}
     keys["paper_loads_rps"] = paper_loads
@@ -272,8 +273,8 @@ def _mean_curves(curves: dict, loads: list[str]) -> dict:
 
 
 def _extras(run, by_system, slo, loads, high, requests) -> dict:
-    """Beyond the paper's main figure, on seed 0: eviction scores under the Chameleon
-    scheduler at the load before the high one (the cache matters most while memory is not
+    """Beyond the paper's main figure, on seed 0 and loraplex's engine: eviction scores under
+    the Chameleon scheduler at the load before the high one (the cache matters most while memory is not
     yet all KV); the starvation guard at SLO/4 instead of the SLO, at that load and the
     high one; and N = 4 replicas with adapter-affinity dispatch at 4x the high load."""
     high_key = f"{high:.2f}" if f"{high:.2f}" in loads else loads[-1]
@@ -281,7 +282,7 @@ def _extras(run, by_system, slo, loads, high, requests) -> dict:
     medium = loads[max(0, i - 1)]
     eviction = {}
     for policy in ("chameleon", "lru", "gdsf", "equal"):
-        base = by_system["chameleon"]
+        base = by_system["loraplex"]
         system = replace(base, name=policy, cache=replace(base.cache, eviction=policy))
         eviction[policy] = run(system, float(medium), 0).summary()
     log(
@@ -290,7 +291,7 @@ def _extras(run, by_system, slo, loads, high, requests) -> dict:
             f"{k} p99 {v['p99_ttft_s']:.2f} hit {v['hit_rate']:.2f}" for k, v in eviction.items()
         )
     )
-    base = by_system["chameleon"]
+    base = by_system["loraplex"]
     quarter = replace(base.scheduler.chameleon, starve_s=slo / 4)
     early = replace(
         base, name="chameleon_starve_slo4", scheduler=replace(base.scheduler, chameleon=quarter)
@@ -306,7 +307,7 @@ def _extras(run, by_system, slo, loads, high, requests) -> dict:
     rate = 4 * float(high_key)
     replicas = {
         name: run(by_system[name], rate, 0, n=4 * requests, replicas=4).summary()
-        for name in ("fifo_nocache", "chameleon")
+        for name in ("fifo_nocache", "loraplex")
     }
     log(
         f"sim: 4 replicas at {rate:.2f} req/s: "
@@ -330,7 +331,7 @@ def _slower_link(run, by_system, profile, high: float) -> dict:
         cost = replace(profile, link_bytes_per_s=profile.link_bytes_per_s / factor)
         rows = {
             name: run(by_system[name], high, 0, cost=cost).summary()
-            for name in ("slora", "chameleon_on_slora", "chameleon")
+            for name in ("slora", "chameleon", "loraplex")
         }
         out[f"link_div_{factor}"] = {
             name: {k: row[k] for k in ("p50_ttft_s", "p99_ttft_s", "link_busy", "hit_rate")}

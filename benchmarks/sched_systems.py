@@ -1,19 +1,20 @@
 """The systems `loraplex bench sched` runs side by side on the same arrivals.
 
-  slora              S-LoRA as its code does it (benchmarks/sim_slora.py): FIFO admission
-                     every 10 decode steps with memory reserved for the whole output,
-                     whole-prompt prefill steps apart from decode, adapters loaded on the
-                     critical path (prefetched for the queue head), freed when unused
-The rest run loraplex's engine: chunked prefill beside decode, admission every step,
-preemption by recompute, and adapter copies beside the compute, with the adapters of the
-next 8 queued requests prefetched:
+On S-LoRA's engine (benchmarks/sim_slora.py: FIFO admission every 10 decode steps with
+memory reserved for the whole output, whole-prompt prefill steps apart from decode,
+adapters loaded on the critical path and prefetched for the queue head):
+  slora              S-LoRA as its code does it: adapters freed when no request uses them
+  chameleon          Chameleon as seed 004 built it, on S-LoRA: Chameleon's queues (the
+                     policy loraplex runs) and its adapter cache (benchmarks/sim_slora_chameleon.py)
+On loraplex's engine (chunked prefill beside decode, admission every step, preemption by
+recompute, adapter copies beside the compute, the adapters of the next 8 queued requests
+prefetched) — the ablation against our own FIFO:
   fifo_nocache       FIFO, adapters leave with their last request
   fifo_cache         FIFO + the adapter cache (Chameleon's score)
   sjf                SJF with aging, no cache (µServe's SJF)
-  chameleon_nocache  Chameleon's multi-level queues, no cache
-  chameleon          Chameleon's queues (with bypass and squash) + its adapter cache
-  loraplex           everything on: chameleon + the pool's watermarks (KV reclaims free
-                     2% of the pool beyond their need; prefetch keeps 5% free)
+  chameleon_nocache  Chameleon's queues, no cache
+  loraplex           everything on: Chameleon's queues (bypass, squash) and cache,
+                     prefetch, copy overlap, the engine's defaults otherwise
 """
 
 from __future__ import annotations
@@ -52,13 +53,6 @@ def systems(
     fifo = SchedulerConfig(policy="fifo", **sched)
     sjf = SchedulerConfig(policy="sjf", **sched)
     cham = SchedulerConfig(policy="chameleon", chameleon=mlq, **sched)
-    everything = CacheConfig(
-        keep_idle=True,
-        prefetch=prefetch,
-        eviction="chameleon",
-        low_watermark=0.02,
-        high_watermark=0.05,
-    )
     return {
         # the cache settings are what S-LoRA's rules need when the real engine runs them
         # (benchmarks/slora_engine.py); the simulator's S-LoRA keeps its own books
@@ -72,8 +66,12 @@ def systems(
         "fifo_cache": System("fifo_cache", fifo, cache),
         "sjf": System("sjf", sjf, nocache),
         "chameleon_nocache": System("chameleon_nocache", cham, nocache),
-        "chameleon": System("chameleon", cham, cache),
-        "loraplex": System("loraplex", cham, everything),
-        # ablation: Chameleon as seed 004 built it, on S-LoRA's engine
-        "chameleon_on_slora": System("chameleon_on_slora", cham, cache, slora=slora),
+        # prefetch: S-LoRA's, as much of the queue head as fits (sim_slora.py)
+        "chameleon": System(
+            "chameleon",
+            cham,
+            CacheConfig(keep_idle=True, prefetch=4096, eviction="chameleon"),
+            slora=slora,
+        ),
+        "loraplex": System("loraplex", cham, cache),
     }

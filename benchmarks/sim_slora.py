@@ -104,6 +104,9 @@ class SLoRAQueue:
     def append(self, req: SReq) -> None:
         self.waiting.append(req)
 
+    def remove(self, req: SReq) -> None:
+        self.waiting.remove(req)
+
     def finished(self, req: SReq) -> None:
         pass
 

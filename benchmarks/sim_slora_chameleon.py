@@ -65,11 +65,14 @@ class ChameleonQueue:
 
     def append(self, req: SReq) -> None:
         params = SamplingParams(max_tokens=req.max_output_len)
-        seq = Sequence(
-            str(req.record.request.rid), [0] * req.input_len, params, req.adapter, 0.0, None
-        )
+        seq = Sequence(str(id(req)), [0] * req.input_len, params, req.adapter, 0.0, None)
         self.seq_of[req], self.req_of[seq] = seq, req
         self.policy.add(seq, self.clock())
+
+    def remove(self, req: SReq) -> None:
+        seq = self.seq_of.pop(req)
+        del self.req_of[seq]
+        self.policy.remove(seq)
 
     def finished(self, req: SReq) -> None:
         seq = self.seq_of.pop(req)

@@ -19,13 +19,21 @@ and adapter cache:
 - the cache runs with keep_idle off: an adapter leaves when no running request uses it,
   unless a prefetch asked for it (`want`: S-LoRA's prefetch tag); when the batch empties
   every idle adapter leaves.
+
+With Chameleon's parameters it is Chameleon as seed 004 built it on S-LoRA (as
+benchmarks/sim_slora_chameleon.py): admission by Chameleon's queues (`ChameleonQueue`),
+each pick still passing S-LoRA's memory check, and the cache with keep_idle on.
 """
 
 from __future__ import annotations
 
+import time
+
 from loraplex.benchmarks.sim_slora import COPIES_PER_LOAD, SLoRAConfig, SLoRAQueue, SReq
+from loraplex.benchmarks.sim_slora_chameleon import ChameleonQueue
 from loraplex.replica.memory.adapter_cache import AdapterCache
 from loraplex.replica.memory.kv_cache import KVCache
+from loraplex.replica.scheduling.chameleon import ChameleonParams
 from loraplex.replica.sequence import SeqStatus, Sequence
 
 
@@ -34,7 +42,7 @@ class _Waiting:
 
     name = "slora"
 
-    def __init__(self, queue: SLoRAQueue):
+    def __init__(self, queue: SLoRAQueue | ChameleonQueue):
         self.queue = queue
 
     def __len__(self) -> int:
@@ -42,15 +50,38 @@ class _Waiting:
 
 
 class SLoRAScheduler:
-    def __init__(self, cfg: SLoRAConfig, kv: KVCache, adapters: AdapterCache, max_len: int):
-        assert not adapters.cfg.keep_idle, "S-LoRA frees an adapter with its last request"
+    def __init__(
+        self,
+        cfg: SLoRAConfig,
+        kv: KVCache,
+        adapters: AdapterCache,
+        max_len: int,
+        chameleon: ChameleonParams | None = None,
+    ):
+        # S-LoRA frees an adapter with its last request; Chameleon's cache keeps it
+        assert adapters.cfg.keep_idle == (chameleon is not None)
         self.cfg = cfg
         self.kv = kv
         self.adapters = adapters
         bs = kv.block_size
         max_total = (kv.pool.num_pages - cfg.running_max_req_size) * bs - cfg.pool_size_lora
         batch_max = cfg.batch_max_tokens or max(max_total // 6, min(cfg.max_req_total_len, max_len))
-        self.queue = SLoRAQueue(max_total, batch_max, cfg.running_max_req_size)
+        self.queue: SLoRAQueue | ChameleonQueue = SLoRAQueue(
+            max_total, batch_max, cfg.running_max_req_size
+        )
+        if chameleon is not None:
+            sizes = {n: e.nbytes for n, e in adapters.entries.items()}
+            self.queue = ChameleonQueue(
+                chameleon,
+                max_total,
+                batch_max,
+                cfg.running_max_req_size,
+                self._slots,
+                adapters.nbytes_of,
+                max(sizes.values(), default=1),
+                max_len,
+                time.monotonic,
+            )
         self.policy = _Waiting(self.queue)
         self.running: list[Sequence] = []
         self.req: dict[Sequence, SReq] = {}
@@ -145,13 +176,16 @@ class SLoRAScheduler:
             if seq.lora is not None:
                 self.adapters.release(seq.lora)
                 seq.lora = None
-            if not self.running:  # the batch is clear: every adapter leaves, prefetched too
+            self.req[seq].generated = len(seq.output_ids)
+            self.queue.finished(self.req[seq])
+            if not self.running and not self.adapters.cfg.keep_idle:
+                # the batch is clear: every adapter leaves, prefetched ones too
                 self.adapters.want([])
                 idle = [r for r in self.adapters.resident.values() if r.pins == 0]
                 if idle:
                     self.adapters.reclaim(sum(len(r.pages) for r in idle))
         elif seq.status is SeqStatus.WAITING:
-            self.queue.waiting.remove(self.req[seq])
+            self.queue.remove(self.req[seq])
         req = self.req.pop(seq)
         del self.seq[req]
         seq.status = SeqStatus.FINISHED

@@ -93,9 +93,9 @@ def test_the_cache_cuts_loads_and_the_simulation_is_deterministic():
 
 def test_four_replicas_serve_four_times_the_load_about_as_fast_as_one():
     reqs, adapters = _requests(120, 3.0)
-    one = simulate(reqs, PROFILE, sched_systems.systems(5.0)["chameleon"], adapters, 4096)
+    one = simulate(reqs, PROFILE, sched_systems.systems(5.0)["loraplex"], adapters, 4096)
     many, _ = _requests(480, 12.0)
-    four = simulate(many, PROFILE, sched_systems.systems(5.0)["chameleon"], adapters, 4096, 4)
+    four = simulate(many, PROFILE, sched_systems.systems(5.0)["loraplex"], adapters, 4096, 4)
     assert np.percentile(four.ttft, 50) < 2 * np.percentile(one.ttft, 50)
 
 

@@ -64,7 +64,8 @@ def run_bench(args: argparse.Namespace) -> int:
     bench = QUICK_BENCH if args.quick else FULL_BENCH
     scenario = SCENARIOS[args.scenario]
     results = {"quick": bool(args.quick)}
-    results |= collect(bench, args.trace or DEFAULT_TRACE, scenario, not args.sim_only, args.plot)
+    trace = args.trace or DEFAULT_TRACE
+    results |= collect(bench, trace, scenario, not args.sim_only, args.plot, args.jobs)
     results["seconds"] = time.perf_counter() - start
     print_table(results)
     write_json(args.json, results)
@@ -72,10 +73,15 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def collect(
-    bench: BenchShape, trace: Path | None, scenario: Scenario, engine: bool, plot: Path | None
+    bench: BenchShape,
+    trace: Path | None,
+    scenario: Scenario,
+    engine: bool,
+    plot: Path | None,
+    jobs: int = 1,
 ) -> dict:
     results: dict = {}
-    results["sim"] = sim = sim_section(bench.sim, trace, scenario)
+    results["sim"] = sim = sim_section(bench.sim, trace, scenario, jobs)
     for key in NEW_KEYS:
         results[key] = sim[key]
     for group in AGAINST:
@@ -84,7 +90,7 @@ def collect(
     for name, other in SCENARIOS.items():
         if name == scenario.name:
             continue
-        section = sim_section(bench.shapes, trace, other)
+        section = sim_section(bench.shapes, trace, other, jobs)
         results["shapes"][name] = {g: {k: section[g][k] for k in NEW_KEYS} for g in AGAINST}
         results["shapes"][name]["section"] = section
     if engine:

@@ -15,6 +15,7 @@ FIFO: `loraplex` (Chameleon's queues and cache on loraplex's engine) against
 from __future__ import annotations
 
 import math
+import multiprocessing
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -75,7 +76,10 @@ def shape_of(shape: SimShape, quick: bool) -> SimShape:
     return replace(shape, requests=1500, seeds=3, systems=SHAPE_SYSTEMS, extras=False)
 
 
-def sim_section(shape: SimShape, trace_path: Path | None, scenario: Scenario) -> dict:
+def sim_section(
+    shape: SimShape, trace_path: Path | None, scenario: Scenario, jobs: int = 1
+) -> dict:
+    """The section's figures; `jobs` processes run the independent simulations."""
     profile = a40_llama7b()
     trace = shape_trace(read_trace(trace_path), scenario)
     adapters = paper_adapters(100, profile.adapter_bytes)
@@ -110,26 +114,36 @@ def sim_section(shape: SimShape, trace_path: Path | None, scenario: Scenario) ->
     slo = 5.0 * float(np.mean(np.concatenate([r.e2e for r in lowest.values()])))
     log(f"{tag}: SLO = 5 x mean slora execution at {loads[0]} req/s = {slo:.2f} s")
     by_system = systems(slo)
+    _CONTEXT.update(run=run, by_system=by_system)
     curves: dict[str, dict[int, dict[str, dict]]] = {
         n: {s: {} for s in seeds} for n in shape.systems
     }
-    for seed in seeds:
-        if scenario.cv == 1.0:
+    sweep = [(n, float(load), seed) for seed in seeds for load in loads for n in shape.systems]
+    if scenario.cv == 1.0:  # the SLO's runs are the sweep's lowest slora points
+        sweep = [t for t in sweep if not (t[0] == "slora" and t[1] == float(loads[0]))]
+        for seed in seeds:
             curves["slora"][seed][loads[0]] = lowest[seed].summary()
+    for (name, load, seed), summary in _run_all(sweep, jobs).items():
+        curves[name][seed][f"{load:.2f}"] = summary
+    for seed in seeds:
         for load in loads:
-            for name in shape.systems:
-                if load not in curves[name][seed]:
-                    curves[name][seed][load] = run(by_system[name], float(load), seed).summary()
             log(
                 f"{tag}: seed {seed} {load} req/s  p99 TTFT "
                 + "  ".join(f"{n} {curves[n][seed][load]['p99_ttft_s']:.2f}" for n in shape.systems)
             )
+    rows = {seed: {n: curves[n][seed] for n in shape.systems} for seed in seeds}
+    at_loads = {seed: _paper_loads(rows[seed], loads, slo) for seed in seeds}
+    others = [n for n in ("slora", *AGAINST_SLORA.values(), *ABLATION) if n in shape.systems]
+    paper_runs = _run_all(
+        [(n, load, seed) for seed in seeds for load in at_loads[seed].values() for n in others],
+        jobs,
+    )
     per_seed = [
         _seed_keys(
-            {n: curves[n][seed] for n in shape.systems},
+            rows[seed],
             loads,
             slo,
-            lambda name, load, s=seed: run(by_system[name], load, s).summary(),
+            lambda name, load, s=seed: paper_runs[(name, load, s)],
         )
         for seed in seeds
     ]
@@ -156,6 +170,28 @@ def sim_section(shape: SimShape, trace_path: Path | None, scenario: Scenario) ->
     return out
 
 
+_CONTEXT: dict = {}  # what forked workers run with: `run` and `by_system`
+
+
+def _work(task: tuple[str, float, int]) -> tuple[tuple[str, float, int], dict]:
+    name, load, seed = task
+    return task, _CONTEXT["run"](_CONTEXT["by_system"][name], load, seed).summary()
+
+
+def _run_all(tasks: list[tuple[str, float, int]], jobs: int) -> dict:
+    """(system, load, seed) -> summary; in `jobs` forked processes when jobs > 1."""
+    if jobs <= 1 or len(tasks) < 2:
+        return dict(_work(t) for t in tasks)
+    with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        return dict(pool.imap_unordered(_work, tasks))
+
+
+def _paper_loads(rows: dict[str, dict[str, dict]], loads: list[str], slo: float) -> dict:
+    """Seed 004 §5.2's loads relative to where this seed's slora crosses the SLO."""
+    crossing = throughput_at_slo(loads, rows["slora"], slo)
+    return {level: f * crossing for level, f in PAPER_LOADS.items()}
+
+
 def _seed_keys(rows: dict[str, dict[str, dict]], loads: list[str], slo: float, run) -> dict:
     """One seed's keys from its curves; `run(name, load_rps)` runs a system at a load."""
     keys: dict = {}
@@ -171,7 +207,7 @@ def _seed_keys(rows: dict[str, dict[str, dict]], loads: list[str], slo: float, r
         keys["p50_ttft_reduction_high_load"] = 1 - ours["p50_ttft_s"] / base["p50_ttft_s"]
         keys["throughput_at_slo_ratio"] = _ratio(tput["loraplex"], tput["fifo_nocache"])
     crossing = tput["slora"]
-    paper_loads = {level: f * crossing for level, f in PAPER_LOADS.items()}
+    paper_loads = _paper_loads(rows, loads, slo)
     keys["paper_loads_rps"] = paper_loads
     others = [n for n in (*AGAINST_SLORA.values(), *ABLATION) if n in rows]
     at = {

@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
         help="sched: the main workload (paper: seed 004 §5.1); the others run as trace shapes",
     )
     bench.add_argument("--plot", type=Path, help="sched: write the P99 TTFT vs load plot here")
+    bench.add_argument(
+        "--jobs", type=int, default=1, help="sched: processes running the simulations (1)"
+    )
 
     from loraplex.cluster import adapters_cli, local_cluster, registry_server
 

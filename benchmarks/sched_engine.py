@@ -81,7 +81,7 @@ class EngineShape:
     slora_draws: int  # arrival draws of slora, chameleon and loraplex against slora
 
 
-QUICK = EngineShape(requests=100, table_draws=1, slora_draws=2)
+QUICK = EngineShape(requests=80, table_draws=1, slora_draws=2)
 FULL = EngineShape(requests=300, table_draws=3, slora_draws=5)
 
 

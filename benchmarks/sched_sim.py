@@ -57,7 +57,7 @@ class SimShape:
 
 
 QUICK = SimShape(
-    requests=600, load_factors=(0.25, 0.6, 0.8, 0.9, 1.0, 1.1, 1.25), scale_minutes=3, seeds=2
+    requests=500, load_factors=(0.25, 0.6, 0.8, 0.9, 1.0, 1.1, 1.25), scale_minutes=3, seeds=2
 )
 FULL = SimShape(
     requests=2000,
@@ -72,7 +72,7 @@ SHAPE_SYSTEMS = ("slora", "fifo_nocache", "chameleon", "loraplex")
 def shape_of(shape: SimShape, quick: bool) -> SimShape:
     """The smaller sweep that checks a trace shape the systems were not tuned on."""
     if quick:
-        return replace(shape, requests=400, seeds=1, systems=SHAPE_SYSTEMS, extras=False)
+        return replace(shape, requests=300, seeds=1, systems=SHAPE_SYSTEMS, extras=False)
     return replace(shape, requests=1500, seeds=3, systems=SHAPE_SYSTEMS, extras=False)
 
 

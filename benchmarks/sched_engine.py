@@ -82,7 +82,7 @@ class EngineShape:
 
 
 QUICK = EngineShape(requests=80, table_draws=1, slora_draws=2)
-FULL = EngineShape(requests=300, table_draws=3, slora_draws=5)
+FULL = EngineShape(requests=200, table_draws=2, slora_draws=5)
 
 
 def engine_section(shape: EngineShape) -> dict:

@@ -60,8 +60,8 @@ QUICK = SimShape(
     requests=500, load_factors=(0.25, 0.6, 0.8, 0.9, 1.0, 1.1, 1.25), scale_minutes=3, seeds=2
 )
 FULL = SimShape(
-    requests=2000,
-    load_factors=(0.25, 0.5, 0.65, 0.75, 0.85, 0.9, 0.95, 1.0, 1.1, 1.2),
+    requests=1200,
+    load_factors=(0.25, 0.5, 0.7, 0.8, 0.9, 0.95, 1.0, 1.1, 1.2),
     scale_minutes=10,
     extras=True,
 )
@@ -73,7 +73,7 @@ def shape_of(shape: SimShape, quick: bool) -> SimShape:
     """The smaller sweep that checks a trace shape the systems were not tuned on."""
     if quick:
         return replace(shape, requests=300, seeds=1, systems=SHAPE_SYSTEMS, extras=False)
-    return replace(shape, requests=1500, seeds=3, systems=SHAPE_SYSTEMS, extras=False)
+    return replace(shape, requests=1000, seeds=3, systems=SHAPE_SYSTEMS, extras=False)
 
 
 def sim_section(

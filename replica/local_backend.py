@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncGenerator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from loraplex.replica.memory.adapter_cache import UnknownAdapter
 from loraplex.replica.protocol import (
@@ -14,17 +14,22 @@ from loraplex.replica.protocol import (
     GenerateChunk,
     GenerateRequest,
     chunk,
+    continuation,
     sampling_params,
 )
 
 if TYPE_CHECKING:
     from loraplex.replica.engine import AdapterInfo, Engine
 
+LOCAL_REPLICA = "local"  # the replica id of the engine in process
+
 
 class LocalBackend:
     """Implements `Backend` over an async `Engine`. Adapters are registered in the engine
     under their id `tenant/name` with `ensure_adapter`; closing a `generate` stream early
     aborts the request in the engine and frees its pages."""
+
+    resumed = 0  # one engine, no other replica to resume on
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -33,7 +38,11 @@ class LocalBackend:
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
         params = sampling_params(request)  # ValueError: the ingress answers 400
         outputs = self.engine.generate(
-            request["prompt_token_ids"], params, request["adapter"], request["request_id"]
+            request["prompt_token_ids"],
+            params,
+            request["adapter"],
+            request["request_id"],
+            continuation=continuation(request),
         )
         # aclosing: closing this generator must close the engine's at once (that aborts the
         # request); `async for` alone would leave it to the garbage collector.
@@ -64,5 +73,14 @@ class LocalBackend:
         except UnknownAdapter:
             raise AdapterNotFound(adapter_id) from None
 
-    async def stats(self) -> dict:
-        return await self.engine.stats()
+    async def replica_stats(self) -> dict[str, dict[str, Any]]:
+        """The engine's stats, as the one replica "local"."""
+        stats = await self.engine.stats()
+        adapters = stats["adapters"]
+        device = list(adapters["resident"])
+        stats["tiers"] = {
+            "device": device,
+            "host": sorted(set(adapters["host"]) - set(device)),
+            "loading": list(adapters["loading"]),
+        }
+        return {LOCAL_REPLICA: stats}

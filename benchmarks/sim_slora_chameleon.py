@@ -132,8 +132,8 @@ class ChameleonOnSLoRA(SLoRAReplica):
         cfg: SLoRAConfig,
         params: ChameleonParams,
         adapters: list[AdapterSpec],
-        max_len: int = 4096,
-        half_life_s: float = 60.0,
+        max_len: int,
+        half_life_s: float,  # the frequency's half-life: the adapter cache's setting
     ):
         super().__init__(profile, cfg, adapters, max_len)
         fifo = self.queue

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 from loraplex.benchmarks.sim_replica import System
 from loraplex.benchmarks.sim_slora import SLoRAConfig
-from loraplex.replica.memory.adapter_cache import CacheConfig
-from loraplex.replica.scheduling.chameleon import ChameleonParams
-from loraplex.replica.scheduling.scheduler import SchedulerConfig
+from loraplex.replica.config import CacheConfig, ChameleonParams, SchedulerConfig
 
 SYSTEM_NAMES = (
     "slora",

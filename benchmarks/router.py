@@ -42,6 +42,9 @@ every router must evict.
 
 The routers run one after another on a shared machine: each one's `load_avg_1m` (before,
 after) shows whether other processes competed with it for the cores.
+
+Section `fairness` (benchmarks/router_fairness.py): a tenant flooding at ten times its share
+beside one within it, through the ingress and one replica; `fairness.b_p99_ttft_ratio`.
 """
 
 from __future__ import annotations
@@ -63,6 +66,9 @@ from loraplex.benchmarks.engine import SERVING_TARGETS, zipf_adapters
 from loraplex.benchmarks.report import log, write_json
 from loraplex.benchmarks.router_apps import build_app
 from loraplex.benchmarks.router_costs import measure_router_costs
+from loraplex.benchmarks.router_fairness import FULL as FAIRNESS_FULL
+from loraplex.benchmarks.router_fairness import QUICK as FAIRNESS_QUICK
+from loraplex.benchmarks.router_fairness import measure_fairness, print_fairness
 from loraplex.benchmarks.router_figures import (
     PAGE_BYTES,
     print_table,
@@ -112,6 +118,8 @@ def run_bench(args: argparse.Namespace) -> int:
     workload = QUICK if args.quick else FULL
     results = {"quick": bool(args.quick), **measure(workload)}
     print_table(results)
+    results["fairness"] = measure_fairness(FAIRNESS_QUICK if args.quick else FAIRNESS_FULL)
+    print_fairness(results["fairness"])
     write_json(args.json, results)
     return 0
 

@@ -22,6 +22,7 @@ from loraplex.replica.memory.pool import UnifiedPool
 from loraplex.replica.model.config import ModelConfig
 from loraplex.replica.sampling import SamplingParams
 from loraplex.replica.scheduling.chameleon import Chameleon
+from loraplex.replica.scheduling.fairness import tenant_policies
 from loraplex.replica.scheduling.scheduler import Scheduler, SchedulerConfig
 from loraplex.replica.sequence import Sequence
 
@@ -190,15 +191,16 @@ class SimReplica:
         return self.cache.is_resident(adapter)
 
     def counters(self) -> ReplicaCounters:
-        policy = self.scheduler.policy
+        # under fair admission across tenants, one policy per tenant
+        chameleons = [p for p in tenant_policies(self.scheduler.policy) if isinstance(p, Chameleon)]
         return ReplicaCounters(
             cache={f: getattr(self.cache.stats, f) for f in self.cache.stats.__slots__},
             preemptions=self.scheduler.num_preemptions,
             steps=self.steps,
             link_busy_s=self.link.busy_s,
             peak_memory_fraction=self.peak_pages_in_use / self.pool.num_pages,
-            bypasses=policy.num_bypasses if isinstance(policy, Chameleon) else 0,
-            squashes=policy.num_squashes if isinstance(policy, Chameleon) else 0,
+            bypasses=sum(p.num_bypasses for p in chameleons),
+            squashes=sum(p.num_squashes for p in chameleons),
         )
 
     def add(self, req: SimRequest) -> None:

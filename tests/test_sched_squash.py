@@ -111,6 +111,7 @@ def test_the_scheduler_squashes_a_bypasser_when_the_blocked_request_would_fit_wi
             max_num_batched_tokens=512,
             max_loras_per_batch=8,
             chameleon=ChameleonParams(min_samples=1000),
+            tenant_fairness=False,  # the policy is Chameleon itself: its quotas set below
         ),
         kv,
         cache,

@@ -33,6 +33,16 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--json", type=Path, help="write the figures here")
     bench.add_argument("--trace", type=Path, help="engine, sched: Azure LLM inference trace CSV")
     bench.add_argument("--sim-only", action="store_true", help="sched: the simulator section only")
+    bench.add_argument(
+        "--scenario",
+        choices=["paper", "long-prompt", "bursty"],
+        default="paper",
+        help="sched: the main workload (paper: seed 004 §5.1); the others run as trace shapes",
+    )
+    bench.add_argument("--plot", type=Path, help="sched: write the P99 TTFT vs load plot here")
+    bench.add_argument(
+        "--jobs", type=int, default=1, help="sched: processes running the simulations (1)"
+    )
 
     registry_server.add_parser(sub)
     local_cluster.add_parsers(sub)

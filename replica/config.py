@@ -50,6 +50,19 @@ class ChameleonParams:
     starve_s: float | None = Field(
         None, gt=0, description="Waited this long: admitted first, over quota; unset: slo_s."
     )
+    squash: bool = Field(
+        True,
+        description="Squash a bypasser (preempt it, to run right behind the request it "
+        "overtook) once its leaving would let that blocked request run (seed 004 §4.3.3).",
+    )
+    # The paper charges each request its adapter's tokens; on S-LoRA's engine that charge
+    # held Chameleon behind S-LoRA's FIFO (bench sched): running requests of one adapter
+    # share its memory.
+    share_adapter_tokens: bool = Field(
+        True,
+        description="Charge an adapter's tokens to a queue's quota once while any of its "
+        "running requests use it, not once per request.",
+    )
 
 
 @dataclass(frozen=True, slots=True, config=FORBID_EXTRA)

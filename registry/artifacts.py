@@ -49,6 +49,15 @@ def adapter_digest(src_dir: Path) -> str:
     return digest.hexdigest()
 
 
+def contents_digest(contents: dict[str, bytes]) -> str:
+    """`adapter_digest` of file contents already read: what was read is what is hashed."""
+    digest = hashlib.sha256()
+    for name in ADAPTER_FILES:
+        _frame(digest, name, len(contents[name]))
+        digest.update(contents[name])
+    return digest.hexdigest()
+
+
 def _frame(digest: hashlib._Hash, name: str, size: int) -> None:
     digest.update(name.encode() + b"\0" + size.to_bytes(8, "little"))
 

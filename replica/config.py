@@ -31,6 +31,15 @@ class EngineConfig:
     # tp workers: Ray actors in the replica's placement group, or local processes; auto:
     # Ray when running inside a placement group
     tp_launcher: Literal["auto", "process", "ray"] = "auto"
+    # Keep full KV blocks after their requests end and start requests with the same prefix
+    # (same tokens, adapter version and salt) from them.
+    enable_prefix_caching: bool = True
+    # Base-model blocks are shared across tenants (adapter blocks never are); off: a
+    # tenant's cached blocks serve only that tenant.
+    share_base_prefix: bool = False
+    # A static share of the pool for idle cached blocks instead of one eviction decision
+    # over cached blocks and idle adapters (a baseline for comparison: bench engine).
+    prefix_cache_share: float | None = None
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
@@ -47,6 +56,8 @@ class EngineConfig:
             raise ValueError(f"max_lora_rank must be in [1, 1024], got {self.max_lora_rank}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.prefix_cache_share is not None and not 0 <= self.prefix_cache_share <= 1:
+            raise ValueError(f"prefix_cache_share must be in [0, 1], got {self.prefix_cache_share}")
         for name in ("pool_bytes", "page_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1024:

@@ -33,6 +33,7 @@ from loraplex.replica.protocol import (
     AdapterNotFound,
     GenerateChunk,
     GenerateRequest,
+    cache_salts,
     chunk,
     sampling_params,
 )
@@ -126,7 +127,11 @@ class ReplicaDeployment:
             await self.sync.ensure(adapter)
         params = sampling_params(request)
         outputs = self.engine.generate(
-            request["prompt_token_ids"], params, adapter, request["request_id"]
+            request["prompt_token_ids"],
+            params,
+            adapter,
+            request["request_id"],
+            **cache_salts(request),
         )
         try:
             async for out in outputs:

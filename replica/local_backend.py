@@ -13,6 +13,7 @@ from loraplex.replica.protocol import (
     AdapterNotFound,
     GenerateChunk,
     GenerateRequest,
+    cache_salts,
     chunk,
     sampling_params,
 )
@@ -33,7 +34,11 @@ class LocalBackend:
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
         params = sampling_params(request)  # ValueError: the ingress answers 400
         outputs = self.engine.generate(
-            request["prompt_token_ids"], params, request["adapter"], request["request_id"]
+            request["prompt_token_ids"],
+            params,
+            request["adapter"],
+            request["request_id"],
+            **cache_salts(request),
         )
         # aclosing: closing this generator must close the engine's at once (that aborts the
         # request); `async for` alone would leave it to the garbage collector.

@@ -27,6 +27,10 @@ class GenerateRequest(TypedDict):
     prompt_token_ids: list[int]
     adapter: str | None  # "tenant/name", or None for the base model
     params: dict  # SamplingParams fields (stop as a list)
+    # The prefix cache's salt: cached KV blocks are shared only by requests of one tenant
+    # with one cache_salt (absent: None). The ingress sets the tenant.
+    tenant: NotRequired[str | None]
+    cache_salt: NotRequired[str | None]
 
 
 class GenerateChunk(TypedDict):
@@ -78,6 +82,11 @@ def sampling_params(request: GenerateRequest) -> SamplingParams:
         if key in fields:
             fields[key] = tuple(fields[key])
     return SamplingParams(**fields)
+
+
+def cache_salts(request: GenerateRequest) -> dict[str, str | None]:
+    """The engine's `tenant` and `cache_salt` arguments for a request."""
+    return {"tenant": request.get("tenant"), "cache_salt": request.get("cache_salt")}
 
 
 def chunk(out: RequestOutput) -> GenerateChunk:

@@ -37,6 +37,13 @@ class Sequence:
     text: str = ""  # detokenized output, cut at a stop string
     num_preemptions: int = 0
     lora: ResidentAdapter | None = None  # pinned while running
+    # prefix cache: the salt (tenant, then the request's cache_salt), the chain root it was
+    # admitted under, the keys of its full blocks, and the tokens whose blocks are registered
+    tenant: str | None = None
+    cache_salt: str | None = None
+    prefix_root: bytes | None = None
+    block_keys: list[bytes] = field(default_factory=list)
+    num_committed: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -47,6 +54,9 @@ class Sequence:
         if end <= n:
             return self.prompt_ids[start:end]
         return (self.prompt_ids + self.output_ids)[start:end]
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
 
     @property
     def finished(self) -> bool:

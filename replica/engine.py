@@ -331,6 +331,7 @@ class LLMEngine:
             finished=reason is not None,
             finish_reason=reason,
             num_prompt_tokens=len(seq.prompt_ids),
+            num_cached_tokens=seq.num_cached_tokens,
             logits=logits,
         )
 
@@ -452,6 +453,7 @@ def _final(seq: Sequence) -> RequestOutput:
         finished=True,
         finish_reason=seq.finish_reason,
         num_prompt_tokens=len(seq.prompt_ids),
+        num_cached_tokens=seq.num_cached_tokens,
         error=seq.error,
     )
 

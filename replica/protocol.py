@@ -41,6 +41,7 @@ class GenerateChunk(TypedDict):
     finish_reason: str | None  # "stop", "length", "abort" or "error" when finished
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: NotRequired[int]  # prompt tokens the prefix cache served
     error: NotRequired[
         str | None
     ]  # why the request failed (finish_reason "error"); other requests go on
@@ -97,6 +98,7 @@ def chunk(out: RequestOutput) -> GenerateChunk:
         finished=out.finished,
         finish_reason=out.finish_reason,
         num_prompt_tokens=out.num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens,
         num_output_tokens=len(out.token_ids),
         error=out.error,
     )

@@ -44,6 +44,7 @@ class Sequence:
     prefix_root: bytes | None = None
     block_keys: list[bytes] = field(default_factory=list)
     num_committed: int = 0
+    num_cached_tokens: int = 0  # prompt tokens its first admission found cached
 
     @property
     def num_tokens(self) -> int:
@@ -75,5 +76,6 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop", "length", "abort", or "error" (see `error`)
     num_prompt_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed
     logits: torch.Tensor | None = None  # [vocab] float32, when params.return_logits
     error: str | None = None  # why this request failed, when finish_reason is "error"

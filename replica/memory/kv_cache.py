@@ -103,6 +103,8 @@ class KVCache:
         prefix.stats.hit_blocks += hits
         prefix.stats.miss_blocks += limit - hits
         prefix.stats.hit_tokens += hits * self.block_size
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = hits * self.block_size
 
     def commit(self, seq: Sequence) -> None:
         """After a step: register the blocks `seq` filled (their KV is in the cache now)."""

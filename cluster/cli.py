@@ -87,6 +87,12 @@ def _engine_options(p: argparse.ArgumentParser) -> None:
         choices=["auto", "torch", "triton"],
         help="auto: $LORAPLEX_KERNELS, else Triton on CUDA and the torch references elsewhere",
     )
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="reuse the KV blocks of prompt prefixes earlier requests computed (default: on)",
+    )
 
 
 def engine_config(args: argparse.Namespace):
@@ -108,6 +114,7 @@ def engine_config(args: argparse.Namespace):
             seed=args.seed,
             kernels=args.kernels,
             tp=args.tp,
+            enable_prefix_caching=args.enable_prefix_caching,
         )
     except ValueError as e:
         raise CLIError(str(e)) from None

@@ -109,6 +109,16 @@ class EngineSection(_Section):
         description="LoRA and attention kernels: auto (Triton on CUDA, torch references "
         "elsewhere; $LORAPLEX_KERNELS overrides), torch or triton.",
     )
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Keep full KV blocks after their requests end and start later requests "
+        "with the same prefix (tokens, adapter version, tenant) from them.",
+    )
+    share_base_prefix: bool = Field(
+        False,
+        description="Share cached base-model blocks across tenants (adapter blocks never "
+        "are); off, a tenant's cached blocks serve only that tenant.",
+    )
 
     @model_validator(mode="after")
     def _watermarks_ordered(self) -> EngineSection:
@@ -441,6 +451,8 @@ class LoraplexConfig(_Section):
                 "host_bytes": None if e.host_mib is None else e.host_mib << 20,
             },
             "kernels": e.kernels,
+            "enable_prefix_caching": e.enable_prefix_caching,
+            "share_base_prefix": e.share_base_prefix,
             "seed": e.seed,
             "tp": self.replicas.tp,
         }

@@ -12,6 +12,8 @@
 - tp: tensor parallelism, tp = 2 (gloo, local processes) beside tp = 1 on decode steps:
   lora_comm_ratio (LoRA bytes sent per step / base-model bytes), adapter_bytes_per_rank_ratio
   (adapter pool bytes on one rank at tp = 2 / at tp = 1), step_time_ratio_tp2_vs_tp1.
+- prefix: prefix caching on a multi-tenant chat workload, on vs off and the one-decision
+  pool vs a static split (engine_prefix.py).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from loraplex.benchmarks.engine_prefix import print_prefix, run_prefix
 from loraplex.benchmarks.report import log, write_json
 from loraplex.demo.assets import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
 from loraplex.replica.config import EngineConfig, MiB
@@ -106,7 +109,9 @@ def run_bench(args: argparse.Namespace) -> int:
         results.update(_step_overheads(model_dir, heavy, light, shape))
         results.update(_speedup_vs_peft(model_dir, serving, shape, args.trace))
         results["tp"] = _tensor_parallel(model_dir, heavy, light, shape)
+        results["prefix"] = run_prefix(root, args.quick)
     _print_table(results)
+    print_prefix(results["prefix"])
     write_json(args.json, results)
     return 0
 

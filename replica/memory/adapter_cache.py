@@ -6,7 +6,7 @@ artifact store on disk.
   pool needs the pages — for another adapter or for KV blocks (the pool calls `reclaim`).
   Adapters of queued requests (`want`) are kept unless memory forces it. With a prefix
   cache, idle cached KV blocks are evictable too, and one decision picks between the next
-  adapter and the next block: the cheaper to lose (`_victims`).
+  adapter and the next block: the cheaper to lose (eviction.py `victims`).
 - Host: the registered weights in memory (pinned on CUDA). With a `host_bytes` budget the
   least recently used ones not on the device are dropped and read again from disk.
 - Loads go through a `Transfer` (a copy thread beside the compute, or the simulator's

@@ -19,9 +19,10 @@ processes on the machine stretch steps, not the gaps between them.
   at once and no think time: the engine saturated (target >= 1.5).
 - unified_vs_split: P99 TTFT of the one-decision pool (idle cached blocks and idle adapters
   evicted by the cost of losing each) / that of a static split (idle cached blocks capped at
-  a fixed share of the pool, evicted only among themselves or as a last resort), in a pool
-  too small for every adapter and every tenant's cached prompt, at the same arrivals; the
-  split gives cached blocks half the pool.
+  a fixed share of the pool, evicted only among themselves or as a last resort), under
+  adapter pressure: every tenant's adapter is a large one (rank 64, all projections) and
+  the pool holds a full batch plus half of what the adapters and the cache's working set
+  need; the same arrivals. The split gives cached blocks half the pool.
 
 On and off (unified and split) run alternately, round after round, each on its own engine,
 the cache reset before each run; each round draws a new workload. One torch thread: the
@@ -47,6 +48,7 @@ from loraplex.replica.sampling import SamplingParams
 from loraplex.replica.scheduling.scheduler import SchedulerConfig
 
 TARGETS = (("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj"))
+ALL_TARGETS = (*TARGETS[1], "gate_proj", "up_proj", "down_proj")
 LOAD = 0.7  # offered load, as a share of what the cache-off engine sustains
 SPLIT_SHARE = 0.5
 
@@ -203,16 +205,29 @@ def serve_chat(
     )
 
 
-def _build(root: Path, shape: ChatShape) -> tuple[Path, dict[str, Path]]:
+def _build(root: Path, shape: ChatShape) -> tuple[Path, dict[str, Path], dict[str, Path]]:
+    """The model; each tenant's adapter (ranks 8-32 on q/v or q/k/v/o); and each tenant's
+    large adapter for the pressure runs (rank 64 on all seven projections: ~1.5x the KV of
+    a 768-token system prompt here, as a rank-64 adapter is 0.8x (Llama-2-7B) to 3.5x
+    (Llama-3-8B, GQA) of one there)."""
     model_dir = root / "chat-model"
     write_checkpoint(model_dir, shape.model, seed=5, with_tokenizer=False)
     ranks = np.random.default_rng(5).integers(8, 33, size=shape.tenants).tolist()
-    adapters = {}
-    for t, rank in enumerate(ranks):
-        spec = AdapterSpec(f"tenant-{t:02d}-r{rank}", rank, 2.0 * rank, TARGETS[t % 2], 4000 + t)
-        write_adapter(root / spec.name, shape.model, spec)
-        adapters[spec.name] = root / spec.name
-    return model_dir, adapters
+    specs = [
+        AdapterSpec(f"tenant-{t:02d}-r{rank}", rank, 2.0 * rank, TARGETS[t % 2], 4000 + t)
+        for t, rank in enumerate(ranks)
+    ]
+    large = [
+        AdapterSpec(f"tenant-{t:02d}-large", 64, 128.0, ALL_TARGETS, 5000 + t)
+        for t in range(shape.tenants)
+    ]
+    sets = []
+    for group in (specs, large):
+        sets.append({})
+        for spec in group:
+            write_adapter(root / spec.name, shape.model, spec)
+            sets[-1][spec.name] = root / spec.name
+    return model_dir, sets[0], sets[1]
 
 
 def _engine(model_dir: Path, adapters: dict[str, Path], shape: ChatShape, **cfg) -> LLMEngine:
@@ -235,15 +250,20 @@ def _engine(model_dir: Path, adapters: dict[str, Path], shape: ChatShape, **cfg)
     return engine
 
 
-def _pressure_pool_bytes(engine: LLMEngine, shape: ChatShape, adapters: list[str]) -> int:
-    """Running requests at their longest, plus half of what every adapter and every
-    tenant's longest conversation would hold cached."""
+def _pressure_pool_bytes(engine: LLMEngine, shape: ChatShape) -> int:
+    """A full batch of requests of mean length, plus half of what every adapter and the
+    cache's working set (every tenant's system prompt, every conversation's turns) need."""
+    mean = [sum(bounds) / 2 for bounds in (shape.system_tokens, shape.user_tokens)]
+    system, user, output = *mean, sum(shape.output_tokens) / 2
+    turns = shape.turns
+    request = system + (turns + 1) / 2 * user + (turns - 1) / 2 * output
+    conversations = shape.tenants * shape.conversations
+    working_set = shape.tenants * system + conversations * turns * (user + output)
+    adapter_pages = sum(engine.adapters.pages_of(a) for a in engine.adapters.entries)
     bs = engine.kv.block_size
-    longest = shape.system_tokens[1] + shape.turns * (shape.user_tokens[1] + shape.output_tokens[1])
-    running = shape.max_num_seqs * math.ceil(longest / bs)
-    adapter_pages = sum(engine.adapters.pages_of(a) for a in adapters)
-    cached = shape.tenants * math.ceil(longest / bs)
-    return (running + (adapter_pages + cached) // 2) * engine.pool.page_bytes
+    running = shape.max_num_seqs * math.ceil(request / bs)
+    half = (adapter_pages + math.ceil(working_set / bs)) // 2
+    return (running + half) * engine.pool.page_bytes
 
 
 def run_prefix(root: Path, quick: bool) -> dict:
@@ -256,8 +276,8 @@ def run_prefix(root: Path, quick: bool) -> dict:
 
 
 def _run(root: Path, shape: ChatShape) -> dict:
-    model_dir, adapter_dirs = _build(root, shape)
-    names = list(adapter_dirs)
+    model_dir, adapter_dirs, large_dirs = _build(root, shape)
+    names, large = list(adapter_dirs), list(large_dirs)
     pool = 256 * MiB  # every adapter and every cached conversation fit
     log(
         f"prefix: {shape.tenants} tenants x {shape.conversations} conversations x "
@@ -270,10 +290,10 @@ def _run(root: Path, shape: ChatShape) -> dict:
             model_dir, adapter_dirs, shape, pool_bytes=pool, enable_prefix_caching=False
         ),
     }
-    small = _pressure_pool_bytes(engines["on"], shape, names)
+    small = _pressure_pool_bytes(_engine(model_dir, large_dirs, shape, pool_bytes=pool), shape)
     for key, share in (("unified", None), ("split", SPLIT_SHARE)):
         engines[key] = _engine(
-            model_dir, adapter_dirs, shape, pool_bytes=small, prefix_cache_share=share
+            model_dir, large_dirs, shape, pool_bytes=small, prefix_cache_share=share
         )
     runs: dict[str, dict[str, list[RunResult]]] = {"saturated": {}, "load": {}, "pressure": {}}
     rate = None
@@ -293,7 +313,7 @@ def _run(root: Path, shape: ChatShape) -> dict:
             runs["load"].setdefault(kind, []).append(result)
         for kind in ("unified", "split") if r % 2 == 0 else ("split", "unified"):
             engines[kind].reset_prefix_cache()
-            result = serve_chat(engines[kind], workload, names, rate, seed=r)
+            result = serve_chat(engines[kind], workload, large, rate, seed=r)
             runs["pressure"].setdefault(kind, []).append(result)
         log(f"  round {r + 1}/{shape.rounds} done")
     pressure_stats = {k: engines[k].stats() for k in runs["pressure"]}
@@ -303,11 +323,11 @@ def _run(root: Path, shape: ChatShape) -> dict:
 
 
 def _pooled(results: list[RunResult]) -> dict:
-    ttft = np.array([t for r in results for t in r.ttft_s])
+    ttft = [t for r in results for t in r.ttft_s]
     makespan = sum(r.makespan_s for r in results)
     return {
-        "p50_ttft_s": float(np.percentile(ttft, 50)),
-        "p99_ttft_s": float(np.percentile(ttft, 99)),
+        "p50_ttft_s": _p(ttft, 50),
+        "p99_ttft_s": _p(ttft, 99),
         "generated_tok_per_s": sum(r.generated for r in results) / makespan,
         "makespan_s": makespan,
         "prompt_tokens": sum(r.prompt_tokens for r in results),
@@ -337,6 +357,22 @@ def _figures(shape: ChatShape, runs: dict, rate: float, small_pool: int, stats: 
             "conversations_per_s": rate,
             "offered_load": LOAD,
         },
+        "per_round": [
+            {
+                "p50_ttft_ratio": _p(load_on.ttft_s, 50) / _p(load_off.ttft_s, 50),
+                "throughput_ratio": sat_off.makespan_s / sat_on.makespan_s,
+                "unified_vs_split": _p(unified.ttft_s, 99) / _p(split.ttft_s, 99),
+            }
+            for load_on, load_off, sat_on, sat_off, unified, split in zip(
+                runs["load"]["on"],
+                runs["load"]["off"],
+                runs["saturated"]["on"],
+                runs["saturated"]["off"],
+                runs["pressure"]["unified"],
+                runs["pressure"]["split"],
+                strict=True,
+            )
+        ],
         "saturated": sat,
         "load": load,
         "pressure": {
@@ -353,6 +389,10 @@ def _figures(shape: ChatShape, runs: dict, rate: float, small_pool: int, stats: 
             },
         },
     }
+
+
+def _p(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q))
 
 
 def _params(spec: ModelSpec) -> int:

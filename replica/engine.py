@@ -11,7 +11,6 @@ import asyncio
 import collections
 import dataclasses
 import functools
-import hashlib
 import itertools
 import logging
 import random
@@ -27,7 +26,13 @@ from loraplex.kernels.backend import make_backend, resolve_kernels
 from loraplex.replica.batch import build_step_batch
 from loraplex.replica.config import EngineConfig, MiB
 from loraplex.replica.memory.adapter_cache import AdapterCache, UnknownAdapter
-from loraplex.replica.memory.adapters import AdapterError, AdapterWeights, load_adapter, plan_layout
+from loraplex.replica.memory.adapters import (
+    AdapterError,
+    AdapterWeights,
+    load_adapter,
+    plan_layout,
+    tensors_digest,
+)
 from loraplex.replica.memory.eviction import RestoreCosts
 from loraplex.replica.memory.kv_cache import KVCache
 from loraplex.replica.memory.pool import UnifiedPool
@@ -146,7 +151,7 @@ class LLMEngine:
         `version` (a content digest; the registry's) identifies the weights for the prefix
         cache; by default the one `read_adapter` computed, or a digest of the tensors."""
         digest = weights.version  # of the files as read, when read from files
-        version = version or digest or _tensors_digest(weights)
+        version = version or digest or tensors_digest(weights)
         weights = dataclasses.replace(weights, version=version)
         read = None
         if path is not None:
@@ -429,17 +434,6 @@ class LLMEngine:
                 },
             },
         }
-
-
-def _tensors_digest(weights: AdapterWeights) -> str:
-    """A content digest of weights that came without one (not read from files)."""
-    h = hashlib.sha256()
-    for (layer, target), pair in weights.modules.items():
-        h.update(f"{layer}:{target}".encode())
-        for t in pair:
-            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def _final(seq: Sequence) -> RequestOutput:

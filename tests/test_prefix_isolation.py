@@ -21,6 +21,7 @@ from test_engine_oracle import Driver, check_against_oracle, demo_engine, greedy
 from loraplex.registry.artifacts import adapter_digest
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.memory.adapter_cache import CacheConfig
+from loraplex.replica.memory.adapters import load_adapter
 
 PAGE = 16 * 1024  # 8 tokens a block
 PROMPT = token_prompt(37, 7)  # 4 full blocks can hit (never the last token)
@@ -116,6 +117,19 @@ def test_other_weights_under_one_name_never_hit_the_old_blocks(
     shutil.copytree(sql, copy)
     assert engine.add_adapter("acme/x", copy, version="v7").version == "v7"
     assert serve("sql-r8") == 0
+
+
+def test_weights_registered_without_files_get_a_digest_of_their_tensors(demo_assets):
+    engine = demo_engine(demo_assets, page_bytes=PAGE)
+    mc, adapters = engine.model_config, demo_assets.adapters_dir
+
+    def read(name: str):
+        return replace(load_adapter(adapters / name, "x", mc, 128), version=None)
+
+    a = engine.register_adapter(read("sql-r8"))
+    b = engine.register_adapter(replace(read("sql-r8"), name="y"))
+    c = engine.register_adapter(read("legal-r8"))
+    assert a.version == b.version != c.version and len(a.version) == 64
 
 
 def test_weights_changed_on_disk_are_refused_when_read_again(demo_assets, tmp_path: Path):

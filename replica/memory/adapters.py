@@ -3,6 +3,7 @@ adapter out in the unified pool as views the LoRA kernels read in place."""
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -82,6 +83,17 @@ def load_adapter(path: Path, name: str, model: ModelConfig, max_rank: int) -> Ad
     return AdapterWeights(
         name, summary.rank, summary.target_modules, modules, contents_digest(contents)
     )
+
+
+def tensors_digest(weights: AdapterWeights) -> str:
+    """A content digest of weights that came without one (not read from files)."""
+    h = hashlib.sha256()
+    for (layer, target), pair in weights.modules.items():
+        h.update(f"{layer}:{target}".encode())
+        for t in pair:
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def plan_layout(

@@ -259,11 +259,12 @@ def _pressure_pool_bytes(engine: LLMEngine, shape: ChatShape) -> int:
     request = system + (turns + 1) / 2 * user + (turns - 1) / 2 * output
     conversations = shape.tenants * shape.conversations
     working_set = shape.tenants * system + conversations * turns * (user + output)
-    adapter_pages = sum(engine.adapters.pages_of(a) for a in engine.adapters.entries)
+    pages = [engine.adapters.pages_of(a) for a in engine.adapters.entries]
     bs = engine.kv.block_size
     running = shape.max_num_seqs * math.ceil(request / bs)
-    half = (adapter_pages + math.ceil(working_set / bs)) // 2
-    return (running + half) * engine.pool.page_bytes
+    half = (sum(pages) + math.ceil(working_set / bs)) // 2
+    # an adapter may take at most half the pool (LLMEngine.read_adapter)
+    return max(running + half, 2 * max(pages)) * engine.pool.page_bytes
 
 
 def run_prefix(root: Path, quick: bool) -> dict:

@@ -10,6 +10,7 @@ hit the old weights' blocks, and their logits are those of the new weights (PEFT
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import shutil
 from dataclasses import replace
@@ -19,9 +20,12 @@ import pytest
 from test_engine_oracle import Driver, check_against_oracle, demo_engine, greedy, token_prompt
 
 from loraplex.registry.artifacts import adapter_digest
-from loraplex.replica.engine import LLMEngine
+from loraplex.replica.config import EngineConfig
+from loraplex.replica.engine import Engine, LLMEngine
+from loraplex.replica.local_backend import LocalBackend
 from loraplex.replica.memory.adapter_cache import CacheConfig
 from loraplex.replica.memory.adapters import load_adapter
+from loraplex.replica.protocol import GenerateRequest
 
 PAGE = 16 * 1024  # 8 tokens a block
 PROMPT = token_prompt(37, 7)  # 4 full blocks can hit (never the last token)
@@ -174,3 +178,38 @@ def test_stats_count_prompt_tokens_computed(demo_assets, enabled: bool):
     if enabled:
         assert (stats["lookups"], stats["hit_blocks"], stats["miss_blocks"]) == (3, 8, 4)
         assert engine.reset_prefix_cache() > 0 and run(engine, None, "acme")[0] == 0
+
+
+def test_the_replica_protocol_carries_the_tenant_and_cache_salt(demo_assets):
+    engine = Engine(
+        EngineConfig(model=str(demo_assets.model_dir), page_bytes=PAGE, pool_bytes=32 << 20)
+    )
+    backend = LocalBackend(engine)
+    ids = itertools.count()
+
+    async def cached(**salts) -> int:
+        request = GenerateRequest(
+            request_id=f"p{next(ids)}",
+            prompt_token_ids=PROMPT,
+            adapter=None,
+            params={"max_tokens": 2, "temperature": 0, "ignore_eos": True},
+            **salts,
+        )
+        chunks = [c async for c in backend.generate(request)]
+        assert chunks[-1]["finished"] and chunks[-1]["num_prompt_tokens"] == len(PROMPT)
+        return chunks[-1]["num_cached_tokens"]
+
+    async def main() -> list[int]:
+        return [
+            await cached(tenant="acme"),
+            await cached(tenant="acme"),
+            await cached(tenant="globex"),
+            await cached(tenant="acme", cache_salt="s"),
+            await cached(),  # an ingress that sends neither field: no tenant
+            await cached(),
+        ]
+
+    try:
+        assert asyncio.run(main()) == [0, 32, 0, 0, 0, 32]
+    finally:
+        engine.shutdown()

@@ -42,7 +42,7 @@ from loraplex.replica.model.llama import ForwardOps, LlamaModel
 from loraplex.replica.model.loader import load_weights
 from loraplex.replica.sampling import SamplingParams, greedy_tokens, sample_token
 from loraplex.replica.scheduling.scheduler import Scheduler
-from loraplex.replica.sequence import RequestOutput, Sequence
+from loraplex.replica.sequence import Continuation, RequestOutput, Sequence
 from loraplex.replica.step_costs import StepCostEstimator
 from loraplex.replica.tokenizer import Tokenizer
 
@@ -203,21 +203,25 @@ class LLMEngine:
         adapter: str | None = None,
         request_id: str | None = None,
         arrival: float = 0.0,
+        continuation: Continuation | None = None,
         tenant: str | None = None,
         cache_salt: str | None = None,
     ) -> Sequence:
-        """`tenant` and `cache_salt` salt the request's cached KV blocks: only requests of
-        the same tenant (or, with share_base_prefix, any tenant's base-model requests) and
-        the same cache_salt share them."""
+        """Queue a request; `continuation`: it resumes after output it produced elsewhere.
+        `tenant` and `cache_salt` salt the request's cached KV blocks: only requests of the
+        same tenant (or, with share_base_prefix, any tenant's base-model requests) and the
+        same cache_salt share them."""
         ids = self.encode(prompt)
         self._check(ids, params, adapter)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        generator = torch.Generator().manual_seed(seed)
-        seq = Sequence(request_id, ids, params, adapter, arrival, generator)
+        seq = Sequence(request_id, ids, params, adapter, arrival, torch.Generator(), seed=seed)
         seq.tenant, seq.cache_salt = tenant, cache_salt
+        if continuation is not None:
+            self._check_continuation(continuation, params)
+            seq.output_ids, seq.text = list(continuation.token_ids), continuation.text
         self.requests[request_id] = seq
         self.prompt_tokens += len(ids)
         self.scheduler.add(seq)
@@ -249,6 +253,17 @@ class LLMEngine:
             raise RequestError(
                 f"the request needs {kv_pages} KV pages + {adapter_pages} adapter pages; "
                 f"the pool has {self.pool.num_pages}"
+            )
+
+    def _check_continuation(self, continuation: Continuation, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        done = continuation.token_ids
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in done):
+            raise RequestError(f"output token ids to resume after must be integers in [0, {vocab})")
+        if len(done) >= params.max_tokens:
+            raise RequestError(
+                f"nothing to resume: {len(done)} output tokens already, max_tokens "
+                f"{params.max_tokens}"
             )
 
     def abort(self, request_id: str) -> None:
@@ -290,7 +305,7 @@ class LLMEngine:
         for i, seq in enumerate(batch.sampled):
             try:
                 p = seq.params
-                token = greedy[i] if p.greedy else sample_token(logits[i], p, seq.generator)
+                token = greedy[i] if p.greedy else sample_token(logits[i], p, seq.next_draw())
                 outputs.append(self._append(seq, token, logits[i] if p.return_logits else None))
             except Exception as e:  # this request's fault: it ends, the batch goes on
                 outputs.append(self._fail(seq, e))
@@ -371,13 +386,18 @@ class LLMEngine:
         if est is not None and est.per_token_s > 0:
             per_token = est.per_token_s
         else:
-            per_token = 2 * self.model_config.num_parameters() / (1e14 if cuda else 1e11)
+            per_token = 2 * self._dense_parameters() / (1e14 if cuda else 1e11)
         s = self.adapters.stats
         if s.bytes_loaded and s.load_seconds > 0:
             per_byte = s.load_seconds / s.bytes_loaded
         else:
             per_byte = 1 / (25e9 if cuda else 5e9)
         return RestoreCosts(per_token, per_byte)
+
+    def _dense_parameters(self) -> int:
+        """Weights one token multiplies through (the projections of every layer)."""
+        mc = self.model_config
+        return mc.num_layers * sum(i * o for i, o in mc.projection_shapes().values())
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block (those running requests hold stay theirs); the pages
@@ -527,6 +547,17 @@ class Engine:
         while self._aborts:
             self.core.abort(self._aborts.pop())
 
+    def _check_continuation(self, continuation: Continuation, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        done = continuation.token_ids
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in done):
+            raise RequestError(f"output token ids to resume after must be integers in [0, {vocab})")
+        if len(done) >= params.max_tokens:
+            raise RequestError(
+                f"nothing to resume: {len(done)} output tokens already, max_tokens "
+                f"{params.max_tokens}"
+            )
+
     def abort(self, request_id: str) -> None:
         """Abort a request; never blocks (safe from a cancelled task or a finalizer). Its
         pages are freed before the next step, or at once if the loop is idle."""
@@ -562,6 +593,7 @@ class Engine:
         params: SamplingParams,
         adapter: str | None = None,
         request_id: str | None = None,
+        continuation: Continuation | None = None,
         tenant: str | None = None,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
@@ -575,7 +607,13 @@ class Engine:
 
         def add():
             seq = self.core.add_request(
-                prompt, params, adapter, request_id, tenant=tenant, cache_salt=cache_salt
+                prompt,
+                params,
+                adapter,
+                request_id,
+                continuation=continuation,
+                tenant=tenant,
+                cache_salt=cache_salt,
             )
             self._streams[seq.request_id] = (loop, queue)
             return seq

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncGenerator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from loraplex.replica.memory.adapter_cache import UnknownAdapter
 from loraplex.replica.protocol import (
@@ -15,17 +15,22 @@ from loraplex.replica.protocol import (
     GenerateRequest,
     cache_salts,
     chunk,
+    continuation,
     sampling_params,
 )
 
 if TYPE_CHECKING:
     from loraplex.replica.engine import AdapterInfo, Engine
 
+LOCAL_REPLICA = "local"  # the replica id of the engine in process
+
 
 class LocalBackend:
     """Implements `Backend` over an async `Engine`. Adapters are registered in the engine
     under their id `tenant/name` with `ensure_adapter`; closing a `generate` stream early
     aborts the request in the engine and frees its pages."""
+
+    resumed = 0  # one engine, no other replica to resume on
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -39,6 +44,7 @@ class LocalBackend:
             request["adapter"],
             request["request_id"],
             **cache_salts(request),
+            continuation=continuation(request),
         )
         # aclosing: closing this generator must close the engine's at once (that aborts the
         # request); `async for` alone would leave it to the garbage collector.
@@ -69,5 +75,14 @@ class LocalBackend:
         except UnknownAdapter:
             raise AdapterNotFound(adapter_id) from None
 
-    async def stats(self) -> dict:
-        return await self.engine.stats()
+    async def replica_stats(self) -> dict[str, dict[str, Any]]:
+        """The engine's stats, as the one replica "local"."""
+        stats = await self.engine.stats()
+        adapters = stats["adapters"]
+        device = list(adapters["resident"])
+        stats["tiers"] = {
+            "device": device,
+            "host": sorted(set(adapters["host"]) - set(device)),
+            "loading": list(adapters["loading"]),
+        }
+        return {LOCAL_REPLICA: stats}

@@ -10,7 +10,7 @@ context check), so replicas receive token ids only.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import NotRequired, Protocol, TypedDict
+from typing import Any, NotRequired, Protocol, TypedDict
 
 from loraplex.replica.sampling import (
     SamplingParams,
@@ -19,7 +19,14 @@ from loraplex.replica.sampling import (
     check_top_k,
     check_top_p,
 )
-from loraplex.replica.sequence import RequestOutput
+from loraplex.replica.sequence import Continuation, RequestOutput
+
+
+class ResumeAfter(TypedDict):
+    """A request resumed on another replica: the output it already streamed."""
+
+    token_ids: list[int]  # output tokens already sent to the client
+    text: str  # the text already sent for them
 
 
 class GenerateRequest(TypedDict):
@@ -31,6 +38,7 @@ class GenerateRequest(TypedDict):
     # with one cache_salt (absent: None). The ingress sets the tenant.
     tenant: NotRequired[str | None]
     cache_salt: NotRequired[str | None]
+    resume_after: NotRequired[ResumeAfter]  # set when a replica died mid-stream
 
 
 class GenerateChunk(TypedDict):
@@ -42,9 +50,8 @@ class GenerateChunk(TypedDict):
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: NotRequired[int]  # prompt tokens the prefix cache served
-    error: NotRequired[
-        str | None
-    ]  # why the request failed (finish_reason "error"); other requests go on
+    # why the request failed (finish_reason "error"); other requests go on
+    error: NotRequired[str | None]
 
 
 class AdapterNotFound(LookupError):
@@ -53,14 +60,23 @@ class AdapterNotFound(LookupError):
 
 
 class ReplicaFailed(RuntimeError):
-    """The replica serving a request died after the request's first chunk (or on every
-    try): the ingress ends the stream with an error event."""
+    """Every replica tried for a request died: before its first chunk on every try, or
+    after it on every resume. The ingress answers 503, or ends the stream with an error
+    event."""
 
 
 class Backend(Protocol):
     """Where the ingress sends requests: a Serve deployment handle, or an engine in process."""
 
+    resumed: int  # streams resumed on another replica after theirs died mid-stream
+
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]: ...
+
+    async def replica_stats(self) -> dict[str, dict[str, Any]]:
+        """Each replica's stats by replica id: the engine's `stats()` plus `tiers`, the
+        adapter ids per tier (`device`, `host`: in host memory only, `loading`). A replica
+        that does not answer in time is left out."""
+        ...
 
 
 # The engine's checks of the sampling fields, for the ingress to run before a request leaves
@@ -88,6 +104,13 @@ def sampling_params(request: GenerateRequest) -> SamplingParams:
 def cache_salts(request: GenerateRequest) -> dict[str, str | None]:
     """The engine's `tenant` and `cache_salt` arguments for a request."""
     return {"tenant": request.get("tenant"), "cache_salt": request.get("cache_salt")}
+
+
+def continuation(request: GenerateRequest) -> Continuation | None:
+    resume = request.get("resume_after")
+    if resume is None:
+        return None
+    return Continuation(tuple(resume["token_ids"]), resume["text"])
 
 
 def chunk(out: RequestOutput) -> GenerateChunk:

@@ -14,14 +14,8 @@ from starlette.types import Receive, Scope, Send
 
 from loraplex.replica.protocol import AdapterNotFound, GenerateChunk, ReplicaFailed
 from loraplex.router.metrics import RequestTimer
-from loraplex.router.openai_api import (
-    SSE_DONE,
-    OpenAIError,
-    ResponseFormat,
-    Usage,
-    model_not_found,
-    sse,
-)
+from loraplex.router.openai_errors import OpenAIError, model_not_found
+from loraplex.router.openai_responses import SSE_DONE, ResponseFormat, Usage, sse
 
 log = logging.getLogger(__name__)
 

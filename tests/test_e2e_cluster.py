@@ -33,6 +33,7 @@ import httpx
 import openai
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.cluster.adapters_cli import Endpoint, add_adapter, remove_adapter
 from loraplex.cluster.config import LoraplexConfig
@@ -240,9 +241,13 @@ def oracle(config_file: Path, demo_assets: DemoAssets) -> LLMEngine:
 
 
 def offline(
-    oracle: LLMEngine, ids: list[int], adapter: str | None, max_tokens: int = MAX_TOKENS
+    oracle: LLMEngine,
+    ids: list[int],
+    adapter: str | None,
+    max_tokens: int = MAX_TOKENS,
+    ignore_eos: bool = False,
 ) -> RequestOutput:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     (out,) = oracle.generate([ids], [params], [adapter])
     assert out.token_ids, "the oracle produced nothing"
     return out
@@ -296,8 +301,8 @@ def not_found(client: openai.OpenAI, model: str) -> bool:
 
 class Streams:
     """Long streaming completions, one thread each. Each ends with its completion-token count
-    (from the usage chunk), or with the openai.APIError that ended it (an error event, a
-    timeout)."""
+    (from the usage chunk) and its text, or with the openai.APIError that ended it (an error
+    event, a timeout)."""
 
     def __init__(self, client: openai.OpenAI, models: list[str], max_tokens: int):
         self.started = [threading.Event() for _ in models]
@@ -310,7 +315,7 @@ class Streams:
     @staticmethod
     def _run(
         client: openai.OpenAI, model: str, max_tokens: int, started: threading.Event
-    ) -> int | openai.APIError:
+    ) -> tuple[int, str] | openai.APIError:
         try:
             with complete(
                 client,
@@ -320,11 +325,12 @@ class Streams:
                 stream_options={"include_usage": True},
                 extra_body={"ignore_eos": True},
             ) as events:
-                usage = None
+                usage, text = None, []
                 for event in events:
                     started.set()
                     usage = event.usage or usage
-                return -1 if usage is None else usage.completion_tokens
+                    text += [choice.text for choice in event.choices]
+                return (-1 if usage is None else usage.completion_tokens), "".join(text)
         except openai.APIError as e:
             return e
         finally:
@@ -335,7 +341,7 @@ class Streams:
         for started in self.started:
             assert started.wait(timeout), f"a stream sent no first event within {timeout}s"
 
-    def results(self, timeout: float = 90.0) -> list[int | openai.APIError]:
+    def results(self, timeout: float = 90.0) -> list[tuple[int, str] | openai.APIError]:
         deadline = time.monotonic() + timeout
         return [f.result(timeout=max(0.1, deadline - time.monotonic())) for f in self.futures]
 
@@ -480,7 +486,7 @@ def test_requests_for_an_adapter_stay_on_the_replica_holding_it(
         time.sleep(2.5)
         servable(acme, name)  # its home is over the bounded load: read by the other
         assert holders(ray, sticky) == {other: "device"}
-        assert streams.results() == [800] * 8
+        assert [r if isinstance(r, Exception) else r[0] for r in streams.results()] == [800] * 8
     time.sleep(2.0)  # several stats periods: the ingress's router sees where it is resident
 
     for _ in range(8):  # its home is idle now, yet every request goes where it is resident
@@ -584,6 +590,90 @@ def test_errors(cluster: Cluster, keys: dict[str, str], oracle: LLMEngine):
         assert http.post("/v1/tenants", json={"name": "intruder"}).status_code == 403
 
 
+def stream_resumes(cluster: Cluster) -> float:
+    """The ingress's count of streams resumed after their replica died (/metrics)."""
+    with cluster.http() as http:
+        r = http.get("/metrics")
+    assert r.status_code == 200, r.text
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            if sample.name == "loraplex_stream_resumes_total":
+                return sample.value
+    raise AssertionError("/metrics has no loraplex_stream_resumes_total")
+
+
+def metrics_by_replica(cluster: Cluster) -> tuple[float, dict[str, dict[tuple, float]]]:
+    """The ingress's /metrics: how many replicas it reports, and per replica id its
+    samples, keyed by (name, other labels)."""
+    with cluster.http() as http:  # /metrics needs no key
+        r = http.get("/metrics")
+    assert r.status_code == 200, r.text
+    reporting, view = None, {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            if sample.name == "loraplex_replicas_reporting":
+                reporting = sample.value
+            labels = dict(sample.labels)
+            replica = labels.pop("replica", None)
+            if replica is not None:
+                key = (sample.name, *sorted(labels.items()))
+                view.setdefault(replica, {})[key] = sample.value
+    assert reporting is not None, r.text
+    return reporting, view
+
+
+def expected_samples(stats: dict[str, Any]) -> dict[tuple, float]:
+    """What /metrics should show of a replica whose `stats()` is `stats`."""
+    pool, adapters, tiers = stats["pool"], stats["adapters"], stats["tiers"]
+    samples = {("loraplex_pool_pages", ("kind", "total")): pool["num_pages"]}
+    for kind in ("free", "kv", "adapter", "pinned"):
+        samples["loraplex_pool_pages", ("kind", kind)] = pool[f"{kind}_pages"]
+    for tier in ("device", "host", "loading"):
+        samples["loraplex_replica_adapters", ("tier", tier)] = len(tiers[tier])
+    for event, field in (("hit", "hits"), ("miss", "misses"), ("load", "loads")):
+        samples["loraplex_adapter_cache_events_total", ("event", event)] = adapters[field]
+    samples["loraplex_adapter_cache_events_total", ("event", "eviction")] = adapters["evictions"]
+    for state in ("waiting", "running"):
+        samples["loraplex_replica_requests", ("state", state)] = stats[state]
+    samples[("loraplex_replica_preemptions_total",)] = stats["preemptions"]
+    return samples
+
+
+def test_metrics_show_every_replicas_own_stats(
+    cluster: Cluster, keys: dict[str, str], demo_assets: DemoAssets, ray_driver
+):
+    """/metrics of the running cluster shows each replica's pool, adapters per tier, cache
+    events, queue and preemptions: what the replicas report of themselves (their `stats`,
+    asked from this driver, and their routing stats, read from their actors)."""
+    ray = ray_driver
+    from ray import serve
+
+    acme = cluster.client(keys["acme"])
+    register(cluster, keys["acme"], "metered", demo_assets, "code-r32")
+    servable(acme, "metered")
+    assert complete(acme, "metered", max_tokens=4).usage.completion_tokens == 4
+    replicas = serve.get_deployment_handle("replica", app_name=APP)
+
+    def agree() -> tuple[dict, dict] | None:
+        """(shown, own) once an idle cluster's /metrics equals the replicas' own stats."""
+        reporting, shown = metrics_by_replica(cluster)
+        stats = replicas.broadcast("stats").results(timeout_s=CLIENT_TIMEOUT_S)
+        own = {s["replica"]: expected_samples(s) for s in stats}
+        return (shown, own) if reporting == len(own) and shown == own else None
+
+    shown, own = wait_until(agree, 15, "/metrics to show the replicas' own stats")
+    assert set(shown) == set(replica_actors(ray)), shown.keys()  # every live replica, by id
+    assert sum(s["loraplex_adapter_cache_events_total", ("event", "load")] for s in shown.values())
+    device = [r for r, s in shown.items() if s["loraplex_replica_adapters", ("tier", "device")]]
+    assert device, shown  # "metered" is resident somewhere
+    for replica, routing in routing_stats(ray).items():  # the actors' own view, not Serve's
+        assert shown[replica]["loraplex_pool_pages", ("kind", "free")] == routing["free_pages"]
+        assert shown[replica]["loraplex_pool_pages", ("kind", "total")] == routing["num_pages"]
+        tier = shown[replica]["loraplex_replica_adapters", ("tier", "device")]
+        assert tier == len(routing["device_adapters"])
+    remove_adapter(cluster.endpoint(keys["acme"]), "metered")
+
+
 def test_killing_a_replica_mid_stream_neither_hangs_nor_loses_adapters(
     cluster: Cluster,
     keys: dict[str, str],
@@ -602,10 +692,12 @@ def test_killing_a_replica_mid_stream_neither_hangs_nor_loses_adapters(
     before = replica_actors(ray)
     assert len(before) == 2, before
 
-    long = 600  # tokens: seconds of decoding, so the kill lands mid-stream
-    with Streams(acme, [BASE_ID, "stream", BASE_ID, "stream"], max_tokens=long) as streams:
+    long = 600  # tokens: seconds of decoding, so the kill lands mid-stream (checked below)
+    models = [BASE_ID, "stream", BASE_ID, "stream"]
+    resumed_before = stream_resumes(cluster)
+    with Streams(acme, models, max_tokens=long) as streams:
         streams.wait_started()
-        time.sleep(0.5)
+        # the replicas' own queues now (not a stats period old): kill at once, mid-stream
         queues = {r: s["queue_len"] for r, s in routing_stats(ray).items()}
         assert set(queues) == set(before), queues
         victim = max(queues, key=queues.__getitem__)
@@ -618,10 +710,15 @@ def test_killing_a_replica_mid_stream_neither_hangs_nor_loses_adapters(
             assert complete(acme, model, max_tokens=8).usage.completion_tokens == 8
 
         results = streams.results()  # never a hang
-    failed = [r for r in results if isinstance(r, Exception)]
-    assert all(r == long for r in results if not isinstance(r, Exception)), results
-    assert len(failed) == queues[victim], (queues, results)  # exactly the victim's streams
-    assert all("replica failed" in str(e) for e in failed), failed
+    # no stream failed: the victim's resumed on the survivor after the tokens they had,
+    # and each reads exactly as one uninterrupted run
+    ids = oracle.tokenizer.encode(PROMPT)
+    adapters = {BASE_ID: None, "stream": "sql-r8"}
+    want = {
+        m: offline(oracle, ids, a, max_tokens=long, ignore_eos=True) for m, a in adapters.items()
+    }
+    assert results == [(long, want[m].text) for m in models], results
+    assert stream_resumes(cluster) - resumed_before == queues[victim]  # the kill was mid-stream
 
     def replaced() -> str | None:
         status = serve.status().applications[APP].deployments["replica"]
@@ -632,7 +729,6 @@ def test_killing_a_replica_mid_stream_neither_hangs_nor_loses_adapters(
     newcomer = wait_until(replaced, 60, "a replacement replica")
 
     # serving again, with the adapters registered before the kill
-    ids = oracle.tokenizer.encode(PROMPT)
     assert complete(acme, "stream").choices[0].text == offline(oracle, ids, "sql-r8").text
     assert complete(acme, BASE_ID).choices[0].text == offline(oracle, ids, None).text
     # ... and on the replacement: a cold probe whose home (the router's walk) is the

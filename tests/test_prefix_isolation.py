@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from test_engine_oracle import Driver, check_against_oracle, demo_engine, greedy, token_prompt
 
-from loraplex.registry.artifacts import adapter_digest
+from loraplex.registry.artifacts import ArtifactStore
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import Engine, LLMEngine
 from loraplex.replica.local_backend import LocalBackend
@@ -48,12 +48,13 @@ def hits(engine: LLMEngine) -> int:
     return engine.stats()["prefix_cache"]["hit_blocks"]
 
 
-def test_tenants_never_share_blocks_even_for_identical_adapters(demo_assets):
+def test_tenants_never_share_blocks_even_for_identical_adapters(demo_assets, tmp_path: Path):
     engine = demo_engine(demo_assets, page_bytes=PAGE)
     path = demo_assets.adapters_dir / "sql-r8"
     a = engine.add_adapter("acme/sql", path)
     b = engine.add_adapter("globex/sql", path)
-    assert a.version == b.version == adapter_digest(path)  # the registry's digest
+    registry_digest = ArtifactStore(tmp_path / "artifacts").put_dir(path).digest
+    assert a.version == b.version == registry_digest
 
     assert run(engine, "acme/sql", "acme")[0] == 0
     cached, first = run(engine, "acme/sql", "acme")

@@ -13,11 +13,11 @@ from safetensors.torch import load as load_safetensors
 
 from loraplex.kernels.lora import LoraGroupWeights, LoraOut
 from loraplex.registry.artifacts import contents_digest
+from loraplex.registry.errors import AdapterRejected
 from loraplex.registry.validation import (
     CONFIG_FILE,
     TENSOR_NAME,
     WEIGHTS_FILE,
-    AdapterRejected,
     validate_adapter_dir,
 )
 from loraplex.replica.memory.pool import PageKind, RowPacker, UnifiedPool, chunk_views

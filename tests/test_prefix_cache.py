@@ -71,7 +71,9 @@ def _setup(costs: RestoreCosts, share: float | None = None):
     cfg = ModelConfig.from_dict(SMALL)
     pool = UnifiedPool(64, 2048, cfg.dtype, CPU)  # 16 tokens of KV per page
     kv = KVCache(pool, cfg)
-    kv.prefix = PrefixCache(pool, kv.block_size, clock=lambda: 0.0, share=share)
+    kv.prefix = PrefixCache(
+        pool, kv.block_size, half_life_s=60.0, share_base=False, share=share, clock=lambda: 0.0
+    )
     cache = AdapterCache(
         pool,
         cfg,
@@ -156,7 +158,9 @@ class PrefixWorld:
         self.bs = self.kv.block_size
         ticks = itertools.count()
         clock = lambda: float(next(ticks))  # noqa: E731
-        self.kv.prefix = PrefixCache(self.pool, self.bs, clock=clock, half_life_s=200.0)
+        self.kv.prefix = PrefixCache(
+            self.pool, self.bs, half_life_s=200.0, share_base=False, share=None, clock=clock
+        )
         self.costs = RestoreCosts(1e-3, 1e-9)
         self.cache = AdapterCache(
             self.pool,

@@ -20,8 +20,9 @@ import pytest
 from test_engine_oracle import Driver, check_against_oracle, demo_engine, greedy, token_prompt
 
 from loraplex.registry.artifacts import ArtifactStore
+from loraplex.replica.async_engine import Engine
 from loraplex.replica.config import EngineConfig
-from loraplex.replica.engine import Engine, LLMEngine
+from loraplex.replica.engine import LLMEngine
 from loraplex.replica.local_backend import LocalBackend
 from loraplex.replica.memory.adapter_cache import CacheConfig
 from loraplex.replica.memory.adapters import load_adapter

@@ -67,13 +67,12 @@ class PrefixCache:
         self,
         pool: UnifiedPool,
         block_size: int,
+        *,
+        half_life_s: float,
+        share_base: bool,
+        share: float | None,
         clock: Callable[[], float] = time.monotonic,
-        half_life_s: float = 60.0,
-        share_base: bool = False,
-        share: float | None = None,
     ):
-        if share is not None and not 0.0 <= share <= 1.0:
-            raise ValueError(f"share must be in [0, 1], got {share}")
         self.pool = pool
         self.block_size = block_size
         self.clock = clock

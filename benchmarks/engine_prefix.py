@@ -43,10 +43,11 @@ import torch
 
 from loraplex.benchmarks.report import log
 from loraplex.demo.assets import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
-from loraplex.replica.config import EngineConfig, MiB
+from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.sampling import SamplingParams
 from loraplex.replica.scheduling.scheduler import SchedulerConfig
+from loraplex.settings import MiB
 
 TARGETS = (("q_proj", "v_proj"), ("q_proj", "k_proj", "v_proj", "o_proj"))
 ALL_TARGETS = (*TARGETS[1], "gate_proj", "up_proj", "down_proj")

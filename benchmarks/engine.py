@@ -18,6 +18,8 @@
 - real: speedup_vs_peft, lora_overhead and gemm_efficiency on the demo's real model
   (SmolLM2-135M-Instruct, its GGUF dequantized to fp32), with its demo adapters and
   random ones of the same shapes.
+- prefix: prefix caching on a multi-tenant chat workload, on vs off and the one-decision
+  pool vs a static split (engine_prefix.py).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from loraplex.benchmarks.engine_prefix import print_prefix, run_prefix
 from loraplex.benchmarks.report import log, write_json
 from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
 from loraplex.replica.config import EngineConfig
@@ -118,7 +121,9 @@ def run_bench(args: argparse.Namespace) -> int:
         results.update(_speedup_vs_peft(model_dir, serving, shape, args.trace))
         results["tp"] = _tensor_parallel(model_dir, heavy, light, shape)
         results["real"] = _real_model(root / "real", shape, args.trace)
+        results["prefix"] = run_prefix(root, args.quick)
     _print_table(results)
+    print_prefix(results["prefix"])
     write_json(args.json, results)
     return 0
 

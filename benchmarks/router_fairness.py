@@ -125,7 +125,7 @@ class FairnessIngress:
         settings = RegistryAPISettings(
             admin_key=ADMIN_KEY,
             base_model_id="bench",
-            base_model=BaseModelShape.from_config_json(self.model_dir),
+            base_model=BaseModelShape.from_checkpoint(self.model_dir),
         )
         registry = RegistryHandles(
             RegistryStore(etcd), RegistryWatcher(etcd), ArtifactStore(self.artifact_root), settings

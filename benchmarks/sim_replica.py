@@ -50,6 +50,7 @@ class AdapterMeta:
     name: str
     rank: int
     nbytes: int
+    version: str | None = None
 
 
 class SimLayout:

@@ -198,7 +198,13 @@ def run_generate(args: argparse.Namespace) -> int:
         for r, out in zip(requests, results, strict=True)
     ]
     _write_atomic(args.output, "\n".join(lines) + "\n")
-    print(f"wrote {len(lines)} results to {args.output}", file=sys.stderr)
+    prompt = sum(out.num_prompt_tokens for out in results)
+    cached = sum(out.num_cached_tokens for out in results)
+    print(
+        f"wrote {len(lines)} results to {args.output} ({prompt} prompt tokens, {cached} of "
+        "them from the prefix cache)",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -205,6 +205,23 @@ class EngineConfig:
         description="How tp workers start: Ray actors in the replica's placement group, or "
         "local processes; auto: Ray when running inside a placement group.",
     )
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Keep full KV blocks after their requests end and start later requests "
+        "with the same prefix (tokens, adapter version, tenant, cache salt) from them.",
+    )
+    share_base_prefix: bool = Field(
+        False,
+        description="Share cached base-model blocks across tenants (adapter blocks never "
+        "are); off, a tenant's cached blocks serve only that tenant.",
+    )
+    prefix_cache_share: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="A static share of the pool for idle cached blocks instead of one "
+        "eviction decision over cached blocks and idle adapters (a baseline: bench engine).",
+    )
 
 
 _PLAIN = TypeAdapter(EngineConfig)

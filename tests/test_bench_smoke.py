@@ -9,6 +9,7 @@ import json
 import pytest
 
 from loraplex.benchmarks import engine as bench_engine
+from loraplex.benchmarks import engine_prefix
 from loraplex.demo.synthetic import ModelSpec
 from loraplex.registry.etcd_process import find_etcd_binary
 
@@ -48,6 +49,31 @@ def test_engine_bench_serves_the_same_greedy_tokens_as_peft(tmp_path):
     assert len(figures["loraplex_s"]) == len(figures["peft_s"]) == 2
     # the workload is only a fair comparison if both systems give the same answers
     assert figures["first_4_tokens_equal_to_peft"] == 1.0
+
+
+TINY_CHAT = engine_prefix.ChatShape(
+    model=ModelSpec(vocab_size=512, rope_scaling=None),  # 2 KiB of KV a token: 32 a block
+    tenants=3,
+    system_tokens=(64, 100),
+    conversations=1,
+    turns=2,
+    user_tokens=(4, 8),
+    output_tokens=(2, 4),
+    max_num_seqs=4,
+    rounds=1,
+)
+
+
+def test_engine_bench_prefix_section_reports_its_keys(tmp_path):
+    figures = engine_prefix._run(tmp_path, TINY_CHAT)
+    keys = {"prefill_tokens_ratio", "p50_ttft_ratio", "throughput_ratio", "unified_vs_split"}
+    assert keys <= set(figures)
+    load = figures["load"]
+    # the same requests reached both engines; only the cached one skipped prompt tokens
+    assert load["on"]["prompt_tokens"] == load["off"]["prompt_tokens"]
+    assert load["off"]["prompt_tokens_computed"] == load["off"]["prompt_tokens"]
+    assert load["on"]["prompt_tokens_computed"] < load["on"]["prompt_tokens"]
+    assert set(figures["pressure"]["evictions"]) == {"unified", "split"}
 
 
 def test_trace_lengths_are_scaled_and_capped(tmp_path):

@@ -271,6 +271,32 @@ def test_non_adapter_entries_in_the_adapters_folder_are_ignored(assets: DemoAsse
 GOOD = {"prompt": "fine", "max_tokens": 2, "temperature": 0}
 
 
+def test_prefix_caching_changes_what_is_computed_not_what_is_written(
+    assets: DemoAssets, tmp_path: Path, capsys: pytest.CaptureFixture
+):
+    shared = list(range(1, 70))  # two full blocks of 32 tokens, then one more token each
+    lines = [
+        {"prompt_token_ids": shared + [100 + i], "adapter": a, "max_tokens": 6, "temperature": 0}
+        for i, a in enumerate(["sql-r8", "sql-r8", None, None, "chat-r16"])
+    ]
+    inp = write_jsonl(tmp_path / "in.jsonl", *lines)
+    written, cached = {}, {}
+    for flag in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
+        out = tmp_path / f"{flag}.jsonl"
+        # one request at a time, so each finds what the one before it left in the cache
+        assert generate(assets, inp, out, "--max-num-seqs", "1", flag) == 0
+        written[flag] = read_results(out)
+        cached[flag] = capsys.readouterr().err.splitlines()[-1]
+    assert written["--enable-prefix-caching"] == written["--no-enable-prefix-caching"]
+    # the second sql-r8 and the second base request find two blocks each
+    assert cached["--enable-prefix-caching"].endswith(
+        "(350 prompt tokens, 128 of them from the prefix cache)"
+    )
+    assert cached["--no-enable-prefix-caching"].endswith(
+        "(350 prompt tokens, 0 of them from the prefix cache)"
+    )
+
+
 @pytest.mark.parametrize(
     ("bad_line", "keyword", "extra"),
     [

@@ -99,6 +99,8 @@ def test_from_yaml_resolves_paths_against_the_file_and_maps_every_engine_field(
                 "high_watermark": 0.1,
                 "host_mib": 256,
                 "kernels": "torch",
+                "enable_prefix_caching": False,
+                "share_base_prefix": True,
             },
             "replicas": {"num_replicas": 3, "num_cpus": 2, "num_gpus": 1, "tp": 1},
             "artifact_root": "artifacts",
@@ -135,6 +137,8 @@ def test_from_yaml_resolves_paths_against_the_file_and_maps_every_engine_field(
         ),
         kernels="torch",
         seed=7,
+        enable_prefix_caching=False,
+        share_base_prefix=True,
     )
     assert config.etcd_settings() == EtcdSettings(
         endpoints=["10.0.0.5:2379", "10.0.0.6:2379"],

@@ -700,7 +700,7 @@ def expected_samples(stats: dict[str, Any]) -> dict[tuple, float]:
     """What /metrics should show of a replica whose `stats()` is `stats`."""
     pool, adapters, tiers = stats["pool"], stats["adapters"], stats["tiers"]
     samples = {("loraplex_pool_pages", ("kind", "total")): pool["num_pages"]}
-    for kind in ("free", "kv", "adapter", "pinned"):
+    for kind in ("free", "kv", "adapter", "cached", "pinned"):
         samples["loraplex_pool_pages", ("kind", kind)] = pool[f"{kind}_pages"]
     for tier in ("device", "host", "loading"):
         samples["loraplex_replica_adapters", ("tier", tier)] = len(tiers[tier])

@@ -101,10 +101,15 @@ class Driver:
         self.num_steps = 0
 
     def add(
-        self, request_id: str, prompt: str | list[int], max_tokens: int, adapter: str | None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        max_tokens: int,
+        adapter: str | None,
+        **request,  # tenant, cache_salt
     ) -> Run:
         seq = self.engine.add_request(
-            prompt, greedy(max_tokens), adapter=adapter, request_id=request_id
+            prompt, greedy(max_tokens), adapter=adapter, request_id=request_id, **request
         )
         run = Run(request_id, list(seq.prompt_ids), adapter, max_tokens, seq=seq)
         self.runs[request_id] = run

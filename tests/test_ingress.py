@@ -579,10 +579,12 @@ def test_models_health_and_metrics(tenants_app: Served, anonymous: Served, keys,
         ("free", pool.free_pages),
         ("kv", pool.kv_pages),
         ("adapter", pool.adapter_pages),
+        ("cached", pool.cached_pages),
         ("pinned", pool.pinned_pages),
     ]:
         assert value("loraplex_pool_pages", replica="local", kind=kind) == pages, kind
-    assert pool.free_pages + pool.kv_pages + pool.adapter_pages == pool.num_pages
+    kinds = pool.free_pages + pool.kv_pages + pool.adapter_pages + pool.cached_pages
+    assert kinds == pool.num_pages
     resident = set(core.adapters.resident)
     assert value("loraplex_replica_adapters", replica="local", tier="device") == len(resident)
     host = len(set(core.adapters.host) - resident)

@@ -313,7 +313,7 @@ def serve_config(launcher: Launcher, demo: DemoAssets, **changes) -> dict:
     (app,) = config["applications"]
     args = app["args"]
     args.update(
-        model=str(demo.model_dir),
+        model=str(demo.model),
         model_id=BASE_ID,
         artifact_root=str(launcher.root / "artifacts"),
         engine={"max_model_len": 1024, "pool_mib": 32, "page_kib": 64, "max_num_seqs": 8},

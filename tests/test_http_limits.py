@@ -81,9 +81,7 @@ def chunks(mib: int) -> Iterator[bytes]:
 
 @pytest.fixture(scope="module")
 def engine(demo_assets: DemoAssets) -> Iterator[Engine]:
-    eng = Engine(
-        EngineConfig(model=str(demo_assets.model), page_bytes=PAGE, pool_bytes=256 * PAGE)
-    )
+    eng = Engine(EngineConfig(model=str(demo_assets.model), page_bytes=PAGE, pool_bytes=256 * PAGE))
     try:
         yield eng
     finally:

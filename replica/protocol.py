@@ -2,14 +2,23 @@
 cross Ray's object store without pickling engine classes, and the same contract serves an
 in-process backend (no Ray) and the Serve deployment.
 
-A request names its adapter by id `tenant/name` (registry names cannot contain `/`), or
-None for the base model. The ingress tokenizes (it needs the counts for `usage` and the
-context check), so replicas receive token ids only.
+A request names its adapter by the id of one version, `tenant/name@version` (registry names
+cannot contain `/` or `@`; the version is the registry's content digest), or None for the
+base model. The ingress resolves a name to a version when the request arrives, so the
+request runs to its end on that version wherever it is sent, even if the name moves to
+another meanwhile. The ingress tokenizes (it needs the counts for `usage` and the context
+check), so replicas receive token ids only.
+
+Prefix-cache block keys (`prefix_root`, `extend_block_keys`) are part of this contract: the
+ingress computes a prompt's first keys to route it to the replica holding those blocks, and
+the replica keys its cached blocks with the same function.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import hashlib
+from array import array
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, NotRequired, Protocol, TypedDict
 
 from loraplex.replica.sampling import (
@@ -32,9 +41,15 @@ class ResumeAfter(TypedDict):
 class GenerateRequest(TypedDict):
     request_id: str
     prompt_token_ids: list[int]
-    adapter: str | None  # "tenant/name", or None for the base model
+    adapter: str | None  # "tenant/name@version", or None for the base model
     params: dict  # SamplingParams fields (stop as a list)
     resume_after: NotRequired[ResumeAfter]  # set when a replica died mid-stream
+    # The registry revision the ingress resolved the adapter at: a replica whose registry
+    # watch is behind waits for it before calling the version unknown.
+    adapter_revision: NotRequired[int]
+    # The prefix cache's salt: cached KV blocks are shared only by requests of one tenant
+    # (absent: None). The ingress sets the tenant.
+    tenant: NotRequired[str | None]
 
 
 class GenerateChunk(TypedDict):
@@ -84,8 +99,62 @@ SAMPLING_CHECKS = {
 }
 
 
-def adapter_id(tenant: str, name: str) -> str:
-    return f"{tenant}/{name}"
+def adapter_id(tenant: str, name: str, version: str) -> str:
+    """The id of one version of a tenant's adapter."""
+    return f"{tenant}/{name}@{version}"
+
+
+def parse_adapter_id(adapter: str) -> tuple[str, str, str]:
+    """(tenant, name, version) of an `adapter_id`; ValueError for anything else."""
+    owner, sep, version = adapter.partition("@")
+    tenant, slash, name = owner.partition("/")
+    if not (sep and slash and tenant and name and version) or "/" in name:
+        raise ValueError(f"not an adapter id (tenant/name@version): {adapter!r}")
+    return tenant, name, version
+
+
+def adapter_name(adapter: str) -> str:
+    """The `tenant/name` an adapter id is a version of (the id itself when it has no
+    version): what stays the same when a name moves to a new version."""
+    return adapter.partition("@")[0]
+
+
+def adapter_version(adapter: str | None) -> str | None:
+    """The version part of an adapter id; None for the base model (or an unversioned id)."""
+    if adapter is None:
+        return None
+    return adapter.partition("@")[2] or None
+
+
+PREFIX_ROOT_TAG = b"loraplex-prefix-v1"
+
+
+def prefix_root(version: str | None, tenant: str | None, cache_salt: str | None) -> bytes:
+    """The root of a request's chain of block keys: its adapter version (None: the base
+    model) and its salt (the tenant, narrowed by the request's cache_salt). Each part is
+    framed (absent, or length and bytes), so no two part lists hash alike."""
+    h = hashlib.sha256(PREFIX_ROOT_TAG)
+    for part in (version, tenant, cache_salt):
+        if part is None:
+            h.update(b"\x00")
+        else:
+            raw = part.encode()
+            h.update(b"\x01" + len(raw).to_bytes(4, "little") + raw)
+    return h.digest()
+
+
+def extend_block_keys(
+    keys: list[bytes], root: bytes, token_ids: Sequence[int], block_size: int, n: int
+) -> list[bytes]:
+    """Append to the chain `keys` (the keys of blocks 0..len(keys)-1 of `token_ids`) the
+    keys of blocks len(keys)..n-1: key(i) = sha256(key(i-1) + the block's token ids as
+    int64), key(-1) = root. A key names a full block and everything before it."""
+    parent = keys[-1] if keys else root
+    for i in range(len(keys), n):
+        block = array("q", token_ids[i * block_size : (i + 1) * block_size]).tobytes()
+        parent = hashlib.sha256(parent + block).digest()
+        keys.append(parent)
+    return keys
 
 
 def sampling_params(request: GenerateRequest) -> SamplingParams:

@@ -1009,7 +1009,9 @@ def test_without_a_watcher_reads_go_to_etcd(shared_etcd_server: EtcdServer, tmp_
         src = make_adapter(tmp_path / "adapters" / "w", seed=71)
         r = client.post("/v1/adapters", data={"name": "w"}, files=upload_files(src), headers=tenant)
         assert r.status_code == 201
-        assert client.get("/v1/adapters/w", headers=tenant).json() == r.json()
+        shown = client.get("/v1/adapters/w", headers=tenant).json()
+        assert [v["version"] for v in shown.pop("versions")] == [r.json()["version"]]
+        assert shown == r.json()
         assert client.get("/v1/adapters", headers=tenant).json() == {"adapters": [r.json()]}
         assert client.delete("/v1/adapters/w", headers=tenant).status_code == 200
         assert client.get("/v1/adapters/w", headers=tenant).status_code == 404

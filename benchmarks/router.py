@@ -148,7 +148,6 @@ def measure(workload: Workload, routers: tuple[str, ...] = ROUTERS) -> dict[str,
         root = Path(tmp)
         model_dir, sources = _write_assets(root, workload)
         engine_config = _engine_config(model_dir, sources, workload)
-        requests = _requests([adapter_id(TENANT, n) for n in sources], workload)
         costs = measure_router_costs(engine_config, sources, workload)
         log("router costs measured here: " + ", ".join(f"{k}={v:.4f}" for k, v in costs.items()))
         etcd = EtcdProcess(root / "etcd")
@@ -157,6 +156,7 @@ def measure(workload: Workload, routers: tuple[str, ...] = ROUTERS) -> dict[str,
             settings = EtcdSettings(endpoints=[etcd.endpoint])
             artifacts = ArtifactStore(root / "artifacts")
             paths = asyncio.run(_register(settings, artifacts, sources))
+            requests = _requests(list(paths), workload)
             per_router = {}
             with lean_ray_serve():
                 for router in routers:
@@ -210,7 +210,8 @@ def _engine_config(model_dir: Path, sources: dict[str, Path], w: Workload) -> di
 async def _register(
     settings: EtcdSettings, artifacts: ArtifactStore, sources: dict[str, Path]
 ) -> dict[str, str]:
-    """Register every adapter; their artifact folders by adapter id (what multiplex reads)."""
+    """Register every adapter; their artifact folders by adapter (version) id, in the order
+    of `sources` (what multiplex reads)."""
     paths = {}
     async with RegistryStore(settings) as store:
         await store.create_tenant(Tenant(name=TENANT, adapter_quota=len(sources)))
@@ -231,7 +232,7 @@ async def _register(
                     artifact=stored.path,
                 )
             )
-            paths[adapter_id(TENANT, name)] = str(artifacts.path_of(stored.path))
+            paths[adapter_id(TENANT, name, stored.digest)] = str(artifacts.path_of(stored.path))
     return paths
 
 

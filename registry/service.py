@@ -229,7 +229,8 @@ class RegistryService:
         self, current: AdapterRecord, version: AdapterVersion, pinned: bool | None
     ) -> AdapterRecord:
         """Point `current` at `version` (new, or retained: then it keeps its record),
-        pruning versions past `versions_kept`. RevisionConflict if the alias changed."""
+        pruning the oldest versions past `versions_kept` (never the one it moves to or the
+        one it served). RevisionConflict if the alias changed."""
         pinned = current.pinned if pinned is None else pinned
         if version.version == current.version and current.canary is None:
             if pinned == current.pinned:
@@ -241,7 +242,8 @@ class RegistryService:
         existing = next((v for v in retained if v.version == version.version), None)
         target = existing or version
         kept = retained if existing else [*retained, version]
-        drop = self._beyond_retention(kept, keep={target.version})
+        # the version it served stays too, so a rollback after a bad push is always possible
+        drop = self._beyond_retention(kept, keep={target.version, current.version})
         alias = current.pointing_to(target).model_copy(update={"pinned": pinned})
         add = [v for v in kept if v.created_revision == 0 and v not in drop]
         moved = await self.store.move_adapter(

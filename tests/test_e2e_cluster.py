@@ -463,18 +463,21 @@ def test_requests_for_an_adapter_stay_on_the_replica_holding_it(
     resident: the home, idle again, never loads it."""
     ray = ray_driver
     acme = cluster.client(keys["acme"])
-    register(cluster, keys["acme"], "code", demo_assets, "code-r32")
+    code = register(cluster, keys["acme"], "code", demo_assets, "code-r32")
     servable(acme, "code")
-    (busy,) = wait_until(lambda: holders(ray, adapter_id("acme", "code")), 10, "the warm-up")
+    code_id = adapter_id("acme", "code", code["version"])
+    (busy,) = wait_until(lambda: holders(ray, code_id), 10, "the warm-up")
     (other,) = set(replica_actors(ray)) - {busy}
-    # an adapter whose home (first on the router's walk) is the replica about to be busy
+    # an adapter whose home (first on the router's walk: by name, whatever the version) is
+    # the replica about to be busy
     name = next(
         f"sticky-{i}"
         for i in range(1000)
-        if walk_order(adapter_id("acme", f"sticky-{i}"), [busy, other])[0] == busy
+        if walk_order(adapter_id("acme", f"sticky-{i}", "0" * 64), [busy, other])[0] == busy
     )
-    sticky = adapter_id("acme", name)
-    register(cluster, keys["acme"], name, demo_assets, "chat-r16")
+    sticky = adapter_id(
+        "acme", name, register(cluster, keys["acme"], name, demo_assets, "chat-r16")["version"]
+    )
 
     # resident on `busy`: all go there, and fill its batch (max_num_seqs 8), so a cold
     # adapter whose home is `busy` is over the bounded load
@@ -686,8 +689,14 @@ def test_killing_a_replica_mid_stream_neither_hangs_nor_loses_adapters(
 
     acme = cluster.client(keys["acme"])
     register(cluster, keys["acme"], "stream", demo_assets, "sql-r8")
-    for probe in PROBES:  # registered before the kill: the replacement must find them
-        register(cluster, keys["acme"], probe, demo_assets, "legal-r8")
+    probes = {  # registered before the kill: the replacement must find them
+        probe: adapter_id(
+            "acme",
+            probe,
+            register(cluster, keys["acme"], probe, demo_assets, "legal-r8")["version"],
+        )
+        for probe in PROBES
+    }
     servable(acme, "stream")
     before = replica_actors(ray)
     assert len(before) == 2, before
@@ -733,14 +742,12 @@ def test_killing_a_replica_mid_stream_neither_hangs_nor_loses_adapters(
     assert complete(acme, BASE_ID).choices[0].text == offline(oracle, ids, None).text
     # ... and on the replacement: a cold probe whose home (the router's walk) is the
     # newcomer is loaded there. The router may not know the newcomer for a moment: try a few.
-    homed = [
-        p for p in PROBES if walk_order(adapter_id("acme", p), [newcomer, survivor])[0] == newcomer
-    ]
+    homed = [p for p in PROBES if walk_order(probes[p], [newcomer, survivor])[0] == newcomer]
     assert homed, "no probe adapter hashes to the newcomer (a 2**-12 chance)"
     want = offline(oracle, ids, "legal-r8").text
     for probe in homed:
         assert complete(acme, probe).choices[0].text == want
-        if holders(ray, adapter_id("acme", probe)).get(newcomer):
+        if holders(ray, probes[probe]).get(newcomer):
             break
     else:
         pytest.fail(f"none of {homed} was served by the replacement replica {newcomer}")

@@ -288,7 +288,6 @@ class AffinityPolicy:
         self._counts: dict[str, tuple[float, float]] = {}  # adapter -> (decayed count, at)
         self._placed: dict[str, dict[str, float]] = {}  # replica -> {adapter: sent at}
         self.prefixes = PrefixIndex(config.prefix_index_keys, config.prefix_ttl_s)
-        self._prefix_replicas: set[str] = set()  # the replicas of the last prefix choice
 
     def observe(
         self, adapter: str | None, replica_id: str | None = None, prefix: Sequence[bytes] = ()
@@ -404,9 +403,8 @@ class AffinityPolicy:
         if not prefix:
             return {}
         alive = {r.replica_id for r in replicas}
-        if self._prefix_replicas - alive:  # replicas gone from the deployment
+        if self.prefixes.replicas - alive:  # replicas gone from the deployment
             self.prefixes.forget(alive)
-        self._prefix_replicas = alive
         matched = self.prefixes.matched(prefix, (r.replica_id for r in replicas), self.clock())
         if not matched:
             return {}

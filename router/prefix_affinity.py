@@ -4,7 +4,8 @@ A prompt is named by the keys of its first full KV blocks (`protocol.extend_bloc
 each key covers its block and everything before it, and the chain starts from the adapter
 version and the tenant, as the replica keys its prefix cache). After a request is routed,
 its keys are recorded against the replica; a later request matches a replica by the longest
-run of its leading keys recorded there. That replica most likely still holds those blocks
+run of its leading keys recorded there (from the first: a block is only reusable after
+its parent). That replica most likely still holds those blocks
 in its prefix cache, so prefilling there skips them.
 
 The index is an estimate kept by each router from its own placements, as SGLang's
@@ -19,6 +20,7 @@ collision (2^-64 per pair) only misplaces one request's routing hint.
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Iterable, Sequence
 
 
@@ -31,6 +33,7 @@ class PrefixIndex:
         # key -> {replica: last time a request with this prefix was sent there}; least
         # recently used key first
         self._holders: collections.OrderedDict[int, dict[str, float]] = collections.OrderedDict()
+        self.replicas: set[str] = set()  # every replica some key was recorded for
 
     def __len__(self) -> int:
         return len(self._holders)
@@ -38,7 +41,10 @@ class PrefixIndex:
     def record(self, keys: Sequence[bytes], replica_id: str, now: float) -> None:
         """A request whose prompt starts with the blocks `keys` was sent to `replica_id`."""
         holders = self._holders
-        for key in map(_short, keys):
+        self.replicas.add(replica_id)
+        # deepest first, so a prompt's first blocks (shared by the most prompts) are the most
+        # recently used and the last to go, as the replica's cache evicts deepest first
+        for key in map(_short, reversed(keys)):
             entry = holders.get(key)
             if entry is None:
                 holders[key] = entry = {}
@@ -51,24 +57,26 @@ class PrefixIndex:
     def matched(
         self, keys: Sequence[bytes], replica_ids: Iterable[str], now: float
     ) -> dict[str, int]:
-        """For each replica, how many leading blocks of `keys` it was sent within ttl_s
-        (keys chain, so the deepest key recorded for a replica gives its whole match)."""
-        wanted = set(replica_ids)
-        found: dict[str, int] = {}
+        """For each replica, how many leading blocks of `keys` were sent there within
+        ttl_s: the longest run from the first block (a block is only reusable after its
+        parent). Replicas matching none are absent."""
         horizon = now - self.ttl_s
-        for depth in range(len(keys), 0, -1):
-            entry = self._holders.get(_short(keys[depth - 1]))
+        candidates = set(replica_ids)
+        found: dict[str, int] = {}
+        for depth, key in enumerate(keys, start=1):
+            entry = self._holders.get(_short(key))
             if entry is None:
-                continue
-            for replica_id, at in entry.items():
-                if at >= horizon and replica_id in wanted and replica_id not in found:
-                    found[replica_id] = depth
-            if len(found) == len(wanted):
                 break
+            candidates = {r for r in candidates if entry.get(r, -math.inf) >= horizon}
+            if not candidates:
+                break
+            for replica_id in candidates:
+                found[replica_id] = depth
         return found
 
     def forget(self, alive: set[str]) -> None:
         """Drop replicas no longer in the deployment."""
+        self.replicas &= alive
         for key in list(self._holders):
             entry = self._holders[key]
             for replica_id in [r for r in entry if r not in alive]:

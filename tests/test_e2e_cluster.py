@@ -540,6 +540,72 @@ def test_tenants_see_only_their_own_adapters(
     assert complete(acme, "legal").choices[0].text == acme_want.text
 
 
+def test_a_moved_name_serves_new_requests_with_its_new_version(
+    cluster: Cluster,
+    keys: dict[str, str],
+    oracle: LLMEngine,
+    demo_assets: DemoAssets,
+    ray_driver,
+):
+    """Streams in flight when `PUT /v1/adapters/{name}` moves the name to new weights end
+    with the old weights' exact tokens; every request sent after the PUT was acknowledged
+    gets the new weights' exact tokens; the old version leaves every replica once its
+    streams ended. A rollback moves the name back at once; a canary sends each request to
+    one of the two versions, both in use."""
+    ray = ray_driver
+    acme = cluster.client(keys["acme"])
+    old = register(cluster, keys["acme"], "swap", demo_assets, "sql-r8")
+    servable(acme, "swap")
+    old_id = adapter_id("acme", "swap", old["version"])
+    ids = oracle.tokenizer.encode(PROMPT)
+    long = 800  # tokens: seconds of decoding, so the move lands mid-stream (checked below)
+    want_long = offline(oracle, ids, "sql-r8", max_tokens=long, ignore_eos=True)
+    want_old, want_new = offline(oracle, ids, "sql-r8"), offline(oracle, ids, "chat-r16")
+    assert want_old.text != want_new.text, "the two versions must differ in their output"
+
+    folder = demo_assets.adapters_dir / "chat-r16"
+    files = {
+        "adapter_config": ("adapter_config.json", (folder / "adapter_config.json").read_bytes()),
+        "adapter_model": (
+            "adapter_model.safetensors",
+            (folder / "adapter_model.safetensors").read_bytes(),
+        ),
+    }
+    with (
+        Streams(acme, ["swap", "swap"], max_tokens=long) as streams,
+        cluster.http(keys["acme"]) as http,
+    ):
+        streams.wait_started()
+        moved = http.put("/v1/adapters/swap", files=files)
+        assert moved.status_code == 200, moved.text
+        assert not any(f.done() for f in streams.futures), "the move did not land mid-stream"
+        new_id = adapter_id("acme", "swap", moved.json()["version"])
+        assert new_id != old_id
+        for _ in range(6):  # arrived after the move was acknowledged
+            assert complete(acme, "swap").choices[0].text == want_new.text
+        results = streams.results()
+        assert results == [(long, want_long.text)] * 2, results
+
+        def old_gone() -> bool:
+            return not holders(ray, old_id)
+
+        wait_until(old_gone, 10, "the old version to leave every replica")
+        assert holders(ray, new_id)
+
+        back = http.post("/v1/adapters/swap/rollback")
+        assert back.status_code == 200 and back.json()["version"] == old["version"], back.text
+        assert complete(acme, "swap").choices[0].text == want_old.text
+
+        canary = {"version": moved.json()["version"], "weight": 0.5}
+        assert http.put("/v1/adapters/swap/canary", json=canary).status_code == 200
+        texts = [complete(acme, "swap", max_tokens=8).choices[0].text for _ in range(16)]
+        short = {
+            offline(oracle, ids, source, max_tokens=8).text for source in ("sql-r8", "chat-r16")
+        }
+        assert set(texts) == short, texts  # each request one version, both used (2**-15)
+    assert remove_adapter(cluster.endpoint(keys["acme"]), "swap")["name"] == "swap"
+
+
 def test_errors(cluster: Cluster, keys: dict[str, str], oracle: LLMEngine):
     acme = cluster.client(keys["acme"])
 

@@ -398,7 +398,7 @@ async def delete_version(name: str, version: Version, owner: Owner, api: API) ->
 
 
 @adapters.post(
-    "/v1/adapters/{name}/rollback", responses=responses(401, 403, 404, 405, 409, 422, 503)
+    "/v1/adapters/{name}/rollback", responses=responses(400, 401, 403, 404, 405, 409, 422, 503)
 )
 async def rollback(
     name: str, owner: Owner, api: API, body: RollbackRequest | None = None
@@ -410,7 +410,9 @@ async def rollback(
     return await api.service.rollback(owner.name, name, version)
 
 
-@adapters.put("/v1/adapters/{name}/canary", responses=responses(401, 403, 404, 405, 409, 422, 503))
+@adapters.put(
+    "/v1/adapters/{name}/canary", responses=responses(400, 401, 403, 404, 405, 409, 422, 503)
+)
 async def set_canary(name: str, body: CanaryRequest, owner: Owner, api: API) -> AdapterRecord:
     """Serve `weight` of the name's requests with another retained version. Which version a
     request gets depends only on its id, so it is the same on every ingress."""

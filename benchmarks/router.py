@@ -135,9 +135,13 @@ def run_bench(args: argparse.Namespace) -> int:
     if find_etcd_binary() is None:
         log(f"no etcd server binary; install one: {INSTALL_HINT}")
         return 2
+    from loraplex.benchmarks import router_prefix
+
     workload = QUICK if args.quick else FULL
     results = {"quick": bool(args.quick), **measure(workload)}
     print_table(results)
+    results["prefix"] = router_prefix.measure(router_prefix.workload(workload, args.quick))
+    router_prefix.print_table(results["prefix"])
     write_json(args.json, results)
     return 0
 

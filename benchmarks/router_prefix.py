@@ -61,7 +61,6 @@ from loraplex.registry.etcd_process import EtcdProcess
 from loraplex.replica.protocol import GenerateRequest
 from loraplex.router.serve_backend import ServeBackend
 
-
 TENANTS = 16
 
 

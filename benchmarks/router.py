@@ -46,34 +46,33 @@ after) shows whether other processes competed with it for the cores.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
 import os
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from loraplex.benchmarks.engine import SERVING_TARGETS, zipf_adapters
-from loraplex.benchmarks.report import log, write_json
+from loraplex.benchmarks.report import log
 from loraplex.benchmarks.router_apps import build_app
 from loraplex.benchmarks.router_costs import measure_router_costs
 from loraplex.benchmarks.router_figures import (
     PAGE_BYTES,
-    print_table,
     router_figures,
     summary,
 )
+from loraplex.benchmarks.router_workload import BenchRequest, Outcome, Workload
 from loraplex.demo.assets import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
 from loraplex.demo.lean_ray import lean_ray_serve
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.etcd_client import EtcdSettings
-from loraplex.registry.etcd_process import INSTALL_HINT, EtcdProcess, find_etcd_binary
+from loraplex.registry.etcd_process import EtcdProcess
 from loraplex.registry.models import AdapterRecord, Tenant
 from loraplex.registry.store import RegistryStore
 from loraplex.replica.memory.adapters import load_adapter, plan_layout
@@ -83,33 +82,6 @@ from loraplex.router.serve_backend import ServeBackend
 
 ROUTERS = ("affinity", "pow2", "multiplex")
 TENANT = "bench"
-
-
-@dataclass(frozen=True, slots=True)
-class Workload:
-    model: ModelSpec
-    num_adapters: int
-    num_replicas: int
-    adapters_per_replica: int  # device-pool capacity (adapters of mean size); multiplex K
-    num_requests: int
-    rate_per_s: float
-    zipf_a: float = 1.1
-    prompt_tokens: tuple[int, int] = (16, 32)  # inclusive range
-    output_tokens: tuple[int, int] = (8, 16)
-    ranks: tuple[int, int] = (8, 64)
-    max_num_seqs: int = 16
-    routing_stats_period_s: float = 1.0
-    request_timeout_s: float = 60.0
-    seed: int = 0
-
-    def __post_init__(self):
-        if not 1 <= self.adapters_per_replica < self.num_adapters:
-            raise ValueError(
-                f"adapters_per_replica must be in [1, num_adapters): more adapters than fit on "
-                f"one replica, got {self.adapters_per_replica} of {self.num_adapters}"
-            )
-        if not (self.num_requests > 0 and self.rate_per_s > 0 and self.num_replicas > 0):
-            raise ValueError("num_requests, rate_per_s and num_replicas must be > 0")
 
 
 FULL = Workload(
@@ -129,21 +101,6 @@ FULL = Workload(
     rate_per_s=25.0,  # near what 3 replicas on 2 cores serve (~28/s): queues form
 )
 QUICK = replace(FULL, num_requests=200)
-
-
-def run_bench(args: argparse.Namespace) -> int:
-    if find_etcd_binary() is None:
-        log(f"no etcd server binary; install one: {INSTALL_HINT}")
-        return 2
-    from loraplex.benchmarks import router_prefix
-
-    workload = QUICK if args.quick else FULL
-    results = {"quick": bool(args.quick), **measure(workload)}
-    print_table(results)
-    results["prefix"] = router_prefix.measure(router_prefix.workload(workload, args.quick))
-    router_prefix.print_table(results["prefix"])
-    write_json(args.json, results)
-    return 0
 
 
 def measure(workload: Workload, routers: tuple[str, ...] = ROUTERS) -> dict[str, Any]:
@@ -243,14 +200,6 @@ async def _register(
 # -- the workload ------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class BenchRequest:
-    at_s: float  # arrival, from the start of the run
-    adapter: str
-    prompt: list[int]
-    max_tokens: int
-
-
 def _requests(adapters: list[str], w: Workload) -> list[BenchRequest]:
     rng = np.random.default_rng(w.seed)
     arrivals = np.cumsum(rng.exponential(1.0 / w.rate_per_s, w.num_requests)).tolist()
@@ -263,14 +212,6 @@ def _requests(adapters: list[str], w: Workload) -> list[BenchRequest]:
         BenchRequest(at, adapter, rng.integers(10, vocab, int(p)).tolist(), int(o))
         for at, adapter, p, o in zip(arrivals, picks, prompts, outputs, strict=True)
     ]
-
-
-@dataclass(slots=True)
-class Outcome:
-    ttft_s: float | None = None
-    latency_s: float | None = None
-    tokens: int = 0
-    error: str | None = None
 
 
 async def _drive(backend: ServeBackend, requests: list[BenchRequest], tag: str, timeout_s: float):

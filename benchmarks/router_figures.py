@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from loraplex.benchmarks.router import BenchRequest, Outcome, Workload
+    from loraplex.benchmarks.router_workload import BenchRequest, Outcome, Workload
 
 BASELINES = ("pow2", "multiplex")
 PAGE_BYTES = 64 * 1024

@@ -46,7 +46,6 @@ from loraplex.benchmarks.report import log
 from loraplex.benchmarks.router import (
     ROUTERS,
     TENANT,
-    Workload,
     _engine_config,
     _register,
     _replica_counters,
@@ -54,6 +53,7 @@ from loraplex.benchmarks.router import (
 )
 from loraplex.benchmarks.router_apps import build_app
 from loraplex.benchmarks.router_costs import measure_router_costs
+from loraplex.benchmarks.router_workload import Workload
 from loraplex.demo.lean_ray import lean_ray_serve
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.etcd_client import EtcdSettings

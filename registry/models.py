@@ -141,7 +141,7 @@ class Tenant(_Revisioned):
         return hashes
 
 
-_ADAPTER_EXAMPLE = {
+_ADAPTER_EXAMPLE: dict[str, Any] = {
     "name": "sql-helper",
     "tenant": "acme",
     "base_model": "meta-llama/Llama-3.1-8B-Instruct",
@@ -270,14 +270,14 @@ class AdapterRecord(_AdapterFields):
         return frozenset({self.version} | ({self.canary.version} if self.canary else set()))
 
     def as_version(self, created_at: float | None = None) -> AdapterVersion:
-        fields = self.model_dump(exclude=REVISION_FIELDS | {"pinned", "canary"})
+        fields = self.model_dump(exclude=set(REVISION_FIELDS | {"pinned", "canary"}))
         if created_at is not None:
             fields["created_at"] = created_at
         return AdapterVersion(**fields)
 
     def pointing_to(self, version: AdapterVersion, canary: Canary | None = None) -> AdapterRecord:
         """This alias moved to `version` (keeping its revisions, for a compare-and-set)."""
-        fields = version.model_dump(exclude=REVISION_FIELDS | {"created_at"})
+        fields = version.model_dump(exclude=set(REVISION_FIELDS | {"created_at"}))
         return self.model_copy(update=fields | {"canary": canary})
 
 
@@ -292,7 +292,7 @@ RegistryValue = Tenant | AdapterRecord | AdapterVersion
 
 
 def encode(value: RegistryValue) -> bytes:
-    return value.model_dump_json(exclude=REVISION_FIELDS).encode()
+    return value.model_dump_json(exclude=set(REVISION_FIELDS)).encode()
 
 
 def decode(key: str, data: bytes, *, created_revision: int, updated_revision: int) -> RegistryValue:

@@ -10,6 +10,7 @@ committed at, which a caller can hand to `RegistryWatcher.wait_for_revision`.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
@@ -253,7 +254,7 @@ class RegistryStore:
         """Artifacts some alias or retained version refers to (two reads)."""
         refs: set[str] = set()
         for prefix in (ADAPTERS_PREFIX, VERSIONS_PREFIX):
-            values, _ = await self._call(lambda c, prefix=prefix: read_prefix(c, prefix))
+            values, _ = await self._call(functools.partial(_read_prefix_of, prefix))
             refs.update(
                 v.artifact for v in values.values() if isinstance(v, AdapterRecord | AdapterVersion)
             )
@@ -322,3 +323,9 @@ def _committed(value: V, revision: int) -> V:
 def _prefix_range(prefix: str) -> tuple[bytes, bytes]:
     start = prefix.encode()
     return start, prefix_range_end(start)
+
+
+async def _read_prefix_of(
+    prefix: str, client: aetcd.Client
+) -> tuple[dict[str, RegistryValue], int]:
+    return await read_prefix(client, prefix)

@@ -48,8 +48,12 @@ from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any, TypedDict
 
+from pydantic import Field, model_validator
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+
 from loraplex.replica.protocol import adapter_name
 from loraplex.router.prefix_affinity import PrefixIndex
+from loraplex.settings import FORBID_EXTRA
 
 
 class RoutingStats(TypedDict, total=False):
@@ -132,49 +136,98 @@ class Affinity(IntEnum):
     OVER_BOUND = 5  # not on the device, above the bounded load
 
 
-@dataclass(frozen=True, slots=True)
+@pydantic_dataclass(frozen=True, slots=True, config=FORBID_EXTRA)
 class AffinityConfig:
-    load_cost_s: float = 0.5  # artifact store -> device: what a cold load adds to TTFT
-    host_load_cost_s: float = 0.02  # host tier -> device; also charged while loading
-    request_time_s: float = 2.0  # mean time a request holds a batch slot
-    busy_cost_s: float = 0.0  # TTFT each request already on a replica adds (0: batching is free)
-    bounded_load_c: float = 1.25  # a cold home takes a request only below ceil(c * mean load)
-    bounded_adapters_c: float = 1.1  # ... and a new adapter only below ceil(c * mean adapters)
-    hot_rate_per_replica: float = 8.0  # requests/s of one adapter that one replica absorbs
-    rate_window_s: float = 10.0  # time constant of the rate estimate's exponential decay
-    stale_after_s: float = 30.0  # older stats rank their replica after every fresh one
-    use_measured_costs: bool = True  # the replicas' published costs replace the configured
-    prefill_token_cost_s: float = 1e-4  # prefill time per prompt token: what a cached one saves
-    prefix_blocks: int = 128  # leading KV blocks of a prompt the router matches (0: off)
-    prefix_index_keys: int = 65536  # block keys the router remembers (least recent go)
-    prefix_ttl_s: float = 600.0  # a prefix not routed for this long is forgotten
+    """The policy's settings (each declared here once; the YAML config's `router:` section
+    is router/settings.py's RouterSettings, which extends this)."""
 
-    def __post_init__(self):
-        for name in ("bounded_load_c", "bounded_adapters_c"):
-            if not getattr(self, name) > 1:
-                raise ValueError(f"{name} must be > 1, got {getattr(self, name)}")
-        if not 0 <= self.host_load_cost_s <= self.load_cost_s:
+    load_cost_s: float = Field(
+        0.5, ge=0, le=600, description="What a cold adapter load adds to TTFT, seconds."
+    )
+    host_load_cost_s: float = Field(
+        0.02,
+        ge=0,
+        le=600,
+        description="Host tier -> device load time, seconds (at most load_cost_s); also "
+        "charged while a load is in flight.",
+    )
+    request_time_s: float = Field(
+        2.0, gt=0, le=3600, description="Mean time a request holds a batch slot, seconds."
+    )
+    busy_cost_s: float = Field(
+        0.0,
+        ge=0,
+        le=600,
+        description="TTFT each request already on a replica adds, seconds: ~0 on GPUs "
+        "(decode batching is nearly free), the per-sequence step time on CPUs.",
+    )
+    bounded_load_c: float = Field(
+        1.25,
+        gt=1,
+        le=100,
+        description="A cold home takes a request only below ceil(c * mean load).",
+    )
+    bounded_adapters_c: float = Field(
+        1.1,
+        gt=1,
+        le=100,
+        description="A cold home takes a new adapter only below ceil(c * mean adapters held).",
+    )
+    hot_rate_per_replica: float = Field(
+        8.0, gt=0, le=1e6, description="Requests/s of one adapter that one replica absorbs."
+    )
+    rate_window_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="Time constant of the adapter request-rate estimate's exponential decay.",
+    )
+    stale_after_s: float = Field(
+        30.0, gt=0, le=3600, description="Routing stats older than this rank their replica last."
+    )
+    use_measured_costs: bool = Field(
+        True,
+        description="Judge each replica by the busy and host-load costs the replicas measure "
+        "on their own steps and loads (the configured ones stand in until they have).",
+    )
+    prefill_token_cost_s: float = Field(
+        1e-4,
+        ge=0,
+        le=1,
+        description="Prefill time per prompt token, seconds: what each token found in a "
+        "replica's prefix cache saves (replicas' measurements replace it as for busy_cost_s).",
+    )
+    prefix_blocks: int = Field(
+        128,
+        ge=0,
+        le=4096,
+        description="Leading KV blocks of a prompt the router matches against the prefixes "
+        "it sent to each replica; 0 turns prefix affinity off.",
+    )
+    prefix_index_keys: int = Field(
+        65536,
+        ge=1,
+        le=1 << 24,
+        description="Block keys the router remembers for prefix affinity (least recently "
+        "used go first).",
+    )
+    prefix_ttl_s: float = Field(
+        600.0,
+        gt=0,
+        le=86400,
+        description="A prefix not routed for this long is forgotten (the replica has likely "
+        "evicted it).",
+    )
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="Seeds tie-breaks between replicas.")
+
+    @model_validator(mode="after")
+    def _host_below_cold(self) -> AffinityConfig:
+        if self.host_load_cost_s > self.load_cost_s:
             raise ValueError(
-                f"need 0 <= host_load_cost_s <= load_cost_s, got {self.host_load_cost_s} "
-                f"and {self.load_cost_s}"
+                f"host_load_cost_s ({self.host_load_cost_s:g}) must not exceed load_cost_s "
+                f"({self.load_cost_s:g}): a host-tier load is a part of a cold load"
             )
-        for name in ("busy_cost_s", "prefill_token_cost_s"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.prefix_blocks < 0 or self.prefix_index_keys < 1:
-            raise ValueError(
-                f"need prefix_blocks >= 0 and prefix_index_keys >= 1, got {self.prefix_blocks} "
-                f"and {self.prefix_index_keys}"
-            )
-        for name in (
-            "request_time_s",
-            "hot_rate_per_replica",
-            "rate_window_s",
-            "stale_after_s",
-            "prefix_ttl_s",
-        ):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        return self
 
 
 def walk_order(adapter: str, replica_ids: Sequence[str]) -> list[str]:
@@ -280,11 +333,10 @@ class AffinityPolicy:
         self,
         config: AffinityConfig,
         clock: Callable[[], float] = time.monotonic,
-        seed: int = 0,
     ):
         self.config = config
         self.clock = clock
-        self._rng = random.Random(seed)
+        self._rng = random.Random(config.seed)
         self._counts: dict[str, tuple[float, float]] = {}  # adapter -> (decayed count, at)
         self._placed: dict[str, dict[str, float]] = {}  # replica -> {adapter: sent at}
         self.prefixes = PrefixIndex(config.prefix_index_keys, config.prefix_ttl_s)

@@ -45,9 +45,9 @@ class AffinityRequestRouter(RequestRouter):
         self.wall_clock: Callable[[], float] = time.time  # compares with `recorded_at`
         self._prefixes: collections.OrderedDict[str, tuple[bytes, ...]] = collections.OrderedDict()
 
-    def initialize_state(self, seed: int = 0, **config: Any) -> None:
-        """`request_router_kwargs`: AffinityConfig fields, and the seed of base-model ties."""
-        self.policy = AffinityPolicy(AffinityConfig(**config), seed=seed)
+    def initialize_state(self, **config: Any) -> None:
+        """`request_router_kwargs`: AffinityConfig fields."""
+        self.policy = AffinityPolicy(AffinityConfig(**config))
 
     async def choose_replicas(
         self,

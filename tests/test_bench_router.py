@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import pytest
 
+from loraplex.benchmarks.router_figures import print_table
 from loraplex.registry.etcd_process import find_etcd_binary
 
 pytest.importorskip("ray")
@@ -73,7 +74,7 @@ def test_router_bench_serves_every_request_and_reports_every_key(capsys):
     costs = results["router_costs"]
     assert 0 < costs["host_load_cost_s"] <= costs["load_cost_s"] and costs["request_time_s"] > 0
 
-    bench_router.print_table(results)
+    print_table(results)
     assert "loads_ratio_vs_best_baseline" in capsys.readouterr().out
 
 

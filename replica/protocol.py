@@ -9,18 +9,19 @@ request runs to its end on that version wherever it is sent, even if the name mo
 another meanwhile. The ingress tokenizes (it needs the counts for `usage` and the context
 check), so replicas receive token ids only.
 
-Prefix-cache block keys (`prefix_root`, `extend_block_keys`) are part of this contract: the
-ingress computes a prompt's first keys to route it to the replica holding those blocks, and
-the replica keys its cached blocks with the same function.
+Prefix-cache block keys (`prefix_root`, `extend_block_keys`, defined once in
+replica/prefix_keys.py and re-exported here) are part of this contract: the ingress computes
+a prompt's first keys to route it to the replica holding those blocks, and the replica's
+prefix cache keys its blocks with the same functions.
 """
 
 from __future__ import annotations
 
-import hashlib
-from array import array
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from typing import Any, NotRequired, Protocol, TypedDict
 
+from loraplex.replica.prefix_keys import extend_block_keys as extend_block_keys  # re-exported
+from loraplex.replica.prefix_keys import prefix_root as prefix_root  # re-exported
 from loraplex.replica.sampling import (
     SamplingParams,
     check_seed,
@@ -124,37 +125,6 @@ def adapter_version(adapter: str | None) -> str | None:
     if adapter is None:
         return None
     return adapter.partition("@")[2] or None
-
-
-PREFIX_ROOT_TAG = b"loraplex-prefix-v1"
-
-
-def prefix_root(version: str | None, tenant: str | None, cache_salt: str | None) -> bytes:
-    """The root of a request's chain of block keys: its adapter version (None: the base
-    model) and its salt (the tenant, narrowed by the request's cache_salt). Each part is
-    framed (absent, or length and bytes), so no two part lists hash alike."""
-    h = hashlib.sha256(PREFIX_ROOT_TAG)
-    for part in (version, tenant, cache_salt):
-        if part is None:
-            h.update(b"\x00")
-        else:
-            raw = part.encode()
-            h.update(b"\x01" + len(raw).to_bytes(4, "little") + raw)
-    return h.digest()
-
-
-def extend_block_keys(
-    keys: list[bytes], root: bytes, token_ids: Sequence[int], block_size: int, n: int
-) -> list[bytes]:
-    """Append to the chain `keys` (the keys of blocks 0..len(keys)-1 of `token_ids`) the
-    keys of blocks len(keys)..n-1: key(i) = sha256(key(i-1) + the block's token ids as
-    int64), key(-1) = root. A key names a full block and everything before it."""
-    parent = keys[-1] if keys else root
-    for i in range(len(keys), n):
-        block = array("q", token_ids[i * block_size : (i + 1) * block_size]).tobytes()
-        parent = hashlib.sha256(parent + block).digest()
-        keys.append(parent)
-    return keys
 
 
 def sampling_params(request: GenerateRequest) -> SamplingParams:

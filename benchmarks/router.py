@@ -42,6 +42,9 @@ every router must evict.
 
 The routers run one after another on a shared machine: each one's `load_avg_1m` (before,
 after) shows whether other processes competed with it for the cores.
+
+Section `fairness` (benchmarks/router_fairness.py): a tenant flooding at ten times its share
+beside one within it, through the ingress and one replica; `fairness.b_p99_ttft_ratio`.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from loraplex.replica.config import (
     plain_engine_config,
 )
 from loraplex.replica.settings import EngineSettings
+from loraplex.router.limits import IngressLimits
 from loraplex.router.settings import RouterSettings
 from loraplex.settings import describe
 
@@ -63,10 +64,14 @@ class LoraplexConfig(BaseModel):
         description="Adapter artifact store, shared by every node (NFS/EFS on multi-node); "
         "unset: `loraplex up` uses STATE_DIR/artifacts.",
     )
-    auth: AuthSection = Field(default_factory=AuthSection, description="Admin key.")
+    auth: AuthSection = Field(default_factory=AuthSection, description="Admin and metrics keys.")
     registry: RegistrySettings = Field(default_factory=RegistrySettings, description="Tenant API.")
     router: RouterSettings = Field(default_factory=RouterSettings, description="Replica selection.")
     http: HTTPSection = Field(default_factory=HTTPSection, description="HTTP.")
+    limits: IngressLimits = Field(
+        default_factory=IngressLimits,
+        description="Request bodies, prompts, and each tenant's default limits at the ingress.",
+    )
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> LoraplexConfig:

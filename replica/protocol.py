@@ -48,8 +48,9 @@ class GenerateRequest(TypedDict):
     # The registry revision the ingress resolved the adapter at: a replica whose registry
     # watch is behind waits for it before calling the version unknown.
     adapter_revision: NotRequired[int]
-    # The prefix cache's salt: cached KV blocks are shared only by requests of one tenant
-    # (absent: None). The ingress sets the tenant.
+    # The requesting tenant (absent: None; the ingress sets it): the replica's scheduler
+    # shares admission fairly among tenants, and the prefix cache's salt shares cached KV
+    # blocks only among one tenant's requests.
     tenant: NotRequired[str | None]
 
 

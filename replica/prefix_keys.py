@@ -19,10 +19,16 @@ from collections.abc import Sequence
 ROOT_TAG = b"loraplex-prefix-v1"
 
 
-def prefix_root(version: str | None, tenant: str | None, cache_salt: str | None) -> bytes:
+def prefix_root(
+    version: str | None, tenant: str | None, cache_salt: str | None, *, share_base: bool = False
+) -> bytes:
     """The root of a request's chain of block keys: its adapter version (None: the base
-    model) and its salt (the tenant, narrowed by the request's cache_salt). Each part is
-    framed (absent, or length and bytes), so no two part lists hash alike."""
+    model) and its salt (the tenant, narrowed by the request's cache_salt; with
+    `share_base`, a base-model request's tenant is left out, so base-model blocks are shared
+    across tenants, never adapter blocks). Each part is framed (absent, or length and
+    bytes), so no two part lists hash alike."""
+    if version is None and share_base:
+        tenant = None
     h = hashlib.sha256(ROOT_TAG)
     for part in (version, tenant, cache_salt):
         if part is None:

@@ -84,12 +84,7 @@ class AffinityRequestRouter(RequestRouter):
         if not published or not isinstance(request, dict) or "prompt_token_ids" not in request:
             return ()
         block_size, share_base = published[0].prefix_block_size, published[0].prefix_share_base
-        version = adapter_version(request.get("adapter"))
-        tenant = None if version is None and share_base else request.get("tenant")
-        root = prefix_root(version, tenant, request.get("cache_salt"))
-        tokens = request["prompt_token_ids"]
-        n = min(len(tokens) // block_size, self.policy.config.prefix_blocks)
-        keys = tuple(extend_block_keys([], root, tokens, block_size, n))
+        keys = prompt_prefix_keys(request, block_size, share_base, self.policy.config.prefix_blocks)
         self._prefixes[request_id] = keys
         while len(self._prefixes) > _MEMO:
             self._prefixes.popitem(last=False)
@@ -104,6 +99,22 @@ class AffinityRequestRouter(RequestRouter):
         # is fresher than the published queue (a period old); prefer it when cached.
         queue_len = self.replica_queue_len_cache.get(replica.replica_id)
         return stats if queue_len is None else replace(stats, queue_len=queue_len)
+
+
+def prompt_prefix_keys(
+    request: dict[str, Any], block_size: int, share_base: bool, max_blocks: int
+) -> tuple[bytes, ...]:
+    """The keys of a `GenerateRequest`'s first `max_blocks` full KV blocks, as a replica
+    whose prefix cache has `block_size` and `share_base` keys them: the replica's own key
+    functions (replica/prefix_keys.py, through protocol.py), rooted at the request's adapter
+    version, tenant and cache_salt."""
+    version = adapter_version(request.get("adapter"))
+    root = prefix_root(
+        version, request.get("tenant"), request.get("cache_salt"), share_base=share_base
+    )
+    tokens = request["prompt_token_ids"]
+    n = min(len(tokens) // block_size, max_blocks)
+    return tuple(extend_block_keys([], root, tokens, block_size, n))
 
 
 def _adapter(pending_request: PendingRequest | None) -> str | None:

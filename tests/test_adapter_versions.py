@@ -10,6 +10,7 @@ digest), etcd's keys read directly, and a binomial bound for the canary's share.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -303,9 +304,11 @@ def test_another_tenants_names_and_versions_are_404(env: Env):
 def test_the_api_collects_unreferenced_artifacts_periodically(
     shared_etcd_server: EtcdServer, tmp_path: Path
 ):
-    """The lifespan's task removes an artifact no alias or version refers to, and keeps
-    every referenced one."""
-    settings = api_settings(tmp_path, gc_interval_s=0.2, gc_min_age_s=0.0)
+    """The lifespan's task removes an artifact no alias or version refers to once it is older
+    than gc_min_age_s, and keeps every referenced one. (An age of 0 would let a round remove
+    an upload's temp folder while it is being written: the age guard is what spares
+    registrations in flight, so the orphan is aged instead.)"""
+    settings = api_settings(tmp_path, gc_interval_s=0.2, gc_min_age_s=600.0)
     root = tmp_path / "artifacts"
     app = create_app(settings, shared_etcd_server.settings(timeout_s=2.0), root)
     with TestClient(app) as client:
@@ -317,6 +320,10 @@ def test_the_api_collects_unreferenced_artifacts_periodically(
             r = client.put("/v1/adapters/held", files=upload_files(folder), headers=tenant)
             assert r.status_code in (200, 201), r.text
         orphan = ArtifactStore(root).put_dir(make_adapter(tmp_path / "src" / "orphan", seed=699))
+        time.sleep(1.0)  # rounds meanwhile keep the orphan: younger than gc_min_age_s
+        assert (root / orphan.path).exists()
+        an_hour_ago = time.time() - 3600
+        os.utime(root / orphan.path, (an_hour_ago, an_hour_ago))
         deadline = time.monotonic() + 10
         while (root / orphan.path).exists():
             assert time.monotonic() < deadline, "the periodic gc never removed the orphan"

@@ -71,8 +71,8 @@ from loraplex.benchmarks.router_figures import (
     summary,
 )
 from loraplex.benchmarks.router_workload import BenchRequest, Outcome, Workload
-from loraplex.demo.assets import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
 from loraplex.demo.lean_ray import lean_ray_serve
+from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.etcd_client import EtcdSettings
 from loraplex.registry.etcd_process import EtcdProcess

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from loraplex.demo.assets import ModelSpec
+from loraplex.demo.synthetic import ModelSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -128,9 +128,7 @@ def test_adapter_sync_follows_registry(
 
     async def body():
         engine = Engine(
-            EngineConfig(
-                model=str(demo_assets.model_dir), pool_bytes=POOL_BYTES, page_bytes=PAGE_BYTES
-            )
+            EngineConfig(model=str(demo_assets.model), pool_bytes=POOL_BYTES, page_bytes=PAGE_BYTES)
         )
         reads: list[str] = []
         add_adapter = engine.add_adapter
@@ -287,13 +285,13 @@ def cluster(
             graceful_shutdown_wait_loop_s=0.2,
             graceful_shutdown_timeout_s=2.0,
         ).bind(
-            engine_config(demo_assets.model_dir),
+            engine_config(demo_assets.model),
             settings.model_dump(),
             str(artifacts.root),
         )
         serve.run(app, name=APP, route_prefix=None)
         versions = {r.name: r.version for r in records}
-        yield Cluster(settings, artifacts, source, demo_assets.model_dir, versions)
+        yield Cluster(settings, artifacts, source, demo_assets.model, versions)
 
 
 def offline_tokens(model_dir: Path, adapter_dir: Path | None) -> list[int]:

@@ -176,7 +176,7 @@ class AdapterSync:
         self._loading.add(adapter)
         try:
             path = self.artifacts.path_of(record.artifact)
-            await self.engine.add_adapter(adapter, path)
+            await self.engine.add_adapter(adapter, path, record.version)
         finally:
             self._loading.discard(adapter)
         self._loaded.add(adapter)

@@ -70,14 +70,17 @@ def measured_costs(stats: dict[str, Any]) -> dict[str, float]:
     }
 
 
-def prefix_routing(stats: dict[str, Any], share_base: bool) -> dict[str, Any]:
+def prefix_routing(stats: dict[str, Any]) -> dict[str, Any]:
     """What a router needs to key a prompt's blocks as this replica's prefix cache does:
     its block size and whether base-model blocks are shared across tenants. Nothing when
     the engine keeps no prefix cache (its stats have no enabled `prefix_cache`)."""
     prefix = stats.get("prefix_cache")
     if not prefix or not prefix["enabled"]:
         return {}
-    return {"prefix_block_size": stats["kv_block_size"], "prefix_share_base": share_base}
+    return {
+        "prefix_block_size": stats["kv_block_size"],
+        "prefix_share_base": bool(prefix["share_base"]),
+    }
 
 
 class ReplicaDeployment:
@@ -181,7 +184,7 @@ class ReplicaDeployment:
             "num_pages": stats["pool"]["num_pages"],
             "recorded_at": time.time(),
             **measured_costs(stats),
-            **prefix_routing(stats, share_base=False),
+            **prefix_routing(stats),
         }
 
     def _tiers(self, stats: dict[str, Any]) -> dict[str, list[str]]:

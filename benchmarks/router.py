@@ -49,7 +49,6 @@ beside one within it, through the ingress and one replica; `fairness.b_p99_ttft_
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
@@ -63,15 +62,11 @@ from typing import Any
 import numpy as np
 
 from loraplex.benchmarks.engine import SERVING_TARGETS, zipf_adapters
-from loraplex.benchmarks.report import log, write_json
+from loraplex.benchmarks.report import log
 from loraplex.benchmarks.router_apps import build_app
 from loraplex.benchmarks.router_costs import measure_router_costs
-from loraplex.benchmarks.router_fairness import FULL as FAIRNESS_FULL
-from loraplex.benchmarks.router_fairness import QUICK as FAIRNESS_QUICK
-from loraplex.benchmarks.router_fairness import measure_fairness, print_fairness
 from loraplex.benchmarks.router_figures import (
     PAGE_BYTES,
-    print_table,
     router_figures,
     summary,
 )
@@ -80,7 +75,7 @@ from loraplex.demo.lean_ray import lean_ray_serve
 from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.etcd_client import EtcdSettings
-from loraplex.registry.etcd_process import INSTALL_HINT, EtcdProcess, find_etcd_binary
+from loraplex.registry.etcd_process import EtcdProcess
 from loraplex.registry.models import AdapterRecord, Tenant
 from loraplex.registry.store import RegistryStore
 from loraplex.replica.memory.adapters import load_adapter, plan_layout
@@ -111,26 +106,12 @@ FULL = Workload(
 QUICK = replace(FULL, num_requests=200)
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    if find_etcd_binary() is None:
-        log(f"no etcd server binary; install one: {INSTALL_HINT}")
-        return 2
-    workload = QUICK if args.quick else FULL
-    results = {"quick": bool(args.quick), **measure(workload)}
-    print_table(results)
-    results["fairness"] = measure_fairness(FAIRNESS_QUICK if args.quick else FAIRNESS_FULL)
-    print_fairness(results["fairness"])
-    write_json(args.json, results)
-    return 0
-
-
 def measure(workload: Workload, routers: tuple[str, ...] = ROUTERS) -> dict[str, Any]:
     """Serve the workload once per router; the figures, and per request raw timings."""
     with tempfile.TemporaryDirectory(prefix="loraplex-bench-router-") as tmp:
         root = Path(tmp)
         model_dir, sources = _write_assets(root, workload)
         engine_config = _engine_config(model_dir, sources, workload)
-        requests = _requests([adapter_id(TENANT, n) for n in sources], workload)
         costs = measure_router_costs(engine_config, sources, workload)
         log("router costs measured here: " + ", ".join(f"{k}={v:.4f}" for k, v in costs.items()))
         etcd = EtcdProcess(root / "etcd")
@@ -139,6 +120,7 @@ def measure(workload: Workload, routers: tuple[str, ...] = ROUTERS) -> dict[str,
             settings = EtcdSettings(endpoints=[etcd.endpoint])
             artifacts = ArtifactStore(root / "artifacts")
             paths = asyncio.run(_register(settings, artifacts, sources))
+            requests = _requests(list(paths), workload)
             per_router = {}
             with lean_ray_serve():
                 for router in routers:
@@ -192,7 +174,8 @@ def _engine_config(model_dir: Path, sources: dict[str, Path], w: Workload) -> di
 async def _register(
     settings: EtcdSettings, artifacts: ArtifactStore, sources: dict[str, Path]
 ) -> dict[str, str]:
-    """Register every adapter; their artifact folders by adapter id (what multiplex reads)."""
+    """Register every adapter; their artifact folders by adapter (version) id, in the order
+    of `sources` (what multiplex reads)."""
     paths = {}
     async with RegistryStore(settings) as store:
         await store.create_tenant(Tenant(name=TENANT, adapter_quota=len(sources)))
@@ -213,7 +196,7 @@ async def _register(
                     artifact=stored.path,
                 )
             )
-            paths[adapter_id(TENANT, name)] = str(artifacts.path_of(stored.path))
+            paths[adapter_id(TENANT, name, stored.digest)] = str(artifacts.path_of(stored.path))
     return paths
 
 

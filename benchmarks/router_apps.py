@@ -30,7 +30,10 @@ REPLICA_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # 3 engines shar
 async def _engine_counters(engine: Engine) -> dict[str, int]:
     stats = await engine.stats()
     adapters = stats["adapters"]
+    prefix = stats.get("prefix_cache") or {}  # prompt tokens asked for and computed
     return {
+        "prompt_tokens": prefix.get("prompt_tokens", 0),
+        "prompt_tokens_computed": prefix.get("prompt_tokens_computed", 0),
         "loads": adapters["loads"],
         "hits": adapters["hits"],
         "evictions": adapters["evictions"],

@@ -19,6 +19,13 @@ not published yet is routable:
     busy_cost_s       float      measured: TTFT each running request adds (optional)
     host_load_cost_s  float      measured: what bringing an adapter in from the host tier
                                  costs, its load and its segment in the batch (optional)
+    prefill_token_cost_s  float  measured: prefill time per prompt token (optional)
+    prefix_block_size int        tokens per cached KV block; absent: no prefix cache
+    prefix_share_base bool       base-model blocks are shared across tenants (optional)
+
+Adapters are named by version (`tenant/name@version`, replica/protocol.py): residency,
+rates and placements are per version, while an adapter's consistent-hash home is per name,
+so a name's new version goes where its old one was.
 
 Measured costs (`use_measured_costs`) are pooled: every replica is judged by the mean of
 what the replicas publish, the configured cost while none has. Replicas of one deployment
@@ -44,6 +51,8 @@ from typing import Any, TypedDict
 from pydantic import Field, model_validator
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
+from loraplex.replica.protocol import adapter_name
+from loraplex.router.prefix_affinity import PrefixIndex
 from loraplex.settings import FORBID_EXTRA
 
 
@@ -56,6 +65,9 @@ class RoutingStats(TypedDict, total=False):
     free_pages: int
     busy_cost_s: float
     host_load_cost_s: float
+    prefill_token_cost_s: float
+    prefix_block_size: int
+    prefix_share_base: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +82,9 @@ class ReplicaStats:
     stats_age_s: float = 0.0  # age of these stats when the router read them
     busy_cost_s: float | None = None  # measured by the replica; None: not yet
     host_load_cost_s: float | None = None
+    prefill_token_cost_s: float | None = None
+    prefix_block_size: int = 0  # 0: no prefix cache
+    prefix_share_base: bool = False
 
     def __post_init__(self):
         if self.queue_len < 0 or self.max_concurrency < 1 or not self.stats_age_s >= 0:
@@ -77,7 +92,9 @@ class ReplicaStats:
                 f"replica {self.replica_id!r}: need queue_len >= 0, max_concurrency >= 1 and "
                 f"stats_age_s >= 0, got {self.queue_len}, {self.max_concurrency}, {self.stats_age_s}"
             )
-        for name in ("busy_cost_s", "host_load_cost_s"):
+        if self.prefix_block_size < 0:
+            raise ValueError(f"replica {self.replica_id!r}: prefix_block_size must be >= 0")
+        for name in ("busy_cost_s", "host_load_cost_s", "prefill_token_cost_s"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < math.inf:
                 raise ValueError(f"replica {self.replica_id!r}: {name} must be >= 0, got {value}")
@@ -97,6 +114,9 @@ class ReplicaStats:
             stats_age_s=age_s,
             busy_cost_s=_optional_float(stats.get("busy_cost_s")),
             host_load_cost_s=_optional_float(stats.get("host_load_cost_s")),
+            prefill_token_cost_s=_optional_float(stats.get("prefill_token_cost_s")),
+            prefix_block_size=int(stats.get("prefix_block_size") or 0),
+            prefix_share_base=bool(stats.get("prefix_share_base")),
         )
 
 
@@ -170,6 +190,34 @@ class AffinityConfig:
         description="Judge each replica by the busy and host-load costs the replicas measure "
         "on their own steps and loads (the configured ones stand in until they have).",
     )
+    prefill_token_cost_s: float = Field(
+        1e-4,
+        ge=0,
+        le=1,
+        description="Prefill time per prompt token, seconds: what each token found in a "
+        "replica's prefix cache saves (replicas' measurements replace it as for busy_cost_s).",
+    )
+    prefix_blocks: int = Field(
+        128,
+        ge=0,
+        le=4096,
+        description="Leading KV blocks of a prompt the router matches against the prefixes "
+        "it sent to each replica; 0 turns prefix affinity off.",
+    )
+    prefix_index_keys: int = Field(
+        65536,
+        ge=1,
+        le=1 << 24,
+        description="Block keys the router remembers for prefix affinity (least recently "
+        "used go first).",
+    )
+    prefix_ttl_s: float = Field(
+        600.0,
+        gt=0,
+        le=86400,
+        description="A prefix not routed for this long is forgotten (the replica has likely "
+        "evicted it).",
+    )
     seed: int = Field(0, ge=0, le=2**63 - 1, description="Seeds tie-breaks between replicas.")
 
     @model_validator(mode="after")
@@ -183,15 +231,17 @@ class AffinityConfig:
 
 
 def walk_order(adapter: str, replica_ids: Sequence[str]) -> list[str]:
-    """The adapter's consistent-hash walk: replicas by descending hash(adapter, replica)
-    (rendezvous hashing). The first is the adapter's home. Removing a replica changes the
+    """The adapter's consistent-hash walk: replicas by descending hash(name, replica)
+    (rendezvous hashing), the name being the adapter's without its version. The first is the adapter's home. Removing a replica changes the
     home only of the adapters it was home to, and adding one takes only the adapters it
     now outranks: ~1/N either way. A hot home's overflow goes to each adapter's own next
     replica, so it spreads over all others instead of piling onto one ring neighbour.
     blake2b, not hash(): every router process must agree on the walk."""
 
+    name = adapter_name(adapter)
+
     def weight(replica_id: str) -> bytes:
-        key = f"{adapter}\0{replica_id}".encode()
+        key = f"{name}\0{replica_id}".encode()
         return hashlib.blake2b(key, digest_size=8).digest()
 
     return sorted(
@@ -214,10 +264,15 @@ class AffinityPolicy:
                    grows with every sequence in it)
         load(r)  = 0 on device or for an extra home | host_load_cost_s loading or in the
                    host tier | load_cost_s otherwise (read from the artifact store)
-        ttft(r)  = wait(r) + load(r)
-                   (busy_cost_s and host_load_cost_s are r's own measurements when it
-                   publishes them, the configured values until then; a load from the
-                   artifact store adds load_cost_s - host_load_cost_s of the config)
+        saved(r) = matched(r) * prefix_block_size * prefill_token_cost_s
+                   (matched(r): how many leading KV blocks of the prompt this router sent
+                   to r within prefix_ttl_s, router/prefix_affinity.py; r skips their
+                   prefill if its prefix cache still holds them)
+        ttft(r)  = wait(r) + load(r) - saved(r)
+                   (busy_cost_s, host_load_cost_s and prefill_token_cost_s are the mean of
+                   the replicas' measurements once they publish them, the configured
+                   values until then; a load from the artifact store adds load_cost_s -
+                   host_load_cost_s of the config)
         capacity = ceil(c * (sum of queue_len + 1) / n)        (bounded loads, Mirrokni
                    et al.: a cold replica is within the bound iff queue_len < capacity,
                    i.e. it holds <= capacity after taking this request; the least
@@ -261,8 +316,14 @@ class AffinityPolicy:
     another's wait plus its load cost is strictly lower (equal estimates go to affinity),
     and a cold adapter goes to the first replica on its walk within both bounds.
 
-    Base-model request: ascending (stale, wait, queue_len / max_concurrency, -free_pages,
-    a draw from the seeded RNG), so equally loaded replicas share base traffic.
+    Base-model request: ascending (stale, wait - saved, queue_len / max_concurrency,
+    -free_pages, a draw from the seeded RNG), so equally loaded replicas share base traffic
+    and a shared prefix goes where it is cached while that is cheaper than waiting.
+
+    Prefix and adapter affinity are one cost: a prefix hit saves its prefill time, an
+    adapter hit saves a load, and whichever replica's total is lowest wins. The prompt's
+    keys (`choose(..., prefix=keys)`, `observe(..., prefix=keys)`) are those of
+    `protocol.extend_block_keys`, computed by the caller with the replicas' block size.
 
     Every replica is returned, best first; no replicas gives []. The caller tries them in
     order and applies its own back-pressure. Call `observe` once per routed request.
@@ -278,13 +339,18 @@ class AffinityPolicy:
         self._rng = random.Random(config.seed)
         self._counts: dict[str, tuple[float, float]] = {}  # adapter -> (decayed count, at)
         self._placed: dict[str, dict[str, float]] = {}  # replica -> {adapter: sent at}
+        self.prefixes = PrefixIndex(config.prefix_index_keys, config.prefix_ttl_s)
 
-    def observe(self, adapter: str | None, replica_id: str | None = None) -> None:
-        """Count one request of `adapter` now, sent to `replica_id` when given; base-model
-        requests are not tracked."""
+    def observe(
+        self, adapter: str | None, replica_id: str | None = None, prefix: Sequence[bytes] = ()
+    ) -> None:
+        """Count one request of `adapter` now, sent to `replica_id` when given, its prompt
+        starting with the blocks `prefix`; base-model requests' rates are not tracked."""
+        now = self.clock()
+        if prefix and replica_id is not None:
+            self.prefixes.record(prefix[: self.config.prefix_blocks], replica_id, now)
         if adapter is None:
             return
-        now = self.clock()
         self._counts[adapter] = (self._count(adapter, now) + 1.0, now)
         if replica_id is not None:
             placed = self._placed.setdefault(replica_id, {})
@@ -301,14 +367,22 @@ class AffinityPolicy:
         """k(adapter): how many replicas the adapter may be warm on before it stops spreading."""
         return max(1, math.ceil(self.rate(adapter) / self.config.hot_rate_per_replica))
 
-    def choose(self, adapter: str | None, replicas: Sequence[ReplicaStats]) -> list[str]:
+    def choose(
+        self,
+        adapter: str | None,
+        replicas: Sequence[ReplicaStats],
+        prefix: Sequence[bytes] = (),
+    ) -> list[str]:
         ids = [r.replica_id for r in replicas]
         assert len(set(ids)) == len(ids), f"duplicate replica ids in {ids}"
         if not replicas:
             return []
         busy = self._pooled([r.busy_cost_s for r in replicas], self.config.busy_cost_s)
+        saved = self._prefill_saved(replicas, prefix)
         if adapter is None:
-            return [r.replica_id for r in sorted(replicas, key=lambda r: self._base_key(r, busy))]
+            return [
+                r.replica_id for r in sorted(replicas, key=lambda r: self._base_key(r, busy, saved))
+            ]
 
         n = len(replicas)
         walk = walk_order(adapter, ids)
@@ -366,12 +440,31 @@ class AffinityPolicy:
             a = affinity(r)
             return (
                 self._stale(r),
-                self._wait_s(r, busy) + load_s(r, a),
+                self._wait_s(r, busy) + load_s(r, a) - saved.get(r.replica_id, 0.0),
                 a,
                 position[r.replica_id],
             )
 
         return [r.replica_id for r in sorted(replicas, key=key)]
+
+    def _prefill_saved(
+        self, replicas: Sequence[ReplicaStats], prefix: Sequence[bytes]
+    ) -> dict[str, float]:
+        """saved(r) for the replicas that match some of `prefix`."""
+        prefix = prefix[: self.config.prefix_blocks]
+        if not prefix:
+            return {}
+        alive = {r.replica_id for r in replicas}
+        if self.prefixes.replicas - alive:  # replicas gone from the deployment
+            self.prefixes.forget(alive)
+        matched = self.prefixes.matched(prefix, (r.replica_id for r in replicas), self.clock())
+        if not matched:
+            return {}
+        per_token = self._pooled(
+            [r.prefill_token_cost_s for r in replicas], self.config.prefill_token_cost_s
+        )
+        blocks = {r.replica_id: r.prefix_block_size for r in replicas}
+        return {rid: n * blocks[rid] * per_token for rid, n in matched.items()}
 
     def _held(self, r: ReplicaStats, now: float) -> frozenset[str]:
         """Adapters on r's device or loading there, and those sent to r since its stats."""
@@ -399,7 +492,7 @@ class AffinityPolicy:
     def _stale(self, r: ReplicaStats) -> bool:
         return r.stats_age_s > self.config.stale_after_s
 
-    def _base_key(self, r: ReplicaStats, busy_cost_s: float) -> tuple:
+    def _base_key(self, r: ReplicaStats, busy_cost_s: float, saved: dict[str, float]) -> tuple:
         utilisation = r.queue_len / r.max_concurrency
-        wait = self._wait_s(r, busy_cost_s)
-        return (self._stale(r), wait, utilisation, -r.free_pages, self._rng.random())
+        cost = self._wait_s(r, busy_cost_s) - saved.get(r.replica_id, 0.0)
+        return (self._stale(r), cost, utilisation, -r.free_pages, self._rng.random())

@@ -13,7 +13,11 @@ sign can be read).
 
 Time is engine time: every real engine step (the real scheduler, cache, copy thread and
 forward) advances the clock by the calibrated profile's cost of what that step computed,
-and by the adapter copies it waited for.
+and by the adapter copies it waited for. The policies and the adapter cache read the
+same clock (Chameleon's arrival rates and starvation guard, SJF's aging, the cache's
+recency). Two things still follow the wall clock: the calibration (the profile is fitted
+to measured step times, and the link to a timed copy, so the figures move with the
+machine's load) and whether the copy thread finished an adapter before a step looks.
 On a 2-core machine shared with other work, wall-clock speed moved by 50% between runs,
 which alone decides whether a run near capacity builds a queue; engine time keeps every
 decision real and makes the systems comparable side by side. The pool is sized so
@@ -39,7 +43,7 @@ from loraplex.benchmarks.engine import DEFAULT_TRACE
 from loraplex.benchmarks.report import log
 from loraplex.benchmarks.sched_sim import PAPER_LOADS
 from loraplex.benchmarks.sim_profiles import LinearProfile, StepLoad, fit_linear
-from loraplex.benchmarks.sim_replica import System
+from loraplex.benchmarks.sim_replica import SimClock, System
 from loraplex.benchmarks.sim_run import simulate
 from loraplex.benchmarks.sim_slora import COPIES_PER_LOAD, SLoRAConfig
 from loraplex.benchmarks.sim_workload import (
@@ -291,11 +295,15 @@ def _engine(model_dir: Path, adapters: dict, system: System, specs: list[Adapter
     )
     for name, (_, path) in adapters.items():
         eng.add_adapter(name, path)
+    # the policies' and the cache's clock (arrival rates, the starvation guard, recency) is
+    # engine time, which `_serve` advances
+    clock = SimClock()
+    eng.scheduler.clock = eng.adapters.clock = clock
     if system.slora is not None:
         sched = system.scheduler
         params = sched.chameleon if sched.policy == "chameleon" else None
         eng.scheduler = SLoRAScheduler(
-            system.slora, eng.kv, eng.adapters, eng.max_model_len, chameleon=params
+            system.slora, eng.kv, eng.adapters, eng.max_model_len, chameleon=params, clock=clock
         )
     return eng
 
@@ -326,7 +334,9 @@ def _serve(eng: LLMEngine, reqs: list[SimRequest], profile: LinearProfile | None
     step advances it by the profile's cost of what the step computed and by the adapter
     copies at the profile's link bandwidth — those the step waited for (S-LoRA's loads
     before a prefill) in full, those beside it (the copy thread) where they outlast it;
-    without a profile, every request is queued at once and time is the wall clock."""
+    without a profile, every request is queued at once and time is the wall clock. The
+    engine's clock (its scheduler's and cache's) reads this time, continued from the
+    engine's previous serve."""
     batches: list = []
     schedule = eng.scheduler.schedule
 
@@ -345,8 +355,12 @@ def _serve(eng: LLMEngine, reqs: list[SimRequest], profile: LinearProfile | None
     slora = isinstance(eng.scheduler, SLoRAScheduler)
     copies = COPIES_PER_LOAD if slora else 1
     copied = eng.adapters.stats.bytes_loaded
+    clock = eng.scheduler.clock  # engine time, continued from the engine's last serve
+    assert isinstance(clock, SimClock)
+    origin = clock.now
     now, start, i = 0.0, time.perf_counter(), 0
     while i < len(pending) or eng.has_unfinished():
+        clock.now = origin + now
         while i < len(pending) and (profile is None or pending[i].arrival <= now):
             r = pending[i]
             eng.add_request(_prompt(r), _params(r), r.adapter, request_id=str(r.rid))

@@ -112,7 +112,7 @@ def engine_section(shape: EngineShape) -> dict:
         slora = _engine(model_dir, adapter_dirs, by_system["slora"], specs)
         alone = [_serve(slora, [r], profile).e2e[0] for r in requests[: min(16, n_requests)]]
         slo = 5.0 * float(np.mean(alone))  # the paper's: 5x the baseline's low-load execution
-        by_system = systems(slo, SCHED, slora=SLORA)
+        by_system = systems(slo, SCHED, slora=SLORA, run_requests=n_requests)
         draws = SEEDS[: shape.slora_draws]
         # the existing key's load: the first rate at which fifo_nocache misses the SLO
         rate = _first_miss(base, requests, profile, slo, capacity, (1.0, 1.25, 1.5, 2.0, 3.0))

@@ -113,7 +113,7 @@ def sim_section(
     lowest = {seed: run(base, float(loads[0]), seed, arrivals=poisson) for seed in seeds}
     slo = 5.0 * float(np.mean(np.concatenate([r.e2e for r in lowest.values()])))
     log(f"{tag}: SLO = 5 x mean slora execution at {loads[0]} req/s = {slo:.2f} s")
-    by_system = systems(slo)
+    by_system = systems(slo, run_requests=shape.requests)
     _CONTEXT.update(run=run, by_system=by_system)
     curves: dict[str, dict[int, dict[str, dict]]] = {
         n: {s: {} for s in seeds} for n in shape.systems

@@ -114,7 +114,7 @@ def sim_section(
     slo = 5.0 * float(np.mean(np.concatenate([r.e2e for r in lowest.values()])))
     log(f"{tag}: SLO = 5 x mean slora execution at {loads[0]} req/s = {slo:.2f} s")
     by_system = systems(slo, run_requests=shape.requests)
-    _CONTEXT.update(run=run, by_system=by_system)
+    _CONTEXT.update(run=run, by_system=by_system, profile=profile)
     curves: dict[str, dict[int, dict[str, dict]]] = {
         n: {s: {} for s in seeds} for n in shape.systems
     }
@@ -165,7 +165,7 @@ def sim_section(
     if shape.extras:
         out["extras"] = _extras(run, by_system, slo, loads, out["high_load_rps"], shape.requests)
         out["extras"]["slower_link"] = _slower_link(
-            run, by_system, profile, out["paper_loads_rps"]["high"]
+            profile, out["paper_loads_rps"]["high"], seeds, jobs
         )
     return out
 
@@ -178,12 +178,21 @@ def _work(task: tuple[str, float, int]) -> tuple[tuple[str, float, int], dict]:
     return task, _CONTEXT["run"](_CONTEXT["by_system"][name], load, seed).summary()
 
 
-def _run_all(tasks: list[tuple[str, float, int]], jobs: int) -> dict:
-    """(system, load, seed) -> summary; in `jobs` forked processes when jobs > 1."""
+def _work_link(task: tuple[str, float, int, int]) -> tuple[tuple[str, float, int, int], dict]:
+    """`_work` with the host link `factor` times slower than the profile's."""
+    name, load, seed, factor = task
+    profile = _CONTEXT["profile"]
+    cost = replace(profile, link_bytes_per_s=profile.link_bytes_per_s / factor)
+    return task, _CONTEXT["run"](_CONTEXT["by_system"][name], load, seed, cost=cost).summary()
+
+
+def _run_all(tasks: list, jobs: int, work=_work) -> dict:
+    """task -> summary (a task: (system, load, seed), as `work` takes it); in `jobs` forked
+    processes when jobs > 1."""
     if jobs <= 1 or len(tasks) < 2:
-        return dict(_work(t) for t in tasks)
+        return dict(work(t) for t in tasks)
     with multiprocessing.get_context("fork").Pool(jobs) as pool:
-        return dict(pool.imap_unordered(_work, tasks))
+        return dict(pool.imap_unordered(work, tasks))
 
 
 def _paper_loads(rows: dict[str, dict[str, dict]], loads: list[str], slo: float) -> dict:
@@ -358,21 +367,38 @@ def _extras(run, by_system, slo, loads, high, requests) -> dict:
     }
 
 
-def _slower_link(run, by_system, profile, high: float) -> dict:
-    """The ablation of the cache's worth: the paper's high load (seed 0) with the host link
-    4x and 16x slower than the profile's, where S-LoRA's loads take a larger share of its
-    critical path."""
-    out = {}
-    for factor in (1, 4, 16):
-        cost = replace(profile, link_bytes_per_s=profile.link_bytes_per_s / factor)
-        rows = {
-            name: run(by_system[name], high, 0, cost=cost).summary()
-            for name in ("slora", "chameleon", "loraplex")
-        }
-        out[f"link_div_{factor}"] = {
-            name: {k: row[k] for k in ("p50_ttft_s", "p99_ttft_s", "link_busy", "hit_rate")}
-            for name, row in rows.items()
-        }
+# the cache's worth with the link as the bottleneck: S-LoRA, and Chameleon on it; FIFO on
+# loraplex's engine without and with the cache (the cache alone), and loraplex
+SLOWER_LINK_SYSTEMS = ("slora", "chameleon", "fifo_nocache", "fifo_cache", "loraplex")
+SLOWER_LINK_FIELDS = (
+    "p50_ttft_s",
+    "p99_ttft_s",
+    "throughput_rps",
+    "gb_loaded",
+    "link_busy",
+    "hit_rate",
+    "mean_load_ms",
+)
+
+
+def _slower_link(profile, high: float, seeds: list[int], jobs: int) -> dict:
+    """The ablation of the cache's worth: the paper's high load (the mean over seeds) with
+    the host link 1x, 4x and 16x slower than the profile's, where loads take a larger share
+    of the critical path; each figure the mean over the arrival seeds, the P99's range
+    beside it."""
+    factors = (1, 4, 16)
+    tasks = [(n, high, s, f) for f in factors for n in SLOWER_LINK_SYSTEMS for s in seeds]
+    runs = _run_all(tasks, jobs, _work_link)
+    out: dict = {"at_rps": high, "seeds": len(seeds)}
+    for factor in factors:
+        rows = {}
+        for name in SLOWER_LINK_SYSTEMS:
+            per_seed = [runs[(name, high, s, factor)] for s in seeds]
+            row = {k: float(np.mean([r[k] for r in per_seed])) for k in SLOWER_LINK_FIELDS}
+            p99 = [r["p99_ttft_s"] for r in per_seed]
+            row["p99_ttft_s_min"], row["p99_ttft_s_max"] = float(min(p99)), float(max(p99))
+            rows[name] = row
+        out[f"link_div_{factor}"] = rows
         log(
             f"sim: link / {factor} at {high:.2f} req/s: "
             + "  ".join(

@@ -11,6 +11,7 @@ and what `loraplex up` runs. `args` is a `LoraplexConfig` as a dict.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +50,7 @@ class Ingress:
         from loraplex.registry.watch import RegistryWatcher
         from loraplex.replica.tokenizer import Tokenizer
         from loraplex.router.ingress import RegistryHandles, build_ingress
+        from loraplex.router.request_router import routing_snapshot
         from loraplex.router.serve_backend import ServeBackend
 
         config = self.config
@@ -66,6 +68,7 @@ class Ingress:
             base_model_id=config.base_model_id,
             max_model_len=await asyncio.to_thread(config.max_model_len),
             registry=registry,
+            routing=functools.partial(routing_snapshot, config.router.metrics_top_adapters),
         )
 
 

@@ -266,8 +266,23 @@ class RouterSection(_Section):
         le=100,
         description="A cold home takes a new adapter only below ceil(c * mean adapters held).",
     )
-    hot_rate_per_replica: float = Field(
-        8.0, gt=0, le=1e6, description="Requests/s of one adapter that one replica absorbs."
+    home_utilisation: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Share of a replica's batch slots one adapter should fill: an adapter "
+        "gets as many homes as its request rate needs at this share (Little's law with "
+        "request_time_s).",
+    )
+    home_hysteresis: float = Field(
+        0.25,
+        ge=0,
+        lt=1,
+        description="A home of a hot adapter is withdrawn only once its rate needs (1 - "
+        "this) of one home less, so a rate near a threshold does not flap.",
+    )
+    max_homes_per_adapter: int = Field(
+        4, ge=1, le=4096, description="Most replicas one adapter is spread over."
     )
     rate_window_s: float = Field(
         10.0, gt=0, le=3600, description="Time constant of the adapter request-rate estimate."
@@ -286,6 +301,13 @@ class RouterSection(_Section):
     )
     stats_timeout_s: float = Field(
         10.0, gt=0, le=600, description="Deadline of one routing-stats call."
+    )
+    metrics_top_adapters: int = Field(
+        20,
+        ge=0,
+        le=1000,
+        description="Adapters shown one by one in /metrics and `loraplex status` (the "
+        "busiest); the rest are summed as one.",
     )
     first_chunk_timeout_s: float = Field(
         120.0,
@@ -307,7 +329,12 @@ class RouterSection(_Section):
     def affinity_kwargs(self) -> dict[str, Any]:
         """AffinityConfig fields and `seed`: the router's `request_router_kwargs`."""
         return self.model_dump(
-            exclude={"stats_period_s", "stats_timeout_s", "first_chunk_timeout_s"}
+            exclude={
+                "stats_period_s",
+                "stats_timeout_s",
+                "first_chunk_timeout_s",
+                "metrics_top_adapters",
+            }
         )
 
 

@@ -411,6 +411,8 @@ def status(state_dir: Path) -> int:
     print(
         f"etcd:     {', '.join(etcd) or '-'}{' (started by loraplex)' if state.get('etcd_pid') else ''}"
     )
+    if url and health == "ok":
+        print("\n".join(adapter_homes_report(url)))
     if not state.get("ray_address"):
         return 0
     try:
@@ -419,6 +421,38 @@ def status(state_dir: Path) -> int:
         lines = [f"serve:    unavailable ({type(e).__name__}: {e})"]
     print("\n".join(lines))
     return 0
+
+
+def adapter_homes_report(url: str) -> list[str]:
+    """The router's view of the busiest adapters, read from the ingress's /metrics: request
+    rate and homes (the replicas it is routed to), the rest summed as "other"."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5, trust_env=False).text
+    except httpx.HTTPError as e:
+        return [f"adapters: unavailable ({type(e).__name__}: {e})"]
+    rates: dict[str, float] = {}
+    homes: dict[str, list[str]] = {}
+    counts: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            adapter = sample.labels.get("adapter")
+            if sample.name == "loraplex_adapter_request_rate":
+                rates[adapter] = sample.value
+            elif sample.name == "loraplex_adapter_homes":
+                counts[adapter] = int(sample.value)
+            elif sample.name == "loraplex_adapter_home":
+                homes.setdefault(adapter, []).append(sample.labels["replica"])
+    if not rates:
+        return ["adapters: no requests routed yet"]
+    lines = ["adapters: busiest first (router's estimate), their homes"]
+    ranked = sorted((a for a in rates if a != "other"), key=rates.__getitem__, reverse=True)
+    for adapter in [*ranked, "other"]:
+        where = ", ".join(sorted(homes.get(adapter, []))) or f"{counts.get(adapter, 0)} replicas"
+        lines.append(f"  {adapter:<32} {rates.get(adapter, 0.0):8.2f}/s  {where}")
+    return lines
 
 
 def serve_report(ray_address: str) -> list[str]:

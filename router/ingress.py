@@ -54,7 +54,13 @@ from loraplex.router.generation import (
     replica_failed,
     whole_response,
 )
-from loraplex.router.metrics import ANONYMOUS, HTTPMetricsMiddleware, IngressMetrics, RequestTimer
+from loraplex.router.metrics import (
+    ANONYMOUS,
+    HTTPMetricsMiddleware,
+    IngressMetrics,
+    RequestTimer,
+    RoutingSource,
+)
 from loraplex.router.openai_api import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -125,11 +131,13 @@ def build_ingress(
     base_model_id: str,
     max_model_len: int,
     registry: RegistryHandles | None,
+    routing: RoutingSource | None = None,
 ) -> FastAPI:
     """The ingress app; `app.state.metrics` is its `IngressMetrics`. Without a registry,
     anyone may use the base model (no key needed) and there is no tenant API. An adapter
-    named like the base model is shadowed by it."""
-    metrics = IngressMetrics()
+    named like the base model is shadowed by it. `routing`: the router's view of each
+    adapter's rate and homes, for /metrics."""
+    metrics = IngressMetrics(routing)
     auth = None
     if registry is not None:
         admin_key = registry.settings.admin_key.get_secret_value()

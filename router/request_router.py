@@ -13,21 +13,29 @@ caller through `handle.options(multiplexed_model_id=...)`.
 No FIFOMixin: it hands the replica chosen for one request to whichever request is first in
 the queue, which would send adapter A's pick to adapter B. Serve's default matching keeps
 each choice with the request it was made for.
+
+`routing_snapshot(top_n)` reports what the routers of this process know of each adapter
+(its rate and homes): the ingress's /metrics shows it.
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from loraplex.router.policy import AffinityConfig, AffinityPolicy, ReplicaStats
+from loraplex.router.policy import AdapterHomes, AffinityConfig, AffinityPolicy
+from loraplex.router.routing_stats import ReplicaStats
 
 if TYPE_CHECKING:
     from ray.serve._private.replica_result import ReplicaResult
+
+
+_ROUTERS: weakref.WeakSet[AffinityRequestRouter] = weakref.WeakSet()
 
 
 class AffinityRequestRouter(RequestRouter):
@@ -35,6 +43,10 @@ class AffinityRequestRouter(RequestRouter):
         super().__init__(*args, **kwargs)
         self.policy = AffinityPolicy(AffinityConfig())
         self.wall_clock: Callable[[], float] = time.time  # compares with `recorded_at`
+        # Parsed stats per replica, kept while its published dict is the same object: the
+        # policy then sees the same adapter sets and reuses what it derived from them.
+        self._parsed: dict[str, tuple[dict[str, Any], ReplicaStats]] = {}
+        _ROUTERS.add(self)
 
     def initialize_state(self, seed: int = 0, **config: Any) -> None:
         """`request_router_kwargs`: AffinityConfig fields, and the seed of base-model ties."""
@@ -59,14 +71,44 @@ class AffinityRequestRouter(RequestRouter):
         self.policy.observe(_adapter(pending_request), replica_id.unique_id)
 
     def _replica_stats(self, replica: RunningReplica) -> ReplicaStats:
+        replica_id = replica.replica_id.unique_id
         published = replica.routing_stats or {}
         recorded_at = published.get("recorded_at")
         age = 0.0 if recorded_at is None else max(0.0, self.wall_clock() - recorded_at)
-        stats = ReplicaStats.from_routing_stats(replica.replica_id.unique_id, published, age)
+        cached = self._parsed.get(replica_id)
+        if cached is not None and cached[0] is published:
+            stats = replace(cached[1], stats_age_s=age)
+        else:
+            stats = ReplicaStats.from_routing_stats(replica_id, published, age)
+            self._parsed[replica_id] = (published, stats)
         # Serve's own count of requests this router sent and the replica has not finished
         # is fresher than the published queue (a period old); prefer it when cached.
         queue_len = self.replica_queue_len_cache.get(replica.replica_id)
         return stats if queue_len is None else replace(stats, queue_len=queue_len)
+
+
+def routing_snapshot(top_n: int) -> tuple[list[AdapterHomes], AdapterHomes] | None:
+    """The `top_n` adapters by request rate over the affinity routers of this process, each
+    with its homes, and the rest as one "other" entry; None while no router exists."""
+    routers = list(_ROUTERS)
+    if not routers:
+        return None
+    rates: dict[str, float] = {}
+    homes: dict[str, set[str]] = {}
+    for router in routers:
+        top, other = router.policy.snapshot(top_n)
+        for entry in [*top, other]:
+            rates[entry.adapter] = rates.get(entry.adapter, 0.0) + entry.rate_per_s
+            homes.setdefault(entry.adapter, set()).update(entry.homes)
+    ranked = sorted((a for a in rates if a != "other"), key=rates.__getitem__, reverse=True)
+    merged = [AdapterHomes(a, rates[a], tuple(sorted(homes[a]))) for a in ranked]
+    rest = merged[top_n:]
+    other = AdapterHomes(
+        "other",
+        rates.get("other", 0.0) + sum(e.rate_per_s for e in rest),
+        tuple(sorted(homes.get("other", set()).union(*(e.homes for e in rest)))),
+    )
+    return merged[:top_n], other
 
 
 def _adapter(pending_request: PendingRequest | None) -> str | None:

@@ -27,11 +27,14 @@ def main(argv: list[str] | None = None) -> int:
     _engine_options(gen)
 
     bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
-    bench.add_argument("suite", choices=["engine", "registry", "router", "sched"])
+    bench.add_argument("suite", choices=["engine", "fleet", "registry", "router", "sched"])
     bench.add_argument("--quick", action="store_true", help="smaller model and workload (< 2 min)")
     bench.add_argument("--json", type=Path, help="write the figures here")
     bench.add_argument("--trace", type=Path, help="engine, sched: Azure LLM inference trace CSV")
     bench.add_argument("--sim-only", action="store_true", help="sched: the simulator section only")
+    bench.add_argument(
+        "--plot", type=Path, help="router, fleet: write the goodput figure (PNG) into this folder"
+    )
 
     from loraplex.cluster import adapters_cli, local_cluster, registry_server
 
@@ -59,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             from loraplex.benchmarks.router import run_bench
         elif args.suite == "sched":
             from loraplex.benchmarks.sched import run_bench
+        elif args.suite == "fleet":
+            from loraplex.benchmarks.fleet import run_bench
         else:
             from loraplex.benchmarks.engine import run_bench
         return run_bench(args)

@@ -26,8 +26,12 @@ first a warm-up stream of the workload's adapter picks (8 / 6 per adapter, 16-to
 prompts, 1 output token) at the same rate through the same router, then the measured
 window (60 s / 20 s); only the window's requests and loads are reported.
 
-SLO = 5 x the unloaded TTFT: the lowest mean TTFT any router reaches at the lowest rate
-(failover uses zipf's). Goodput at the SLO: the highest offered rate whose p99 TTFT stays
+SLO = 5 x the unloaded TTFT: the mean, over the measured requests, of the TTFT each would
+have alone on an idle replica that reads its adapter from the store (its prefill, the read
+and the copy; `unloaded_ttft_s`). In this regime any router may have to read an adapter;
+the SLO admits one read without queueing, so what it measures is queueing and repeated
+reads. (Without the read, p99 TTFT sits on the ~1-5% of requests that read an adapter at
+every rate and for every router, and no rate meets it.) Goodput at the SLO: the highest offered rate whose p99 TTFT stays
 within it (benchmarks/goodput.py). Per workload (benchmarks/fleet_workloads.py):
     goodput_ratio_vs_best_ray_router       affinity's goodput / the better Ray router's
     load_seconds_ratio_vs_best_ray_router  at the reference rate: replica-seconds spent
@@ -98,7 +102,7 @@ FULL = FleetShape(
     adapters=2000,
     window_s=60.0,
     warmup_per_adapter=8,
-    rate_factors=(0.3, 0.5, 0.65, 0.8, 0.9, 1.0),
+    rate_factors=(0.3, 0.5, 0.65, 0.8, 0.9, 1.0, 1.1),
     reference_factor=0.65,
     scale_points=((8, 500), (16, 2000), (32, 5000), (64, 10000)),
     scale_window_s=30.0,
@@ -106,9 +110,9 @@ FULL = FleetShape(
 QUICK = FleetShape(
     replicas=8,
     adapters=500,
-    window_s=20.0,
+    window_s=15.0,
     warmup_per_adapter=6,
-    rate_factors=(0.3, 0.6, 0.9),
+    rate_factors=(0.3, 0.6, 0.9, 1.05),
     reference_factor=0.6,
     scale_points=((8, 500), (16, 1000)),
     scale_window_s=10.0,
@@ -179,6 +183,7 @@ def run_bench(args: argparse.Namespace) -> int:
     shape = QUICK if args.quick else FULL
     started = time.perf_counter()
     results: dict[str, Any] = {"quick": bool(args.quick), "fleet": measure(shape, args.trace)}
+    results["fleet"]["validation"] = validation(bool(args.quick))
     if getattr(args, "plot", None):
         path = plot_goodput(
             results["fleet"]["workloads"],
@@ -190,6 +195,20 @@ def run_bench(args: argparse.Namespace) -> int:
     print_table(results)
     write_json(args.json, results)
     return 0
+
+
+def validation(quick: bool) -> dict[str, Any]:
+    """The simulator against a real local run (benchmarks/fleet_validation.py); without an
+    etcd server binary the keys are None and the reason is given."""
+    from loraplex.registry.etcd_process import INSTALL_HINT, find_etcd_binary
+
+    if find_etcd_binary() is None:
+        reason = f"no etcd server binary for the real run; install one: {INSTALL_HINT}"
+        log(f"validation skipped: {reason}")
+        return {"p99_ttft_error": None, "loads_error": None, "skipped": reason}
+    from loraplex.benchmarks.fleet_validation import validate
+
+    return validate(quick)
 
 
 def measure(shape: FleetShape, trace_path: Path | None = None) -> dict[str, Any]:
@@ -258,6 +277,8 @@ def sweep(
     kills: list[float | None] = []
     for i, rate in enumerate(rates):
         reqs, first = fleet.requests(workload, adapters, rate, shape.window_s, seed=100 * i)
+        if i == 0:
+            unloaded = unloaded_ttft_s(fleet.profile, reqs[first:], catalog)
         kill = fw.kill_at(reqs[first:]) if workload == "failover" else None
         kills.append(kill)
         setup = fleet.setup(shape.replicas, adapters, kill_at_s=kill, seed=i)
@@ -271,9 +292,7 @@ def sweep(
                 f"p99 {s['p99_ttft_s']:.3f} s, {s['device_loads']} loads, {s['store_reads']} "
                 f"reads ({time.perf_counter() - t0:.0f} s, load avg {os.getloadavg()[0]:.1f})"
             )
-    if slo is None:
-        unloaded = min(float(runs[r][0].ttft.mean()) for r in ROUTERS)
-        slo = SLO_FACTOR * unloaded
+    slo = SLO_FACTOR * unloaded if slo is None else slo
     ref = shape.rate_factors.index(shape.reference_factor)
     routers: dict[str, Any] = {}
     for router, rs in runs.items():
@@ -281,7 +300,10 @@ def sweep(
         routers[router] = {
             "p50_ttft_s": [_pct(r.ttft, 50) for r in rs],
             "p99_ttft_s": p99,
-            "within_slo_rps": [within_slo_rps(r.arrival, r.ttft, slo, shape.window_s) for r in rs],
+            "within_slo_rps": [
+                within_slo_rps(r.ttft, r.requests, rate, slo)
+                for r, rate in zip(rs, rates, strict=True)
+            ],
             "goodput_at_slo_rps": goodput(rates, p99, slo),
             "at_reference": rs[ref].summary(),
         }
@@ -290,12 +312,30 @@ def sweep(
                 recovery_s(r.arrival, r.ttft, k, slo, RECOVERY_WINDOW_S)
                 for r, k in zip(rs, kills, strict=True)
             ]
-    out = _keys(routers, rates, slo, ref)
+    out = {"unloaded_ttft_s": unloaded, **_keys(routers, rates, slo, ref)}
     if workload == "failover":
         out["recovery_s"] = {r: f["recovery_s"][ref] for r, f in routers.items()}
         out["streams_failed"] = {r: f["at_reference"]["streams_failed"] for r, f in routers.items()}
         out["requests_lost"] = 0  # simulate_fleet asserts it
     return out
+
+
+def unloaded_ttft_s(profile, reqs: list[SimRequest], catalog: dict[str, AdapterSpec]) -> float:
+    """Mean TTFT of `reqs`, each alone on an idle replica that reads its adapter from the
+    store first: the read, the copy over the host link, then the prefill in chunks of the
+    scheduler's token budget."""
+    total = 0.0
+    for r in reqs:
+        nbytes = catalog[r.adapter].nbytes
+        rank = catalog[r.adapter].rank
+        t = STORE.read_s(nbytes) + nbytes / profile.link_bytes_per_s + profile.load_setup_s
+        done = 0
+        while done < r.prompt:
+            n = min(SCHED.max_num_batched_tokens, r.prompt - done)
+            t += profile.step_time(StepLoad(n, done + n, n * rank, nbytes))
+            done += n
+        total += t
+    return total / len(reqs)
 
 
 def _keys(routers: dict, rates: list[float], slo: float, ref: int) -> dict[str, Any]:

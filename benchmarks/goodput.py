@@ -38,7 +38,7 @@ def ratio_vs_best_ray(values: Mapping[str, float | None], higher_is_better: bool
         return None
     best = max(theirs) if higher_is_better else min(theirs)
     if best == 0:
-        return math.inf if ours > 0 else 1.0
+        return math.inf if ours > 0 else None  # 0 / 0: no router had any
     return ours / best
 
 
@@ -61,9 +61,10 @@ def recovery_s(
     return float(starts[last] + window_s - kill_at)
 
 
-def within_slo_rps(arrival: np.ndarray, ttft: np.ndarray, slo: float, window_s: float) -> float:
-    """Requests per second that got their first token within the SLO."""
-    return float((ttft <= slo).sum()) / window_s if window_s > 0 else 0.0
+def within_slo_rps(ttft: np.ndarray, requests: int, rate: float, slo: float) -> float:
+    """Of `rate` requests per second offered, how many got their first token within the
+    SLO: `ttft` holds the first-token times of the `requests` that got one."""
+    return rate * float((ttft <= slo).sum()) / requests if requests else 0.0
 
 
 def plot_goodput(sweeps: Mapping[str, Mapping], path: Path, title: str) -> Path:

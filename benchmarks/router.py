@@ -1,47 +1,39 @@
-"""`loraplex bench router`: three request routers over the same replicas and the same load.
+"""`loraplex bench router`: the affinity router against Ray Serve's power-of-two and
+multiplexing routers, on a real local Ray, etcd and artifact store, with adapter reads paced
+as from a network store.
 
-One run starts a real etcd (the adapters are registered there and in an artifact store) and
-a local Ray, then serves one seeded workload three times, each on a fresh Serve app of
-`num_replicas` replicas of one engine configuration, deleted before the next:
+Three Serve apps run side by side, each `num_replicas` replicas of one engine configuration:
 
     affinity   ReplicaDeployment behind AffinityRequestRouter (replica/deployment.py)
     pow2       the same deployment behind Ray Serve's default power-of-two-choices router
-    multiplex  MultiplexedReplica: the same engine, adapters loaded by `@serve.multiplexed`
-               (at most `adapters_per_replica` per replica), Serve's multiplex routing
+    multiplex  MultiplexedReplica: the same engine, adapters loaded by `@serve.multiplexed`,
+               Serve's multiplex routing (benchmarks/router_apps.py)
 
-Every request goes through ServeBackend (one streaming `generate`, the adapter as the
-multiplexed model id; the pow2 replicas report no model ids, so Serve's multiplex preference
-is empty there and it picks by power of two). Open loop: Poisson arrivals at `rate_per_s`,
-Zipf(a) adapter popularity, short prompts and outputs, greedy, ignore_eos.
+Every engine has the same device pool (a full batch's KV plus `adapters_per_replica`
+adapters of mean size) and reads adapters through the artifact read model (`read_*`,
+replica/memory/store_reads.py): what makes a load cost what it costs behind a network store.
+Sync replicas keep `host_adapters_per_replica` adapters of mean size in their host tier;
+multiplexed ones keep as many models (max_num_models_per_replica). Serve's
+max_ongoing_requests is 2 x max_num_seqs for all three.
 
-Each replica's device pool (the engine's unified pool) is sized to hold a full batch's KV
-plus `adapters_per_replica` adapters of mean size, and multiplex keeps that many adapters
-per replica, so all three have one per-replica adapter capacity. The default workload has
-more adapters than one replica holds (30 against 12) but fewer than all three hold
-together (36): the case a router decides, since below it every router hits and above it
-every router must evict.
+Workloads (benchmarks/fleet_workloads.py) over one registered catalog (`num_adapters`,
+ranks 8-128, targets in turn), each with its own popularity order: zipf, hot, shift,
+failover (a replica killed a third of the way through each run; Serve replaces it).
+Arrivals are Poisson. For each workload the three apps first take a warm-up stream (one
+1-token request per adapter, drawn from the workload's popularity), then a run at each
+offered rate, the rates ascending and the routers interleaved at each rate, so all three
+see the same machine load. A run's figures are its requests' and the replicas' counters
+over it.
 
-    adapter_loads   adapter weights copied into a replica's device pool: the sum over replicas
-                    of the engine's AdapterCache loads (for multiplex each multiplexed load is
-                    registered under a name of its own, so it is one pool load on first use)
-    artifact_reads  adapters read from the artifact store (AdapterSync reads, or multiplexed
-                    loads)
-    distinct_adapters_requested  the fewest loads (and reads) any router can make
-    reloads         adapter_loads - distinct_adapters_requested: the loads a router caused,
-                    beyond the first load of each adapter that every router makes
-    ttft            client side, from the request's scheduled arrival to its first chunk
-    router_costs    what the affinity router is told about this machine (AffinityConfig), as
-                    measured here before the runs: a load from the artifact store and from
-                    the host tier, the TTFT each running request adds (a CPU step grows
-                    with the batch), the time a request holds a slot. Once the replicas
-                    publish their own measurements (replica/step_costs.py, after 32 steps)
-                    the router uses those for the busy and host-load costs
-    loads_ratio_vs_best_baseline = min(baseline adapter_loads) / affinity adapter_loads
-    p99_ratio_vs_best_baseline   = min(baseline p99_ttft_ms) / affinity p99_ttft_ms
-    reloads_ratio_vs_best_baseline = min(baseline reloads) / affinity reloads
-
-The routers run one after another on a shared machine: each one's `load_avg_1m` (before,
-after) shows whether other processes competed with it for the cores.
+Before the runs one engine of the replicas' configuration measures (benchmarks/router_costs.py)
+the costs the affinity router is told and the unloaded TTFT (a request alone on an idle
+engine that reads its adapter from the store); the offered rates are fractions of the
+capacity the first app shows on a saturating burst of base-model requests.
+SLO = 5 x the unloaded TTFT; goodput = the highest offered rate whose p99 TTFT stays within
+it (benchmarks/goodput.py). Keys per workload: goodput_ratio_vs_best_ray_router,
+load_seconds_ratio_vs_best_ray_router (at the reference rate: seconds replicas spent reading
+and copying adapters, affinity / the lower Ray router), loads_vs_floor (device loads /
+distinct adapters requested); failover: recovery_s, streams_failed, requests_lost.
 """
 
 from __future__ import annotations
@@ -53,21 +45,26 @@ import math
 import os
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from loraplex.benchmarks.engine import SERVING_TARGETS, zipf_adapters
+from loraplex.benchmarks import fleet_workloads as fw
+from loraplex.benchmarks.engine import SERVING_TARGETS
+from loraplex.benchmarks.goodput import plot_goodput
 from loraplex.benchmarks.report import log, write_json
 from loraplex.benchmarks.router_apps import build_app
 from loraplex.benchmarks.router_costs import measure_router_costs
-from loraplex.benchmarks.router_figures import (
-    PAGE_BYTES,
-    print_table,
-    router_figures,
-    summary,
+from loraplex.benchmarks.router_figures import PAGE_BYTES, print_table, run_figures, summary
+from loraplex.benchmarks.router_runs import (
+    BenchRequest,
+    counters,
+    delta,
+    drive,
+    kill_one,
+    wait_for_replicas,
 )
 from loraplex.demo.assets import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
 from loraplex.demo.lean_ray import lean_ray_serve
@@ -78,7 +75,7 @@ from loraplex.registry.models import AdapterRecord, Tenant
 from loraplex.registry.store import RegistryStore
 from loraplex.replica.memory.adapters import load_adapter, plan_layout
 from loraplex.replica.model.config import ModelConfig
-from loraplex.replica.protocol import GenerateRequest, adapter_id
+from loraplex.replica.protocol import adapter_id
 from loraplex.router.serve_backend import ServeBackend
 
 ROUTERS = ("affinity", "pow2", "multiplex")
@@ -90,16 +87,20 @@ class Workload:
     model: ModelSpec
     num_adapters: int
     num_replicas: int
-    adapters_per_replica: int  # device-pool capacity (adapters of mean size); multiplex K
-    num_requests: int
-    rate_per_s: float
-    zipf_a: float = 1.1
+    adapters_per_replica: int  # device pool: adapters of mean size beside a full batch's KV
+    host_adapters_per_replica: int  # host tier (sync) and max_num_models_per_replica
+    window_s: float  # one run's arrivals span this long
+    failover_window_s: float
+    rate_factors: tuple[float, ...]  # x the nominal capacity
+    reference_factor: float  # one of rate_factors: loads, load seconds
+    failover_factors: tuple[float, ...]
+    read_bandwidth_mib_s: float = 8.0
+    read_latency_ms: float = 50.0
     prompt_tokens: tuple[int, int] = (16, 32)  # inclusive range
     output_tokens: tuple[int, int] = (8, 16)
-    ranks: tuple[int, int] = (8, 64)
     max_num_seqs: int = 16
     routing_stats_period_s: float = 1.0
-    request_timeout_s: float = 60.0
+    request_timeout_s: float = 120.0
     seed: int = 0
 
     def __post_init__(self):
@@ -108,8 +109,10 @@ class Workload:
                 f"adapters_per_replica must be in [1, num_adapters): more adapters than fit on "
                 f"one replica, got {self.adapters_per_replica} of {self.num_adapters}"
             )
-        if not (self.num_requests > 0 and self.rate_per_s > 0 and self.num_replicas > 0):
-            raise ValueError("num_requests, rate_per_s and num_replicas must be > 0")
+        if self.reference_factor not in self.rate_factors:
+            raise ValueError("reference_factor must be one of rate_factors")
+        if self.num_replicas < 1 or self.window_s <= 0:
+            raise ValueError("num_replicas and window_s must be > 0")
 
 
 FULL = Workload(
@@ -122,13 +125,27 @@ FULL = Workload(
         vocab_size=512,
         rope_scaling=None,
     ),
-    num_adapters=30,
+    num_adapters=300,
     num_replicas=3,
-    adapters_per_replica=12,
-    num_requests=600,
-    rate_per_s=25.0,  # near what 3 replicas on 2 cores serve (~28/s): queues form
+    adapters_per_replica=16,
+    host_adapters_per_replica=64,
+    window_s=24.0,
+    failover_window_s=45.0,
+    rate_factors=(0.3, 0.5, 0.7, 0.9),
+    reference_factor=0.5,
+    failover_factors=(0.5,),
 )
-QUICK = replace(FULL, num_requests=200)
+QUICK = replace(
+    FULL,
+    num_adapters=120,
+    adapters_per_replica=8,
+    host_adapters_per_replica=24,
+    window_s=8.0,
+    failover_window_s=24.0,
+    rate_factors=(0.35, 0.7),
+    reference_factor=0.35,
+    failover_factors=(0.35,),
+)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -136,75 +153,246 @@ def run_bench(args: argparse.Namespace) -> int:
         log(f"no etcd server binary; install one: {INSTALL_HINT}")
         return 2
     workload = QUICK if args.quick else FULL
+    started = time.perf_counter()
     results = {"quick": bool(args.quick), **measure(workload)}
+    if getattr(args, "plot", None):
+        path = plot_goodput(
+            results["workloads"], Path(args.plot) / "router_goodput.png", _title(results)
+        )
+        log(f"figure: {path}")
+    results["seconds"] = time.perf_counter() - started
     print_table(results)
     write_json(args.json, results)
     return 0
 
 
-def measure(workload: Workload, routers: tuple[str, ...] = ROUTERS) -> dict[str, Any]:
-    """Serve the workload once per router; the figures, and per request raw timings."""
+def measure(
+    w: Workload, routers: tuple[str, ...] = ROUTERS, workloads: tuple[str, ...] = fw.WORKLOADS
+) -> dict[str, Any]:
+    """Every workload through every router; the figures and the raw per-run outcomes."""
+    return run_measured(w, routers, workloads).figures
+
+
+@dataclass(slots=True)
+class Measured:
+    """A bench run's figures, and what the simulator needs to replay it."""
+
+    figures: dict[str, Any]
+    engine_config: dict[str, Any]
+    costs: dict[str, float]
+    calibration: dict[str, Any]
+    adapters: dict[str, tuple[int, int]]  # adapter id -> (rank, weight bytes)
+    requests: dict[str, dict[str, list]]  # workload -> {"warm-up": [...], "runs": [[...]]}
+
+
+def run_measured(
+    w: Workload, routers: tuple[str, ...] = ROUTERS, workloads: tuple[str, ...] = fw.WORKLOADS
+) -> Measured:
+    import logging
+
+    logging.getLogger("ray.serve").setLevel(logging.ERROR)  # queue-probe warnings on 2 cores
     with tempfile.TemporaryDirectory(prefix="loraplex-bench-router-") as tmp:
         root = Path(tmp)
-        model_dir, sources = _write_assets(root, workload)
-        engine_config = _engine_config(model_dir, sources, workload)
-        requests = _requests([adapter_id(TENANT, n) for n in sources], workload)
-        costs = measure_router_costs(engine_config, sources, workload)
-        log("router costs measured here: " + ", ".join(f"{k}={v:.4f}" for k, v in costs.items()))
+        model_dir, sources = _write_assets(root, w)
+        engine_config, sizes = _engine_config(model_dir, sources, w)
+        costs, calibration = measure_router_costs(engine_config, sources, w)
+        log(
+            "measured here: "
+            + ", ".join(f"{k}={v * 1e3:.1f}ms" for k, v in costs.items())
+            + f", unloaded TTFT {calibration['unloaded_ttft_s'] * 1e3:.0f} ms"
+        )
         etcd = EtcdProcess(root / "etcd")
         etcd.start()
         try:
             settings = EtcdSettings(endpoints=[etcd.endpoint])
             artifacts = ArtifactStore(root / "artifacts")
             paths = asyncio.run(_register(settings, artifacts, sources))
-            per_router = {}
+            names = [adapter_id(TENANT, n) for n in sources]
             with lean_ray_serve():
-                for router in routers:
-                    app = build_app(
-                        router, workload, engine_config, settings, artifacts, paths, costs
-                    )
-                    per_router[router] = _serve(router, app, requests, workload)
+                apps = _start_apps(routers, w, engine_config, settings, artifacts, paths, costs)
+                calibration["capacity_rps"] = _capacity(next(iter(apps.values())), w)
+                log(f"capacity: {calibration['capacity_rps']:.1f} req/s (base model, saturated)")
+                runs = {
+                    workload: _sweep(workload, i, names, w, apps, calibration)
+                    for i, workload in enumerate(workloads)
+                }
         finally:
             etcd.stop(kill=True)
-    return {**summary(workload, engine_config, requests, per_router), "router_costs": costs}
+    requests = {name: run.pop("requests") for name, run in runs.items()}
+    return Measured(
+        summary(w, engine_config, costs, calibration, runs),
+        engine_config,
+        costs,
+        calibration,
+        {adapter_id(TENANT, name): size for name, size in sizes.items()},
+        requests,
+    )
+
+
+def _start_apps(routers, w, engine_config, settings, artifacts, paths, costs) -> dict[str, Any]:
+    from ray import serve
+
+    apps = {}
+    for router in routers:
+        started = time.perf_counter()
+        app = build_app(router, w, engine_config, settings, artifacts, paths, costs)
+        handle = serve.run(app, name=f"bench-{router}", route_prefix=None)
+        apps[router] = ServeBackend(handle, retries=1)
+        log(f"{router}: {w.num_replicas} replicas up in {time.perf_counter() - started:.1f}s")
+    return apps
+
+
+def _capacity(backend: ServeBackend, w: Workload) -> float:
+    """What the replicas serve when saturated: 10 full batches' worth of base-model
+    requests of mean lengths, all at once, through one app; completions per second."""
+    n = 10 * w.num_replicas * w.max_num_seqs
+    prompt = list(range(10, 10 + sum(w.prompt_tokens) // 2))
+    out = sum(w.output_tokens) // 2
+    burst = [BenchRequest(0.0, None, prompt, out) for _ in range(n)]
+    outcomes, elapsed = asyncio.run(drive(backend, burst, "capacity", w.request_timeout_s))
+    return sum(o.error is None for o in outcomes) / elapsed
+
+
+def _sweep(
+    workload: str,
+    index: int,
+    names: list[str],
+    w: Workload,
+    apps: dict[str, ServeBackend],
+    calibration: dict[str, Any],
+) -> dict[str, Any]:
+    """The warm-up, then one run per rate and router; per router, a list over rates."""
+    capacity = calibration["capacity_rps"]
+    failover = workload == "failover"
+    factors = w.failover_factors if failover else w.rate_factors
+    window = w.failover_window_s if failover else w.window_s
+    popularity = "zipf" if workload in ("shift", "failover") else workload
+    warm = fw.requests(
+        popularity,
+        names,
+        len(names),
+        factors[0] * capacity,
+        fw.Lengths(prompt=(16, 16), output=(1, 1)),
+        seed=10 * index,
+        popularity_seed=index,
+    )
+    for router, backend in apps.items():
+        outcomes, _ = asyncio.run(
+            drive(backend, _bench(warm, w), f"warm-{workload}-{router}", w.request_timeout_s)
+        )
+        log(f"{workload} warm-up {router}: {sum(o.error is None for o in outcomes)} served")
+    per_router: dict[str, list[dict]] = {r: [] for r in apps}
+    requests = []
+    for i, factor in enumerate(factors):
+        rate = factor * capacity
+        reqs = fw.requests(
+            workload,
+            names,
+            max(1, round(rate * window)),
+            rate,
+            fw.Lengths(prompt=w.prompt_tokens, output=w.output_tokens),
+            seed=1000 * index + i,
+            popularity_seed=index,
+        )
+        requests.append(reqs)
+        kill_at = fw.kill_at(reqs) if failover else None
+        for router, backend in apps.items():
+            per_router[router].append(_run(router, backend, reqs, w, workload, rate, kill_at))
+    return {
+        "rates_rps": [f * capacity for f in factors],
+        "distinct_adapters": [len({r.adapter for r in reqs}) for reqs in requests],
+        "kill_at_s": [fw.kill_at(reqs) for reqs in requests] if failover else None,
+        "per_router": per_router,
+        "requests": {"warm-up": warm, "runs": requests},
+    }
+
+
+def _run(router, backend, reqs, w: Workload, workload: str, rate: float, kill_at) -> dict:
+    app = f"bench-{router}"
+    load_avg = os.getloadavg()[0]
+    before = counters(app, router)
+    kill = None if kill_at is None else (kill_at, lambda: kill_one(app, router, w.seed))
+    outcomes, elapsed = asyncio.run(
+        drive(
+            backend, _bench(reqs, w), f"{workload}-{router}-{rate:.1f}", w.request_timeout_s, kill
+        )
+    )
+    if kill_at is not None:
+        waited = wait_for_replicas(app, router, w.num_replicas)
+        log(f"{router}: replaced its killed replica ({waited:.1f} s after the run)")
+    figures = run_figures(outcomes, elapsed, delta(before, counters(app, router)))
+    figures["load_avg_1m"] = [load_avg, os.getloadavg()[0]]
+    log(
+        f"{workload} {rate:5.1f} req/s {router:9}: p50 {_ms(figures['p50_ttft_s'])} p99 "
+        f"{_ms(figures['p99_ttft_s'])}, {figures['loads']:.0f} loads, {figures['reads']:.0f} reads, "
+        f"{figures['completed']}/{len(reqs)} done (load avg {load_avg:.1f})"
+    )
+    return figures
+
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e3:.0f} ms"
+
+
+def _bench(reqs, w: Workload) -> list[BenchRequest]:
+    """Simulator requests as token requests: random prompt ids of each request's length."""
+    rng = np.random.default_rng(w.seed)
+    vocab = w.model.vocab_size
+    return [
+        BenchRequest(r.arrival, r.adapter, rng.integers(10, vocab, r.prompt).tolist(), r.output)
+        for r in reqs
+    ]
+
+
+def _title(results: dict) -> str:
+    w = results["workload"]
+    return (
+        f"real Ray: {w['num_replicas']} replicas on this CPU, {w['num_adapters']} adapters, "
+        f"reads {w['read_bandwidth_mib_s']:g} MiB/s + {w['read_latency_ms']:g} ms"
+    )
 
 
 # -- assets and registry ----------------------------------------------------------------------
 
 
 def _write_assets(root: Path, w: Workload) -> tuple[Path, dict[str, Path]]:
-    """The model, and `num_adapters` adapters of ranks in `w.ranks`, SERVING_TARGETS in turn."""
+    """The model, and `num_adapters` adapters of ranks 8-128 in turn, SERVING_TARGETS in turn."""
     model_dir = root / "model"
     write_checkpoint(model_dir, w.model, seed=w.seed, with_tokenizer=False)
-    ranks = np.random.default_rng(w.seed).integers(w.ranks[0], w.ranks[1] + 1, w.num_adapters)
     sources = {}
-    for i, rank in enumerate(ranks.tolist()):
-        name = f"a{i:02d}-r{rank}"
-        spec = AdapterSpec(name, rank, 2.0 * rank, SERVING_TARGETS[i % 4], 1000 + i)
-        write_adapter(root / "src" / name, w.model, spec)
-        sources[name] = root / "src" / name
+    for i, spec in enumerate(fw.catalog(w.num_adapters, lambda rank: 0)):
+        adapter = AdapterSpec(
+            spec.name, spec.rank, 2.0 * spec.rank, SERVING_TARGETS[i % 4], 1000 + i
+        )
+        write_adapter(root / "src" / spec.name, w.model, adapter)
+        sources[spec.name] = root / "src" / spec.name
     return model_dir, sources
 
 
-def _engine_config(model_dir: Path, sources: dict[str, Path], w: Workload) -> dict[str, Any]:
-    """A pool of a full batch's KV blocks plus `adapters_per_replica` adapters of mean size."""
+def _engine_config(
+    model_dir: Path, sources: dict[str, Path], w: Workload
+) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
+    """A pool of a full batch's KV blocks plus `adapters_per_replica` adapters of mean size;
+    a host tier of `host_adapters_per_replica`; reads paced by the read model. And each
+    adapter's (rank, weight bytes)."""
     model = ModelConfig.from_pretrained(model_dir)
     page_elems = PAGE_BYTES // 4  # float32 checkpoint
-    pages = [
-        plan_layout(load_adapter(p, n, model, w.ranks[1]), page_elems, model.num_layers)[
-            0
-        ].num_pages
-        for n, p in sources.items()
-    ]
+    loaded = [load_adapter(p, n, model, 128) for n, p in sources.items()]
+    pages = [plan_layout(a, page_elems, model.num_layers)[0].num_pages for a in loaded]
+    mean_bytes = sum(a.nbytes for a in loaded) / len(loaded)
     block_tokens = page_elems // model.kv_elems_per_token()
     kv_pages = w.max_num_seqs * math.ceil((w.prompt_tokens[1] + w.output_tokens[1]) / block_tokens)
     adapter_pages = math.ceil(w.adapters_per_replica * sum(pages) / len(pages))
-    return {
+    config = {
         "model": str(model_dir),
         "page_bytes": PAGE_BYTES,
         "pool_bytes": (kv_pages + adapter_pages) * PAGE_BYTES,
         "scheduler": {"max_num_seqs": w.max_num_seqs},
+        "cache": {"loading": "thread", "host_bytes": int(w.host_adapters_per_replica * mean_bytes)},
+        "artifact_read_bytes_per_s": w.read_bandwidth_mib_s * (1 << 20),
+        "artifact_read_latency_s": w.read_latency_ms / 1e3,
     }
+    return config, {a.name: (a.rank, a.nbytes) for a in loaded}
 
 
 async def _register(
@@ -235,121 +423,7 @@ async def _register(
     return paths
 
 
-# -- the workload ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class BenchRequest:
-    at_s: float  # arrival, from the start of the run
-    adapter: str
-    prompt: list[int]
-    max_tokens: int
-
-
-def _requests(adapters: list[str], w: Workload) -> list[BenchRequest]:
-    rng = np.random.default_rng(w.seed)
-    arrivals = np.cumsum(rng.exponential(1.0 / w.rate_per_s, w.num_requests)).tolist()
-    popularity = rng.permutation(adapters).tolist()  # Zipf rank independent of adapter size
-    picks = zipf_adapters(popularity, w.num_requests, seed=w.seed, a=w.zipf_a)
-    prompts = rng.integers(w.prompt_tokens[0], w.prompt_tokens[1] + 1, w.num_requests)
-    outputs = rng.integers(w.output_tokens[0], w.output_tokens[1] + 1, w.num_requests)
-    vocab = w.model.vocab_size
-    return [
-        BenchRequest(at, adapter, rng.integers(10, vocab, int(p)).tolist(), int(o))
-        for at, adapter, p, o in zip(arrivals, picks, prompts, outputs, strict=True)
-    ]
-
-
-@dataclass(slots=True)
-class Outcome:
-    ttft_s: float | None = None
-    latency_s: float | None = None
-    tokens: int = 0
-    error: str | None = None
-
-
-async def _drive(backend: ServeBackend, requests: list[BenchRequest], tag: str, timeout_s: float):
-    start = time.perf_counter()
-
-    async def one(i: int, r: BenchRequest) -> Outcome:
-        arrival = start + r.at_s
-        await asyncio.sleep(max(0.0, arrival - time.perf_counter()))
-        outcome = Outcome()
-        request = GenerateRequest(
-            request_id=f"{tag}-{i}",
-            prompt_token_ids=r.prompt,
-            adapter=r.adapter,
-            params={"max_tokens": r.max_tokens, "temperature": 0.0, "ignore_eos": True},
-        )
-        try:
-            async with asyncio.timeout(timeout_s):
-                async for piece in backend.generate(request):
-                    if outcome.ttft_s is None:
-                        outcome.ttft_s = time.perf_counter() - arrival
-                    outcome.tokens += len(piece["new_token_ids"])
-            outcome.latency_s = time.perf_counter() - arrival
-        except Exception as e:  # counted and reported, never hidden
-            outcome.error = repr(e)
-        return outcome
-
-    outcomes = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
-    return outcomes, time.perf_counter() - start
-
-
-def _serve(router: str, app, requests: list[BenchRequest], w: Workload) -> dict[str, Any]:
-    from ray import serve
-
-    name = f"bench-{router}"
-    load_avg = os.getloadavg()[0]  # other processes on the machine skew latencies
-    started = time.perf_counter()
-    handle = serve.run(app, name=name, route_prefix=None)
-    log(f"{router}: {w.num_replicas} replicas up in {time.perf_counter() - started:.1f}s")
-    try:
-        backend = ServeBackend(handle, retries=0)
-        outcomes, elapsed = asyncio.run(_warm_up_and_drive(backend, requests, router, w))
-        replicas = _replica_counters(name, router)
-    finally:
-        serve.delete(name)
-    done = sum(o.error is None for o in outcomes)
-    log(f"{router}: {done}/{len(outcomes)} requests in {elapsed:.1f}s")
-    return {
-        **router_figures(outcomes, elapsed, replicas),
-        "load_avg_1m": [load_avg, os.getloadavg()[0]],
-    }
-
-
-async def _warm_up_and_drive(
-    backend: ServeBackend, requests: list[BenchRequest], router: str, w: Workload
-) -> tuple[list[Outcome], float]:
-    """Base-model requests first (no adapter loads) so every replica ran a forward, and a
-    stats period so routers hold every replica's routing stats; then the workload."""
-    prompt = list(range(10, 10 + w.prompt_tokens[0]))
-    params = {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
-
-    async def warm(i: int) -> None:
-        request = GenerateRequest(
-            request_id=f"warm-{i}", prompt_token_ids=prompt, adapter=None, params=params
-        )
-        async for _ in backend.generate(request):
-            pass
-
-    await asyncio.gather(*(warm(i) for i in range(4 * w.num_replicas)))
-    await asyncio.sleep(w.routing_stats_period_s * 1.5)
-    return await _drive(backend, requests, router, w.request_timeout_s)
-
-
-def _replica_counters(app: str, deployment: str) -> list[dict[str, Any]]:
-    """Each replica's "bench" counters, asked of the replica actors themselves."""
-    import ray
-
-    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
-    names = [
-        (entry["name"], entry["namespace"])
-        for entry in ray.util.list_named_actors(all_namespaces=True)
-        if entry["name"].startswith(prefix)
-    ]
-    refs = [ray.get_actor(n, namespace=ns).record_routing_stats.remote() for n, ns in names]
-    return [
-        {"replica": n.removeprefix(prefix), **stats["bench"]}
-        for (n, _), stats in zip(names, ray.get(refs, timeout=30), strict=True)
-    ]
+def workload_dict(w: Workload) -> dict[str, Any]:
+    out = asdict(w)
+    out["model"] = {k: v for k, v in out["model"].items() if k != "rope_scaling"}
+    return out

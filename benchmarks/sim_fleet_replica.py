@@ -1,9 +1,9 @@
 """One replica of the fleet simulator: the replica simulator (the real Scheduler,
 AdapterCache and pool accounting) plus what a replica deployment adds around its engine.
 
-Adapters come from an artifact store through a read model: each read waits `latency_s`,
-then shares the replica's `bytes_per_s` with its other reads (processor sharing). Two
-deployments, as the real bench runs them:
+Adapters come from an artifact store through the read model replicas apply in the real
+bench (one stream per replica: latency, then bytes / bandwidth after the previous read).
+Two deployments, as the real bench runs them:
 
     sync       replica/deployment.py + replica/adapter_sync.py: an adapter is read on its
                first request here (concurrent requests wait for one read), then stays in
@@ -50,62 +50,28 @@ class StoreModel:
 
 
 class StoreLink:
-    """A replica's reads from the artifact store: each waits `latency_s`, then shares the
-    bandwidth with the other reads past their latency."""
+    """A replica's reads from the artifact store, as replica/memory/store_reads.py paces
+    them: one after another on one stream, each paying the latency beside the others:
+    finish = max(submitted + latency, previous finish) + bytes / bandwidth."""
 
     def __init__(self, store: StoreModel, clock: SimClock):
-        self.rate = store.bytes_per_s
-        self.latency = store.latency_s
+        self.store = store
         self.clock = clock
-        self.items: list[list] = []  # [token, starts at, bytes left]
-        self.finished: list[object] = []
-        self.last = 0.0
+        self.busy_until = 0.0
+        self.items: list[tuple[float, object]] = []  # (finishes at, token), in order
 
     def submit(self, token: object, nbytes: int) -> None:
-        self._advance(self.clock())
-        self.items.append([token, self.clock() + self.latency, float(nbytes)])
-
-    def _advance(self, now: float) -> None:
-        while self.last < now:
-            active = [it for it in self.items if it[1] <= self.last]
-            starts = [it[1] for it in self.items if it[1] > self.last]
-            horizon = min([now, *starts])
-            if not active:
-                self.last = horizon
-                continue
-            share = self.rate / len(active)
-            dt = min(min(it[2] for it in active) / share, horizon - self.last)
-            for it in active:
-                it[2] -= share * dt
-            self.last += dt
-            self.finished += [it[0] for it in active if it[2] <= 1e-6]
-            self.items = [it for it in self.items if not (it[1] <= self.last and it[2] <= 1e-6)]
-        self.last = max(self.last, now)
+        begin = max(self.clock() + self.store.latency_s, self.busy_until)
+        self.busy_until = begin + nbytes / self.store.bytes_per_s
+        self.items.append((self.busy_until, token))
 
     def next_done(self) -> float | None:
-        """When the first read in flight finishes, if nothing else is submitted."""
-        if not self.items:
-            return None
-        t = self.last
-        items = [[it[1], it[2]] for it in self.items]
-        while True:
-            active = [it for it in items if it[0] <= t]
-            starts = [it[0] for it in items if it[0] > t]
-            if not active:
-                t = min(starts)
-                continue
-            share = self.rate / len(active)
-            finish = t + min(it[1] for it in active) / share
-            if not starts or finish <= min(starts):
-                return finish
-            dt = min(starts) - t
-            for it in active:
-                it[1] -= share * dt
-            t = min(starts)
+        return self.items[0][0] if self.items else None
 
     def done(self) -> list[object]:
-        self._advance(self.clock())
-        finished, self.finished = self.finished, []
+        now = self.clock()
+        finished = [token for at, token in self.items if at <= now]
+        self.items = self.items[len(finished) :]
         return finished
 
 

@@ -231,6 +231,20 @@ class RegistrySection(_Section):
     )
 
 
+class ArtifactsSection(_Section):
+    """How replicas read adapters from the artifact store. Unset, reads take what the
+    storage gives; set, they take at least latency + size / bandwidth (one read at a time
+    per replica), as from a network store: for benchmarks and capacity planning on a
+    machine whose local disk is far faster than the store the cluster will use."""
+
+    read_bandwidth_mib_s: float | None = Field(
+        None, gt=0, le=1e7, description="Store bandwidth one replica gets, MiB/s; unset: unpaced."
+    )
+    read_latency_ms: float = Field(
+        0.0, ge=0, le=600_000, description="Latency of one read from the store, ms."
+    )
+
+
 class RouterSection(_Section):
     """The adapter-affinity request router (router/policy.py AffinityConfig) and how often
     replicas publish the stats it routes on."""
@@ -381,6 +395,9 @@ class LoraplexConfig(_Section):
         description="Adapter artifact store, shared by every node (NFS/EFS on multi-node); "
         "unset: `loraplex up` uses STATE_DIR/artifacts.",
     )
+    artifacts: ArtifactsSection = Field(
+        default_factory=ArtifactsSection, description="Reads from the artifact store."
+    )
     auth: AuthSection = Field(default_factory=AuthSection, description="Admin key.")
     registry: RegistrySection = Field(default_factory=RegistrySection, description="Tenant API.")
     router: RouterSection = Field(default_factory=RouterSection, description="Replica selection.")
@@ -444,7 +461,7 @@ class LoraplexConfig(_Section):
 
     def engine_config(self) -> dict[str, Any]:
         """EngineConfig fields as plain values (`scheduler` as a dict): what crosses Ray."""
-        e = self.engine
+        e, a = self.engine, self.artifacts
         return {
             "model": self.require_model(),
             "dtype": e.dtype,
@@ -470,6 +487,10 @@ class LoraplexConfig(_Section):
             "kernels": e.kernels,
             "seed": e.seed,
             "tp": self.replicas.tp,
+            "artifact_read_bytes_per_s": (
+                None if a.read_bandwidth_mib_s is None else a.read_bandwidth_mib_s * (1 << 20)
+            ),
+            "artifact_read_latency_s": a.read_latency_ms / 1e3,
         }
 
     def max_model_len(self) -> int:

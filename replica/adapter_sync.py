@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from loraplex.registry.models import AdapterRecord
@@ -43,6 +44,8 @@ class AdapterSync:
         self._events: asyncio.Queue[RegistryEvent] | None = None
         self._task: asyncio.Task[None] | None = None
         self._preloads: set[asyncio.Task[None]] = set()
+        self.reads = 0  # adapters read from the artifact store into the host tier
+        self.read_seconds = 0.0
 
     # lifecycle
 
@@ -110,9 +113,12 @@ class AdapterSync:
         either raises AdapterNotFound or reads a record registered since."""
         token = self._reads[adapter] = object()
         self._loading.add(adapter)
+        started = time.monotonic()
         try:
             path = self.artifacts.path_of(record.artifact)
             await self.engine.add_adapter(adapter, path)
+            self.reads += 1
+            self.read_seconds += time.monotonic() - started
         finally:
             self._loading.discard(adapter)
             deleted = self._reads.pop(adapter, None) is not token

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from loraplex.replica.memory.adapter_cache import CacheConfig
+from loraplex.replica.memory.store_reads import ReadModel
 from loraplex.replica.scheduling.scheduler import SchedulerConfig
 
 MiB = 1 << 20
@@ -31,6 +32,17 @@ class EngineConfig:
     # tp workers: Ray actors in the replica's placement group, or local processes; auto:
     # Ray when running inside a placement group
     tp_launcher: Literal["auto", "process", "ray"] = "auto"
+    # The artifact tier's read model (replica/memory/store_reads.py): reads of adapters
+    # take at least latency + bytes / bandwidth. None: reads take what they take.
+    artifact_read_bytes_per_s: float | None = None
+    artifact_read_latency_s: float = 0.0
+
+    def read_model(self) -> ReadModel | None:
+        """The artifact read model, or None when reads are not paced."""
+        if self.artifact_read_bytes_per_s is None and self.artifact_read_latency_s == 0:
+            return None
+        bandwidth = self.artifact_read_bytes_per_s or float("inf")
+        return ReadModel(bandwidth, self.artifact_read_latency_s)
 
     def __post_init__(self):
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
@@ -47,6 +59,14 @@ class EngineConfig:
             raise ValueError(f"max_lora_rank must be in [1, 1024], got {self.max_lora_rank}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.artifact_read_bytes_per_s is not None and not self.artifact_read_bytes_per_s > 0:
+            raise ValueError(
+                f"artifact_read_bytes_per_s must be > 0, got {self.artifact_read_bytes_per_s}"
+            )
+        if not self.artifact_read_latency_s >= 0:
+            raise ValueError(
+                f"artifact_read_latency_s must be >= 0, got {self.artifact_read_latency_s}"
+            )
         for name in ("pool_bytes", "page_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1024:

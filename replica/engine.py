@@ -27,6 +27,7 @@ from loraplex.replica.memory.adapter_cache import AdapterCache, UnknownAdapter
 from loraplex.replica.memory.adapters import AdapterError, AdapterWeights, load_adapter, plan_layout
 from loraplex.replica.memory.kv_cache import KVCache
 from loraplex.replica.memory.pool import UnifiedPool
+from loraplex.replica.memory.store_reads import ReadPacer
 from loraplex.replica.model.config import DTYPES, ModelConfig
 from loraplex.replica.model.llama import ForwardOps, LlamaModel
 from loraplex.replica.model.loader import load_weights
@@ -96,6 +97,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self._seeds = random.Random(cfg.seed)  # for requests that bring no seed
         self.step_costs = StepCostEstimator()  # what the router weighs (routing stats)
+        model = cfg.read_model()
+        self.read_pacer = None if model is None else ReadPacer(model)
 
     # adapters
 
@@ -103,8 +106,12 @@ class LLMEngine:
         return self.register_adapter(self.read_adapter(name, path), path)
 
     def read_adapter(self, name: str, path: Path) -> AdapterWeights:
-        """Read and validate; touches no engine state (safe off the engine thread)."""
+        """Read and validate; touches no engine state (safe off the engine thread). With an
+        artifact read model the read lasts at least what the model says."""
+        started = time.monotonic()
         weights = load_adapter(Path(path), name, self.model_config, self.cfg.max_lora_rank)
+        if self.read_pacer is not None:
+            self.read_pacer.pace(weights.nbytes, started)
         pages = self._pages_for(weights if self.tp is None else self.tp.shard(weights))
         if pages > self.pool.num_pages // 2:
             raise AdapterError(

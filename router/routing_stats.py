@@ -12,6 +12,7 @@ not published yet is routable:
     free_pages        int        free pages of the unified pool
     num_pages         int        pages in the pool (optional; for `loraplex status`)
     recorded_at       float      wall-clock time the replica recorded them (optional)
+    requests_total    int        requests the replica has received (optional; not routed on)
     busy_cost_s       float      measured: TTFT each running request adds (optional)
     host_load_cost_s  float      measured: what bringing an adapter in from the host tier
                                  costs, its load and its segment in the batch (optional)

@@ -99,6 +99,7 @@ def test_from_yaml_resolves_paths_against_the_file_and_maps_every_engine_field(
             },
             "replicas": {"num_replicas": 3, "num_cpus": 2, "num_gpus": 1, "tp": 1},
             "artifact_root": "artifacts",
+            "artifacts": {"read_bandwidth_mib_s": 5, "read_latency_ms": 50},
             "registry": {"allowed_roots": ["adapters"]},
             "etcd": {
                 "endpoints": ["10.0.0.5:2379", "10.0.0.6:2379"],
@@ -132,6 +133,8 @@ def test_from_yaml_resolves_paths_against_the_file_and_maps_every_engine_field(
         ),
         kernels="torch",
         seed=7,
+        artifact_read_bytes_per_s=5 << 20,
+        artifact_read_latency_s=0.05,
     )
     assert config.etcd_settings() == EtcdSettings(
         endpoints=["10.0.0.5:2379", "10.0.0.6:2379"],

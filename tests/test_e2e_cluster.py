@@ -123,7 +123,8 @@ def config_file(demo_assets: DemoAssets, tmp_path_factory: pytest.TempPathFactor
             "max_num_seqs": 8,
         },
         "replicas": {"num_replicas": 2, "num_cpus": 1},
-        "router": {"stats_period_s": 0.5},
+        # a short rate window: the hot-adapter test sees homes grow and shrink in seconds
+        "router": {"stats_period_s": 0.5, "rate_window_s": 3.0},
         "http": {"port": free_port()},
     }
     path.write_text(yaml.safe_dump(settings))
@@ -493,6 +494,82 @@ def test_requests_for_an_adapter_stay_on_the_replica_holding_it(
     assert set(table) == {busy, other}, output
     assert [r for r, tiers in table.items() if sticky in tiers["device"]] == [other], output
     assert not any(sticky in tiers["host"] + tiers["loading"] for tiers in table.values())
+
+
+def router_homes(cluster: Cluster, adapter: str) -> tuple[float, list[str]]:
+    """The ingress router's estimate of `adapter`'s rate and its homes, from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with cluster.http() as http:
+        text = http.get("/metrics").text
+    rate, homes = 0.0, []
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels.get("adapter") != adapter:
+                continue
+            if sample.name == "loraplex_adapter_request_rate":
+                rate = sample.value
+            elif sample.name == "loraplex_adapter_home":
+                homes.append(sample.labels["replica"])
+    return rate, sorted(homes)
+
+
+def received(ray) -> dict[str, int]:
+    """Requests each replica has received so far."""
+    return {replica: stats["requests_total"] for replica, stats in routing_stats(ray).items()}
+
+
+def test_a_hot_adapter_spreads_over_both_replicas_and_back_to_one_when_it_cools(
+    cluster: Cluster, keys: dict[str, str], demo_assets: DemoAssets, ray_driver
+):
+    """With the router's defaults a replica of 8 slots is a home for 2 req/s of one adapter
+    (need = rate x 2 s / (0.5 x 8)); at ~8 req/s the adapter gets both replicas as homes and
+    both serve it; at 0.5 req/s its rate decays (window 3 s) below (2 - 1) x 0.75 homes'
+    worth, the second home is withdrawn and every request goes to the one left."""
+    ray = ray_driver
+    acme = cluster.client(keys["acme"])
+    register(cluster, keys["acme"], "trending", demo_assets, "sql-r8")
+    servable(acme, "trending")
+    hot = adapter_id("acme", "trending")
+
+    stop = threading.Event()
+
+    def keep_sending() -> None:
+        while not stop.is_set():
+            complete(acme, "trending", max_tokens=8)
+
+    with ThreadPoolExecutor(4) as pool:
+        senders = [pool.submit(keep_sending) for _ in range(4)]
+        try:
+            wait_until(lambda: len(router_homes(cluster, hot)[1]) == 2, 30, "a second home")
+            before = received(ray)
+            time.sleep(4.0)
+            spread = received(ray)
+        finally:
+            stop.set()
+        for sender in senders:
+            sender.result(timeout=CLIENT_TIMEOUT_S)
+    rate, homes = router_homes(cluster, hot)
+    assert rate > 2.0 and set(homes) == set(spread), (rate, homes, spread)
+    assert all(spread[r] - before.get(r, 0) >= 3 for r in spread), (before, spread)
+    assert set(holders(ray, hot)) == set(spread)  # resident on both
+
+    def one_home() -> bool:
+        complete(acme, "trending", max_tokens=8)
+        time.sleep(1.5)
+        return len(router_homes(cluster, hot)[1]) == 1
+
+    wait_until(one_home, 60, "the second home to be withdrawn")
+    (home,) = router_homes(cluster, hot)[1]
+    before = received(ray)
+    for _ in range(6):
+        complete(acme, "trending", max_tokens=8)
+        time.sleep(0.5)
+    after = received(ray)
+    grew = {r for r in after if after[r] > before.get(r, 0)}
+    assert grew == {home}, (home, before, after)
+    output = loraplex("status", "--state-dir", str(cluster.state_dir), timeout=90).stdout
+    assert re.search(rf"{re.escape(hot)}\s+\S+/s\s+{home}", output), output
 
 
 def test_tenants_see_only_their_own_adapters(

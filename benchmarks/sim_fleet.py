@@ -157,13 +157,13 @@ class FleetSim:
     def run(self) -> FleetRun:
         for _ in range(self.setup.num_replicas):
             self._start_replica()
+        measured = [r for r in self.requests if r.rid >= self.measured_from]
+        if measured:  # before the arrivals at the same time
+            self._push(min(r.arrival for r in measured), "mark", None)
         for req in self.requests:
             self._push(req.arrival, "arrive", req)
         if self.setup.kill_at_s is not None:
             self._push(self.setup.kill_at_s, "kill", None)
-        measured = [r for r in self.requests if r.rid >= self.measured_from]
-        if measured:
-            self._push(min(r.arrival for r in measured), "mark", None)
         while self.events:
             t, _, kind, payload = heapq.heappop(self.events)
             if kind not in _STATS_EVENTS:

@@ -14,11 +14,21 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from loraplex.cluster.cli import engine_config
 from loraplex.cluster.errors import CLIError
+from loraplex.replica.protocol import SAMPLING_CHECKS
 
 
 class GenerateRequest(BaseModel):
@@ -40,6 +50,11 @@ class GenerateRequest(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+
+    @field_validator(*SAMPLING_CHECKS)
+    @classmethod
+    def _as_the_engine_uses_it(cls, value: Any, info: ValidationInfo) -> Any:
+        return SAMPLING_CHECKS[info.field_name](value)
 
     @model_validator(mode="after")
     def _one_prompt(self):
@@ -130,6 +145,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 "token_ids": out.token_ids,
                 "text": out.text,
                 "finish_reason": out.finish_reason,
+                **({"error": out.error} if out.error is not None else {}),
             }
         )
         for r, out in zip(requests, results, strict=True)

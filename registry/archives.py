@@ -1,6 +1,7 @@
 """Untrusted containers of an adapter: a tar.gz upload, extracted without escapes or bombs,
 and a registration path, confined to the operator's allowed roots. Refusals are
-`AdapterRejected` (400 unreadable or forbidden, 413 too large, 422 pickle weights)."""
+`AdapterRejected`: `Invalid` (unreadable or forbidden), `TooLarge`, `Unacceptable` (pickle
+weights)."""
 
 from __future__ import annotations
 
@@ -13,23 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO
 
+from loraplex.registry.errors import Invalid, TooLarge, Unacceptable
 from loraplex.registry.validation import (
     ADAPTER_FILES,
     CONFIG_FILE,
     PICKLE_WEIGHTS_FILE,
     WEIGHTS_FILE,
-    AdapterRejected,
 )
 
 _STEP_BYTES = 64 << 10
-
-
-def _bad(message: str) -> AdapterRejected:
-    return AdapterRejected(400, message)
-
-
-def _too_large(message: str) -> AdapterRejected:
-    return AdapterRejected(413, message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,10 +48,10 @@ def _decompressed(fileobj: IO[bytes], limit: int, framing: int) -> Iterator[byte
         else:  # the input is all read: take what zlib still holds
             out = decompressor.flush()
             if not decompressor.eof:
-                raise _bad("archive is not a complete gzip stream (truncated upload?)")
+                raise Invalid("archive is not a complete gzip stream (truncated upload?)")
         produced += len(out)
         if produced > limit + framing:
-            raise _too_large(f"archive expands past {limit} bytes; refusing to decompress further")
+            raise TooLarge(f"archive expands past {limit} bytes; refusing to decompress further")
         yield out
 
 
@@ -96,14 +89,14 @@ def safe_extract_tar_gz(fileobj: IO[bytes], dest: Path, limits: ArchiveLimits) -
         _extract_members(stream, dest, limits, written)
         missing = [name for name in ADAPTER_FILES if not (dest / name).is_file()]
         if missing:
-            raise _bad(
+            raise Invalid(
                 f"archive lacks {', '.join(missing)}; it must hold {CONFIG_FILE} and {WEIGHTS_FILE}"
             )
     except BaseException as e:
         for path in written:
             path.unlink(missing_ok=True)
         if isinstance(e, tarfile.TarError | zlib.error | EOFError | OSError):
-            raise _bad(f"archive is not a valid tar.gz: {e}") from None
+            raise Invalid(f"archive is not a valid tar.gz: {e}") from None
         raise
     return dest
 
@@ -116,13 +109,13 @@ def _extract_members(
     with tarfile.open(fileobj=stream, mode="r|") as archive:  # type: ignore[call-overload]
         for count, member in enumerate(archive, start=1):
             if count > limits.max_members:
-                raise _too_large(
+                raise TooLarge(
                     f"archive has more than {limits.max_members} members; expected {CONFIG_FILE} and {WEIGHTS_FILE}"
                 )
             parts = _member_parts(member.name)
             if member.isdir():
                 if len(parts) > 1:
-                    raise _bad(
+                    raise Invalid(
                         f"archive member {member.name!r}: nested folders are not accepted; files must sit at the top level or in one folder"
                     )
                 top = _same_folder(member.name, top, parts[0] if parts else None)
@@ -135,25 +128,24 @@ def _extract_members(
                     if member.islnk()
                     else "a device or fifo"
                 )
-                raise _bad(
+                raise Invalid(
                     f"archive member {member.name!r} is {kind}; only regular files are accepted"
                 )
             filename = parts[-1] if parts else ""
             if filename == PICKLE_WEIGHTS_FILE:
-                raise AdapterRejected(
-                    422,
+                raise Unacceptable(
                     f"archive member {member.name!r}: pickle weights are refused; use {WEIGHTS_FILE}",
                 )
             if filename not in ADAPTER_FILES or len(parts) > 2:
-                raise _bad(
+                raise Invalid(
                     f"archive member {member.name!r} is not accepted; an archive holds only {CONFIG_FILE} and {WEIGHTS_FILE}, optionally inside one folder"
                 )
             top = _same_folder(member.name, top, parts[0] if len(parts) == 2 else "")
             target = dest / filename
             if target.exists():
-                raise _bad(f"archive holds {filename} twice")
+                raise Invalid(f"archive holds {filename} twice")
             if total + member.size > limits.max_total_bytes:
-                raise _too_large(f"archive contents exceed {limits.max_total_bytes} bytes")
+                raise TooLarge(f"archive contents exceed {limits.max_total_bytes} bytes")
             source = archive.extractfile(member)
             assert source is not None
             written.append(target)
@@ -164,23 +156,23 @@ def _same_folder(name: str, top: str | None, folder: str | None) -> str | None:
     """The one folder (or "" for the top level) all files share; None until the first."""
     if folder is None or top is None or folder == top:
         return top if folder is None else folder
-    raise _bad(
+    raise Invalid(
         f"archive member {name!r}: files must sit together at the top level or in one folder"
     )
 
 
 def _member_parts(name: str) -> tuple[str, ...]:
     if name.startswith("/") or re.match(r"^[A-Za-z]:", name):
-        raise _bad(
+        raise Invalid(
             f"archive member {name!r} has an absolute path; only relative names are accepted"
         )
     if "\\" in name:
-        raise _bad(
+        raise Invalid(
             f"archive member {name!r} contains a backslash; use '/' separated relative names"
         )
     parts = tuple(p for p in PurePosixPath(name).parts if p != ".")
     if ".." in parts:
-        raise _bad(f"archive member {name!r} contains '..'; path traversal is refused")
+        raise Invalid(f"archive member {name!r} contains '..'; path traversal is refused")
     return parts
 
 
@@ -191,7 +183,7 @@ def _copy_bounded(source: IO[bytes], target: Path, budget: int) -> int:
         while chunk := source.read(1 << 20):
             copied += len(chunk)
             if copied > budget:
-                raise _too_large("archive contents exceed the extraction limit")
+                raise TooLarge("archive contents exceed the extraction limit")
             out.write(chunk)
     return copied
 
@@ -208,23 +200,25 @@ def resolve_under_roots(path: str | os.PathLike[str], allowed_roots: list[str]) 
     never revealed."""
     raw = os.fspath(path)
     if not allowed_roots:
-        raise _bad("registration by path is disabled: the server has no allowed_roots configured")
+        raise Invalid(
+            "registration by path is disabled: the server has no allowed_roots configured"
+        )
     if not raw or "\x00" in raw:
-        raise _bad("path must be a non-empty absolute path")
+        raise Invalid("path must be a non-empty absolute path")
     if not os.path.isabs(raw):
-        raise _bad(f"path {raw!r} must be absolute")
+        raise Invalid(f"path {raw!r} must be absolute")
     roots = [os.path.realpath(root) for root in allowed_roots]
     real = os.path.realpath(raw)
     if not _inside_any(real, roots):
-        raise _bad(
+        raise Invalid(
             f"path {raw!r} is not inside the allowed roots {list(allowed_roots)} (symlinks resolved)"
         )
     if not os.path.isdir(real):
-        raise _bad(f"path {raw!r} is not a folder; expected a PEFT adapter folder")
+        raise Invalid(f"path {raw!r} is not a folder; expected a PEFT adapter folder")
     for name in (*ADAPTER_FILES, PICKLE_WEIGHTS_FILE):
         file_path = os.path.join(real, name)
         if os.path.lexists(file_path) and not _inside_any(os.path.realpath(file_path), roots):
-            raise _bad(f"{name} in {raw!r} links outside the allowed roots")
+            raise Invalid(f"{name} in {raw!r} links outside the allowed roots")
     return Path(real)
 
 

@@ -37,19 +37,9 @@ class StoredArtifact:
     weights_sha256: str  # sha256 of adapter_model.safetensors alone (what `sha256sum` prints)
 
 
-def adapter_digest(src_dir: Path) -> str:
-    """sha256 over the adapter files in canonical (sorted) order, each framed as
-    `name NUL size(8 bytes, little-endian) content`, so no two file sets share a digest."""
-    digest = hashlib.sha256()
-    for name in ADAPTER_FILES:
-        with (src_dir / name).open("rb") as f:
-            _frame(digest, name, os.fstat(f.fileno()).st_size)
-            while chunk := f.read(_COPY_CHUNK):
-                digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _frame(digest: hashlib._Hash, name: str, size: int) -> None:
+    """An artifact's digest is a sha256 over its files in canonical (sorted) order, each
+    framed as `name NUL size(8 bytes, little-endian) content`, so no two file sets share it."""
     digest.update(name.encode() + b"\0" + size.to_bytes(8, "little"))
 
 

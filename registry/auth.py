@@ -8,8 +8,7 @@ import hmac
 import secrets
 from typing import TYPE_CHECKING
 
-from fastapi import HTTPException, Request
-
+from loraplex.registry.errors import Forbidden, Unauthenticated
 from loraplex.registry.models import Tenant
 
 if TYPE_CHECKING:
@@ -17,7 +16,6 @@ if TYPE_CHECKING:
     from loraplex.registry.watch import RegistryWatcher
 
 API_KEY_PREFIX = "lpx_"
-_CHALLENGE = {"WWW-Authenticate": "Bearer"}
 
 
 def new_api_key() -> tuple[str, str]:
@@ -31,10 +29,11 @@ def hash_api_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
-def bearer_token(request: Request) -> str:
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+def bearer_token(authorization: str | None) -> str:
+    """The key of an `Authorization: Bearer <key>` header's value."""
+    scheme, _, token = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
-        raise HTTPException(401, "missing API key: send 'Authorization: Bearer <key>'", _CHALLENGE)
+        raise Unauthenticated("missing API key: send 'Authorization: Bearer <key>'")
     return token.strip()
 
 
@@ -58,24 +57,24 @@ class Authenticator:
         # Equal-length digests compared in constant time: timing reveals nothing of the key.
         return hmac.compare_digest(hash_api_key(token), self._admin_digest)
 
-    async def require_admin(self, request: Request) -> None:
-        token = bearer_token(request)
+    async def require_admin(self, authorization: str | None) -> None:
+        """Passes for the admin key (the value of the Authorization header)."""
+        token = bearer_token(authorization)
         if self.is_admin(token):
             return
         if await self._tenant_of(hash_api_key(token)) is not None:
-            raise HTTPException(403, "this route needs the admin key; a tenant key was sent")
-        raise HTTPException(401, "invalid API key", _CHALLENGE)
+            raise Forbidden("this route needs the admin key; a tenant key was sent")
+        raise Unauthenticated("invalid API key")
 
-    async def require_tenant(self, request: Request) -> Tenant:
-        token = bearer_token(request)
+    async def require_tenant(self, authorization: str | None) -> Tenant:
+        """The tenant whose key the Authorization header's value carries."""
+        token = bearer_token(authorization)
         tenant = await self._tenant_of(hash_api_key(token))
         if tenant is not None:
             return tenant
         if self.is_admin(token):
-            raise HTTPException(
-                403, "this route needs a tenant API key; the admin key owns no adapters"
-            )
-        raise HTTPException(401, "invalid API key", _CHALLENGE)
+            raise Forbidden("this route needs a tenant API key; the admin key owns no adapters")
+        raise Unauthenticated("invalid API key")
 
     async def _tenant_of(self, digest: str) -> Tenant | None:
         if self._watcher is None:

@@ -22,6 +22,8 @@ from aetcd import watcher as aetcd_watcher
 from aetcd.exceptions import UnauthenticatedError
 from pydantic import BaseModel, Field, field_validator, model_validator
 
+from loraplex.registry.errors import RegistryUnavailable
+
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -38,10 +40,6 @@ _CHANNEL_OPTIONS = {
     "grpc.min_reconnect_backoff_ms": 100,
     "grpc.max_reconnect_backoff_ms": 1_000,
 }
-
-
-class RegistryUnavailable(RuntimeError):
-    """etcd could not be reached or did not answer in time (the API answers 503)."""
 
 
 class EtcdCredentials(BaseModel):

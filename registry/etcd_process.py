@@ -126,10 +126,6 @@ class EtcdProcess:
             process.kill()
             process.wait()
 
-    def restart(self, *, kill: bool = False) -> None:
-        self.stop(kill=kill)
-        self.start()
-
     def log_tail(self, lines: int = 20) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

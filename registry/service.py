@@ -12,25 +12,22 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-from fastapi import HTTPException
+from typing import Protocol
 
 from loraplex.registry.artifacts import ArtifactStore, StoredArtifact
 from loraplex.registry.auth import new_api_key, watched_tenants
-from loraplex.registry.models import AdapterRecord, Tenant
-from loraplex.registry.store import (
+from loraplex.registry.errors import (
     AlreadyExists,
+    Conflict,
     NotFound,
-    RegistryStore,
     RegistryUnavailable,
     RevisionConflict,
+    Unauthenticated,
 )
-from loraplex.registry.validation import validate_adapter_dir
+from loraplex.registry.models import AdapterRecord, Tenant
+from loraplex.registry.store import RegistryStore
+from loraplex.registry.validation import BaseModelShape, validate_adapter_dir
 from loraplex.registry.watch import RegistryWatcher
-
-if TYPE_CHECKING:
-    from loraplex.registry.api import RegistryAPISettings
 
 _DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _KEY_UPDATE_ATTEMPTS = 5
@@ -47,13 +44,30 @@ async def resolve_adapter(
     return await source.get_adapter(tenant, name)
 
 
+class ServiceSettings(Protocol):
+    """What the service reads of the tenant API's settings (`RegistryAPISettings`)."""
+
+    @property
+    def base_model_id(self) -> str: ...
+    @property
+    def base_model(self) -> BaseModelShape: ...
+    @property
+    def max_lora_rank(self) -> int: ...
+    @property
+    def max_adapter_bytes(self) -> int: ...
+    @property
+    def visibility_timeout_s(self) -> float: ...
+
+
 class RegistryService:
+    """The tenant API's operations. Refusals are registry/errors.py's domain errors."""
+
     def __init__(
         self,
         store: RegistryStore,
         watcher: RegistryWatcher | None,
         artifacts: ArtifactStore,
-        settings: RegistryAPISettings,
+        settings: ServiceSettings,
     ) -> None:
         self.store = store
         self.watcher = watcher
@@ -70,7 +84,7 @@ class RegistryService:
     async def adapter(self, tenant: str, name: str) -> AdapterRecord:
         record = await resolve_adapter(self.watcher or self.store, tenant, name)
         if record is None:
-            raise HTTPException(404, f"adapter {name!r} not found")
+            raise NotFound(f"adapter {name!r} not found")
         return record
 
     async def tenants(self) -> list[Tenant]:
@@ -87,7 +101,7 @@ class RegistryService:
     ) -> AdapterRecord:
         """Register the adapter folder `staged` (outside the artifact root) as `name`."""
         if await self.store.get_adapter(tenant.name, name) is not None:
-            raise HTTPException(409, f"adapter {name!r} already exists")
+            raise Conflict(f"adapter {name!r} already exists")
         if len(await self.store.list_adapters(tenant.name)) >= tenant.adapter_quota:
             raise _quota_reached(tenant)
         settings = self.settings
@@ -117,11 +131,11 @@ class RegistryService:
             created = await self.store.create_adapter(record)
         except AlreadyExists:
             await self.release(stored.path)
-            raise HTTPException(409, f"adapter {name!r} already exists") from None
+            raise Conflict(f"adapter {name!r} already exists") from None
         except NotFound:
             await self.release(stored.path)
-            raise HTTPException(401, f"tenant {tenant.name!r} no longer exists") from None
-        # RegistryUnavailable propagates (503) and keeps the artifact: a timed-out
+            raise Unauthenticated(f"tenant {tenant.name!r} no longer exists") from None
+        # RegistryUnavailable propagates and keeps the artifact: a timed-out
         # transaction may still have committed, and gc reclaims the artifact if it did not.
         await self._enforce_quota(tenant, created)
         await self._ensure_stored(stored, staged)
@@ -147,7 +161,7 @@ class RegistryService:
         try:
             record = await self.store.delete_adapter(tenant, name)
         except NotFound:
-            raise HTTPException(404, f"adapter {name!r} not found") from None
+            raise NotFound(f"adapter {name!r} not found") from None
         await self.release(record.artifact)
         await self._await_gone(lambda w: w.adapter(tenant, name))
         return record
@@ -184,10 +198,7 @@ class RegistryService:
         """The new tenant and its first API key (only the key's hash is stored)."""
         key, key_hash = new_api_key()
         tenant = Tenant(name=name, adapter_quota=adapter_quota, api_key_hashes=[key_hash])
-        try:
-            created = await self.store.create_tenant(tenant)
-        except AlreadyExists:
-            raise HTTPException(409, f"tenant {name!r} already exists") from None
+        created = await self.store.create_tenant(tenant)  # AlreadyExists: the name is taken
         await self._await_revision(created.updated_revision)
         return created, key
 
@@ -196,7 +207,7 @@ class RegistryService:
         for _ in range(_KEY_UPDATE_ATTEMPTS):
             tenant = await self.store.get_tenant(name)
             if tenant is None:
-                raise HTTPException(404, f"tenant {name!r} not found")
+                raise NotFound(f"tenant {name!r} not found")
             hashes = [key_hash] if revoke_existing else [*tenant.api_key_hashes, key_hash]
             try:
                 updated = await self.store.update_tenant(
@@ -204,21 +215,14 @@ class RegistryService:
                 )
             except RevisionConflict:
                 continue
-            except NotFound:
-                raise HTTPException(404, f"tenant {name!r} not found") from None
             await self._await_revision(updated.updated_revision)
             return updated, key
-        raise HTTPException(
-            409, f"tenant {name!r} changed {_KEY_UPDATE_ATTEMPTS} times meanwhile; retry"
-        )
+        raise Conflict(f"tenant {name!r} changed {_KEY_UPDATE_ATTEMPTS} times meanwhile; retry")
 
     async def delete_tenant(self, name: str) -> list[AdapterRecord]:
         """Delete the tenant and its adapters (one transaction); returns the adapters."""
         adapters = await self.store.list_adapters(name)
-        try:
-            await self.store.delete_tenant(name)
-        except NotFound:
-            raise HTTPException(404, f"tenant {name!r} not found") from None
+        await self.store.delete_tenant(name)
         for record in adapters:
             await self.release(record.artifact)
         await self._await_gone(lambda w: w.tenant(name))
@@ -240,9 +244,8 @@ class RegistryService:
             await asyncio.sleep(0.005)
 
 
-def _quota_reached(tenant: Tenant) -> HTTPException:
-    return HTTPException(
-        409,
+def _quota_reached(tenant: Tenant) -> Conflict:
+    return Conflict(
         f"quota of {tenant.adapter_quota} adapters reached for tenant {tenant.name!r}; "
         "delete one first",
     )

@@ -15,7 +15,8 @@ from typing import TypeVar
 import aetcd
 from aetcd.utils import prefix_range_end
 
-from .etcd_client import EtcdConnection, EtcdSettings, RegistryUnavailable
+from .errors import AlreadyExists, NotFound, RegistryUnavailable, RevisionConflict
+from .etcd_client import EtcdConnection, EtcdSettings
 from .models import (
     ADAPTERS_PREFIX,
     PREFIX,
@@ -45,21 +46,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 V = TypeVar("V", Tenant, AdapterRecord)
-
-
-class AlreadyExists(Exception):
-    """Create of a key that exists (the API answers 409)."""
-
-
-class RevisionConflict(Exception):
-    """Update whose expected_revision is not the key's current revision (409)."""
-
-
-class NotFound(KeyError):
-    """The tenant or adapter does not exist (404)."""
-
-    def __str__(self) -> str:
-        return str(self.args[0]) if self.args else "not found"
 
 
 def decode_kv(kv) -> RegistryValue | None:

@@ -22,13 +22,13 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from loraplex.registry.archives import ArchiveLimits, resolve_under_roots, safe_extract_tar_gz
+from loraplex.registry.errors import Invalid, TooLarge, Unacceptable
 from loraplex.registry.models import NAME_PATTERN
 from loraplex.registry.validation import (
     ADAPTER_FILES,
     CONFIG_FILE,
     PICKLE_WEIGHTS_FILE,
     WEIGHTS_FILE,
-    AdapterRejected,
 )
 
 MAX_JSON_BYTES = 64 << 10
@@ -87,9 +87,9 @@ class UploadForm:
         name = options.get(b"name", b"").decode("utf-8", "replace")
         accepted = ", ".join(self.TEXT_FIELDS + self.FILE_FIELDS)
         if name not in self.TEXT_FIELDS + self.FILE_FIELDS:
-            raise AdapterRejected(400, f"unexpected form field {name!r}; accepted: {accepted}")
+            raise Invalid(f"unexpected form field {name!r}; accepted: {accepted}")
         if name in self.fields or name in self.files:
-            raise AdapterRejected(400, f"form field {name!r} sent twice")
+            raise Invalid(f"form field {name!r} sent twice")
         self._name = name
         if name in self.FILE_FIELDS:
             path = self.work / f"{name}.upload"
@@ -105,16 +105,14 @@ class UploadForm:
             return
         self._value += data[start:end]
         if len(self._value) > MAX_FORM_FIELD_BYTES:
-            raise AdapterRejected(
-                413, f"form field {self._name!r} exceeds {MAX_FORM_FIELD_BYTES} bytes"
-            )
+            raise TooLarge(f"form field {self._name!r} exceeds {MAX_FORM_FIELD_BYTES} bytes")
 
     def _part_end(self) -> None:
         if self._file is None:
             try:
                 self.fields[self._name] = self._value.decode("utf-8")
             except UnicodeDecodeError:
-                raise AdapterRejected(400, f"form field {self._name!r} is not UTF-8") from None
+                raise Invalid(f"form field {self._name!r} is not UTF-8") from None
 
     def flush(self) -> None:
         for file, data in self._pending:
@@ -134,7 +132,7 @@ async def receive_multipart(request: Request, work: Path, max_bytes: int) -> Upl
     _, params = parse_options_header(request.headers.get("content-type", ""))
     boundary = params.get(b"boundary")
     if not boundary:
-        raise AdapterRejected(400, "multipart/form-data body without a boundary")
+        raise Invalid("multipart/form-data body without a boundary")
     _check_declared_length(request, max_bytes)
     form = UploadForm(work)
     parser = MultipartParser(boundary, form.callbacks())
@@ -143,13 +141,13 @@ async def receive_multipart(request: Request, work: Path, max_bytes: int) -> Upl
         async for chunk in request.stream():
             received += len(chunk)
             if received > max_bytes:
-                raise AdapterRejected(413, f"upload exceeds {max_bytes} bytes (max_upload_bytes)")
+                raise TooLarge(f"upload exceeds {max_bytes} bytes (max_upload_bytes)")
             parser.write(chunk)
             if form.pending_bytes >= _FLUSH_BYTES:  # one thread hop per MiB, not per chunk
                 await asyncio.to_thread(form.flush)
         parser.finalize()
     except FormParserError as e:
-        raise AdapterRejected(400, f"malformed multipart body: {e}") from None
+        raise Invalid(f"malformed multipart body: {e}") from None
     finally:
         await asyncio.to_thread(form.close)
     return form
@@ -158,7 +156,7 @@ async def receive_multipart(request: Request, work: Path, max_bytes: int) -> Upl
 def _check_declared_length(request: Request, max_bytes: int) -> None:
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
-        raise AdapterRejected(413, f"request body of {declared} bytes exceeds {max_bytes} bytes")
+        raise TooLarge(f"request body of {declared} bytes exceeds {max_bytes} bytes")
 
 
 async def read_json(request: Request, model: type[BaseModel]) -> Any:
@@ -167,14 +165,14 @@ async def read_json(request: Request, model: type[BaseModel]) -> Any:
     async for chunk in request.stream():
         body += chunk
         if len(body) > MAX_JSON_BYTES:
-            raise AdapterRejected(413, f"JSON body exceeds {MAX_JSON_BYTES} bytes")
+            raise TooLarge(f"JSON body exceeds {MAX_JSON_BYTES} bytes")
     try:
         return model.model_validate_json(bytes(body))
     except ValidationError as e:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in e.errors()
         )
-        raise AdapterRejected(422, f"invalid request body: {problems}") from None
+        raise Unacceptable(f"invalid request body: {problems}") from None
 
 
 def assemble_upload(form: UploadForm, dest: Path, limits: ArchiveLimits) -> None:
@@ -183,8 +181,7 @@ def assemble_upload(form: UploadForm, dest: Path, limits: ArchiveLimits) -> None
     dest.mkdir()
     if "archive" in files:
         if "adapter_config" in files or "adapter_model" in files:
-            raise AdapterRejected(
-                400,
+            raise Invalid(
                 "send either 'archive' or the files 'adapter_config' and 'adapter_model', not both",
             )
         with files["archive"].open("rb") as archive:
@@ -192,14 +189,12 @@ def assemble_upload(form: UploadForm, dest: Path, limits: ArchiveLimits) -> None
         return
     missing = [name for name in ("adapter_config", "adapter_model") if name not in files]
     if missing:
-        raise AdapterRejected(
-            400,
+        raise Invalid(
             f"missing file field(s) {missing}; send 'adapter_config' ({CONFIG_FILE}) and "
             f"'adapter_model' ({WEIGHTS_FILE}), or one 'archive' (tar.gz)",
         )
     if form.filenames.get("adapter_model", "").endswith((".bin", ".pt", ".pth")):
-        raise AdapterRejected(
-            422,
+        raise Unacceptable(
             f"{form.filenames['adapter_model']!r}: pickle weights are refused; upload {WEIGHTS_FILE}",
         )
     os.replace(files["adapter_config"], dest / CONFIG_FILE)
@@ -213,16 +208,13 @@ def copy_from_path(path: str, roots: list[str], dest: Path, max_bytes: int) -> N
     dest.mkdir()
     weights = source / WEIGHTS_FILE
     if not weights.exists() and (source / PICKLE_WEIGHTS_FILE).exists():
-        raise AdapterRejected(
-            422,
+        raise Unacceptable(
             f"{PICKLE_WEIGHTS_FILE} (pickle) is refused; save the adapter with safetensors ({WEIGHTS_FILE})",
         )
     present = [source / name for name in ADAPTER_FILES if (source / name).is_file()]
     size = sum(p.stat().st_size for p in present)
     if size > max_bytes:
-        raise AdapterRejected(
-            413, f"adapter is {size} bytes; the limit is {max_bytes} (max_adapter_bytes)"
-        )
+        raise TooLarge(f"adapter is {size} bytes; the limit is {max_bytes} (max_adapter_bytes)")
     for src in present:
         # The folder's real path was checked; refuse a file swapped for a symlink since.
         fd = os.open(os.path.realpath(src), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
@@ -245,16 +237,14 @@ async def staging(staging_dir: str | None) -> AsyncIterator[Path]:
 def form_name(form: UploadForm) -> str:
     name = form.fields.get("name")
     if name is None:
-        raise AdapterRejected(422, "form field 'name' is required")
+        raise Unacceptable("form field 'name' is required")
     if not re.fullmatch(NAME_PATTERN, name):
-        raise AdapterRejected(422, f"adapter name {name!r} must match {NAME_PATTERN}")
+        raise Unacceptable(f"adapter name {name!r} must match {NAME_PATTERN}")
     return name
 
 
 def form_bool(form: UploadForm, field_name: str) -> bool:
     value = form.fields.get(field_name, "false").strip().lower()
     if value not in ("true", "false", "1", "0"):
-        raise AdapterRejected(
-            422, f"form field {field_name!r} must be true or false, found {value!r}"
-        )
+        raise Unacceptable(f"form field {field_name!r} must be true or false, found {value!r}")
     return value in ("true", "1")

@@ -2,9 +2,9 @@
 (never pickle), adapter_config.json, tensor names and shapes against the base model, size
 limits. (Archives and registration paths: `archives.py`.)
 
-Every rejection is an `AdapterRejected` with an HTTP status and a message that names what was
-wrong and what is accepted: 400 for input that cannot be read (bad JSON, a corrupt header or
-archive, a forbidden path), 413 for input over a size limit, 422 for a well-formed adapter the
+Every rejection is an `AdapterRejected` (registry/errors.py) whose message names what was
+wrong and what is accepted: `Invalid` for input that cannot be read (bad JSON, a corrupt
+header), `TooLarge` for input over a size limit, `Unacceptable` for a well-formed adapter the
 server does not accept (unsupported options, rank, dtype, shapes against the base model).
 """
 
@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
+
+from loraplex.registry.errors import Invalid, TooLarge, Unacceptable
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -58,28 +60,6 @@ _UNSUPPORTED_WHEN_SET = (
     "rank_pattern",
     "alpha_pattern",
 )
-
-
-class AdapterRejected(ValueError):
-    """An adapter (or its upload) refused before anything was written."""
-
-    def __init__(self, status: int, message: str) -> None:
-        assert 400 <= status < 500, status
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
-def _bad(message: str) -> AdapterRejected:
-    return AdapterRejected(400, message)
-
-
-def _too_large(message: str) -> AdapterRejected:
-    return AdapterRejected(413, message)
-
-
-def _unacceptable(message: str) -> AdapterRejected:
-    return AdapterRejected(422, message)
 
 
 class BaseModelShape(BaseModel):
@@ -160,7 +140,7 @@ def read_safetensors_header(
     with path.open("rb") as f:
         prefix = f.read(8)
         if len(prefix) < 8:
-            raise _bad(
+            raise Invalid(
                 f"{path.name} is not a safetensors file: {file_size} bytes, shorter than the 8-byte header length"
             )
         (header_len,) = struct.unpack("<Q", prefix)
@@ -168,11 +148,11 @@ def read_safetensors_header(
             _refuse_pickle(path.name, prefix)
         # The file bounds the header first: a forged length (2**60) costs nothing to refuse.
         if 8 + header_len > file_size:
-            raise _bad(
+            raise Invalid(
                 f"{path.name} is not a safetensors file: its header length field says {header_len} bytes but only {file_size - 8} follow"
             )
         if header_len > max_header_bytes:
-            raise _too_large(
+            raise TooLarge(
                 f"{path.name}: safetensors header of {header_len} bytes exceeds the limit of {max_header_bytes}"
             )
         raw = f.read(header_len)
@@ -180,16 +160,16 @@ def read_safetensors_header(
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
     except (UnicodeDecodeError, ValueError) as e:
         _refuse_pickle(path.name, prefix)
-        raise _bad(f"{path.name}: safetensors header is not valid JSON: {e}") from None
+        raise Invalid(f"{path.name}: safetensors header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
-        raise _bad(f"{path.name}: safetensors header must be a JSON object")
+        raise Invalid(f"{path.name}: safetensors header must be a JSON object")
     metadata = header.pop("__metadata__", {})
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise _bad(f"{path.name}: safetensors __metadata__ must map strings to strings")
+        raise Invalid(f"{path.name}: safetensors __metadata__ must map strings to strings")
     tensors = {name: _tensor_info(path.name, name, entry) for name, entry in header.items()}
     data_len = _check_layout(path.name, tensors)
     if file_size != 8 + header_len + data_len:
-        raise _bad(
+        raise Invalid(
             f"{path.name}: file is {file_size} bytes but the header accounts for "
             f"{8 + header_len + data_len} (8 + {header_len} header + {data_len} data)"
         )
@@ -200,7 +180,7 @@ def _refuse_pickle(file: str, prefix: bytes) -> None:
     """torch.save writes a zip (PK\\x03\\x04) or a raw pickle (\\x80, protocol 2..5). Checked only
     once the prefix failed as a safetensors header length, which it may legitimately resemble."""
     if prefix.startswith(b"PK\x03\x04") or (prefix[0] == 0x80 and 2 <= prefix[1] <= 5):
-        raise _unacceptable(
+        raise Unacceptable(
             f"{file} looks like a PyTorch pickle (torch.save / .bin); only safetensors is accepted"
         )
 
@@ -216,14 +196,14 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _tensor_info(file: str, name: str, entry: object) -> TensorInfo:
     if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-        raise _bad(f"{file}: tensor {name!r} must have exactly dtype, shape and data_offsets")
+        raise Invalid(f"{file}: tensor {name!r} must have exactly dtype, shape and data_offsets")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if dtype not in DTYPE_BYTES:
-        raise _unacceptable(
+        raise Unacceptable(
             f"{file}: tensor {name!r} has dtype {dtype!r}; accepted: {', '.join(DTYPE_BYTES)}"
         )
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise _bad(
+        raise Invalid(
             f"{file}: tensor {name!r} shape must be a list of non-negative integers, found {shape!r}"
         )
     if (
@@ -232,13 +212,13 @@ def _tensor_info(file: str, name: str, entry: object) -> TensorInfo:
         or not all(_is_int(o) and o >= 0 for o in offsets)
         or offsets[0] > offsets[1]
     ):
-        raise _bad(
+        raise Invalid(
             f"{file}: tensor {name!r} data_offsets must be [begin, end] with 0 <= begin <= end, found {offsets!r}"
         )
     begin, end = offsets
     expected = math.prod(shape) * DTYPE_BYTES[dtype]
     if end - begin != expected:
-        raise _bad(
+        raise Invalid(
             f"{file}: tensor {name!r} spans {end - begin} bytes but {dtype} {shape} needs {expected}"
         )
     return TensorInfo(dtype, tuple(shape), begin, end)
@@ -250,7 +230,7 @@ def _check_layout(file: str, tensors: dict[str, TensorInfo]) -> int:
     for name, info in sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end)):
         if info.begin != position:
             problem = "overlaps the previous tensor" if info.begin < position else "leaves a gap"
-            raise _bad(
+            raise Invalid(
                 f"{file}: tensor {name!r} data_offsets {[info.begin, info.end]} {problem} (expected to start at {position})"
             )
         position = info.end
@@ -271,13 +251,11 @@ def check_finite(path: Path, data_start: int, tensors: dict[str, TensorInfo]) ->
             while remaining:
                 chunk = f.read(min(remaining, _FINITE_CHUNK_BYTES))
                 if not chunk:
-                    raise _bad(f"{path.name}: file ends inside tensor {name!r}")
+                    raise Invalid(f"{path.name}: file ends inside tensor {name!r}")
                 remaining -= len(chunk)
                 words = np.frombuffer(chunk, dtype=np.dtype(int_type).newbyteorder("<"))
                 if np.any((words & mask) == mask):
-                    raise _unacceptable(
-                        f"{path.name}: tensor {name!r} holds NaN or infinite values"
-                    )
+                    raise Unacceptable(f"{path.name}: tensor {name!r} holds NaN or infinite values")
 
 
 # ---------------------------------------------------------------- adapter_config.json
@@ -286,13 +264,13 @@ def check_finite(path: Path, data_start: int, tensors: dict[str, TensorInfo]) ->
 def read_adapter_config(path: Path, *, max_bytes: int = MAX_CONFIG_BYTES) -> dict[str, Any]:
     size = path.stat().st_size
     if size > max_bytes:
-        raise _too_large(f"{CONFIG_FILE} is {size} bytes; the limit is {max_bytes}")
+        raise TooLarge(f"{CONFIG_FILE} is {size} bytes; the limit is {max_bytes}")
     try:
         cfg = json.loads(path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
-        raise _bad(f"{CONFIG_FILE} is not valid JSON: {e}") from None
+        raise Invalid(f"{CONFIG_FILE} is not valid JSON: {e}") from None
     if not isinstance(cfg, dict):
-        raise _bad(f"{CONFIG_FILE} must hold a JSON object")
+        raise Invalid(f"{CONFIG_FILE} must hold a JSON object")
     return cfg
 
 
@@ -301,20 +279,20 @@ def check_adapter_config(
 ) -> tuple[int, float, tuple[str, ...], bool]:
     """(r, lora_alpha, target_modules, use_rslora) of a plain-LoRA PEFT config."""
     if cfg.get("peft_type") != "LORA":
-        raise _unacceptable(
+        raise Unacceptable(
             f"{CONFIG_FILE}: peft_type must be 'LORA', found {cfg.get('peft_type')!r}"
         )
     set_options = [key for key in _UNSUPPORTED_WHEN_SET if cfg.get(key)]
     if cfg.get("bias", "none") != "none":
         set_options.append(f"bias={cfg['bias']!r}")
     if set_options:
-        raise _unacceptable(
+        raise Unacceptable(
             f"{CONFIG_FILE} sets unsupported options: {', '.join(set_options)}; loraplex serves plain "
             "LoRA (no DoRA, modules_to_save, fan_in_fan_out, lora_bias, rank/alpha patterns; bias 'none')"
         )
     r = cfg.get("r")
     if not _is_int(r) or not 1 <= r <= max_rank:
-        raise _unacceptable(
+        raise Unacceptable(
             f"{CONFIG_FILE}: r must be an integer in 1..{max_rank} (the server's max_lora_rank), found {r!r}"
         )
     alpha = cfg.get("lora_alpha")
@@ -324,23 +302,23 @@ def check_adapter_config(
         or not math.isfinite(alpha)
         or alpha <= 0
     ):
-        raise _unacceptable(
+        raise Unacceptable(
             f"{CONFIG_FILE}: lora_alpha must be a positive finite number, found {alpha!r}"
         )
     targets = cfg.get("target_modules")
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
-        raise _unacceptable(
+        raise Unacceptable(
             f"{CONFIG_FILE}: target_modules must be a non-empty list of module names "
             f"(a subset of {list(TARGET_MODULES)}), found {targets!r}"
         )
     unknown = sorted(set(targets) - set(TARGET_MODULES))
     if unknown:
-        raise _unacceptable(
+        raise Unacceptable(
             f"{CONFIG_FILE}: unsupported target_modules {unknown}; accepted: {list(TARGET_MODULES)}"
         )
     rslora = cfg.get("use_rslora", False)
     if not isinstance(rslora, bool):
-        raise _unacceptable(f"{CONFIG_FILE}: use_rslora must be true or false, found {rslora!r}")
+        raise Unacceptable(f"{CONFIG_FILE}: use_rslora must be true or false, found {rslora!r}")
     return r, float(alpha), tuple(t for t in TARGET_MODULES if t in targets), rslora
 
 
@@ -355,27 +333,27 @@ def validate_adapter_dir(
     path = Path(path)
     config_path, weights_path = path / CONFIG_FILE, path / WEIGHTS_FILE
     if not config_path.is_file():
-        raise _bad(
+        raise Invalid(
             f"missing {CONFIG_FILE}; a PEFT LoRA adapter has {CONFIG_FILE} and {WEIGHTS_FILE}"
         )
     if not weights_path.is_file():
         if (path / PICKLE_WEIGHTS_FILE).exists():
-            raise _unacceptable(
+            raise Unacceptable(
                 f"{PICKLE_WEIGHTS_FILE} (pickle) is refused; save the adapter with safetensors ({WEIGHTS_FILE})"
             )
-        raise _bad(
+        raise Invalid(
             f"missing {WEIGHTS_FILE}; a PEFT LoRA adapter has {CONFIG_FILE} and {WEIGHTS_FILE}"
         )
     size = config_path.stat().st_size + weights_path.stat().st_size
     if size > max_bytes:
-        raise _too_large(f"adapter is {size} bytes; the limit is {max_bytes} (max_adapter_bytes)")
+        raise TooLarge(f"adapter is {size} bytes; the limit is {max_bytes} (max_adapter_bytes)")
 
     rank, alpha, declared, rslora = check_adapter_config(read_adapter_config(config_path), max_rank)
     data_start, tensors = read_safetensors_header(weights_path)
     targets = _check_tensors(tensors, base, rank, declared)
     dtypes = sorted({info.dtype for info in tensors.values()})
     if len(dtypes) > 1:
-        raise _unacceptable(
+        raise Unacceptable(
             f"{WEIGHTS_FILE} mixes dtypes {dtypes}; an adapter must use one of {list(DTYPE_BYTES)} throughout"
         )
     check_finite(weights_path, data_start, tensors)
@@ -387,28 +365,28 @@ def _check_tensors(
     tensors: dict[str, TensorInfo], base: BaseModelShape, rank: int, declared: tuple[str, ...]
 ) -> tuple[str, ...]:
     if not tensors:
-        raise _unacceptable(f"{WEIGHTS_FILE} holds no tensors")
+        raise Unacceptable(f"{WEIGHTS_FILE} holds no tensors")
     shapes = base.projection_shapes()
     pairs: dict[tuple[int, str], set[str]] = {}
     for name, info in tensors.items():
         m = TENSOR_NAME.match(name)
         if m is None:
-            raise _unacceptable(
+            raise Unacceptable(
                 f"tensor {name!r} is not a LoRA weight of a Llama projection; expected {_TENSOR_NAME_FORMS}"
             )
         layer, target, which = int(m[1]), m[2] or m[3], m[4]
         if layer >= base.num_layers:
-            raise _unacceptable(
+            raise Unacceptable(
                 f"tensor {name!r}: layer {layer} but the base model has {base.num_layers} layers (0..{base.num_layers - 1})"
             )
         if target not in declared:
-            raise _unacceptable(
+            raise Unacceptable(
                 f"tensor {name!r}: {target} is not in {CONFIG_FILE} target_modules {list(declared)}"
             )
         out_features, in_features = shapes[target]
         expected = (rank, in_features) if which == "A" else (out_features, rank)
         if info.shape != expected:
-            raise _unacceptable(
+            raise Unacceptable(
                 f"tensor {name!r} has shape {list(info.shape)}; expected {list(expected)} "
                 f"(r = {rank} from {CONFIG_FILE}, {target} is [{out_features}, {in_features}] in the base model)"
             )
@@ -416,7 +394,7 @@ def _check_tensors(
     for (layer, target), present in sorted(pairs.items()):
         if present != {"A", "B"}:
             missing = "lora_B" if "A" in present else "lora_A"
-            raise _unacceptable(
+            raise Unacceptable(
                 f"layer {layer} {target}: {missing} is missing; every lora_A needs its lora_B"
             )
     found = {target for _, target in pairs}

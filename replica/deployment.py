@@ -95,6 +95,9 @@ class ReplicaDeployment:
         etcd: dict[str, Any] | None = None,
         artifact_root: str | None = None,
     ):
+        from ray import serve
+
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
         self.engine: Engine | None = None
         self.watcher: RegistryWatcher | None = None
         self.sync: AdapterSync | None = None
@@ -139,9 +142,12 @@ class ReplicaDeployment:
             await outputs.aclose()
 
     async def stats(self) -> dict[str, Any]:
-        """The engine's stats plus the adapters of each tier (ids) and the registry's count."""
+        """The engine's stats plus this replica's id (`replica`, as routers know it), the
+        adapters of each tier (ids) and the registry's count: what the ingress's /metrics
+        shows of this replica (`Backend.replica_stats`)."""
         assert self.engine is not None
         stats = await self.engine.stats()
+        stats["replica"] = self.replica_id
         stats["tiers"] = self._tiers(stats)
         stats["registered_adapters"] = len(self.sync.registered) if self.sync else 0
         stats["registry_connected"] = self.watcher.connected if self.watcher else False

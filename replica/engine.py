@@ -11,6 +11,7 @@ import asyncio
 import collections
 import functools
 import itertools
+import logging
 import random
 import threading
 import time
@@ -31,11 +32,13 @@ from loraplex.replica.memory.store_reads import ReadPacer
 from loraplex.replica.model.config import DTYPES, ModelConfig
 from loraplex.replica.model.llama import ForwardOps, LlamaModel
 from loraplex.replica.model.loader import load_weights
-from loraplex.replica.sampling import SamplingParams, sample
+from loraplex.replica.sampling import SamplingParams, greedy_tokens, sample_token
 from loraplex.replica.scheduling.scheduler import Scheduler
 from loraplex.replica.sequence import RequestOutput, Sequence
 from loraplex.replica.step_costs import StepCostEstimator
 from loraplex.replica.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
 
 
 class RequestError(ValueError):
@@ -209,28 +212,45 @@ class LLMEngine:
         return self.scheduler.has_work() or bool(self._pending)
 
     def step(self) -> list[RequestOutput]:
-        pending, self._pending = self._pending, []
+        """One iteration. A fault of one request (sampling, stop handling, detokenizing, its
+        adapter's load) ends that request with finish_reason "error" and the others go on;
+        only a fault of the step itself (the forward, a dead tensor-parallel worker)
+        raises."""
         scheduled = self.scheduler.schedule()
         if not scheduled and self.adapters.loading:  # nothing else can run: wait for the copies
             scheduled = self.scheduler.schedule()
+        outputs, self._pending = self._pending, []
+        for seq in self.scheduler.take_failed():
+            self.requests.pop(seq.request_id, None)
+            outputs.append(_final(seq))
         if not scheduled:
-            return pending
+            return outputs
         started = time.perf_counter()
         batch = build_step_batch(scheduled, self.kv, self.model_config.sliding_window)
         logits = self.model.forward(batch, self.kv.view, self.kv.rows)
         for seq, n in scheduled:
             seq.num_computed += n
-        seqs = batch.sampled
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        greedy = greedy_tokens(logits)
         self.step_costs.record_step(
             sum(n for _, n in scheduled),
             len({seq.adapter for seq, _ in scheduled if seq.adapter is not None}),
             time.perf_counter() - started,
         )
-        return pending + [
-            self._append(seq, token, logits[i] if seq.params.return_logits else None)
-            for i, (seq, token) in enumerate(zip(seqs, tokens, strict=True))
-        ]
+        for i, seq in enumerate(batch.sampled):
+            try:
+                p = seq.params
+                token = greedy[i] if p.greedy else sample_token(logits[i], p, seq.generator)
+                outputs.append(self._append(seq, token, logits[i] if p.return_logits else None))
+            except Exception as e:  # this request's fault: it ends, the batch goes on
+                outputs.append(self._fail(seq, e))
+        return outputs
+
+    def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
+        log.error("request %s failed", seq.request_id, exc_info=error)
+        if not seq.finished:  # the cause stays in the log: callers see what they can act on
+            self.scheduler.finish(seq, "error", "generation failed for this request")
+        self.requests.pop(seq.request_id, None)
+        return _final(seq)
 
     def _append(self, seq: Sequence, token: int, logits: torch.Tensor | None) -> RequestOutput:
         p = seq.params
@@ -326,6 +346,7 @@ class LLMEngine:
 
 
 def _final(seq: Sequence) -> RequestOutput:
+    """A finished request's last output, with no new token (aborted, or failed)."""
     return RequestOutput(
         request_id=seq.request_id,
         new_token_ids=[],
@@ -335,6 +356,7 @@ def _final(seq: Sequence) -> RequestOutput:
         finished=True,
         finish_reason=seq.finish_reason,
         num_prompt_tokens=len(seq.prompt_ids),
+        error=seq.error,
     )
 
 

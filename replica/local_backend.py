@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncGenerator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from loraplex.replica.memory.adapter_cache import UnknownAdapter
 from loraplex.replica.protocol import (
@@ -19,6 +19,8 @@ from loraplex.replica.protocol import (
 
 if TYPE_CHECKING:
     from loraplex.replica.engine import AdapterInfo, Engine
+
+LOCAL_REPLICA = "local"  # the replica id of the engine in process
 
 
 class LocalBackend:
@@ -64,5 +66,14 @@ class LocalBackend:
         except UnknownAdapter:
             raise AdapterNotFound(adapter_id) from None
 
-    async def stats(self) -> dict:
-        return await self.engine.stats()
+    async def replica_stats(self) -> dict[str, dict[str, Any]]:
+        """The engine's stats, as the one replica "local"."""
+        stats = await self.engine.stats()
+        adapters = stats["adapters"]
+        device = list(adapters["resident"])
+        stats["tiers"] = {
+            "device": device,
+            "host": sorted(set(adapters["host"]) - set(device)),
+            "loading": list(adapters["loading"]),
+        }
+        return {LOCAL_REPLICA: stats}

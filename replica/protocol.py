@@ -10,9 +10,15 @@ context check), so replicas receive token ids only.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Protocol, TypedDict
+from typing import Any, NotRequired, Protocol, TypedDict
 
-from loraplex.replica.sampling import SamplingParams
+from loraplex.replica.sampling import (
+    SamplingParams,
+    check_seed,
+    check_temperature,
+    check_top_k,
+    check_top_p,
+)
 from loraplex.replica.sequence import RequestOutput
 
 
@@ -28,9 +34,12 @@ class GenerateChunk(TypedDict):
     new_token_ids: list[int]
     new_text: str
     finished: bool
-    finish_reason: str | None  # "stop", "length", "abort" when finished
+    finish_reason: str | None  # "stop", "length", "abort" or "error" when finished
     num_prompt_tokens: int
     num_output_tokens: int
+    error: NotRequired[
+        str | None
+    ]  # why the request failed (finish_reason "error"); other requests go on
 
 
 class AdapterNotFound(LookupError):
@@ -47,6 +56,22 @@ class Backend(Protocol):
     """Where the ingress sends requests: a Serve deployment handle, or an engine in process."""
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]: ...
+
+    async def replica_stats(self) -> dict[str, dict[str, Any]]:
+        """Each replica's stats by replica id: the engine's `stats()` plus `tiers`, the
+        adapter ids per tier (`device`, `host`: in host memory only, `loading`). A replica
+        that does not answer in time is left out."""
+        ...
+
+
+# The engine's checks of the sampling fields, for the ingress to run before a request leaves
+# it (each raises ValueError naming the field and what is accepted).
+SAMPLING_CHECKS = {
+    "temperature": check_temperature,
+    "top_p": check_top_p,
+    "top_k": check_top_k,
+    "seed": check_seed,
+}
 
 
 def adapter_id(tenant: str, name: str) -> str:
@@ -70,4 +95,5 @@ def chunk(out: RequestOutput) -> GenerateChunk:
         finish_reason=out.finish_reason,
         num_prompt_tokens=out.num_prompt_tokens,
         num_output_tokens=len(out.token_ids),
+        error=out.error,
     )

@@ -1,16 +1,67 @@
-"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seed."""
+"""Sampling parameters and the sampler: greedy, temperature, top-k, top-p, per-request seed.
+
+Every parameter is checked as the sampler will use it: temperature and top-p in float32
+(a top-p that is positive as a Python float can round to 0 in float32 and filter out every
+token), seeds in the range `torch.Generator.manual_seed` takes. The ingress runs the same
+checks (`check_*`), so a bad value is a 400 naming the field, never a fault in the engine.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+# Temperatures below this act as greedy decoding (as in vLLM's _SAMPLING_EPS): dividing
+# float32 logits by a smaller one overflows to inf and the softmax gives NaN.
+GREEDY_BELOW_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 100.0
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+TOP_K_MAX = 2**31 - 1
+
+
+def check_temperature(value: float) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"temperature must be a finite number, got {value!r}")
+    if not 0.0 <= value <= MAX_TEMPERATURE:
+        raise ValueError(f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {value!r}")
+    return value
+
+
+def check_top_p(value: float) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value):
+        raise ValueError(f"top_p must be a finite number, got {value!r}")
+    as_used = float(np.float32(value))
+    if not 0.0 < as_used <= 1.0:
+        raise ValueError(
+            f"top_p must be in (0, 1] as a float32 (the smallest accepted is "
+            f"{float(np.finfo(np.float32).smallest_subnormal):.3g}), got {value!r}"
+        )
+    return value
+
+
+def check_top_k(value: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not -1 <= value <= TOP_K_MAX:
+        raise ValueError(
+            f"top_k must be an integer in [-1, {TOP_K_MAX}] (0 or -1 disable it), got {value!r}"
+        )
+    return value
+
+
+def check_seed(value: int | None) -> int | None:
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not SEED_MIN <= value <= SEED_MAX:
+        raise ValueError(f"seed must be an integer in [-2**63, 2**64 - 1], got {value!r}")
+    return value
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW_TEMPERATURE) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 or -1: no top-k cut
     seed: int | None = None
@@ -24,24 +75,20 @@ class SamplingParams:
     def __post_init__(self):
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not 0.0 <= self.temperature <= 100.0:
-            raise ValueError(f"temperature must be in [0, 100], got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(
-                f"top_k must be an integer >= -1 (0 or -1 disable it), got {self.top_k!r}"
-            )
+        check_temperature(self.temperature)
+        check_top_p(self.top_p)
+        check_top_k(self.top_k)
+        check_seed(self.seed)
         if isinstance(self.stop, str):
             raise ValueError(f"stop must be a tuple of strings, not the string {self.stop!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop strings must be non-empty strings")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.stop_token_ids):
+            raise ValueError("stop_token_ids must be non-negative integers")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW_TEMPERATURE
 
 
 def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -51,12 +98,25 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
-        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        # keep the smallest prefix whose mass reaches top_p (always at least one token)
-        drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # keep the smallest prefix whose mass reaches top_p: a token is dropped when the
+        # mass before it already does (the first token never is, as top_p > 0)
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """logits [n, V] -> the argmax of every row."""
+    return logits.argmax(dim=-1).tolist()
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """One token from logits [V] float32 under `params` (not greedy), drawn with `generator`."""
+    row = _filter(logits / params.temperature, params.top_k, params.top_p)
+    probs = torch.softmax(row, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
 def sample(
@@ -65,11 +125,8 @@ def sample(
     generators: list[torch.Generator],
 ) -> list[int]:
     """One token per row. Greedy rows take the argmax; others sample with their generator."""
-    tokens = logits.argmax(dim=-1).tolist()
+    tokens = greedy_tokens(logits)
     for i, p in enumerate(params):
-        if p.greedy:
-            continue
-        row = _filter(logits[i] / p.temperature, p.top_k, p.top_p)
-        probs = torch.softmax(row, dim=-1)
-        tokens[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
+        if not p.greedy:
+            tokens[i] = sample_token(logits[i], p, generators[i])
     return tokens

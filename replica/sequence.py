@@ -33,6 +33,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in the cache
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
+    error: str | None = None  # why it failed, when finish_reason is "error"
     text: str = ""  # detokenized output, cut at a stop string
     num_preemptions: int = 0
     lora: ResidentAdapter | None = None  # pinned while running
@@ -62,6 +63,7 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finished: bool
-    finish_reason: str | None
+    finish_reason: str | None  # "stop", "length", "abort", or "error" (see `error`)
     num_prompt_tokens: int
     logits: torch.Tensor | None = None  # [vocab] float32, when params.return_logits
+    error: str | None = None  # why this request failed, when finish_reason is "error"

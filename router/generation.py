@@ -14,14 +14,8 @@ from starlette.types import Receive, Scope, Send
 
 from loraplex.replica.protocol import AdapterNotFound, GenerateChunk, ReplicaFailed
 from loraplex.router.metrics import RequestTimer
-from loraplex.router.openai_api import (
-    SSE_DONE,
-    OpenAIError,
-    ResponseFormat,
-    Usage,
-    model_not_found,
-    sse,
-)
+from loraplex.router.openai_errors import OpenAIError, model_not_found
+from loraplex.router.openai_responses import SSE_DONE, ResponseFormat, Usage, sse
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +39,7 @@ class Generation:
 async def first_chunk(chunks: AsyncIterator[GenerateChunk], gen: Generation) -> GenerateChunk:
     """The first chunk; the backend's refusals (raised before any output) become HTTP errors."""
     try:
-        return await anext(chunks)
+        chunk = await anext(chunks)
     except AdapterNotFound:
         raise model_not_found(gen.fmt.model) from None
     except ValueError as e:  # the engine's RequestError: the request cannot be served as given
@@ -61,6 +55,9 @@ async def first_chunk(chunks: AsyncIterator[GenerateChunk], gen: Generation) -> 
     except Exception as e:
         log.exception("request %s failed", gen.fmt.id)
         raise OpenAIError(500, f"generation failed: {e!r}") from None
+    if chunk["finished"] and chunk["finish_reason"] == "error":
+        raise _failed(chunk)
+    return chunk
 
 
 async def close_stream(stream: AsyncIterator[Any]) -> None:
@@ -77,6 +74,21 @@ def _aborted() -> OpenAIError:
         "the request was aborted before it finished (its adapter was removed, or the replica "
         "is stopping); retry",
     )
+
+
+def _failed(chunk: GenerateChunk) -> OpenAIError:
+    """This request failed in the engine (its adapter's load, sampling, ...); the replica and
+    its other requests go on."""
+    return OpenAIError(500, chunk.get("error") or "generation failed for this request")
+
+
+def _ending(chunk: GenerateChunk) -> OpenAIError | None:
+    """The error a last chunk stands for, or None if the request finished normally."""
+    if chunk["finish_reason"] == "abort":
+        return _aborted()
+    if chunk["finish_reason"] == "error":
+        return _failed(chunk)
+    return None
 
 
 def replica_failed(e: ReplicaFailed) -> OpenAIError:
@@ -96,8 +108,8 @@ async def whole_response(
         gen.saw(chunk)
         text.append(chunk["new_text"])
         if chunk["finished"]:
-            if chunk["finish_reason"] == "abort":
-                raise _aborted()
+            if (error := _ending(chunk)) is not None:
+                raise error
             body = gen.fmt.whole("".join(text), chunk["finish_reason"], gen.usage())
             return JSONResponse(body.model_dump())
         if await request.is_disconnected():  # nobody will read the answer: stop generating
@@ -120,8 +132,8 @@ async def _events(
             if chunk["new_text"]:
                 yield sse(fmt.piece(chunk["new_text"]))
             if chunk["finished"]:
-                if chunk["finish_reason"] == "abort":
-                    raise _aborted()
+                if (error := _ending(chunk)) is not None:
+                    raise error
                 yield sse(fmt.finish(chunk["finish_reason"]))
                 if gen.include_usage:
                     yield sse(fmt.usage(gen.usage()))

@@ -2,12 +2,13 @@
 one): several apps in one process, or tests, do not collide.
 
 Request side (measured here): HTTP answers by route template and status, requests and tokens
-per tenant, time to first token, time between tokens, end-to-end latency. Replica side
-(reported by the cluster layer through `set_replica_stats`): unified-pool pages, adapter-cache
-hits, misses, loads and evictions, queue depth, per replica. Router side (read at scrape time
-from `routing`, when given): each adapter's request rate and homes as the affinity router
-sees them, for the top adapters by rate only, the rest summed under adapter="other", so the
-label set stays bounded however many adapters there are.
+per tenant, time to first token, time between tokens, end-to-end latency. Replica side (each
+replica's `stats()`, which the /metrics route asks of the backend at scrape time and hands to
+`set_replicas`): unified-pool pages by kind, adapters per tier, adapter-cache hits, misses,
+loads and evictions, requests waiting and running, preemptions, per replica. Router side
+(read at scrape time from `routing`, when given): each adapter's request rate and homes as
+the affinity router sees them, for the top adapters by rate only, the rest summed under
+adapter="other", so the label set stays bounded however many adapters there are.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ ANONYMOUS = "anonymous"  # tenant label of requests served without a registry
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
 _POOL_PAGE_KINDS = ("free", "kv", "adapter", "pinned")
-_CACHE_EVENTS = ("hits", "misses", "loads", "evictions")
+_CACHE_EVENTS = {"hits": "hit", "misses": "miss", "loads": "load", "evictions": "eviction"}
 
 
 class IngressMetrics:
@@ -84,13 +85,10 @@ class IngressMetrics:
         if routing is not None:
             r.register(_AdapterHomes(routing))
 
-    def set_replica_stats(self, stats: Mapping, replica: str = "local") -> None:
-        """Publish one replica's latest engine stats (the dict of `Engine.stats()`: `pool`,
-        `adapters`, `waiting`, `running`); replaces what that replica reported before."""
-        self._replicas.latest[replica] = stats
-
-    def forget_replica(self, replica: str) -> None:
-        self._replicas.latest.pop(replica, None)
+    def set_replicas(self, stats: Mapping[str, Mapping]) -> None:
+        """Show these replicas' stats (`Backend.replica_stats()`: replica id -> the engine's
+        `stats()` plus `tiers`) until the next call; a replica not in `stats` is not shown."""
+        self._replicas.latest = dict(stats)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -128,47 +126,56 @@ class RequestTimer:
 
 
 class _ReplicaStats(Collector):
-    """Exposes the latest reported stats at scrape time. The engine's cache counters are
-    cumulative, so they are exported as counters."""
+    """Exposes the replicas' stats given last, at scrape time. The engine's cache and
+    preemption counts are cumulative, so they are exported as counters."""
 
     def __init__(self) -> None:
         self.latest: dict[str, Mapping] = {}
 
     def collect(self) -> Iterator[Metric]:
+        reporting = GaugeMetricFamily(
+            "loraplex_replicas_reporting", "Replicas whose stats this scrape shows."
+        )
         pages = GaugeMetricFamily(
-            "loraplex_pool_pages", "Unified-pool pages by use.", labels=["replica", "kind"]
+            "loraplex_pool_pages",
+            "Unified-pool pages by use (free + kv + adapter = total; pinned: adapter pages "
+            "a running request holds).",
+            labels=["replica", "kind"],
+        )
+        adapters = GaugeMetricFamily(
+            "loraplex_replica_adapters",
+            "Adapters per tier: device (in the pool), host (in host memory only), loading.",
+            labels=["replica", "tier"],
         )
         cache = CounterMetricFamily(
             "loraplex_adapter_cache_events",
             "Adapter-cache lookups and loads (device tier).",
             labels=["replica", "event"],
         )
-        resident = GaugeMetricFamily(
-            "loraplex_adapters_resident",
-            "Adapters resident in the device pool.",
-            labels=["replica"],
-        )
         queue = GaugeMetricFamily(
             "loraplex_replica_requests",
             "Requests in a replica's engine.",
             labels=["replica", "state"],
         )
-        for replica, stats in self.latest.items():
-            pool, adapters = stats.get("pool", {}), stats.get("adapters", {})
+        preemptions = CounterMetricFamily(
+            "loraplex_replica_preemptions",
+            "Requests preempted (their KV freed, to be recomputed) for want of KV pages.",
+            labels=["replica"],
+        )
+        reporting.add_metric([], len(self.latest))
+        for replica, stats in sorted(self.latest.items()):
+            pool = stats["pool"]
             for kind in _POOL_PAGE_KINDS:
-                if f"{kind}_pages" in pool:
-                    pages.add_metric([replica, kind], pool[f"{kind}_pages"])
-            if "num_pages" in pool:
-                pages.add_metric([replica, "total"], pool["num_pages"])
-            for event in _CACHE_EVENTS:
-                if event in adapters:
-                    cache.add_metric([replica, event.removesuffix("s")], adapters[event])
-            if "resident" in adapters:
-                resident.add_metric([replica], len(adapters["resident"]))
+                pages.add_metric([replica, kind], pool[f"{kind}_pages"])
+            pages.add_metric([replica, "total"], pool["num_pages"])
+            for tier, ids in stats["tiers"].items():
+                adapters.add_metric([replica, tier], len(ids))
+            for field, event in _CACHE_EVENTS.items():
+                cache.add_metric([replica, event], stats["adapters"][field])
             for state in ("waiting", "running"):
-                if state in stats:
-                    queue.add_metric([replica, state], stats[state])
-        yield from (pages, cache, resident, queue)
+                queue.add_metric([replica, state], stats[state])
+            preemptions.add_metric([replica], stats["preemptions"])
+        yield from (reporting, pages, adapters, cache, queue, preemptions)
 
 
 class _AdapterHomes(Collector):

@@ -7,27 +7,40 @@ wrapped in a RayTaskError and are re-raised as themselves. A replica that dies b
 first chunk is replaced by another try on another replica (Serve's router stops choosing a
 dead replica); one that dies after a chunk was sent raises ReplicaFailed, since the client
 already holds part of the output.
+
+Replica stats for /metrics come from the ingress asking, at scrape time, every replica at
+once through the same handle (`DeploymentHandle.broadcast`, ray-project/ray#61472): it works
+with any number of replicas and ingresses, each ingress sees every live replica, and a
+replica that is gone drops out with the handle's view. The alternatives do not reach
+/metrics on a real cluster: routing stats arrive only inside the handle's request router
+(private to Serve), a replica cannot address the ingress replicas, and Ray's own metrics
+export goes to each node's metrics agent, not to this app.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import RayServeException
 
 from loraplex.replica.protocol import GenerateChunk, GenerateRequest, ReplicaFailed
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
 
+log = logging.getLogger(__name__)
+
 
 class ServeBackend:
     """retries               further tries, on another replica, while no chunk was sent
     first_chunk_timeout_s  bound on the wait for the first chunk (queueing, routing, adapter
                            load and prefill); None waits as long as Serve does, which is
-                           forever while the deployment has no replica"""
+                           forever while the deployment has no replica
+    stats_timeout_s        bound on `replica_stats` (a /metrics scrape waits for it)"""
 
     def __init__(
         self,
@@ -35,12 +48,31 @@ class ServeBackend:
         *,
         retries: int = 1,
         first_chunk_timeout_s: float | None = None,
+        stats_timeout_s: float = 2.0,
     ):
         assert retries >= 0
         assert first_chunk_timeout_s is None or first_chunk_timeout_s > 0
+        assert stats_timeout_s > 0
         self.handle = handle
         self.retries = retries
         self.first_chunk_timeout_s = first_chunk_timeout_s
+        self.stats_timeout_s = stats_timeout_s
+
+    async def replica_stats(self) -> dict[str, dict[str, Any]]:
+        """`stats()` of every running replica, asked of all at once (Serve's broadcast, which
+        reaches each replica the handle's router knows, not one chosen by routing), by the
+        id each reports. Within `stats_timeout_s`, or nothing (the wait is for all together);
+        a replica that fails is left out."""
+        try:
+            results = await self.handle.broadcast("stats").results_async(
+                timeout_s=self.stats_timeout_s, return_exceptions=True
+            )
+        except (TimeoutError, RayServeException) as e:
+            log.warning("no replica stats: %s", e)
+            return {}
+        for error in (r for r in results if isinstance(r, BaseException)):
+            log.warning("a replica's stats failed: %r", error)
+        return {r["replica"]: r for r in results if isinstance(r, dict)}
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         handle = self.handle.options(stream=True, multiplexed_model_id=request["adapter"] or "")

@@ -11,4 +11,6 @@ command -v "$PY" >/dev/null || PY=python3
 if ! command -v nvidia-smi >/dev/null 2>&1; then
   .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q torch==2.13.0
 fi
-.venv/bin/pip install -q -e '.[test,dev]'
+# setuptools announces, as a warning, that an editable install of a package-dir layout goes
+# through an import hook; there is nothing to act on, so it is not shown.
+PYTHONWARNINGS="ignore:Editable installation" .venv/bin/pip install -q -e '.[test,dev]'

@@ -33,6 +33,7 @@ import httpx
 import openai
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.cluster.adapters_cli import Endpoint, add_adapter, remove_adapter
 from loraplex.cluster.config import LoraplexConfig
@@ -659,6 +660,78 @@ def test_errors(cluster: Cluster, keys: dict[str, str], oracle: LLMEngine):
         complete(cluster.client(cluster.admin_key), BASE_ID)
     with cluster.http(keys["acme"]) as http:  # a tenant key cannot administer
         assert http.post("/v1/tenants", json={"name": "intruder"}).status_code == 403
+
+
+def metrics_by_replica(cluster: Cluster) -> tuple[float, dict[str, dict[tuple, float]]]:
+    """The ingress's /metrics: how many replicas it reports, and per replica id its
+    samples, keyed by (name, other labels)."""
+    with cluster.http() as http:  # /metrics needs no key
+        r = http.get("/metrics")
+    assert r.status_code == 200, r.text
+    reporting, view = None, {}
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            if sample.name == "loraplex_replicas_reporting":
+                reporting = sample.value
+            labels = dict(sample.labels)
+            replica = labels.pop("replica", None)
+            if replica is not None:
+                key = (sample.name, *sorted(labels.items()))
+                view.setdefault(replica, {})[key] = sample.value
+    assert reporting is not None, r.text
+    return reporting, view
+
+
+def expected_samples(stats: dict[str, Any]) -> dict[tuple, float]:
+    """What /metrics should show of a replica whose `stats()` is `stats`."""
+    pool, adapters, tiers = stats["pool"], stats["adapters"], stats["tiers"]
+    samples = {("loraplex_pool_pages", ("kind", "total")): pool["num_pages"]}
+    for kind in ("free", "kv", "adapter", "pinned"):
+        samples["loraplex_pool_pages", ("kind", kind)] = pool[f"{kind}_pages"]
+    for tier in ("device", "host", "loading"):
+        samples["loraplex_replica_adapters", ("tier", tier)] = len(tiers[tier])
+    for event, field in (("hit", "hits"), ("miss", "misses"), ("load", "loads")):
+        samples["loraplex_adapter_cache_events_total", ("event", event)] = adapters[field]
+    samples["loraplex_adapter_cache_events_total", ("event", "eviction")] = adapters["evictions"]
+    for state in ("waiting", "running"):
+        samples["loraplex_replica_requests", ("state", state)] = stats[state]
+    samples[("loraplex_replica_preemptions_total",)] = stats["preemptions"]
+    return samples
+
+
+def test_metrics_show_every_replicas_own_stats(
+    cluster: Cluster, keys: dict[str, str], demo_assets: DemoAssets, ray_driver
+):
+    """/metrics of the running cluster shows each replica's pool, adapters per tier, cache
+    events, queue and preemptions: what the replicas report of themselves (their `stats`,
+    asked from this driver, and their routing stats, read from their actors)."""
+    ray = ray_driver
+    from ray import serve
+
+    acme = cluster.client(keys["acme"])
+    register(cluster, keys["acme"], "metered", demo_assets, "code-r32")
+    servable(acme, "metered")
+    assert complete(acme, "metered", max_tokens=4).usage.completion_tokens == 4
+    replicas = serve.get_deployment_handle("replica", app_name=APP)
+
+    def agree() -> tuple[dict, dict] | None:
+        """(shown, own) once an idle cluster's /metrics equals the replicas' own stats."""
+        reporting, shown = metrics_by_replica(cluster)
+        stats = replicas.broadcast("stats").results(timeout_s=CLIENT_TIMEOUT_S)
+        own = {s["replica"]: expected_samples(s) for s in stats}
+        return (shown, own) if reporting == len(own) and shown == own else None
+
+    shown, own = wait_until(agree, 15, "/metrics to show the replicas' own stats")
+    assert set(shown) == set(replica_actors(ray)), shown.keys()  # every live replica, by id
+    assert sum(s["loraplex_adapter_cache_events_total", ("event", "load")] for s in shown.values())
+    device = [r for r, s in shown.items() if s["loraplex_replica_adapters", ("tier", "device")]]
+    assert device, shown  # "metered" is resident somewhere
+    for replica, routing in routing_stats(ray).items():  # the actors' own view, not Serve's
+        assert shown[replica]["loraplex_pool_pages", ("kind", "free")] == routing["free_pages"]
+        assert shown[replica]["loraplex_pool_pages", ("kind", "total")] == routing["num_pages"]
+        tier = shown[replica]["loraplex_replica_adapters", ("tier", "device")]
+        assert tier == len(routing["device_adapters"])
+    remove_adapter(cluster.endpoint(keys["acme"]), "metered")
 
 
 def test_killing_a_replica_mid_stream_neither_hangs_nor_loses_adapters(

@@ -415,6 +415,19 @@ def test_errors_have_the_openai_shape(tenants_app: Served, keys, engine: Engine,
     )
     raw = httpx.post(url, content=b"{not json", headers=acme | {"content-type": "application/json"})
     assert "not valid JSON" in openai_error(raw, 400)["message"]
+    # sampling values checked as the engine uses them: 1e-46 is 0 as a float32 (it used to
+    # stop the replica's engine); seeds outside what torch's generator takes; NaN
+    as_used = {
+        "top_p": (1e-46, "top_p must be in (0, 1] as a float32"),
+        "seed": (2**64, "seed"),
+        "temperature": (float("nan"), "temperature"),
+    }
+    for name, (value, message) in as_used.items():
+        body = json.dumps(ok | {name: value})  # NaN as the literal Python's json reads
+        sent = httpx.post(url, content=body, headers=acme | {"content-type": "application/json"})
+        error = openai_error(sent, 400)
+        assert message in error["message"] and error["param"] == name, (name, error)
+    assert httpx.post(url, json=ok | {"top_p": 1e-44}, headers=acme).status_code == 200
     # token ids the model does not have: refused by the engine (a ValueError), still a 400
     vocab = engine.core.model_config.vocab_size
     error = openai_error(httpx.post(url, json=ok | {"prompt": [1, vocab]}, headers=acme), 400)
@@ -538,9 +551,7 @@ def test_models_health_and_metrics(tenants_app: Served, anonymous: Served, keys,
     out = acme.completions.create(model=BASE_ID, prompt=PROMPT, max_tokens=8, temperature=0)
     with pytest.raises(openai.NotFoundError):
         acme.completions.create(model="nope", prompt=PROMPT)
-    tenants_app.app.state.metrics.set_replica_stats(asyncio.run(engine.stats()), replica="r0")
-
-    got = samples(tenants_app.url)
+    got = samples(tenants_app.url)  # the engine is idle: its figures hold still
 
     def value(name: str, **labels) -> float:
         return got.get((name, frozenset(labels.items())), 0.0)
@@ -555,13 +566,36 @@ def test_models_health_and_metrics(tenants_app: Served, anonymous: Served, keys,
     assert value("loraplex_time_to_first_token_seconds_count") >= 1
     assert value("loraplex_time_between_tokens_seconds_count") >= out.usage.completion_tokens - 1
     assert value("loraplex_request_latency_seconds_count") >= 1
-    pool = engine.core.pool.stats()
-    assert value("loraplex_pool_pages", replica="r0", kind="total") == pool.num_pages
-    assert value("loraplex_pool_pages", replica="r0", kind="free") == pool.free_pages
-    assert (
-        "loraplex_adapter_cache_events_total",
-        frozenset({"replica": "r0", "event": "hit"}.items()),
-    ) in got
+    # the replica side: the engine's own figures, read from the engine, not its stats()
+    assert value("loraplex_replicas_reporting") == 1
+    core = engine.core
+    pool = core.pool.stats()
+    for kind, pages in [
+        ("total", pool.num_pages),
+        ("free", pool.free_pages),
+        ("kv", pool.kv_pages),
+        ("adapter", pool.adapter_pages),
+        ("pinned", pool.pinned_pages),
+    ]:
+        assert value("loraplex_pool_pages", replica="local", kind=kind) == pages, kind
+    assert pool.free_pages + pool.kv_pages + pool.adapter_pages == pool.num_pages
+    resident = set(core.adapters.resident)
+    assert value("loraplex_replica_adapters", replica="local", tier="device") == len(resident)
+    host = len(set(core.adapters.host) - resident)
+    assert value("loraplex_replica_adapters", replica="local", tier="host") == host
+    assert value("loraplex_replica_adapters", replica="local", tier="loading") == 0
+    cache = core.adapters.stats
+    for event, count in [
+        ("hit", cache.hits),
+        ("miss", cache.misses),
+        ("load", cache.loads),
+        ("eviction", cache.evictions),
+    ]:
+        assert value("loraplex_adapter_cache_events_total", replica="local", event=event) == count
+    for state in ("waiting", "running"):
+        assert value("loraplex_replica_requests", replica="local", state=state) == 0
+    preempted = value("loraplex_replica_preemptions_total", replica="local")
+    assert preempted == core.scheduler.num_preemptions
 
     # one registry per app: the anonymous app counted none of acme's requests
     other = samples(anonymous.url)
@@ -699,6 +733,70 @@ class FailingBackend:
                 num_output_tokens=i + 1,
             )
         raise ReplicaFailed(f"request {request['request_id']}: the replica died")
+
+
+class RequestFailingBackend(FailingBackend):
+    """A replica whose engine ends one request with an error after `chunks_before` chunks
+    (what the engine sends when sampling, stop handling or the adapter's load fails for that
+    request alone; tests/test_fault_isolation.py checks the engine side)."""
+
+    async def generate(self, request: GenerateRequest):
+        n = len(request["prompt_token_ids"])
+        for i in range(self.chunks_before):
+            yield GenerateChunk(
+                request_id=request["request_id"],
+                new_token_ids=[65 + i],
+                new_text="x",
+                finished=False,
+                finish_reason=None,
+                num_prompt_tokens=n,
+                num_output_tokens=i + 1,
+            )
+        yield GenerateChunk(
+            request_id=request["request_id"],
+            new_token_ids=[],
+            new_text="",
+            finished=True,
+            finish_reason="error",
+            num_prompt_tokens=n,
+            num_output_tokens=self.chunks_before,
+            error="the adapter failed to load; retry",
+        )
+
+
+def test_a_request_failing_in_the_engine_is_a_500_or_an_error_event(tokenizer: Tokenizer):
+    body = {"model": BASE_ID, "prompt": PROMPT, "max_tokens": 8}
+
+    def app(chunks_before: int) -> FastAPI:
+        return build_ingress(
+            RequestFailingBackend(chunks_before),
+            tokenizer,
+            base_model_id=BASE_ID,
+            max_model_len=2048,
+            registry=None,
+        )
+
+    with TestClient(app(0)) as client:
+        for stream in (False, True):
+            r = client.post("/v1/completions", json=body | {"stream": stream})
+            assert openai_error(r, 500)["message"] == "the adapter failed to load; retry"
+    with TestClient(app(2)) as client:
+        r = client.post("/v1/completions", json=body | {"stream": True})
+        assert r.status_code == 200
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert [json.loads(e)["choices"][0]["text"] for e in events[:2]] == ["x", "x"]
+        error = json.loads(events[2])["error"]
+        assert error == {
+            "message": "the adapter failed to load; retry",
+            "type": "server_error",
+            "param": None,
+            "code": None,
+        }
+        assert events[3:] == ["[DONE]"]
+        assert (
+            "failed to load"
+            in openai_error(client.post("/v1/completions", json=body), 500)["message"]
+        )
 
 
 def test_replica_failures_are_503_or_an_error_event(tokenizer: Tokenizer):

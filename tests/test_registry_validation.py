@@ -24,11 +24,12 @@ from safetensors.torch import save_file
 from tiny_model import BASE, SPEC
 
 from loraplex.demo.assets import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
+from loraplex.registry.api_errors import status_code
 from loraplex.registry.archives import ArchiveLimits, resolve_under_roots, safe_extract_tar_gz
+from loraplex.registry.errors import AdapterRejected
 from loraplex.registry.validation import (
     CONFIG_FILE,
     WEIGHTS_FILE,
-    AdapterRejected,
     BaseModelShape,
     read_safetensors_header,
     validate_adapter_dir,
@@ -51,7 +52,7 @@ def validate(path: Path, *, max_rank=MAX_RANK, max_bytes=MAX_BYTES):
 def rejected(path: Path, status: int, match: str, **kwargs) -> AdapterRejected:
     with pytest.raises(AdapterRejected, match=match) as info:
         validate(path, **kwargs)
-    assert info.value.status == status, info.value.message
+    assert status_code(info.value) == status, info.value.message
     return info.value
 
 
@@ -612,7 +613,7 @@ def test_archive_refusals_write_nothing(tmp_path):
         dest.mkdir()
         with pytest.raises(AdapterRejected, match=match) as info:
             safe_extract_tar_gz(tar_gz(members), dest, ArchiveLimits())
-        assert info.value.status == status, (case, info.value.message)
+        assert status_code(info.value) == status, (case, info.value.message)
         assert list(dest.iterdir()) == [], case
     assert not (tmp_path / "adapter_model.safetensors").exists()
 
@@ -648,7 +649,7 @@ def test_gzip_bomb_stops_at_the_limit(tmp_path):
     started = time.perf_counter()
     with pytest.raises(AdapterRejected) as info:
         safe_extract_tar_gz(source, dest, ArchiveLimits(max_total_bytes=1 << 20))
-    assert info.value.status == 413
+    assert status_code(info.value) == 413
     assert "exceed" in info.value.message or "expands past" in info.value.message
     assert list(dest.iterdir()) == []
     assert source.consumed < len(bomb) // 2, (source.consumed, len(bomb))
@@ -663,7 +664,7 @@ def test_declared_member_size_over_the_limit_is_refused_before_reading(tmp_path)
     archive = io.BytesIO(gzip.compress(info.tobuf(tarfile.USTAR_FORMAT)))
     with pytest.raises(AdapterRejected, match="archive contents exceed 1048576 bytes") as err:
         safe_extract_tar_gz(archive, dest, ArchiveLimits(max_total_bytes=1 << 20))
-    assert err.value.status == 413
+    assert status_code(err.value) == 413
     assert list(dest.iterdir()) == []
 
 
@@ -677,7 +678,7 @@ def test_declared_member_size_over_the_limit_is_refused_before_reading(tmp_path)
 def test_corrupt_archives(tmp_path, data, match):
     with pytest.raises(AdapterRejected, match=match) as info:
         safe_extract_tar_gz(io.BytesIO(data), tmp_path, ArchiveLimits())
-    assert info.value.status == 400
+    assert status_code(info.value) == 400
 
 
 def test_truncated_archive(tmp_path):
@@ -687,7 +688,7 @@ def test_truncated_archive(tmp_path):
     dest.mkdir()
     with pytest.raises(AdapterRejected) as info:
         safe_extract_tar_gz(io.BytesIO(whole[: len(whole) // 2]), dest, ArchiveLimits())
-    assert info.value.status == 400
+    assert status_code(info.value) == 400
     assert list(dest.iterdir()) == []
 
 
@@ -734,6 +735,6 @@ def test_path_refusals(tmp_path):
     for path, match in cases:
         with pytest.raises(AdapterRejected, match=match) as info:
             resolve_under_roots(path, [str(root)])
-        assert info.value.status == 400, path
+        assert status_code(info.value) == 400, path
     with pytest.raises(AdapterRejected, match="registration by path is disabled"):
         resolve_under_roots(str(root / "ok"), [])

@@ -157,6 +157,22 @@ def test_a_tiny_temperature_behaves_like_greedy():
     assert tokens == logits.argmax(dim=-1).tolist()
 
 
+def test_temperatures_whose_division_would_overflow_are_greedy():
+    """logits / 1e-40 is inf in float32 and the softmax NaN: below 1e-5 sampling is argmax."""
+    logits = torch.randn(4, 100, generator=torch.Generator().manual_seed(12)) * 5
+    generators = [torch.Generator().manual_seed(i) for i in range(4)]
+    params = [SamplingParams(temperature=t) for t in (1e-40, 1e-20, 9e-6, 1e-300)]
+    assert all(p.greedy for p in params)
+    assert sample(logits, params, generators) == logits.argmax(dim=-1).tolist()
+
+
+def test_the_smallest_float32_top_p_keeps_exactly_the_top_token():
+    logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(13))
+    generator = [torch.Generator().manual_seed(0)]
+    params = [SamplingParams(temperature=1.0, top_p=1.4e-45)]
+    assert sample(logits, params, generator) == logits.argmax(dim=-1).tolist()
+
+
 def test_same_seed_gives_the_same_draws_and_other_seeds_differ():
     logits = torch.zeros(1000)
     first = _draw(logits, SamplingParams(), 50, seed=123)
@@ -212,6 +228,16 @@ def test_default_params_are_valid_and_sample():
         ({"stop": ("ok", "")}, "stop"),
         ({"stop": (3,)}, "stop"),
         ({"seed": "7"}, "seed"),
+        # positive as Python floats, 0 as the float32 the sampler uses (the replica-killing
+        # request of issue 14), and seeds torch.Generator.manual_seed refuses
+        ({"top_p": 1e-46}, "top_p"),
+        ({"top_p": float("inf")}, "top_p"),
+        ({"temperature": float("inf")}, "temperature"),
+        ({"seed": 2**64}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
+        ({"top_k": 2**31}, "top_k"),
+        ({"top_k": True}, "top_k"),
+        ({"stop_token_ids": (-1,)}, "stop_token_ids"),
     ],
 )
 def test_invalid_sampling_params_raise_a_clear_value_error(kwargs: dict, field: str):
@@ -234,6 +260,9 @@ def test_invalid_sampling_params_raise_a_clear_value_error(kwargs: dict, field: 
         {"top_k": 0},
         {"top_k": 1},
         {"seed": 0},
+        {"seed": 2**64 - 1},
+        {"seed": -(2**63)},
+        {"top_p": 1.4e-45},  # float32's smallest subnormal: still keeps the top token
         {"stop": ("\n", "END")},
         {"stop_token_ids": (5, 6)},
     ],

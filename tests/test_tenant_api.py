@@ -28,11 +28,11 @@ from http_server import serve
 from tiny_model import BASE, SPEC
 
 from loraplex.demo.assets import AdapterSpec, ModelSpec, write_adapter
-from loraplex.registry.api import RegistryAPISettings, create_app, resolve_adapter
+from loraplex.registry.api import RegistryAPISettings, create_app
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.auth import hash_api_key
 from loraplex.registry.models import AdapterRecord
-from loraplex.registry.service import collect_garbage
+from loraplex.registry.service import collect_garbage, resolve_adapter
 from loraplex.registry.store import RegistryStore
 from loraplex.registry.validation import CONFIG_FILE, WEIGHTS_FILE
 

@@ -17,6 +17,7 @@ once per step; prefetch loads only while `high_watermark` of the pool stays free
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -27,6 +28,8 @@ from loraplex.replica.memory.adapters import AdapterWeights, PoolLayout
 from loraplex.replica.memory.eviction import AdapterUsage, EvictionPolicy, make_eviction
 from loraplex.replica.memory.pool import PageKind, UnifiedPool
 from loraplex.replica.memory.transfer import CopyThread, Immediate, Transfer
+
+log = logging.getLogger(__name__)
 
 
 class UnknownAdapter(KeyError):
@@ -78,6 +81,7 @@ class CacheStats:
     host_drops: int = 0  # host copies dropped for the host budget
     load_seconds: float = 0.0  # sum over loads of start -> ready
     load_seconds_max: float = 0.0
+    load_failures: int = 0  # copies that raised (e.g. an artifact that went missing)
 
 
 class Resident(Protocol):
@@ -142,6 +146,8 @@ class AdapterCache:
         self._started: dict[Resident, float] = {}
         self._retired: set[Resident] = set()  # removed or replaced while pinned or loading
         self.wanted: dict[str, None] = {}  # adapters of queued requests, in admission order
+        self._copy_errors: dict[Resident, BaseException] = {}  # written by the copy job
+        self.failed: dict[str, str] = {}  # adapter -> why its last load failed, until taken
         self.stats = CacheStats()
         pool.set_reclaimer(self.reclaim)
 
@@ -275,9 +281,17 @@ class AdapterCache:
             started = self._started.pop(resident)
             self.stats.load_seconds += now - started
             self.stats.load_seconds_max = max(self.stats.load_seconds_max, now - started)
+            error = self._copy_errors.pop(resident, None)
             if resident in self._retired:
                 self._retired.discard(resident)
                 self.pool.free(resident.pages)
+                continue
+            if error is not None:  # the requests waiting for it fail; the next one retries
+                del self.loading[resident.name]
+                self.pool.free(resident.pages)
+                self.stats.load_failures += 1
+                log.error("adapter %r failed to load", resident.name, exc_info=error)
+                self.failed[resident.name] = "the adapter failed to load; retry"
                 continue
             del self.loading[resident.name]
             self.resident[resident.name] = resident
@@ -306,8 +320,21 @@ class AdapterCache:
         self.transfer.submit(resident, entry.nbytes, lambda: self._fill(resident, entry))
         return True
 
+    def take_failures(self) -> dict[str, str]:
+        """Adapters whose load failed since the last call, with why."""
+        failed, self.failed = self.failed, {}
+        return failed
+
     def _fill(self, resident: Resident, entry: _Entry) -> None:
-        """The copy job (off the engine thread): from host memory, or from disk first."""
+        """The copy job (off the engine thread). A failure is one adapter's, not the
+        engine's: it is kept for `poll`, which fails the requests that wait for it."""
+        try:
+            self._copy(resident, entry)
+        except Exception as e:
+            self._copy_errors[resident] = e
+
+    def _copy(self, resident: Resident, entry: _Entry) -> None:
+        """From host memory, or from disk first."""
         weights = entry.weights
         if weights is None:
             weights = entry.read()

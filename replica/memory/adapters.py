@@ -11,11 +11,11 @@ import torch
 from safetensors.torch import load_file
 
 from loraplex.kernels.lora import LoraGroupWeights, LoraOut
+from loraplex.registry.errors import AdapterRejected
 from loraplex.registry.validation import (
     CONFIG_FILE,
     TENSOR_NAME,
     WEIGHTS_FILE,
-    AdapterRejected,
     validate_adapter_dir,
 )
 from loraplex.replica.memory.pool import PageKind, RowPacker, UnifiedPool, chunk_views

@@ -39,10 +39,6 @@ class PoolStats:
     adapter_pages: int
     pinned_pages: int
 
-    @property
-    def used_fraction(self) -> float:
-        return 1.0 - self.free_pages / self.num_pages
-
 
 class UnifiedPool:
     """`arena[page]` is one page of `page_elems` elements of the model dtype."""

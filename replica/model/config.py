@@ -79,15 +79,6 @@ class ModelConfig:
         """Elements of K and V one token occupies across all layers."""
         return self.num_layers * 2 * self.kv_size
 
-    def num_parameters(self) -> int:
-        per_layer = sum(a * b for a, b in self.projection_shapes().values()) + 2 * self.hidden_size
-        embed = self.vocab_size * self.hidden_size
-        return (
-            self.num_layers * per_layer
-            + embed * (1 if self.tie_word_embeddings else 2)
-            + self.hidden_size
-        )
-
     @classmethod
     def from_dict(cls, raw: dict, dtype: torch.dtype | None = None) -> ModelConfig:
         model_type = raw.get("model_type")

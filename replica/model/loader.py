@@ -4,7 +4,7 @@ fused layout: q/k/v stacked into one [q+2kv, hidden] weight, gate/up into one [2
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -28,13 +28,6 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
             f"{model_dir} holds only .bin (pickle) weights; convert them to safetensors"
         )
     raise ModelConfigError(f"{model_dir} has no model.safetensors or model.safetensors.index.json")
-
-
-def iter_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    for path in checkpoint_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
 
 
 # rows and columns of a 2-D checkpoint tensor to read (a tensor-parallel rank's share)

@@ -53,6 +53,7 @@ class Scheduler:
         self.adapters = adapters
         self.clock = clock
         self.running: list[Sequence] = []
+        self.failed: list[Sequence] = []  # finished with "error" by a schedule, not yet reported
         self.num_preemptions = 0
         self.policy = make_policy(cfg, kv, adapters, max_len)
 
@@ -69,6 +70,7 @@ class Scheduler:
     def schedule(self) -> list[tuple[Sequence, int]]:
         """The step's sequences and how many new tokens each computes."""
         self.adapters.poll()
+        self._fail_adapter_loads()
         budget = self.cfg.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         i = 0
@@ -89,6 +91,20 @@ class Scheduler:
         self.adapters.want(s.adapter for s in waiting if s.adapter is not None)
         self.adapters.prefetch()
         return scheduled
+
+    def _fail_adapter_loads(self) -> None:
+        """Queued requests whose adapter failed to load end with "error" (a later request
+        for it starts a new load); the others are not held up."""
+        failed = self.adapters.take_failures()
+        if not failed:
+            return
+        for seq in [s for s in self.policy.waiting() if s.adapter in failed]:
+            self.finish(seq, "error", failed[seq.adapter])
+            self.failed.append(seq)
+
+    def take_failed(self) -> list[Sequence]:
+        failed, self.failed = self.failed, []
+        return failed
 
     def _admit(self, scheduled: list[tuple[Sequence, int]], budget: int) -> None:
         in_use = {s.adapter for s in self.running if s.adapter is not None}
@@ -138,16 +154,18 @@ class Scheduler:
         self.policy.left(seq, now, finished=False)
         self.policy.requeue(seq, now)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
-        """Finish a running or waiting sequence and free its pages at once."""
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """Finish a running or waiting sequence and free its pages at once; `error` says
+        why when `reason` is "error"."""
         if seq.status is SeqStatus.RUNNING:
             self.running.remove(seq)
             self._release(seq)
-            self.policy.left(seq, self.clock(), finished=reason != "abort")
+            self.policy.left(seq, self.clock(), finished=reason not in ("abort", "error"))
         elif seq.status is SeqStatus.WAITING:
             self.policy.remove(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        seq.error = error
 
 
 def make_policy(

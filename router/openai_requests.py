@@ -1,29 +1,20 @@
-"""The OpenAI-compatible wire format: request and response bodies of `POST /v1/completions`,
-`POST /v1/chat/completions` and `GET /v1/models`, their server-sent-event chunks, and the
-error body every inference route answers with.
+"""Request bodies of the OpenAI-compatible routes: `POST /v1/completions` and
+`POST /v1/chat/completions`.
 
 Requests accept what loraplex honours and refuse the rest with a message that says so: one
 choice (n=1), one prompt per request, no logprobs, no echo, no penalties, no tools. `top_k`,
 `ignore_eos` and `stop_token_ids` are extensions (as in vLLM). A JSON `null` means "the
-default", as in OpenAI's API.
+default", as in OpenAI's API. Sampling fields are checked as the engine uses them.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
 from typing import Annotated, Any, ClassVar, Literal
 
-from fastapi.responses import JSONResponse
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationInfo,
-    field_validator,
-    model_serializer,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from loraplex.replica.protocol import SAMPLING_CHECKS
 
 MAX_STOP_STRINGS = 16
 
@@ -81,6 +72,11 @@ class _GenerationRequest(BaseModel):
         if isinstance(data, dict):
             return {key: value for key, value in data.items() if value is not None}
         return data
+
+    @field_validator(*SAMPLING_CHECKS)
+    @classmethod
+    def _as_the_engine_uses_it(cls, value: Any, info: ValidationInfo) -> Any:
+        return SAMPLING_CHECKS[info.field_name](value)
 
     @field_validator("n")
     @classmethod
@@ -255,238 +251,3 @@ class ChatCompletionRequest(_GenerationRequest):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
-
-
-# ---------------------------------------------------------------- responses
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-    @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
-        return cls(
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            total_tokens=prompt_tokens + completion_tokens,
-        )
-
-
-FinishReason = Literal["stop", "length"] | None
-
-
-class CompletionChoice(BaseModel):
-    index: int = 0
-    text: str
-    finish_reason: FinishReason
-    logprobs: None = None
-
-
-class Completion(BaseModel):
-    """A whole completion, or (object the same, as OpenAI does) one streamed chunk of it."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(BaseModel):
-    index: int = 0
-    message: AssistantMessage
-    finish_reason: FinishReason
-    logprobs: None = None
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
-class Delta(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-    @model_serializer
-    def _set_fields_only(self) -> dict[str, str]:
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
-
-
-class ChatChunkChoice(BaseModel):
-    index: int = 0
-    delta: Delta
-    finish_reason: FinishReason = None
-    logprobs: None = None
-
-
-class ChatCompletionChunk(BaseModel):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str
-    root: str = Field(description="The base model id.")
-    parent: str | None = Field(None, description="The base model, for an adapter.")
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorResponse(BaseModel):
-    """What the OpenAI client expects of a non-2xx answer, and of an SSE error event."""
-
-    error: ErrorDetail
-
-
-def sse(payload: BaseModel) -> str:
-    return f"data: {payload.model_dump_json()}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-class OpenAIError(Exception):
-    """An error answered with OpenAI's body: as the response (before any output was sent) or
-    as one SSE event (after)."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        code: str | None = None,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.code, self.param = status, message, code, param
-        self.headers = headers
-
-    def body(self) -> ErrorResponse:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        detail = ErrorDetail(message=self.message, type=kind, param=self.param, code=self.code)
-        return ErrorResponse(error=detail)
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body().model_dump(), self.status, headers=self.headers)
-
-
-def model_not_found(model: str) -> OpenAIError:
-    """The one answer for a name that is not the caller's: unknown, deleted, or another
-    tenant's adapter all read the same, so names never leak across tenants."""
-    return OpenAIError(
-        404, f"model {model!r} does not exist", code="model_not_found", param="model"
-    )
-
-
-def invalid_request(errors: Sequence[Mapping[str, Any]]) -> OpenAIError:
-    """One 400 from pydantic's errors of a request body, naming up to three problems:
-    `temperature: Input should be greater than or equal to 0`."""
-    problems, params = [], []
-    for error in errors:
-        loc = [str(part) for part in error["loc"][1:]]  # drop "body"
-        if error["type"] == "json_invalid":
-            return OpenAIError(400, f"the body is not valid JSON: {error['ctx']['error']}")
-        message = error["msg"].removeprefix("Value error, ")
-        if error["type"] == "extra_forbidden":
-            message = "this parameter is not supported by this server"
-        problems.append(f"{'.'.join(loc)}: {message}" if loc else message)
-        params.append(loc[0] if loc else None)
-    if not problems:
-        return OpenAIError(400, "invalid request")
-    code = "unsupported_parameter" if "not supported" in problems[0] else "invalid_value"
-    return OpenAIError(400, "; ".join(problems[:3]), code=code, param=params[0])
-
-
-# ---------------------------------------------------------------- bodies of one response
-
-
-class _Format:
-    """The bodies of one response: id, creation time and model are fixed per response."""
-
-    def __init__(self, id: str, created: int, model: str) -> None:
-        self.id, self.created, self.model = id, created, model
-
-    def head(self) -> list[BaseModel]:
-        """Events that open a stream."""
-        return []
-
-    def usage(self, usage: Usage) -> BaseModel:
-        """The last event of a stream with `include_usage`: no choices, only usage."""
-        return self._chunk([], usage)
-
-    def _chunk(self, choices: list, usage: Usage | None = None) -> BaseModel:
-        raise NotImplementedError
-
-
-class CompletionFormat(_Format):
-    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
-        ids = {"id": self.id, "created": self.created, "model": self.model}
-        return Completion(**ids, choices=choices, usage=usage)
-
-    def piece(self, text: str) -> BaseModel:
-        return self._chunk([CompletionChoice(text=text, finish_reason=None)])
-
-    def finish(self, reason: str) -> BaseModel:
-        return self._chunk([CompletionChoice(text="", finish_reason=reason)])
-
-    def whole(self, text: str, reason: str, usage: Usage) -> BaseModel:
-        return self._chunk([CompletionChoice(text=text, finish_reason=reason)], usage)
-
-
-class ChatFormat(_Format):
-    """Streams open with the assistant's role; text comes as `delta.content`; the finish
-    reason comes in an event with an empty delta."""
-
-    def _chunk(
-        self, choices: list[ChatChunkChoice], usage: Usage | None = None
-    ) -> ChatCompletionChunk:
-        ids = {"id": self.id, "created": self.created, "model": self.model}
-        return ChatCompletionChunk(**ids, choices=choices, usage=usage)
-
-    def head(self) -> list[BaseModel]:
-        return [self._chunk([ChatChunkChoice(delta=Delta(role="assistant", content=""))])]
-
-    def piece(self, text: str) -> BaseModel:
-        return self._chunk([ChatChunkChoice(delta=Delta(content=text))])
-
-    def finish(self, reason: str) -> BaseModel:
-        return self._chunk([ChatChunkChoice(delta=Delta(), finish_reason=reason)])
-
-    def whole(self, text: str, reason: str, usage: Usage) -> BaseModel:
-        choice = ChatChoice(message=AssistantMessage(content=text), finish_reason=reason)
-        ids = {"id": self.id, "created": self.created, "model": self.model}
-        return ChatCompletion(**ids, choices=[choice], usage=usage)
-
-
-ResponseFormat = CompletionFormat | ChatFormat

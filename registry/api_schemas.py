@@ -1,0 +1,153 @@
+"""Request and response bodies of the tenant API, and the OpenAPI description of the
+registration body (multipart or JSON, which FastAPI cannot infer from a streamed body)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from loraplex.registry.models import NAME_PATTERN, AdapterRecord, Tenant
+from loraplex.registry.validation import CONFIG_FILE, WEIGHTS_FILE
+
+
+class TenantCreate(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra={"examples": [{"name": "acme", "adapter_quota": 50}]}
+    )
+
+    name: str = Field(pattern=NAME_PATTERN, description="Tenant name (a-z 0-9 . _ -, max 63).")
+    adapter_quota: int = Field(100, ge=0, le=1_000_000, description="Most adapters at once.")
+
+
+class TenantView(BaseModel):
+    name: str
+    adapter_quota: int
+    created_at: float
+    api_keys: int = Field(description="Number of valid API keys (the keys are not stored).")
+
+    @classmethod
+    def of(cls, tenant: Tenant) -> TenantView:
+        return cls(
+            name=tenant.name,
+            adapter_quota=tenant.adapter_quota,
+            created_at=tenant.created_at,
+            api_keys=len(tenant.api_key_hashes),
+        )
+
+
+class TenantWithKey(BaseModel):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [
+                {
+                    "tenant": {
+                        "name": "acme",
+                        "adapter_quota": 50,
+                        "created_at": 1767225600.0,
+                        "api_keys": 1,
+                    },
+                    "api_key": "lpx_q3V0nJ9tXc3l1cK8bqgk0m8mYQ0JQe3c1Vj9r0h2yGk",
+                }
+            ]
+        }
+    )
+
+    tenant: TenantView
+    api_key: str = Field(description="The new key. Shown once: only its sha256 is stored.")
+
+
+class KeyRequest(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid", json_schema_extra={"examples": [{"revoke_existing": True}]}
+    )
+
+    revoke_existing: bool = Field(False, description="Invalidate the tenant's other keys.")
+
+
+class TenantList(BaseModel):
+    tenants: list[TenantView]
+
+
+class TenantDeleted(BaseModel):
+    name: str
+    adapters_deleted: list[str]
+
+
+class RegisterByPath(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {"name": "sql-helper", "path": "/mnt/adapters/sql-helper", "pinned": False}
+            ]
+        },
+    )
+
+    name: str = Field(pattern=NAME_PATTERN, description="Adapter name, unique per tenant.")
+    path: str = Field(description="Absolute path of a PEFT adapter folder under an allowed root.")
+    pinned: bool = Field(False, description="Keep resident on replicas even when cold.")
+
+
+class AdapterList(BaseModel):
+    adapters: list[AdapterRecord]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's request body; `load_inplace` (replace weights under a live name) is refused."""
+
+    model_config = ConfigDict(
+        json_schema_extra={
+            "examples": [{"lora_name": "sql-helper", "lora_path": "/mnt/adapters/sql-helper"}]
+        }
+    )
+
+    lora_name: str = Field(pattern=NAME_PATTERN)
+    lora_path: str
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(json_schema_extra={"examples": [{"lora_name": "sql-helper"}]})
+
+    lora_name: str
+    lora_int_id: int | None = None
+
+
+REGISTRATION_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "multipart/form-data": {
+                "schema": {
+                    "type": "object",
+                    "required": ["name"],
+                    "properties": {
+                        "name": {"type": "string", "pattern": NAME_PATTERN},
+                        "pinned": {"type": "boolean", "default": False},
+                        "adapter_config": {
+                            "type": "string",
+                            "format": "binary",
+                            "description": CONFIG_FILE,
+                        },
+                        "adapter_model": {
+                            "type": "string",
+                            "format": "binary",
+                            "description": WEIGHTS_FILE,
+                        },
+                        "archive": {
+                            "type": "string",
+                            "format": "binary",
+                            "description": f"tar.gz of {CONFIG_FILE} and {WEIGHTS_FILE} (instead of the two files)",
+                        },
+                    },
+                },
+                "encoding": {"adapter_config": {"contentType": "application/json"}},
+            },
+            "application/json": {
+                "schema": RegisterByPath.model_json_schema(),
+                "examples": {
+                    "by_path": {"value": {"name": "sql-helper", "path": "/mnt/adapters/sql-helper"}}
+                },
+            },
+        },
+    }
+}

@@ -372,7 +372,8 @@ def _write_assets(root: Path, w: Workload) -> tuple[Path, dict[str, Path]]:
 def _engine_config(
     model_dir: Path, sources: dict[str, Path], w: Workload
 ) -> tuple[dict[str, Any], dict[str, tuple[int, int]]]:
-    """A pool of a full batch's KV blocks plus `adapters_per_replica` adapters of mean size;
+    """A pool of a full batch's KV blocks plus `adapters_per_replica` adapters of mean size
+    (at least two of the largest);
     a host tier of `host_adapters_per_replica`; reads paced by the read model. And each
     adapter's (rank, weight bytes)."""
     model = ModelConfig.from_pretrained(model_dir)
@@ -382,7 +383,8 @@ def _engine_config(
     mean_bytes = sum(a.nbytes for a in loaded) / len(loaded)
     block_tokens = page_elems // model.kv_elems_per_token()
     kv_pages = w.max_num_seqs * math.ceil((w.prompt_tokens[1] + w.output_tokens[1]) / block_tokens)
-    adapter_pages = math.ceil(w.adapters_per_replica * sum(pages) / len(pages))
+    # ... and at least twice the largest, which the engine requires of every adapter
+    adapter_pages = max(math.ceil(w.adapters_per_replica * sum(pages) / len(pages)), 2 * max(pages))
     config = {
         "model": str(model_dir),
         "page_bytes": PAGE_BYTES,

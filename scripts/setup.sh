@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One-time, idempotent set-up: a virtualenv in .venv with loraplex and its test extras.
+# One-time, idempotent set-up: a virtualenv in .venv with loraplex, its test extras and
+# matplotlib (the benches' --plot).
 # On a machine without an NVIDIA GPU, torch==2.13.0 (CPU build) is installed first so
 # that resolving the other packages never pulls a multi-GB CUDA build.
 set -euo pipefail
@@ -13,4 +14,4 @@ if ! command -v nvidia-smi >/dev/null 2>&1; then
 fi
 # setuptools announces, as a warning, that an editable install of a package-dir layout goes
 # through an import hook; there is nothing to act on, so it is not shown.
-PYTHONWARNINGS="ignore:Editable installation" .venv/bin/pip install -q -e '.[test,dev]'
+PYTHONWARNINGS="ignore:Editable installation" .venv/bin/pip install -q -e '.[test,dev,plot]'

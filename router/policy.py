@@ -15,8 +15,6 @@ look dearer or cheaper than the rest).
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import math
 import random
 import threading
@@ -27,6 +25,7 @@ from enum import IntEnum
 
 from loraplex.router.rates import HeldHeat, RateEstimator
 from loraplex.router.routing_stats import ReplicaStats
+from loraplex.router.walk import cached_walk
 
 
 class Affinity(IntEnum):
@@ -79,25 +78,6 @@ class AffinityConfig:
             raise ValueError(
                 f"max_homes_per_adapter must be >= 1, got {self.max_homes_per_adapter}"
             )
-
-
-def walk_order(adapter: str, replica_ids: Sequence[str]) -> list[str]:
-    """The adapter's consistent-hash walk: replicas by descending hash(adapter, replica)
-    (rendezvous hashing). The first is the adapter's home. Removing a replica changes the
-    home only of the adapters it was home to, and adding one takes only the adapters it
-    now outranks: ~1/N either way. A hot home's overflow goes to each adapter's own next
-    replica, so it spreads over all others instead of piling onto one ring neighbour.
-    blake2b, not hash(): every router process must agree on the walk."""
-    return list(_walk(adapter, tuple(replica_ids)))
-
-
-@functools.lru_cache(maxsize=1 << 16)  # the replica set changes rarely: walks repeat
-def _walk(adapter: str, replica_ids: tuple[str, ...]) -> tuple[str, ...]:
-    def weight(replica_id: str) -> bytes:
-        key = f"{adapter}\0{replica_id}".encode()
-        return hashlib.blake2b(key, digest_size=8).digest()
-
-    return tuple(sorted(replica_ids, key=lambda rid: (weight(rid), rid), reverse=True))
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,7 +253,7 @@ class AffinityPolicy:
         c = self.config
         n = len(replicas)
         now = self.clock()
-        walk = _walk(adapter, ids)
+        walk = cached_walk(adapter, ids)
         position = {replica_id: i for i, replica_id in enumerate(walk)}
         by_id = {r.replica_id: r for r in replicas}
         capacity = math.ceil(c.bounded_load_c * (sum(r.queue_len for r in replicas) + 1) / n - 1e-9)

@@ -47,7 +47,7 @@ from loraplex.replica.engine import LLMEngine
 from loraplex.replica.protocol import adapter_id
 from loraplex.replica.sampling import SamplingParams
 from loraplex.replica.sequence import RequestOutput
-from loraplex.router.policy import walk_order
+from loraplex.router.walk import walk_order
 
 pytestmark = [
     pytest.mark.ray,

@@ -9,7 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from loraplex.router.policy import AffinityConfig, AffinityPolicy, ReplicaStats, walk_order
+from loraplex.router.policy import AffinityConfig, AffinityPolicy, ReplicaStats
+from loraplex.router.walk import walk_order
 
 
 class FakeClock:

@@ -33,7 +33,7 @@ from loraplex.replica.engine import Engine, LLMEngine
 from loraplex.replica.protocol import AdapterNotFound, GenerateRequest, adapter_id
 from loraplex.replica.sampling import SamplingParams
 from loraplex.replica.scheduling.scheduler import SchedulerConfig
-from loraplex.router.policy import walk_order
+from loraplex.router.walk import walk_order
 
 TENANT = "acme"
 APP = "loraplex-test"

@@ -33,8 +33,6 @@ from loraplex.replica.memory.adapter_cache import CacheConfig
 from loraplex.replica.scheduling.scheduler import SchedulerConfig
 from loraplex.router.policy import AffinityConfig
 
-GAP_S = 1.0  # between the warm-up's last arrival and the run's first, in the replay
-
 
 def validate(quick: bool) -> dict[str, Any]:
     base = bench_router.QUICK if quick else bench_router.FULL
@@ -46,9 +44,9 @@ def validate(quick: bool) -> dict[str, Any]:
     catalog = {
         name: AdapterSpec(name, rank, nbytes) for name, (rank, nbytes) in measured.adapters.items()
     }
-    requests, first = _replay(measured.requests["zipf"])
     routers: dict[str, Any] = {}
     for router in ROUTERS:
+        requests, first = _replay(measured.requests["zipf"], router)
         run = simulate_fleet(router, requests, catalog, setup, measured_from=first)
         sim = run.summary()
         at = real["routers"][router]["at_reference"]
@@ -150,11 +148,13 @@ def _setup(measured: bench_router.Measured, w: bench_router.Workload, profile) -
     )
 
 
-def _replay(requests: dict[str, list]) -> tuple[list[SimRequest], int]:
-    """The real warm-up then the real run, back to back, as one simulated stream."""
+def _replay(requests: dict[str, Any], router: str) -> tuple[list[SimRequest], int]:
+    """The real warm-up then the real run as one simulated stream, the run starting as long
+    after the warm-up's start as it did for `router` in the real bench (the other routers'
+    warm-ups ran in between, and the replicas finished their reads meanwhile)."""
     warm = requests["warm-up"]
     (run,) = requests["runs"]
-    start = warm[-1].arrival + GAP_S
+    (start,) = requests["offsets_s"][router]
     shifted = [
         dataclasses.replace(r, rid=len(warm) + i, arrival=start + r.arrival)
         for i, r in enumerate(run)

@@ -274,7 +274,9 @@ def _sweep(
         seed=10 * index,
         popularity_seed=index,
     )
+    began: dict[str, list[float]] = {r: [] for r in apps}  # each stream's start, per router
     for router, backend in apps.items():
+        began[router].append(time.perf_counter())
         outcomes, _ = asyncio.run(
             drive(backend, _bench(warm, w), f"warm-{workload}-{router}", w.request_timeout_s)
         )
@@ -295,13 +297,19 @@ def _sweep(
         requests.append(reqs)
         kill_at = fw.kill_at(reqs) if failover else None
         for router, backend in apps.items():
+            began[router].append(time.perf_counter())
             per_router[router].append(_run(router, backend, reqs, w, workload, rate, kill_at))
     return {
         "rates_rps": [f * capacity for f in factors],
         "distinct_adapters": [len({r.adapter for r in reqs}) for reqs in requests],
         "kill_at_s": [fw.kill_at(reqs) for reqs in requests] if failover else None,
         "per_router": per_router,
-        "requests": {"warm-up": warm, "runs": requests},
+        # what a replay needs: the streams, and when each began after the warm-up's start
+        "requests": {
+            "warm-up": warm,
+            "runs": requests,
+            "offsets_s": {r: [t - ts[0] for t in ts[1:]] for r, ts in began.items()},
+        },
     }
 
 

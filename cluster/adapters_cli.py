@@ -58,7 +58,10 @@ def add_parsers(sub) -> None:
     add.add_argument("name", help="adapter name (a-z 0-9 . _ -), what requests pass as model")
     add.add_argument("path", nargs="?", type=Path, help="PEFT adapter folder (or a .tar.gz)")
     add.add_argument("--archive", type=Path, help="tar.gz holding the adapter's two files")
-    add.add_argument("--server-path", help="a folder under the server's allowed roots")
+    add.add_argument(
+        "--server-path",
+        help="a folder in your subtree of the server's allowed roots (ROOT/TENANT/...)",
+    )
     add.add_argument("--pinned", action="store_true", help="keep it resident on replicas")
     ls = verbs.add_parser("list", parents=[common], help="your adapters")
     ls.add_argument("--json", action="store_true", help="the API's JSON")

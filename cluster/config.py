@@ -18,6 +18,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from loraplex.registry.admission import check_staging_budget
 from loraplex.registry.etcd_client import EtcdCredentials, EtcdSettings
 
 APP_NAME = "loraplex"
@@ -220,8 +221,8 @@ class RegistrySection(_Section):
 
     allowed_roots: list[str] = Field(
         default_factory=list,
-        description="Folders adapters may be registered from by server path; empty: "
-        "registration by upload only.",
+        description="Folders adapters may be registered from by server path, tenant T only "
+        "from <root>/T/; empty: registration by upload only.",
     )
     max_adapter_bytes: int = Field(
         1 << 30, ge=1, description="Largest adapter accepted (config + safetensors), bytes."
@@ -229,6 +230,33 @@ class RegistrySection(_Section):
     max_upload_bytes: int = Field(
         (1 << 30) + (1 << 20), ge=1, description="Largest registration request body, bytes."
     )
+    work_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        le=3600,
+        description="Longest one registration step's file work (archive, path copy, "
+        "validation) may run in its worker process (else 413), seconds.",
+    )
+    work_memory_bytes: int = Field(
+        512 << 20,
+        ge=64 << 20,
+        description="Memory one registration's file work may add in its worker process "
+        "(else 413), bytes.",
+    )
+    max_uploads_per_tenant: int = Field(
+        2, ge=1, le=1024, description="Registrations one tenant may have in flight (else 429)."
+    )
+    staging_max_bytes: int = Field(
+        4 << 30,
+        ge=1,
+        description="Staging bytes all registrations in flight may hold together (else 503); "
+        "at least max_upload_bytes + max_adapter_bytes.",
+    )
+
+    @model_validator(mode="after")
+    def _one_upload_fits_staging(self) -> RegistrySection:
+        check_staging_budget(self.staging_max_bytes, self.max_upload_bytes, self.max_adapter_bytes)
+        return self
 
 
 class ArtifactsSection(_Section):

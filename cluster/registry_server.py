@@ -10,6 +10,7 @@ import argparse
 import contextlib
 import os
 import secrets
+import signal
 import sys
 from pathlib import Path
 
@@ -72,6 +73,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise CLIError(str(e)) from None
     args.state_dir.mkdir(parents=True, exist_ok=True)
+    # uvicorn shuts down on SIGTERM, then raises it again under the handler found at start:
+    # the default one would kill the process before the ExitStack stops the started etcd.
+    signal.signal(signal.SIGTERM, _exit_cleanly)
     with contextlib.ExitStack() as stack:
         endpoints = args.etcd
         if not endpoints:
@@ -92,3 +96,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"tenant API on http://{args.host}:{args.port} (OpenAPI at /docs)", file=sys.stderr)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
+
+
+def _exit_cleanly(signum: int, frame: object) -> None:
+    raise SystemExit(0)

@@ -9,14 +9,13 @@ Status codes: 201 created; 400 unreadable input; 401 no or unknown key; 403 wron
 tenant's adapter (names never leak across tenants); 409 name taken, or "quota of N adapters
 reached" (409, not 429: retrying does not help until an adapter is deleted); 413 over a size
 limit; 415 neither multipart nor JSON; 422 an adapter the server does not accept (rank,
-targets, shapes, dtype, options) or a malformed request body; 503 etcd unreachable on a
-write. The service raises domain errors (registry/errors.py); `api_errors.py` maps them. A
+targets, shapes, dtype, options) or a malformed request body; 429 the tenant's upload
+slots are all in flight; 503 etcd unreachable on a write, or the staging budget in use. The service raises domain errors (registry/errors.py); `api_errors.py` maps them. A
 refusal leaves etcd and the artifact root as they were.
 """
 
 # No `from __future__ import annotations`: FastAPI resolves the handlers' annotations, and
 # the Annotated dependencies must be objects, not strings.
-import asyncio
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -26,9 +25,10 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Security
 from fastapi.responses import PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field, SecretStr
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
 
-from loraplex.registry import uploads
+from loraplex.registry import paths, uploads
+from loraplex.registry.admission import UploadAdmission, check_staging_budget
 from loraplex.registry.api_errors import RegistryRoute, responses
 from loraplex.registry.api_schemas import (
     REGISTRATION_BODY,
@@ -47,6 +47,7 @@ from loraplex.registry.archives import ArchiveLimits
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.auth import Authenticator
 from loraplex.registry.errors import Unacceptable
+from loraplex.registry.isolation import WorkLimits, run_isolated
 from loraplex.registry.models import AdapterRecord, Tenant
 from loraplex.registry.service import RegistryService
 from loraplex.registry.store import EtcdSettings, RegistryStore
@@ -86,8 +87,33 @@ class RegistryAPISettings(BaseModel):
     )
     allowed_roots: list[str] = Field(
         default_factory=list,
-        description="Folders from which adapters may be registered by path (symlinks "
-        "resolved); empty disables registration by path.",
+        description="Folders from which adapters may be registered by path: tenant T only "
+        "from <root>/T/ (symlinks followed only inside it); empty disables registration by "
+        "path.",
+    )
+    work_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        le=3600,
+        description="Longest the file work of one registration step (extracting an archive, "
+        "copying from a path, validating) may run in its worker process; past it the "
+        "registration is refused with 413.",
+    )
+    work_memory_bytes: int = Field(
+        512 << 20,
+        ge=64 << 20,
+        description="Memory the file work of one registration may add in its worker process; "
+        "past it the registration is refused with 413.",
+    )
+    max_uploads_per_tenant: int = Field(
+        2, ge=1, le=1024, description="Registrations one tenant may have in flight (else 429)."
+    )
+    staging_max_bytes: int = Field(
+        4 << 30,
+        ge=1,
+        description="Staging bytes all registrations in flight may hold together: each body "
+        "as it arrives, plus max_adapter_bytes per archive extracted or path copied; past "
+        "it registrations are refused with 503 and Retry-After.",
     )
     staging_dir: str | None = Field(
         None,
@@ -102,6 +128,14 @@ class RegistryAPISettings(BaseModel):
         "after a write on the same ingress sees it.",
     )
 
+    @model_validator(mode="after")
+    def _one_upload_fits_staging(self) -> "RegistryAPISettings":
+        check_staging_budget(self.staging_max_bytes, self.max_upload_bytes, self.max_adapter_bytes)
+        return self
+
+    def work_limits(self) -> WorkLimits:
+        return WorkLimits(self.work_timeout_s, self.work_memory_bytes)
+
 
 @dataclass(frozen=True, slots=True)
 class TenantAPI:
@@ -111,6 +145,7 @@ class TenantAPI:
     auth: Authenticator
     settings: RegistryAPISettings
     archive_limits: ArchiveLimits
+    admission: UploadAdmission
 
     @classmethod
     def of(
@@ -125,6 +160,7 @@ class TenantAPI:
             auth=Authenticator(settings.admin_key.get_secret_value(), store, watcher),
             settings=settings,
             archive_limits=ArchiveLimits(settings.max_archive_members, settings.max_adapter_bytes),
+            admission=UploadAdmission(settings.max_uploads_per_tenant, settings.staging_max_bytes),
         )
 
 
@@ -158,26 +194,30 @@ tenants = APIRouter(
 )
 
 
-@tenants.post("/v1/tenants", status_code=201, responses=responses(401, 403, 409, 503))
+@tenants.post("/v1/tenants", status_code=201, responses=responses(400, 401, 403, 405, 409, 503))
 async def create_tenant(body: TenantCreate, api: API) -> TenantWithKey:
     """Create a tenant and its first API key (shown only in this response)."""
     created, key = await api.service.create_tenant(body.name, body.adapter_quota)
     return TenantWithKey(tenant=TenantView.of(created), api_key=key)
 
 
-@tenants.get("/v1/tenants", responses=responses(401, 403))
+@tenants.get("/v1/tenants", responses=responses(401, 403, 405))
 async def list_tenants(api: API) -> TenantList:
     return TenantList(tenants=[TenantView.of(t) for t in await api.service.tenants()])
 
 
-@tenants.delete("/v1/tenants/{name}", responses=responses(401, 403, 404, 503))
+@tenants.delete("/v1/tenants/{name}", responses=responses(401, 403, 404, 405, 503))
 async def delete_tenant(name: str, api: API) -> TenantDeleted:
     """Delete a tenant and all its adapters (one etcd transaction)."""
     adapters = await api.service.delete_tenant(name)
     return TenantDeleted(name=name, adapters_deleted=[r.name for r in adapters])
 
 
-@tenants.post("/v1/tenants/{name}/keys", status_code=201, responses=responses(401, 403, 404, 503))
+@tenants.post(
+    "/v1/tenants/{name}/keys",
+    status_code=201,
+    responses=responses(400, 401, 403, 404, 405, 503),
+)
 async def issue_key(name: str, api: API, body: KeyRequest | None = None) -> TenantWithKey:
     """Issue another API key (shown only in this response), optionally revoking the others."""
     updated, key = await api.service.issue_key(name, (body or KeyRequest()).revoke_existing)
@@ -193,7 +233,7 @@ adapters = APIRouter(route_class=RegistryRoute, tags=["adapters"])
     "/v1/adapters",
     status_code=201,
     openapi_extra=REGISTRATION_BODY,
-    responses=responses(400, 401, 403, 409, 413, 415, 422, 503),
+    responses=responses(400, 401, 403, 405, 409, 413, 415, 422, 429, 503),
 )
 async def register_adapter(request: Request, owner: Owner, api: API) -> AdapterRecord:
     """Register a PEFT LoRA adapter: a multipart upload (files `adapter_config` and
@@ -201,35 +241,48 @@ async def register_adapter(request: Request, owner: Owner, api: API) -> AdapterR
     an allowed root. Everything is validated before anything is written."""
     settings = api.settings
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    async with uploads.staging(settings.staging_dir) as work:
-        staged = work / "adapter"
-        if content_type == "multipart/form-data":
-            form = await uploads.receive_multipart(request, work, settings.max_upload_bytes)
-            name, pinned = uploads.form_name(form), uploads.form_bool(form, "pinned")
-            await asyncio.to_thread(uploads.assemble_upload, form, staged, api.archive_limits)
-        elif content_type == "application/json":
-            body = await uploads.read_json(request, RegisterByPath)
-            name, pinned = body.name, body.pinned
-            await _copy_from_path(api, body.path, staged)
-        else:
-            raise HTTPException(
-                415, "send multipart/form-data (an upload) or application/json ({name, path})"
-            )
-        return await api.service.register(owner, name, pinned, staged)
+    if content_type not in ("multipart/form-data", "application/json"):
+        raise HTTPException(
+            415, "send multipart/form-data (an upload) or application/json ({name, path})"
+        )
+    with api.admission.admit(owner.name) as staging_bytes:
+        async with uploads.staging(settings.staging_dir) as work:
+            staged = work / "adapter"
+            if content_type == "multipart/form-data":
+                form = await uploads.receive_multipart(
+                    request, work, settings.max_upload_bytes, staging_bytes
+                )
+                name, pinned = uploads.form_name(form), uploads.form_bool(form, "pinned")
+                if "archive" in form.files:
+                    staging_bytes.take(settings.max_adapter_bytes)
+                await run_isolated(
+                    settings.work_limits(),
+                    uploads.assemble_upload,
+                    form.files,
+                    form.filenames,
+                    staged,
+                    api.archive_limits,
+                )
+            else:
+                body = await uploads.read_json(request, RegisterByPath)
+                name, pinned = body.name, body.pinned
+                staging_bytes.take(settings.max_adapter_bytes)
+                await _copy_from_path(api, body.path, owner.name, staged)
+            return await api.service.register(owner, name, pinned, staged)
 
 
-@adapters.get("/v1/adapters", responses=responses(401, 403))
+@adapters.get("/v1/adapters", responses=responses(401, 403, 405))
 async def list_adapters(owner: Owner, api: API) -> AdapterList:
     """The caller's adapters, sorted by name."""
     return AdapterList(adapters=await api.service.adapters(owner.name))
 
 
-@adapters.get("/v1/adapters/{name}", responses=responses(401, 403, 404))
+@adapters.get("/v1/adapters/{name}", responses=responses(401, 403, 404, 405))
 async def get_adapter(name: str, owner: Owner, api: API) -> AdapterRecord:
     return await api.service.adapter(owner.name, name)
 
 
-@adapters.delete("/v1/adapters/{name}", responses=responses(401, 403, 404, 503))
+@adapters.delete("/v1/adapters/{name}", responses=responses(401, 403, 404, 405, 503))
 async def delete_adapter(name: str, owner: Owner, api: API) -> AdapterRecord:
     """Delete one of the caller's adapters; returns the record as it was."""
     return await api.service.delete(owner.name, name)
@@ -244,28 +297,38 @@ vllm = APIRouter(
 )
 
 
-@vllm.post("/v1/load_lora_adapter", responses=responses(400, 401, 403, 409, 413, 422, 503))
+@vllm.post(
+    "/v1/load_lora_adapter", responses=responses(400, 401, 403, 405, 409, 413, 422, 429, 503)
+)
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, owner: Owner, api: API) -> str:
     """vLLM's runtime loading, done as a registration by path: every replica gets it."""
     if body.load_inplace:
         raise Unacceptable("load_inplace is not supported; unload the adapter, then load it again")
-    async with uploads.staging(api.settings.staging_dir) as work:
-        staged = work / "adapter"
-        await _copy_from_path(api, body.lora_path, staged)
-        await api.service.register(owner, body.lora_name, False, staged)
+    with api.admission.admit(owner.name) as staging_bytes:
+        async with uploads.staging(api.settings.staging_dir) as work:
+            staged = work / "adapter"
+            staging_bytes.take(api.settings.max_adapter_bytes)
+            await _copy_from_path(api, body.lora_path, owner.name, staged)
+            await api.service.register(owner, body.lora_name, False, staged)
     return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
 
-@vllm.post("/v1/unload_lora_adapter", responses=responses(401, 403, 404, 503))
+@vllm.post("/v1/unload_lora_adapter", responses=responses(400, 401, 403, 404, 405, 503))
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, owner: Owner, api: API) -> str:
     await api.service.delete(owner.name, body.lora_name)
     return f"Success: LoRA adapter '{body.lora_name}' removed successfully."
 
 
-async def _copy_from_path(api: TenantAPI, path: str, staged: os.PathLike[str]) -> None:
+async def _copy_from_path(api: TenantAPI, path: str, tenant: str, staged: os.PathLike[str]) -> None:
     settings = api.settings
-    await asyncio.to_thread(
-        uploads.copy_from_path, path, settings.allowed_roots, staged, settings.max_adapter_bytes
+    await run_isolated(
+        settings.work_limits(),
+        paths.copy_from_path,
+        path,
+        settings.allowed_roots,
+        tenant,
+        staged,
+        settings.max_adapter_bytes,
     )
 
 

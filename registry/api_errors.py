@@ -4,24 +4,31 @@ the same codes OpenAI's body), the headers that go with it, and the tenant API's
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from starlette.types import Receive, Scope, Send
 
 from loraplex.registry.errors import (
+    Busy,
     Conflict,
     Forbidden,
     Invalid,
     NotFound,
     RegistryError,
     RegistryUnavailable,
+    StagingFull,
     TooLarge,
+    TooManyUploads,
     Unacceptable,
     Unauthenticated,
 )
+
+log = logging.getLogger(__name__)
 
 _STATUS: dict[type[RegistryError], int] = {
     Invalid: 400,
@@ -31,6 +38,8 @@ _STATUS: dict[type[RegistryError], int] = {
     Conflict: 409,
     TooLarge: 413,
     Unacceptable: 422,
+    TooManyUploads: 429,
+    StagingFull: 503,
     RegistryUnavailable: 503,
 }
 
@@ -38,12 +47,16 @@ _DESCRIPTIONS: dict[int | str, str] = {
     400: "Unreadable input: bad JSON, corrupt safetensors header or archive, forbidden path.",
     401: "Missing or unknown API key.",
     403: "A key of the wrong kind for this route.",
+    405: "Method not allowed; `Allow` lists the path's methods.",
     404: "No such tenant or adapter (another tenant's adapter is reported the same way).",
     409: "Name taken, or the tenant's adapter quota is reached.",
     413: "Over a size limit (upload, adapter, header, archive).",
     415: "Neither multipart/form-data nor application/json.",
     422: "Adapter not accepted: rank, targets, tensor names or shapes, dtype, options.",
-    503: "etcd unreachable: the write was not made; retry.",
+    429: "The tenant has max_uploads_per_tenant registrations in flight; retry after "
+    "`Retry-After` seconds.",
+    503: "etcd unreachable, or the staging space in use by other uploads: nothing was "
+    "written; retry after `Retry-After` seconds.",
 }
 
 
@@ -58,7 +71,7 @@ def status_code(error: RegistryError) -> int:
 def error_headers(error: RegistryError) -> dict[str, str] | None:
     if isinstance(error, Unauthenticated):
         return {"WWW-Authenticate": "Bearer"}
-    if isinstance(error, RegistryUnavailable):
+    if isinstance(error, RegistryUnavailable | Busy):
         return {"Retry-After": str(error.retry_after_s)}
     return None
 
@@ -67,7 +80,8 @@ def error_response(error: RegistryError) -> JSONResponse:
     """The tenant API's answer to a domain error."""
     message = error.message
     if isinstance(error, RegistryUnavailable):
-        message = f"registry unavailable, nothing was changed; retry later ({error})"
+        log.warning("registry unavailable: %s", error)  # the endpoint is the operator's
+        message = "registry unavailable, nothing was changed; retry later"
     return JSONResponse({"detail": message}, status_code(error), headers=error_headers(error))
 
 
@@ -78,7 +92,18 @@ def responses(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 class RegistryRoute(APIRoute):
     """Answers the registry's domain errors, raised by a route or its dependencies, with the
-    tenant API's body, wherever the router is mounted."""
+    tenant API's body, wherever the router is mounted; and 405 with every method of the path
+    in `Allow` (Starlette names only the methods of the first route it found for the path)."""
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.methods and scope["method"] not in self.methods:
+            allow = ", ".join(path_methods(scope, self.path_format))
+            response = JSONResponse(
+                {"detail": "Method Not Allowed"}, status_code=405, headers={"Allow": allow}
+            )
+            await response(scope, receive, send)
+            return
+        await super().handle(scope, receive, send)
 
     def get_route_handler(self) -> Callable[[Request], Any]:
         handler = super().get_route_handler()
@@ -90,3 +115,15 @@ class RegistryRoute(APIRoute):
                 return error_response(e)
 
         return handle
+
+
+def path_methods(scope: Scope, path_format: str) -> list[str]:
+    """The methods of every route of the app serving `scope` at `path_format`."""
+    routes = scope["app"].router.routes if "app" in scope else []
+    methods = {
+        method
+        for route in routes
+        if isinstance(route, APIRoute) and route.path_format == path_format
+        for method in route.methods
+    }
+    return sorted(methods)

@@ -11,7 +11,9 @@ from loraplex.registry.validation import CONFIG_FILE, WEIGHTS_FILE
 
 class TenantCreate(BaseModel):
     model_config = ConfigDict(
-        extra="forbid", json_schema_extra={"examples": [{"name": "acme", "adapter_quota": 50}]}
+        extra="forbid",
+        strict=True,
+        json_schema_extra={"examples": [{"name": "acme", "adapter_quota": 50}]},
     )
 
     name: str = Field(pattern=NAME_PATTERN, description="Tenant name (a-z 0-9 . _ -, max 63).")
@@ -57,7 +59,7 @@ class TenantWithKey(BaseModel):
 
 class KeyRequest(BaseModel):
     model_config = ConfigDict(
-        extra="forbid", json_schema_extra={"examples": [{"revoke_existing": True}]}
+        extra="forbid", strict=True, json_schema_extra={"examples": [{"revoke_existing": True}]}
     )
 
     revoke_existing: bool = Field(False, description="Invalidate the tenant's other keys.")
@@ -75,6 +77,7 @@ class TenantDeleted(BaseModel):
 class RegisterByPath(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
+        strict=True,
         json_schema_extra={
             "examples": [
                 {"name": "sql-helper", "path": "/mnt/adapters/sql-helper", "pinned": False}
@@ -83,7 +86,10 @@ class RegisterByPath(BaseModel):
     )
 
     name: str = Field(pattern=NAME_PATTERN, description="Adapter name, unique per tenant.")
-    path: str = Field(description="Absolute path of a PEFT adapter folder under an allowed root.")
+    path: str = Field(
+        description="Absolute path of a PEFT adapter folder in the tenant's subtree of an "
+        "allowed root (<root>/<tenant>/...)."
+    )
     pinned: bool = Field(False, description="Keep resident on replicas even when cold.")
 
 
@@ -95,21 +101,28 @@ class LoadLoRAAdapterRequest(BaseModel):
     """vLLM's request body; `load_inplace` (replace weights under a live name) is refused."""
 
     model_config = ConfigDict(
+        strict=True,
         json_schema_extra={
             "examples": [{"lora_name": "sql-helper", "lora_path": "/mnt/adapters/sql-helper"}]
-        }
+        },
     )
 
     lora_name: str = Field(pattern=NAME_PATTERN)
     lora_path: str
-    load_inplace: bool = False
+    load_inplace: bool = Field(
+        False,
+        json_schema_extra={"const": False},
+        description="Must be false: weights are never replaced under a live name.",
+    )
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
-    model_config = ConfigDict(json_schema_extra={"examples": [{"lora_name": "sql-helper"}]})
+    model_config = ConfigDict(
+        strict=True, json_schema_extra={"examples": [{"lora_name": "sql-helper"}]}
+    )
 
     lora_name: str
-    lora_int_id: int | None = None
+    lora_int_id: int | None = Field(None, description="Accepted for vLLM clients; ignored.")
 
 
 REGISTRATION_BODY = {

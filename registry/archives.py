@@ -1,13 +1,11 @@
-"""Untrusted containers of an adapter: a tar.gz upload, extracted without escapes or bombs,
-and a registration path, confined to the operator's allowed roots. Refusals are
-`AdapterRejected`: `Invalid` (unreadable or forbidden), `TooLarge`, `Unacceptable` (pickle
-weights)."""
+"""An untrusted container of an adapter: a tar.gz upload, extracted without escapes or bombs
+(a registration path: `paths.py`). Refusals are `AdapterRejected`: `Invalid` (unreadable or
+forbidden), `TooLarge`, `Unacceptable` (pickle weights)."""
 
 from __future__ import annotations
 
 import os
 import re
-import tarfile
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,11 +13,20 @@ from pathlib import Path, PurePosixPath
 from typing import IO
 
 from loraplex.registry.errors import Invalid, TooLarge, Unacceptable
+from loraplex.registry.tar_reader import (
+    BLOCK,
+    EXTENDED_HEADERS_PER_ENTRY,
+    MAX_EXTENDED_HEADER_BYTES,
+    TarFormatError,
+    TarReader,
+    TarTooLarge,
+)
 from loraplex.registry.validation import (
     ADAPTER_FILES,
     CONFIG_FILE,
     PICKLE_WEIGHTS_FILE,
     WEIGHTS_FILE,
+    shown,
 )
 
 _STEP_BYTES = 64 << 10
@@ -78,15 +85,17 @@ def safe_extract_tar_gz(fileobj: IO[bytes], dest: Path, limits: ArchiveLimits) -
     Only those two regular files are accepted: links, devices, absolute paths, `..`, any other
     member and duplicates are refused. Decompression is streamed and stops once the output
     passes the byte limit (tar framing included), so neither the gzip ratio nor the tar
-    headers' sizes can make it write or buffer more. Output names are fixed, so nothing lands
-    outside `dest`; on refusal, files written so far are removed."""
-    # Tar framing: a 512-byte header per member, padding to 512, two end blocks, and records
-    # padded to 10 KiB by most writers.
-    framing = limits.max_members * 1024 + (20 << 10)
+    headers' sizes can make it write or buffer more; every header's size is checked before
+    the header is read (`tar_reader`). Output names are fixed, so nothing lands outside
+    `dest`; on refusal, files written so far are removed."""
+    # Tar framing: per member a 512-byte header, up to four capped extended headers, padding;
+    # two end blocks, and records padded to 10 KiB by most writers.
+    per_member = 2 * BLOCK + EXTENDED_HEADERS_PER_ENTRY * (MAX_EXTENDED_HEADER_BYTES + BLOCK)
+    framing = limits.max_members * per_member + (20 << 10)
     stream = _ChunkStream(_decompressed(fileobj, limits.max_total_bytes, framing))
     written: list[Path] = []
     try:
-        _extract_members(stream, dest, limits, written)
+        _extract_members(TarReader(stream), dest, limits, written)
         missing = [name for name in ADAPTER_FILES if not (dest / name).is_file()]
         if missing:
             raise Invalid(
@@ -95,61 +104,59 @@ def safe_extract_tar_gz(fileobj: IO[bytes], dest: Path, limits: ArchiveLimits) -
     except BaseException as e:
         for path in written:
             path.unlink(missing_ok=True)
-        if isinstance(e, tarfile.TarError | zlib.error | EOFError | OSError):
+        if isinstance(e, TarTooLarge):
+            raise TooLarge(f"archive refused: {e}") from None
+        if isinstance(e, TarFormatError | zlib.error | EOFError):
             raise Invalid(f"archive is not a valid tar.gz: {e}") from None
         raise
     return dest
 
 
 def _extract_members(
-    stream: _ChunkStream, dest: Path, limits: ArchiveLimits, written: list[Path]
+    reader: TarReader, dest: Path, limits: ArchiveLimits, written: list[Path]
 ) -> None:
     total = 0
     top: str | None = None
-    with tarfile.open(fileobj=stream, mode="r|") as archive:  # type: ignore[call-overload]
-        for count, member in enumerate(archive, start=1):
-            if count > limits.max_members:
-                raise TooLarge(
-                    f"archive has more than {limits.max_members} members; expected {CONFIG_FILE} and {WEIGHTS_FILE}"
-                )
-            parts = _member_parts(member.name)
-            if member.isdir():
-                if len(parts) > 1:
-                    raise Invalid(
-                        f"archive member {member.name!r}: nested folders are not accepted; files must sit at the top level or in one folder"
-                    )
-                top = _same_folder(member.name, top, parts[0] if parts else None)
-                continue
-            if not member.isfile():
-                kind = (
-                    "a symlink"
-                    if member.issym()
-                    else "a hard link"
-                    if member.islnk()
-                    else "a device or fifo"
-                )
+    for count, member in enumerate(reader.entries(), start=1):
+        if count > limits.max_members:
+            raise TooLarge(
+                f"archive has more than {limits.max_members} members; expected {CONFIG_FILE} and {WEIGHTS_FILE}"
+            )
+        name = shown(member.name)
+        parts = _member_parts(member.name)
+        if member.kind == "dir":
+            if len(parts) > 1:
                 raise Invalid(
-                    f"archive member {member.name!r} is {kind}; only regular files are accepted"
+                    f"archive member {name}: nested folders are not accepted; files must sit at the top level or in one folder"
                 )
-            filename = parts[-1] if parts else ""
-            if filename == PICKLE_WEIGHTS_FILE:
-                raise Unacceptable(
-                    f"archive member {member.name!r}: pickle weights are refused; use {WEIGHTS_FILE}",
-                )
-            if filename not in ADAPTER_FILES or len(parts) > 2:
-                raise Invalid(
-                    f"archive member {member.name!r} is not accepted; an archive holds only {CONFIG_FILE} and {WEIGHTS_FILE}, optionally inside one folder"
-                )
-            top = _same_folder(member.name, top, parts[0] if len(parts) == 2 else "")
-            target = dest / filename
-            if target.exists():
-                raise Invalid(f"archive holds {filename} twice")
-            if total + member.size > limits.max_total_bytes:
-                raise TooLarge(f"archive contents exceed {limits.max_total_bytes} bytes")
-            source = archive.extractfile(member)
-            assert source is not None
-            written.append(target)
-            total += _copy_bounded(source, target, limits.max_total_bytes - total)
+            top = _same_folder(member.name, top, parts[0] if parts else None)
+            continue
+        if member.kind != "file":
+            kind = {"symlink": "a symlink", "hard link": "a hard link"}.get(
+                member.kind, "a device or fifo" if member.kind in ("device", "fifo") else None
+            )
+            raise Invalid(
+                f"archive member {name} is {kind}; only regular files are accepted"
+                if kind
+                else f"archive member {name} has unsupported tar {member.kind}; only regular files are accepted"
+            )
+        filename = parts[-1] if parts else ""
+        if filename == PICKLE_WEIGHTS_FILE:
+            raise Unacceptable(
+                f"archive member {name}: pickle weights are refused; use {WEIGHTS_FILE}"
+            )
+        if filename not in ADAPTER_FILES or len(parts) > 2:
+            raise Invalid(
+                f"archive member {name} is not accepted; an archive holds only {CONFIG_FILE} and {WEIGHTS_FILE}, optionally inside one folder"
+            )
+        top = _same_folder(member.name, top, parts[0] if len(parts) == 2 else "")
+        target = dest / filename
+        if target.exists():
+            raise Invalid(f"archive holds {filename} twice")
+        if total + member.size > limits.max_total_bytes:
+            raise TooLarge(f"archive contents exceed {limits.max_total_bytes} bytes")
+        written.append(target)
+        total += _copy_member(reader, target)
 
 
 def _same_folder(name: str, top: str | None, folder: str | None) -> str | None:
@@ -157,70 +164,31 @@ def _same_folder(name: str, top: str | None, folder: str | None) -> str | None:
     if folder is None or top is None or folder == top:
         return top if folder is None else folder
     raise Invalid(
-        f"archive member {name!r}: files must sit together at the top level or in one folder"
+        f"archive member {shown(name)}: files must sit together at the top level or in one folder"
     )
 
 
 def _member_parts(name: str) -> tuple[str, ...]:
     if name.startswith("/") or re.match(r"^[A-Za-z]:", name):
         raise Invalid(
-            f"archive member {name!r} has an absolute path; only relative names are accepted"
+            f"archive member {shown(name)} has an absolute path; only relative names are accepted"
         )
     if "\\" in name:
         raise Invalid(
-            f"archive member {name!r} contains a backslash; use '/' separated relative names"
+            f"archive member {shown(name)} contains a backslash; use '/' separated relative names"
         )
     parts = tuple(p for p in PurePosixPath(name).parts if p != ".")
     if ".." in parts:
-        raise Invalid(f"archive member {name!r} contains '..'; path traversal is refused")
+        raise Invalid(f"archive member {shown(name)} contains '..'; path traversal is refused")
     return parts
 
 
-def _copy_bounded(source: IO[bytes], target: Path, budget: int) -> int:
+def _copy_member(reader: TarReader, target: Path) -> int:
+    """The current entry's data into a new file (its size was checked against the limit)."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
     copied = 0
     with os.fdopen(os.open(target, flags, 0o644), "wb") as out:
-        while chunk := source.read(1 << 20):
+        while chunk := reader.read_data(1 << 20):
             copied += len(chunk)
-            if copied > budget:
-                raise TooLarge("archive contents exceed the extraction limit")
             out.write(chunk)
     return copied
-
-
-# ---------------------------------------------------------------- registration by path
-
-
-def resolve_under_roots(path: str | os.PathLike[str], allowed_roots: list[str]) -> Path:
-    """The real path of an adapter folder, if it lies inside one of `allowed_roots`.
-
-    Symlinks are resolved first, so a link pointing out of a root is refused; the adapter
-    files inside the folder must resolve inside a root too (Hugging Face caches link
-    snapshot files to blobs in the same cache). Whether a path outside the roots exists is
-    never revealed."""
-    raw = os.fspath(path)
-    if not allowed_roots:
-        raise Invalid(
-            "registration by path is disabled: the server has no allowed_roots configured"
-        )
-    if not raw or "\x00" in raw:
-        raise Invalid("path must be a non-empty absolute path")
-    if not os.path.isabs(raw):
-        raise Invalid(f"path {raw!r} must be absolute")
-    roots = [os.path.realpath(root) for root in allowed_roots]
-    real = os.path.realpath(raw)
-    if not _inside_any(real, roots):
-        raise Invalid(
-            f"path {raw!r} is not inside the allowed roots {list(allowed_roots)} (symlinks resolved)"
-        )
-    if not os.path.isdir(real):
-        raise Invalid(f"path {raw!r} is not a folder; expected a PEFT adapter folder")
-    for name in (*ADAPTER_FILES, PICKLE_WEIGHTS_FILE):
-        file_path = os.path.join(real, name)
-        if os.path.lexists(file_path) and not _inside_any(os.path.realpath(file_path), roots):
-            raise Invalid(f"{name} in {raw!r} links outside the allowed roots")
-    return Path(real)
-
-
-def _inside_any(real: str, roots: list[str]) -> bool:
-    return any(os.path.commonpath([root, real]) == root for root in roots)

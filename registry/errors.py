@@ -16,6 +16,9 @@ ingress gives the same codes OpenAI's body.
     ├── Conflict             a name taken, a quota reached, a concurrent change
     │   ├── AlreadyExists    create of a key that exists
     │   └── RevisionConflict update whose expected revision is not the key's
+    ├── Busy                 refused for now, retry later (registry/admission.py)
+    │   ├── TooManyUploads   the tenant's registration slots are all in flight
+    │   └── StagingFull      the uploads in flight hold the whole staging budget
     └── RegistryUnavailable  etcd could not be reached or did not answer in time
 """
 
@@ -76,3 +79,17 @@ class RegistryUnavailable(RegistryError):
     outcome is unknown: retrying is safe, creates are create-if-absent)."""
 
     retry_after_s = 5
+
+
+class Busy(RegistryError):
+    """Refused for now: retrying after `retry_after_s` may succeed."""
+
+    retry_after_s = 5
+
+
+class TooManyUploads(Busy):
+    """The tenant has `max_uploads_per_tenant` registrations in flight."""
+
+
+class StagingFull(Busy):
+    """The registrations in flight hold the whole staging budget (`staging_max_bytes`)."""

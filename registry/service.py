@@ -24,6 +24,7 @@ from loraplex.registry.errors import (
     RevisionConflict,
     Unauthenticated,
 )
+from loraplex.registry.isolation import WorkLimits, run_isolated
 from loraplex.registry.models import AdapterRecord, Tenant
 from loraplex.registry.store import RegistryStore
 from loraplex.registry.validation import BaseModelShape, validate_adapter_dir
@@ -57,6 +58,7 @@ class ServiceSettings(Protocol):
     def max_adapter_bytes(self) -> int: ...
     @property
     def visibility_timeout_s(self) -> float: ...
+    def work_limits(self) -> WorkLimits: ...
 
 
 class RegistryService:
@@ -105,7 +107,8 @@ class RegistryService:
         if len(await self.store.list_adapters(tenant.name)) >= tenant.adapter_quota:
             raise _quota_reached(tenant)
         settings = self.settings
-        summary = await asyncio.to_thread(
+        summary = await run_isolated(  # untrusted headers and JSON: off this process
+            settings.work_limits(),
             validate_adapter_dir,
             staged,
             settings.base_model,

@@ -1,7 +1,7 @@
 """Registration input, staged outside the artifact root: a multipart body parsed as it
 arrives (file parts straight to disk, size limits enforced while reading), a bounded JSON
-body, and the PEFT folder assembled from the parts, an archive or a path under an allowed
-root. The functions without `async` block on file I/O: run them through asyncio.to_thread."""
+body, and the PEFT folder assembled from the parts or an archive (a path under an allowed root:
+`paths.py`). `assemble_upload` blocks on untrusted input: run it through `run_isolated`."""
 
 from __future__ import annotations
 
@@ -21,14 +21,14 @@ from pydantic import BaseModel, ValidationError
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
-from loraplex.registry.archives import ArchiveLimits, resolve_under_roots, safe_extract_tar_gz
+from loraplex.registry.admission import Reservation
+from loraplex.registry.archives import ArchiveLimits, safe_extract_tar_gz
 from loraplex.registry.errors import Invalid, TooLarge, Unacceptable
 from loraplex.registry.models import NAME_PATTERN
 from loraplex.registry.validation import (
-    ADAPTER_FILES,
     CONFIG_FILE,
-    PICKLE_WEIGHTS_FILE,
     WEIGHTS_FILE,
+    shown,
 )
 
 MAX_JSON_BYTES = 64 << 10
@@ -87,9 +87,9 @@ class UploadForm:
         name = options.get(b"name", b"").decode("utf-8", "replace")
         accepted = ", ".join(self.TEXT_FIELDS + self.FILE_FIELDS)
         if name not in self.TEXT_FIELDS + self.FILE_FIELDS:
-            raise Invalid(f"unexpected form field {name!r}; accepted: {accepted}")
+            raise Invalid(f"unexpected form field {shown(name)}; accepted: {accepted}")
         if name in self.fields or name in self.files:
-            raise Invalid(f"form field {name!r} sent twice")
+            raise Invalid(f"form field {shown(name)} sent twice")
         self._name = name
         if name in self.FILE_FIELDS:
             path = self.work / f"{name}.upload"
@@ -126,9 +126,12 @@ class UploadForm:
             file.close()
 
 
-async def receive_multipart(request: Request, work: Path, max_bytes: int) -> UploadForm:
+async def receive_multipart(
+    request: Request, work: Path, max_bytes: int, staging: Reservation
+) -> UploadForm:
     """Parse a multipart body as it arrives, writing file parts to `work`; stops with 413 once
-    `max_bytes` have been received, whatever Content-Length claimed."""
+    `max_bytes` have been received, whatever Content-Length claimed. Every byte is reserved
+    in `staging` before it is written."""
     _, params = parse_options_header(request.headers.get("content-type", ""))
     boundary = params.get(b"boundary")
     if not boundary:
@@ -140,6 +143,7 @@ async def receive_multipart(request: Request, work: Path, max_bytes: int) -> Upl
     try:
         async for chunk in request.stream():
             received += len(chunk)
+            staging.take(len(chunk))
             if received > max_bytes:
                 raise TooLarge(f"upload exceeds {max_bytes} bytes (max_upload_bytes)")
             parser.write(chunk)
@@ -175,9 +179,11 @@ async def read_json(request: Request, model: type[BaseModel]) -> Any:
         raise Unacceptable(f"invalid request body: {problems}") from None
 
 
-def assemble_upload(form: UploadForm, dest: Path, limits: ArchiveLimits) -> None:
-    """Turn the uploaded parts into a PEFT folder at `dest` (blocking: run in a thread)."""
-    files = form.files
+def assemble_upload(
+    files: dict[str, Path], filenames: dict[str, str], dest: Path, limits: ArchiveLimits
+) -> None:
+    """Turn the uploaded parts (`UploadForm.files` and `.filenames`) into a PEFT folder at
+    `dest` (blocking, and an archive is untrusted: run in a worker process)."""
     dest.mkdir()
     if "archive" in files:
         if "adapter_config" in files or "adapter_model" in files:
@@ -193,33 +199,12 @@ def assemble_upload(form: UploadForm, dest: Path, limits: ArchiveLimits) -> None
             f"missing file field(s) {missing}; send 'adapter_config' ({CONFIG_FILE}) and "
             f"'adapter_model' ({WEIGHTS_FILE}), or one 'archive' (tar.gz)",
         )
-    if form.filenames.get("adapter_model", "").endswith((".bin", ".pt", ".pth")):
+    if filenames.get("adapter_model", "").endswith((".bin", ".pt", ".pth")):
         raise Unacceptable(
-            f"{form.filenames['adapter_model']!r}: pickle weights are refused; upload {WEIGHTS_FILE}",
+            f"{shown(filenames['adapter_model'])}: pickle weights are refused; upload {WEIGHTS_FILE}",
         )
     os.replace(files["adapter_config"], dest / CONFIG_FILE)
     os.replace(files["adapter_model"], dest / WEIGHTS_FILE)
-
-
-def copy_from_path(path: str, roots: list[str], dest: Path, max_bytes: int) -> None:
-    """Copy a PEFT folder under an allowed root to `dest` (blocking: run in a thread). Copying
-    first means the bytes validated are the bytes stored, whatever happens to the source."""
-    source = resolve_under_roots(path, roots)
-    dest.mkdir()
-    weights = source / WEIGHTS_FILE
-    if not weights.exists() and (source / PICKLE_WEIGHTS_FILE).exists():
-        raise Unacceptable(
-            f"{PICKLE_WEIGHTS_FILE} (pickle) is refused; save the adapter with safetensors ({WEIGHTS_FILE})",
-        )
-    present = [source / name for name in ADAPTER_FILES if (source / name).is_file()]
-    size = sum(p.stat().st_size for p in present)
-    if size > max_bytes:
-        raise TooLarge(f"adapter is {size} bytes; the limit is {max_bytes} (max_adapter_bytes)")
-    for src in present:
-        # The folder's real path was checked; refuse a file swapped for a symlink since.
-        fd = os.open(os.path.realpath(src), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        with os.fdopen(fd, "rb") as f, (dest / src.name).open("xb") as out:
-            shutil.copyfileobj(f, out, 1 << 20)
 
 
 @asynccontextmanager
@@ -239,12 +224,12 @@ def form_name(form: UploadForm) -> str:
     if name is None:
         raise Unacceptable("form field 'name' is required")
     if not re.fullmatch(NAME_PATTERN, name):
-        raise Unacceptable(f"adapter name {name!r} must match {NAME_PATTERN}")
+        raise Unacceptable(f"adapter name {shown(name)} must match {NAME_PATTERN}")
     return name
 
 
 def form_bool(form: UploadForm, field_name: str) -> bool:
     value = form.fields.get(field_name, "false").strip().lower()
     if value not in ("true", "false", "1", "0"):
-        raise Unacceptable(f"form field {field_name!r} must be true or false, found {value!r}")
+        raise Unacceptable(f"form field {field_name!r} must be true or false, found {shown(value)}")
     return value in ("true", "1")

@@ -62,6 +62,18 @@ _UNSUPPORTED_WHEN_SET = (
 )
 
 
+SHOWN_CHARS = 100
+
+
+def shown(value: object) -> str:
+    """`repr(value)` for a message, cut to SHOWN_CHARS: a name or value from an upload may be
+    megabytes long, and a refusal must not echo it back."""
+    text = repr(value)
+    if len(text) <= SHOWN_CHARS:
+        return text
+    return f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
+
+
 class BaseModelShape(BaseModel):
     """Dimensions of the served base model that adapter tensors are checked against."""
 
@@ -158,9 +170,11 @@ def read_safetensors_header(
         raw = f.read(header_len)
     try:
         header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
-    except (UnicodeDecodeError, ValueError) as e:
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
         _refuse_pickle(path.name, prefix)
-        raise Invalid(f"{path.name}: safetensors header is not valid JSON: {e}") from None
+        raise Invalid(
+            f"{path.name}: safetensors header is not valid JSON: {_json_problem(e)}"
+        ) from None
     if not isinstance(header, dict):
         raise Invalid(f"{path.name}: safetensors header must be a JSON object")
     metadata = header.pop("__metadata__", {})
@@ -185,6 +199,12 @@ def _refuse_pickle(file: str, prefix: bytes) -> None:
         )
 
 
+def _json_problem(error: Exception) -> str:
+    if isinstance(error, RecursionError):
+        return "nested too deeply"
+    return str(error)[:200]
+
+
 def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in pairs:
@@ -196,15 +216,17 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 def _tensor_info(file: str, name: str, entry: object) -> TensorInfo:
     if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
-        raise Invalid(f"{file}: tensor {name!r} must have exactly dtype, shape and data_offsets")
+        raise Invalid(
+            f"{file}: tensor {shown(name)} must have exactly dtype, shape and data_offsets"
+        )
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if dtype not in DTYPE_BYTES:
         raise Unacceptable(
-            f"{file}: tensor {name!r} has dtype {dtype!r}; accepted: {', '.join(DTYPE_BYTES)}"
+            f"{file}: tensor {shown(name)} has dtype {shown(dtype)}; accepted: {', '.join(DTYPE_BYTES)}"
         )
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
         raise Invalid(
-            f"{file}: tensor {name!r} shape must be a list of non-negative integers, found {shape!r}"
+            f"{file}: tensor {shown(name)} shape must be a list of non-negative integers, found {shown(shape)}"
         )
     if (
         not isinstance(offsets, list)
@@ -213,13 +235,13 @@ def _tensor_info(file: str, name: str, entry: object) -> TensorInfo:
         or offsets[0] > offsets[1]
     ):
         raise Invalid(
-            f"{file}: tensor {name!r} data_offsets must be [begin, end] with 0 <= begin <= end, found {offsets!r}"
+            f"{file}: tensor {shown(name)} data_offsets must be [begin, end] with 0 <= begin <= end, found {shown(offsets)}"
         )
     begin, end = offsets
     expected = math.prod(shape) * DTYPE_BYTES[dtype]
     if end - begin != expected:
         raise Invalid(
-            f"{file}: tensor {name!r} spans {end - begin} bytes but {dtype} {shape} needs {expected}"
+            f"{file}: tensor {shown(name)} spans {end - begin} bytes but {dtype} {shown(shape)} needs {expected}"
         )
     return TensorInfo(dtype, tuple(shape), begin, end)
 
@@ -231,7 +253,7 @@ def _check_layout(file: str, tensors: dict[str, TensorInfo]) -> int:
         if info.begin != position:
             problem = "overlaps the previous tensor" if info.begin < position else "leaves a gap"
             raise Invalid(
-                f"{file}: tensor {name!r} data_offsets {[info.begin, info.end]} {problem} (expected to start at {position})"
+                f"{file}: tensor {shown(name)} data_offsets {[info.begin, info.end]} {problem} (expected to start at {position})"
             )
         position = info.end
     return position
@@ -251,11 +273,13 @@ def check_finite(path: Path, data_start: int, tensors: dict[str, TensorInfo]) ->
             while remaining:
                 chunk = f.read(min(remaining, _FINITE_CHUNK_BYTES))
                 if not chunk:
-                    raise Invalid(f"{path.name}: file ends inside tensor {name!r}")
+                    raise Invalid(f"{path.name}: file ends inside tensor {shown(name)}")
                 remaining -= len(chunk)
                 words = np.frombuffer(chunk, dtype=np.dtype(int_type).newbyteorder("<"))
                 if np.any((words & mask) == mask):
-                    raise Unacceptable(f"{path.name}: tensor {name!r} holds NaN or infinite values")
+                    raise Unacceptable(
+                        f"{path.name}: tensor {shown(name)} holds NaN or infinite values"
+                    )
 
 
 # ---------------------------------------------------------------- adapter_config.json
@@ -267,8 +291,8 @@ def read_adapter_config(path: Path, *, max_bytes: int = MAX_CONFIG_BYTES) -> dic
         raise TooLarge(f"{CONFIG_FILE} is {size} bytes; the limit is {max_bytes}")
     try:
         cfg = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise Invalid(f"{CONFIG_FILE} is not valid JSON: {e}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise Invalid(f"{CONFIG_FILE} is not valid JSON: {_json_problem(e)}") from None
     if not isinstance(cfg, dict):
         raise Invalid(f"{CONFIG_FILE} must hold a JSON object")
     return cfg
@@ -280,11 +304,11 @@ def check_adapter_config(
     """(r, lora_alpha, target_modules, use_rslora) of a plain-LoRA PEFT config."""
     if cfg.get("peft_type") != "LORA":
         raise Unacceptable(
-            f"{CONFIG_FILE}: peft_type must be 'LORA', found {cfg.get('peft_type')!r}"
+            f"{CONFIG_FILE}: peft_type must be 'LORA', found {shown(cfg.get('peft_type'))}"
         )
     set_options = [key for key in _UNSUPPORTED_WHEN_SET if cfg.get(key)]
     if cfg.get("bias", "none") != "none":
-        set_options.append(f"bias={cfg['bias']!r}")
+        set_options.append(f"bias={shown(cfg['bias'])}")
     if set_options:
         raise Unacceptable(
             f"{CONFIG_FILE} sets unsupported options: {', '.join(set_options)}; loraplex serves plain "
@@ -293,7 +317,7 @@ def check_adapter_config(
     r = cfg.get("r")
     if not _is_int(r) or not 1 <= r <= max_rank:
         raise Unacceptable(
-            f"{CONFIG_FILE}: r must be an integer in 1..{max_rank} (the server's max_lora_rank), found {r!r}"
+            f"{CONFIG_FILE}: r must be an integer in 1..{max_rank} (the server's max_lora_rank), found {shown(r)}"
         )
     alpha = cfg.get("lora_alpha")
     if (
@@ -303,22 +327,24 @@ def check_adapter_config(
         or alpha <= 0
     ):
         raise Unacceptable(
-            f"{CONFIG_FILE}: lora_alpha must be a positive finite number, found {alpha!r}"
+            f"{CONFIG_FILE}: lora_alpha must be a positive finite number, found {shown(alpha)}"
         )
     targets = cfg.get("target_modules")
     if not isinstance(targets, list) or not targets or not all(isinstance(t, str) for t in targets):
         raise Unacceptable(
             f"{CONFIG_FILE}: target_modules must be a non-empty list of module names "
-            f"(a subset of {list(TARGET_MODULES)}), found {targets!r}"
+            f"(a subset of {list(TARGET_MODULES)}), found {shown(targets)}"
         )
     unknown = sorted(set(targets) - set(TARGET_MODULES))
     if unknown:
         raise Unacceptable(
-            f"{CONFIG_FILE}: unsupported target_modules {unknown}; accepted: {list(TARGET_MODULES)}"
+            f"{CONFIG_FILE}: unsupported target_modules {shown(unknown)}; accepted: {list(TARGET_MODULES)}"
         )
     rslora = cfg.get("use_rslora", False)
     if not isinstance(rslora, bool):
-        raise Unacceptable(f"{CONFIG_FILE}: use_rslora must be true or false, found {rslora!r}")
+        raise Unacceptable(
+            f"{CONFIG_FILE}: use_rslora must be true or false, found {shown(rslora)}"
+        )
     return r, float(alpha), tuple(t for t in TARGET_MODULES if t in targets), rslora
 
 
@@ -372,22 +398,22 @@ def _check_tensors(
         m = TENSOR_NAME.match(name)
         if m is None:
             raise Unacceptable(
-                f"tensor {name!r} is not a LoRA weight of a Llama projection; expected {_TENSOR_NAME_FORMS}"
+                f"tensor {shown(name)} is not a LoRA weight of a Llama projection; expected {_TENSOR_NAME_FORMS}"
             )
         layer, target, which = int(m[1]), m[2] or m[3], m[4]
         if layer >= base.num_layers:
             raise Unacceptable(
-                f"tensor {name!r}: layer {layer} but the base model has {base.num_layers} layers (0..{base.num_layers - 1})"
+                f"tensor {shown(name)}: layer {layer} but the base model has {base.num_layers} layers (0..{base.num_layers - 1})"
             )
         if target not in declared:
             raise Unacceptable(
-                f"tensor {name!r}: {target} is not in {CONFIG_FILE} target_modules {list(declared)}"
+                f"tensor {shown(name)}: {target} is not in {CONFIG_FILE} target_modules {list(declared)}"
             )
         out_features, in_features = shapes[target]
         expected = (rank, in_features) if which == "A" else (out_features, rank)
         if info.shape != expected:
             raise Unacceptable(
-                f"tensor {name!r} has shape {list(info.shape)}; expected {list(expected)} "
+                f"tensor {shown(name)} has shape {list(info.shape)}; expected {list(expected)} "
                 f"(r = {rank} from {CONFIG_FILE}, {target} is [{out_features}, {in_features}] in the base model)"
             )
         pairs.setdefault((layer, target), set()).add(which)

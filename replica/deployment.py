@@ -34,6 +34,7 @@ from loraplex.replica.protocol import (
     GenerateChunk,
     GenerateRequest,
     chunk,
+    continuation,
     sampling_params,
 )
 from loraplex.replica.scheduling.scheduler import SchedulerConfig
@@ -131,7 +132,11 @@ class ReplicaDeployment:
             await self.sync.ensure(adapter)
         params = sampling_params(request)
         outputs = self.engine.generate(
-            request["prompt_token_ids"], params, adapter, request["request_id"]
+            request["prompt_token_ids"],
+            params,
+            adapter,
+            request["request_id"],
+            continuation=continuation(request),
         )
         try:
             async for out in outputs:

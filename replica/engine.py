@@ -34,7 +34,7 @@ from loraplex.replica.model.llama import ForwardOps, LlamaModel
 from loraplex.replica.model.loader import load_weights
 from loraplex.replica.sampling import SamplingParams, greedy_tokens, sample_token
 from loraplex.replica.scheduling.scheduler import Scheduler
-from loraplex.replica.sequence import RequestOutput, Sequence
+from loraplex.replica.sequence import Continuation, RequestOutput, Sequence
 from loraplex.replica.step_costs import StepCostEstimator
 from loraplex.replica.tokenizer import Tokenizer
 
@@ -161,15 +161,19 @@ class LLMEngine:
         adapter: str | None = None,
         request_id: str | None = None,
         arrival: float = 0.0,
+        continuation: Continuation | None = None,
     ) -> Sequence:
+        """Queue a request; `continuation`: it resumes after output it produced elsewhere."""
         ids = self.encode(prompt)
         self._check(ids, params, adapter)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        generator = torch.Generator().manual_seed(seed)
-        seq = Sequence(request_id, ids, params, adapter, arrival, generator)
+        seq = Sequence(request_id, ids, params, adapter, arrival, torch.Generator(), seed=seed)
+        if continuation is not None:
+            self._check_continuation(continuation, params)
+            seq.output_ids, seq.text = list(continuation.token_ids), continuation.text
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -200,6 +204,17 @@ class LLMEngine:
             raise RequestError(
                 f"the request needs {kv_pages} KV pages + {adapter_pages} adapter pages; "
                 f"the pool has {self.pool.num_pages}"
+            )
+
+    def _check_continuation(self, continuation: Continuation, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        done = continuation.token_ids
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in done):
+            raise RequestError(f"output token ids to resume after must be integers in [0, {vocab})")
+        if len(done) >= params.max_tokens:
+            raise RequestError(
+                f"nothing to resume: {len(done)} output tokens already, max_tokens "
+                f"{params.max_tokens}"
             )
 
     def abort(self, request_id: str) -> None:
@@ -239,7 +254,7 @@ class LLMEngine:
         for i, seq in enumerate(batch.sampled):
             try:
                 p = seq.params
-                token = greedy[i] if p.greedy else sample_token(logits[i], p, seq.generator)
+                token = greedy[i] if p.greedy else sample_token(logits[i], p, seq.next_draw())
                 outputs.append(self._append(seq, token, logits[i] if p.return_logits else None))
             except Exception as e:  # this request's fault: it ends, the batch goes on
                 outputs.append(self._fail(seq, e))
@@ -435,6 +450,17 @@ class Engine:
         while self._aborts:
             self.core.abort(self._aborts.pop())
 
+    def _check_continuation(self, continuation: Continuation, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        done = continuation.token_ids
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in done):
+            raise RequestError(f"output token ids to resume after must be integers in [0, {vocab})")
+        if len(done) >= params.max_tokens:
+            raise RequestError(
+                f"nothing to resume: {len(done)} output tokens already, max_tokens "
+                f"{params.max_tokens}"
+            )
+
     def abort(self, request_id: str) -> None:
         """Abort a request; never blocks (safe from a cancelled task or a finalizer). Its
         pages are freed before the next step, or at once if the loop is idle."""
@@ -470,6 +496,7 @@ class Engine:
         params: SamplingParams,
         adapter: str | None = None,
         request_id: str | None = None,
+        continuation: Continuation | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs step by step. Closing the iterator early (or
         cancelling the task) aborts the request and frees its pages."""
@@ -479,7 +506,9 @@ class Engine:
         loop = asyncio.get_running_loop()
 
         def add():
-            seq = self.core.add_request(prompt, params, adapter, request_id)
+            seq = self.core.add_request(
+                prompt, params, adapter, request_id, continuation=continuation
+            )
             self._streams[seq.request_id] = (loop, queue)
             return seq
 

@@ -14,6 +14,7 @@ from loraplex.replica.protocol import (
     GenerateChunk,
     GenerateRequest,
     chunk,
+    continuation,
     sampling_params,
 )
 
@@ -28,6 +29,8 @@ class LocalBackend:
     under their id `tenant/name` with `ensure_adapter`; closing a `generate` stream early
     aborts the request in the engine and frees its pages."""
 
+    resumed = 0  # one engine, no other replica to resume on
+
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._paths: dict[str, Path] = {}  # adapter id -> folder it was loaded from
@@ -35,7 +38,11 @@ class LocalBackend:
     async def generate(self, request: GenerateRequest) -> AsyncGenerator[GenerateChunk, None]:
         params = sampling_params(request)  # ValueError: the ingress answers 400
         outputs = self.engine.generate(
-            request["prompt_token_ids"], params, request["adapter"], request["request_id"]
+            request["prompt_token_ids"],
+            params,
+            request["adapter"],
+            request["request_id"],
+            continuation=continuation(request),
         )
         # aclosing: closing this generator must close the engine's at once (that aborts the
         # request); `async for` alone would leave it to the garbage collector.

@@ -19,7 +19,14 @@ from loraplex.replica.sampling import (
     check_top_k,
     check_top_p,
 )
-from loraplex.replica.sequence import RequestOutput
+from loraplex.replica.sequence import Continuation, RequestOutput
+
+
+class ResumeAfter(TypedDict):
+    """A request resumed on another replica: the output it already streamed."""
+
+    token_ids: list[int]  # output tokens already sent to the client
+    text: str  # the text already sent for them
 
 
 class GenerateRequest(TypedDict):
@@ -27,6 +34,7 @@ class GenerateRequest(TypedDict):
     prompt_token_ids: list[int]
     adapter: str | None  # "tenant/name", or None for the base model
     params: dict  # SamplingParams fields (stop as a list)
+    resume_after: NotRequired[ResumeAfter]  # set when a replica died mid-stream
 
 
 class GenerateChunk(TypedDict):
@@ -37,9 +45,8 @@ class GenerateChunk(TypedDict):
     finish_reason: str | None  # "stop", "length", "abort" or "error" when finished
     num_prompt_tokens: int
     num_output_tokens: int
-    error: NotRequired[
-        str | None
-    ]  # why the request failed (finish_reason "error"); other requests go on
+    # why the request failed (finish_reason "error"); other requests go on
+    error: NotRequired[str | None]
 
 
 class AdapterNotFound(LookupError):
@@ -48,12 +55,15 @@ class AdapterNotFound(LookupError):
 
 
 class ReplicaFailed(RuntimeError):
-    """The replica serving a request died after the request's first chunk (or on every
-    try): the ingress ends the stream with an error event."""
+    """Every replica tried for a request died: before its first chunk on every try, or
+    after it on every resume. The ingress answers 503, or ends the stream with an error
+    event."""
 
 
 class Backend(Protocol):
     """Where the ingress sends requests: a Serve deployment handle, or an engine in process."""
+
+    resumed: int  # streams resumed on another replica after theirs died mid-stream
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]: ...
 
@@ -84,6 +94,13 @@ def sampling_params(request: GenerateRequest) -> SamplingParams:
         if key in fields:
             fields[key] = tuple(fields[key])
     return SamplingParams(**fields)
+
+
+def continuation(request: GenerateRequest) -> Continuation | None:
+    resume = request.get("resume_after")
+    if resume is None:
+        return None
+    return Continuation(tuple(resume["token_ids"]), resume["text"])
 
 
 def chunk(out: RequestOutput) -> GenerateChunk:

@@ -58,6 +58,20 @@ def check_seed(value: int | None) -> int | None:
     return value
 
 
+def draw_seed(seed: int, position: int) -> int:
+    """The seed of a request's draw for output token `position`: a splitmix64 mix of the
+    request's seed and the position. Each draw depends on (seed, position) alone, so a
+    request resumed elsewhere after k tokens (or recomputed after preemption) draws its
+    (k+1)-th token exactly as an uninterrupted run would."""
+    z = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+_MASK64 = (1 << 64) - 1
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 16

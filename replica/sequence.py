@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from loraplex.replica.sampling import SamplingParams
+from loraplex.replica.sampling import SamplingParams, draw_seed
 
 if TYPE_CHECKING:
     from loraplex.replica.memory.adapters import ResidentAdapter
@@ -18,6 +18,17 @@ class SeqStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    """Where a request resumes that began on another replica: the output tokens it already
+    produced there and the text already streamed for them. The request then runs as if it
+    had been preempted after them (its prompt and these tokens are recomputed), so stop
+    strings, detokenizing and seeded draws go on exactly as in one uninterrupted run."""
+
+    token_ids: tuple[int, ...]
+    text: str
 
 
 @dataclass(slots=True, eq=False)
@@ -37,6 +48,11 @@ class Sequence:
     text: str = ""  # detokenized output, cut at a stop string
     num_preemptions: int = 0
     lora: ResidentAdapter | None = None  # pinned while running
+    seed: int = 0  # the request's seed; each draw's generator state is draw_seed(seed, position)
+
+    def next_draw(self) -> torch.Generator:
+        """The generator, seeded for the draw of the next output token."""
+        return self.generator.manual_seed(draw_seed(self.seed, len(self.output_ids)))
 
     @property
     def num_tokens(self) -> int:

@@ -24,6 +24,7 @@ from typing import Any
 from fastapi import APIRouter, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplex.registry.errors import RegistryError
 from loraplex.registry.service import resolve_adapter
@@ -75,6 +76,8 @@ class OpenAIRoute(APIRoute):
                 return invalid_request(e.errors()).response()
             except RegistryError as e:
                 return registry_error(e).response()
+            except StarletteHTTPException as e:  # FastAPI's: a body that is not UTF-8 JSON
+                return OpenAIError(e.status_code, str(e.detail), headers=e.headers).response()
 
         return handle
 

@@ -85,10 +85,12 @@ class IngressMetrics:
         if routing is not None:
             r.register(_AdapterHomes(routing))
 
-    def set_replicas(self, stats: Mapping[str, Mapping]) -> None:
+    def set_replicas(self, stats: Mapping[str, Mapping], resumed: int = 0) -> None:
         """Show these replicas' stats (`Backend.replica_stats()`: replica id -> the engine's
-        `stats()` plus `tiers`) until the next call; a replica not in `stats` is not shown."""
+        `stats()` plus `tiers`) until the next call; a replica not in `stats` is not shown.
+        `resumed`: the backend's count of streams resumed after their replica died."""
         self._replicas.latest = dict(stats)
+        self._replicas.resumed = resumed
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -131,6 +133,7 @@ class _ReplicaStats(Collector):
 
     def __init__(self) -> None:
         self.latest: dict[str, Mapping] = {}
+        self.resumed = 0
 
     def collect(self) -> Iterator[Metric]:
         reporting = GaugeMetricFamily(
@@ -162,6 +165,11 @@ class _ReplicaStats(Collector):
             "Requests preempted (their KV freed, to be recomputed) for want of KV pages.",
             labels=["replica"],
         )
+        resumes = CounterMetricFamily(
+            "loraplex_stream_resumes",
+            "Streams this ingress resumed on another replica after theirs died mid-stream.",
+        )
+        resumes.add_metric([], self.resumed)
         reporting.add_metric([], len(self.latest))
         for replica, stats in sorted(self.latest.items()):
             pool = stats["pool"]
@@ -175,7 +183,7 @@ class _ReplicaStats(Collector):
             for state in ("waiting", "running"):
                 queue.add_metric([replica, state], stats[state])
             preemptions.add_metric([replica], stats["preemptions"])
-        yield from (reporting, pages, adapters, cache, queue, preemptions)
+        yield from (reporting, resumes, pages, adapters, cache, queue, preemptions)
 
 
 class _AdapterHomes(Collector):

@@ -4,6 +4,7 @@ event after."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -12,6 +13,8 @@ from pydantic import BaseModel
 
 from loraplex.registry.api_errors import error_headers, status_code
 from loraplex.registry.errors import RegistryError, RegistryUnavailable
+
+log = logging.getLogger(__name__)
 
 
 class ErrorDetail(BaseModel):
@@ -87,6 +90,7 @@ def registry_error(e: RegistryError) -> OpenAIError:
     """A registry refusal (the caller's key, etcd) with the registry's status code."""
     message = e.message
     if isinstance(e, RegistryUnavailable):
-        message = f"registry unavailable; retry later ({e})"
+        log.warning("registry unavailable: %s", e)  # the endpoint is the operator's
+        message = "registry unavailable; retry later"
     status = status_code(e)
     return OpenAIError(status, message, code=_REGISTRY_CODES.get(status), headers=error_headers(e))

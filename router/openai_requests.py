@@ -58,12 +58,18 @@ class _GenerationRequest(BaseModel):
         None, max_length=256, description="Extension: token ids that end the output."
     )
     ignore_eos: bool = Field(False, description="Extension: keep going past end-of-sequence.")
-    n: int = Field(1, description="Number of choices; must be 1.")
+    n: int = Field(1, description="Number of choices; must be 1.", json_schema_extra={"const": 1})
     stream: bool = Field(False, description="Stream the output as server-sent events.")
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(0.0, description="Unsupported; only 0 is accepted.")
-    frequency_penalty: float = Field(0.0, description="Unsupported; only 0 is accepted.")
-    logit_bias: dict[str, float] | None = Field(None, description="Unsupported.")
+    presence_penalty: float = Field(
+        0.0, description="Unsupported; only 0 is accepted.", json_schema_extra={"const": 0}
+    )
+    frequency_penalty: float = Field(
+        0.0, description="Unsupported; only 0 is accepted.", json_schema_extra={"const": 0}
+    )
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Unsupported; only empty.", json_schema_extra={"maxProperties": 0}
+    )
     user: str | None = Field(None, max_length=256, description="Accepted and ignored.")
 
     @model_validator(mode="before")
@@ -148,10 +154,18 @@ class CompletionRequest(_GenerationRequest):
 
     prompt: str | list[TokenId] = Field(description="Text, or a list of token ids.")
     max_tokens: int = Field(16, ge=1, description="Most tokens to generate.")
-    logprobs: int | None = Field(None, description="Unsupported.")
-    echo: bool = Field(False, description="Unsupported (only false).")
-    best_of: int | None = Field(None, description="Unsupported (only 1).")
-    suffix: str | None = Field(None, description="Unsupported.")
+    logprobs: int | None = Field(
+        None, description="Unsupported (only null).", json_schema_extra={"const": None}
+    )
+    echo: bool = Field(
+        False, description="Unsupported (only false).", json_schema_extra={"const": False}
+    )
+    best_of: int | None = Field(
+        None, description="Unsupported (only 1).", json_schema_extra={"enum": [1, None]}
+    )
+    suffix: str | None = Field(
+        None, description="Unsupported (only empty).", json_schema_extra={"enum": ["", None]}
+    )
 
     _off_values: ClassVar[dict[str, tuple]] = _GenerationRequest._off_values | {
         "logprobs": (),
@@ -233,8 +247,12 @@ class ChatCompletionRequest(_GenerationRequest):
         None, ge=1, description="Most tokens to generate; default: the rest of the context."
     )
     max_tokens: int | None = Field(None, ge=1, description="Older name of max_completion_tokens.")
-    logprobs: bool = Field(False, description="Unsupported (only false).")
-    top_logprobs: int | None = Field(None, description="Unsupported.")
+    logprobs: bool = Field(
+        False, description="Unsupported (only false).", json_schema_extra={"const": False}
+    )
+    top_logprobs: int | None = Field(
+        None, description="Unsupported (only null).", json_schema_extra={"const": None}
+    )
 
     _off_values: ClassVar[dict[str, tuple]] = _GenerationRequest._off_values | {
         "logprobs": (False,),

@@ -18,5 +18,5 @@ async def health() -> dict[str, str]:
 async def prometheus_metrics(ingress: Ingress) -> Response:
     """Prometheus text format: this ingress's request figures, and each replica's stats as
     the replicas report them now."""
-    ingress.metrics.set_replicas(await ingress.backend.replica_stats())
+    ingress.metrics.set_replicas(await ingress.backend.replica_stats(), ingress.backend.resumed)
     return Response(ingress.metrics.render(), media_type=CONTENT_TYPE_LATEST)

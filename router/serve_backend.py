@@ -5,8 +5,10 @@ as the multiplexed model id so AffinityRequestRouter can route on it ("" for the
 Serve wants a string). Errors the replica raises (AdapterNotFound, RequestError, ...) arrive
 wrapped in a RayTaskError and are re-raised as themselves. A replica that dies before its
 first chunk is replaced by another try on another replica (Serve's router stops choosing a
-dead replica); one that dies after a chunk was sent raises ReplicaFailed, since the client
-already holds part of the output.
+dead replica). One that dies after chunks were sent is resumed on another replica after
+the tokens the client already holds (`resume_after`: the new replica recomputes prompt +
+those tokens, and its draws go on from the same seed and position), so the client sees one
+uninterrupted stream; ReplicaFailed only when every resume failed too.
 
 Replica stats for /metrics come from the ingress asking, at scrape time, every replica at
 once through the same handle (`DeploymentHandle.broadcast`, ray-project/ray#61472): it works
@@ -21,13 +23,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import RayServeException
 
-from loraplex.replica.protocol import GenerateChunk, GenerateRequest, ReplicaFailed
+from loraplex.replica.protocol import GenerateChunk, GenerateRequest, ReplicaFailed, ResumeAfter
 
 if TYPE_CHECKING:
     from ray.serve.handle import DeploymentHandle
@@ -37,6 +40,8 @@ log = logging.getLogger(__name__)
 
 class ServeBackend:
     """retries               further tries, on another replica, while no chunk was sent
+    resumes               further tries after a chunk was sent: the request resumes on
+                          another replica after the tokens the client already holds
     first_chunk_timeout_s  bound on the wait for the first chunk (queueing, routing, adapter
                            load and prefill); None waits as long as Serve does, which is
                            forever while the deployment has no replica
@@ -47,14 +52,17 @@ class ServeBackend:
         handle: DeploymentHandle,
         *,
         retries: int = 1,
+        resumes: int = 2,
         first_chunk_timeout_s: float | None = None,
         stats_timeout_s: float = 2.0,
     ):
-        assert retries >= 0
+        assert retries >= 0 and resumes >= 0
         assert first_chunk_timeout_s is None or first_chunk_timeout_s > 0
         assert stats_timeout_s > 0
         self.handle = handle
         self.retries = retries
+        self.resumes = resumes
+        self.resumed = 0  # streams resumed on another replica so far (metrics, tests)
         self.first_chunk_timeout_s = first_chunk_timeout_s
         self.stats_timeout_s = stats_timeout_s
 
@@ -75,16 +83,25 @@ class ServeBackend:
         return {r["replica"]: r for r in results if isinstance(r, dict)}
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
+        request = _with_seed(request)
         handle = self.handle.options(stream=True, multiplexed_model_id=request["adapter"] or "")
-        for attempt in range(self.retries + 1):
-            sent = finished = False
-            stream = handle.generate.remote(request)
+        sent_tokens: list[int] = []  # what the client holds, if a replica dies mid-stream
+        sent_text: list[str] = []
+        tries = resumes = 0
+        while True:
+            started = bool(sent_tokens or sent_text)
+            call = (
+                _resumed(request, sent_tokens, "".join(sent_text), resumes) if started else request
+            )
+            finished = False
+            stream = handle.generate.remote(call)
             chunks = aiter(stream)
             try:
                 async with asyncio.timeout(self.first_chunk_timeout_s):
                     item = await anext(chunks, None)
                 while item is not None:
-                    sent = True
+                    sent_tokens += item["new_token_ids"]
+                    sent_text.append(item["new_text"])
                     yield item
                     item = await anext(chunks, None)
                 finished = True
@@ -100,7 +117,7 @@ class ServeBackend:
             except RayActorError as e:  # ActorDiedError, ActorUnavailableError
                 error = e
             except TimeoutError:  # first_chunk_timeout_s (a replica's own comes as RayTaskError)
-                if sent:
+                if sent_tokens or sent_text:
                     raise
                 raise TimeoutError(
                     f"request {request['request_id']}: no replica sent a first chunk within "
@@ -109,8 +126,43 @@ class ServeBackend:
             finally:
                 if not finished:  # the caller stopped early, or it failed: abort it there
                     stream.cancel()
-            if sent or attempt == self.retries:
-                what = "after streaming began" if sent else f"on {attempt + 1} tries"
+            if sent_tokens or sent_text:  # resume it elsewhere after what the client holds
+                if resumes == self.resumes:
+                    raise ReplicaFailed(
+                        f"request {request['request_id']}: the replica failed after streaming "
+                        f"began, and {resumes} resumes on other replicas failed too: {error}"
+                    ) from error
+                resumes += 1
+                self.resumed += 1
+                log.warning(
+                    "request %s: its replica failed after %d tokens (%s); resuming elsewhere",
+                    request["request_id"],
+                    len(sent_tokens),
+                    error,
+                )
+            elif tries == self.retries:
                 raise ReplicaFailed(
-                    f"request {request['request_id']}: the replica failed {what}: {error}"
+                    f"request {request['request_id']}: the replica failed on {tries + 1} tries: "
+                    f"{error}"
                 ) from error
+            else:
+                tries += 1
+
+
+def _with_seed(request: GenerateRequest) -> GenerateRequest:
+    """The request with a seed of its own if it has none: a resumed request then continues
+    its random draws exactly (each draw depends on the seed and its position only)."""
+    if request["params"].get("seed") is not None:
+        return request
+    return {**request, "params": {**request["params"], "seed": secrets.randbits(63)}}
+
+
+def _resumed(request: GenerateRequest, tokens: list[int], text: str, n: int) -> GenerateRequest:
+    """The request to send another replica after the client got `tokens` (and `text`) from
+    one that died: the replica recomputes prompt + tokens and goes on from there. Its id
+    differs (a half-dead replica may still hold the old one until it aborts it)."""
+    return {
+        **request,
+        "request_id": f"{request['request_id']}.resume{n + 1}",
+        "resume_after": ResumeAfter(token_ids=list(tokens), text=text),
+    }

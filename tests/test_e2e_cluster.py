@@ -242,9 +242,13 @@ def oracle(config_file: Path, demo_assets: DemoAssets) -> LLMEngine:
 
 
 def offline(
-    oracle: LLMEngine, ids: list[int], adapter: str | None, max_tokens: int = MAX_TOKENS
+    oracle: LLMEngine,
+    ids: list[int],
+    adapter: str | None,
+    max_tokens: int = MAX_TOKENS,
+    ignore_eos: bool = False,
 ) -> RequestOutput:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     (out,) = oracle.generate([ids], [params], [adapter])
     assert out.token_ids, "the oracle produced nothing"
     return out
@@ -298,8 +302,8 @@ def not_found(client: openai.OpenAI, model: str) -> bool:
 
 class Streams:
     """Long streaming completions, one thread each. Each ends with its completion-token count
-    (from the usage chunk), or with the openai.APIError that ended it (an error event, a
-    timeout)."""
+    (from the usage chunk) and its text, or with the openai.APIError that ended it (an error
+    event, a timeout)."""
 
     def __init__(self, client: openai.OpenAI, models: list[str], max_tokens: int):
         self.started = [threading.Event() for _ in models]
@@ -312,7 +316,7 @@ class Streams:
     @staticmethod
     def _run(
         client: openai.OpenAI, model: str, max_tokens: int, started: threading.Event
-    ) -> int | openai.APIError:
+    ) -> tuple[int, str] | openai.APIError:
         try:
             with complete(
                 client,
@@ -322,11 +326,12 @@ class Streams:
                 stream_options={"include_usage": True},
                 extra_body={"ignore_eos": True},
             ) as events:
-                usage = None
+                usage, text = None, []
                 for event in events:
                     started.set()
                     usage = event.usage or usage
-                return -1 if usage is None else usage.completion_tokens
+                    text += [choice.text for choice in event.choices]
+                return (-1 if usage is None else usage.completion_tokens), "".join(text)
         except openai.APIError as e:
             return e
         finally:
@@ -337,7 +342,7 @@ class Streams:
         for started in self.started:
             assert started.wait(timeout), f"a stream sent no first event within {timeout}s"
 
-    def results(self, timeout: float = 90.0) -> list[int | openai.APIError]:
+    def results(self, timeout: float = 90.0) -> list[tuple[int, str] | openai.APIError]:
         deadline = time.monotonic() + timeout
         return [f.result(timeout=max(0.1, deadline - time.monotonic())) for f in self.futures]
 
@@ -482,7 +487,7 @@ def test_requests_for_an_adapter_stay_on_the_replica_holding_it(
         time.sleep(2.5)
         servable(acme, name)  # its home is over the bounded load: read by the other
         assert holders(ray, sticky) == {other: "device"}
-        assert streams.results() == [800] * 8
+        assert [r if isinstance(r, Exception) else r[0] for r in streams.results()] == [800] * 8
     time.sleep(2.0)  # several stats periods: the ingress's router sees where it is resident
 
     for _ in range(8):  # its home is idle now, yet every request goes where it is resident
@@ -662,6 +667,18 @@ def test_errors(cluster: Cluster, keys: dict[str, str], oracle: LLMEngine):
         assert http.post("/v1/tenants", json={"name": "intruder"}).status_code == 403
 
 
+def stream_resumes(cluster: Cluster) -> float:
+    """The ingress's count of streams resumed after their replica died (/metrics)."""
+    with cluster.http() as http:
+        r = http.get("/metrics")
+    assert r.status_code == 200, r.text
+    for family in text_string_to_metric_families(r.text):
+        for sample in family.samples:
+            if sample.name == "loraplex_stream_resumes_total":
+                return sample.value
+    raise AssertionError("/metrics has no loraplex_stream_resumes_total")
+
+
 def metrics_by_replica(cluster: Cluster) -> tuple[float, dict[str, dict[tuple, float]]]:
     """The ingress's /metrics: how many replicas it reports, and per replica id its
     samples, keyed by (name, other labels)."""
@@ -752,10 +769,12 @@ def test_killing_a_replica_mid_stream_neither_hangs_nor_loses_adapters(
     before = replica_actors(ray)
     assert len(before) == 2, before
 
-    long = 600  # tokens: seconds of decoding, so the kill lands mid-stream
-    with Streams(acme, [BASE_ID, "stream", BASE_ID, "stream"], max_tokens=long) as streams:
+    long = 600  # tokens: seconds of decoding, so the kill lands mid-stream (checked below)
+    models = [BASE_ID, "stream", BASE_ID, "stream"]
+    resumed_before = stream_resumes(cluster)
+    with Streams(acme, models, max_tokens=long) as streams:
         streams.wait_started()
-        time.sleep(0.5)
+        # the replicas' own queues now (not a stats period old): kill at once, mid-stream
         queues = {r: s["queue_len"] for r, s in routing_stats(ray).items()}
         assert set(queues) == set(before), queues
         victim = max(queues, key=queues.__getitem__)
@@ -768,10 +787,15 @@ def test_killing_a_replica_mid_stream_neither_hangs_nor_loses_adapters(
             assert complete(acme, model, max_tokens=8).usage.completion_tokens == 8
 
         results = streams.results()  # never a hang
-    failed = [r for r in results if isinstance(r, Exception)]
-    assert all(r == long for r in results if not isinstance(r, Exception)), results
-    assert len(failed) == queues[victim], (queues, results)  # exactly the victim's streams
-    assert all("replica failed" in str(e) for e in failed), failed
+    # no stream failed: the victim's resumed on the survivor after the tokens they had,
+    # and each reads exactly as one uninterrupted run
+    ids = oracle.tokenizer.encode(PROMPT)
+    adapters = {BASE_ID: None, "stream": "sql-r8"}
+    want = {
+        m: offline(oracle, ids, a, max_tokens=long, ignore_eos=True) for m, a in adapters.items()
+    }
+    assert results == [(long, want[m].text) for m in models], results
+    assert stream_resumes(cluster) - resumed_before == queues[victim]  # the kill was mid-stream
 
     def replaced() -> str | None:
         status = serve.status().applications[APP].deployments["replica"]
@@ -782,7 +806,6 @@ def test_killing_a_replica_mid_stream_neither_hangs_nor_loses_adapters(
     newcomer = wait_until(replaced, 60, "a replacement replica")
 
     # serving again, with the adapters registered before the kill
-    ids = oracle.tokenizer.encode(PROMPT)
     assert complete(acme, "stream").choices[0].text == offline(oracle, ids, "sql-r8").text
     assert complete(acme, BASE_ID).choices[0].text == offline(oracle, ids, None).text
     # ... and on the replacement: a cold probe whose home (the router's walk) is the

@@ -29,6 +29,8 @@ DOCUMENTED = {
     errors.RevisionConflict: 409,
     errors.TooLarge: 413,
     errors.Unacceptable: 422,
+    errors.TooManyUploads: 429,
+    errors.StagingFull: 503,
     errors.RegistryUnavailable: 503,
 }
 
@@ -41,7 +43,7 @@ def kinds(cls: type) -> set[type]:
 
 
 def test_every_kind_of_registry_error_has_its_documented_status():
-    concrete = kinds(errors.RegistryError) - {errors.AdapterRejected}  # a grouping
+    concrete = kinds(errors.RegistryError) - {errors.AdapterRejected, errors.Busy}  # groupings
     assert concrete == set(DOCUMENTED)
     for kind, status in DOCUMENTED.items():
         error = kind("what went wrong")
@@ -50,6 +52,8 @@ def test_every_kind_of_registry_error_has_its_documented_status():
         assert (openai.status, openai.headers) == (status, error_headers(error)), kind
     assert error_headers(errors.Unauthenticated("x")) == {"WWW-Authenticate": "Bearer"}
     assert error_headers(errors.RegistryUnavailable("x")) == {"Retry-After": "5"}
+    assert error_headers(errors.TooManyUploads("x")) == {"Retry-After": "5"}
+    assert error_headers(errors.StagingFull("x")) == {"Retry-After": "5"}
     assert registry_error(errors.Unauthenticated("x")).code == "invalid_api_key"
     assert registry_error(errors.Forbidden("x")).code == "permission_denied"
 

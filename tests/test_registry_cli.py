@@ -44,13 +44,20 @@ def start(state: Path, model: Path, port: int) -> subprocess.Popen:
     raise AssertionError("loraplex registry did not come up within 60 s")
 
 
-def stop(proc: subprocess.Popen) -> str:
-    proc.send_signal(signal.SIGINT)
+def stop(proc: subprocess.Popen, sig: signal.Signals = signal.SIGINT) -> str:
+    proc.send_signal(sig)
     out, _ = proc.communicate(timeout=30)
     return out
 
 
-def test_register_then_restart_keeps_the_adapter_and_stops_its_etcd(demo_assets, tmp_path):
+def assert_etcd_stopped(state: Path) -> None:
+    etcd_left = subprocess.run(["pgrep", "-f", str(state / "etcd")], capture_output=True)
+    assert etcd_left.returncode == 1, "the registry's etcd outlived it"
+
+
+def test_register_then_restart_keeps_the_adapter_and_sigint_or_sigterm_stop_its_etcd(
+    demo_assets, tmp_path
+):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     proc = start(tmp_path / "state", demo_assets.model_dir, port)
@@ -68,11 +75,14 @@ def test_register_then_restart_keeps_the_adapter_and_stops_its_etcd(demo_assets,
             "adapter_config": (adapter / "adapter_config.json").read_bytes(),
             "adapter_model": (adapter / "adapter_model.safetensors").read_bytes(),
         }
-        r = httpx.post(f"{base}/v1/adapters", data={"name": "sql"}, files=files, headers=auth)
+        r = httpx.post(  # the first upload also starts the registry's worker processes
+            f"{base}/v1/adapters", data={"name": "sql"}, files=files, headers=auth, timeout=60
+        )
         assert r.status_code == 201, r.text
         assert r.json()["rank"] == 8 and r.json()["target_modules"] == ["q_proj", "v_proj"]
     finally:
         stop(proc)
+    assert_etcd_stopped(tmp_path / "state")
 
     proc = start(tmp_path / "state", demo_assets.model_dir, port)
     try:
@@ -86,11 +96,9 @@ def test_register_then_restart_keeps_the_adapter_and_stops_its_etcd(demo_assets,
             == 401
         )
     finally:
-        stop(proc)
-    etcd_left = subprocess.run(
-        ["pgrep", "-f", str(tmp_path / "state" / "etcd")], capture_output=True
-    )
-    assert etcd_left.returncode == 1, "the registry's etcd outlived it"
+        out = stop(proc, signal.SIGTERM)  # what a service manager sends
+    assert proc.returncode == 0, out
+    assert_etcd_stopped(tmp_path / "state")
 
 
 def test_a_model_folder_without_config_is_a_clear_error(tmp_path):

@@ -25,8 +25,9 @@ from tiny_model import BASE, SPEC
 
 from loraplex.demo.assets import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
 from loraplex.registry.api_errors import status_code
-from loraplex.registry.archives import ArchiveLimits, resolve_under_roots, safe_extract_tar_gz
+from loraplex.registry.archives import ArchiveLimits, safe_extract_tar_gz
 from loraplex.registry.errors import AdapterRejected
+from loraplex.registry.paths import copy_from_path
 from loraplex.registry.validation import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -695,46 +696,119 @@ def test_truncated_archive(tmp_path):
 # ---------------------------------------------------------------- registration paths
 
 
-def test_paths_inside_roots_resolve(tmp_path):
+def _copied(path: str, roots: list[str], tenant: str, dest: Path) -> dict[str, bytes]:
+    copy_from_path(path, roots, tenant, dest, 1 << 20)
+    return {p.name: p.read_bytes() for p in dest.iterdir()}
+
+
+def test_paths_in_the_tenants_subtree_are_copied(tmp_path):
     root = tmp_path / "root"
-    adapter = make_adapter(root / "team" / "a")
-    assert resolve_under_roots(str(adapter), [str(root)]) == adapter.resolve()
-    # A Hugging Face cache: snapshot files link to blobs elsewhere in the same root.
-    blobs, snapshot = root / "blobs", root / "snapshots" / "abc"
+    adapter = make_adapter(root / "acme" / "team" / "a")
+    expected = {name: (adapter / name).read_bytes() for name in (CONFIG_FILE, WEIGHTS_FILE)}
+    assert _copied(str(adapter), [str(root)], "acme", tmp_path / "d1") == expected
+    # A Hugging Face cache: snapshot files link to blobs elsewhere in the same subtree.
+    blobs, snapshot = root / "acme" / "blobs", root / "acme" / "snapshots" / "abc"
     blobs.mkdir()
     snapshot.mkdir(parents=True)
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         blob = blobs / hashlib.sha256(name.encode()).hexdigest()
         blob.write_bytes((adapter / name).read_bytes())
         (snapshot / name).symlink_to(os.path.relpath(blob, snapshot))
-    assert resolve_under_roots(str(snapshot), [str(tmp_path / "elsewhere"), str(root)]) == snapshot
+    roots = [str(tmp_path / "elsewhere"), str(root)]
+    assert _copied(str(snapshot), roots, "acme", tmp_path / "d2") == expected
+    # An absolute link inside the subtree, and the root named through a link of its own.
+    linked = root / "acme" / "linked"
+    linked.symlink_to(adapter)
+    (tmp_path / "root-link").symlink_to(root)
+    assert _copied(str(linked), [str(tmp_path / "root-link")], "acme", tmp_path / "d3") == expected
 
 
 def test_path_refusals(tmp_path):
     root, outside = tmp_path / "root", tmp_path / "outside"
-    make_adapter(root / "ok")
+    mine = root / "acme"
+    make_adapter(mine / "ok")
+    theirs = make_adapter(root / "globex" / "theirs")
     secret = make_adapter(outside / "secret")
-    (root / "escape").symlink_to(secret)
-    (root / "file.txt").write_text("x")
-    leaky = root / "leaky"
+    (mine / "escape").symlink_to(secret)
+    (mine / "to-theirs").symlink_to(os.path.relpath(theirs, mine))
+    (mine / "file.txt").write_text("x")
+    leaky = mine / "leaky"
     leaky.mkdir()
     (leaky / CONFIG_FILE).write_text("{}")
     (leaky / WEIGHTS_FILE).symlink_to(secret / WEIGHTS_FILE)
+    fifo = mine / "fifo"
+    fifo.mkdir()
+    (fifo / CONFIG_FILE).write_text("{}")
+    os.mkfifo(fifo / WEIGHTS_FILE)  # opening it blocking would hang the reader
+    loop = mine / "loop"
+    loop.mkdir()
+    (loop / WEIGHTS_FILE).symlink_to(WEIGHTS_FILE)
+    outside_roots = "is not in your folder of an allowed root"
     cases = [
-        (str(secret), "is not inside the allowed roots"),
-        (str(root / "escape"), "is not inside the allowed roots"),
-        (f"{root}/../outside/secret", "is not inside the allowed roots"),
-        ("relative/path", "must be absolute"),
-        ("", "must be a non-empty absolute path"),
-        (str(root / "missing"), "is not a folder"),
-        (str(root / "file.txt"), "is not a folder"),
-        (str(leaky), f"{WEIGHTS_FILE} in .* links outside the allowed roots"),
-        (str(tmp_path / "root-sibling"), "is not inside the allowed roots"),
+        (str(secret), outside_roots),
+        (str(theirs), outside_roots),  # another tenant's subtree
+        (str(mine / "escape"), "leads outside the tenant's folder"),
+        (str(mine / "to-theirs"), "leads outside the tenant's folder"),
+        (f"{mine}/../globex/theirs", "leads outside the tenant's folder"),
+        (f"{mine}/ok/../../globex/theirs", "leads outside the tenant's folder"),
+        ("relative/path", "must be an absolute path"),
+        ("", "must be an absolute path"),
+        (str(mine / "missing"), "is not a folder"),
+        (str(mine / "file.txt"), "is not a folder"),
+        (str(leaky), f"{WEIGHTS_FILE} in .* cannot be opened"),
+        (str(fifo), f"{WEIGHTS_FILE} in .* is not a regular file"),
+        (str(loop), f"{WEIGHTS_FILE} in .* cannot be opened"),
+        (str(tmp_path / "root-sibling" / "acme"), outside_roots),
     ]
-    (tmp_path / "root-sibling").mkdir()  # shares the root's name as a string prefix
-    for path, match in cases:
+    (tmp_path / "root-sibling" / "acme").mkdir(parents=True)  # the root's name as a prefix
+    for number, (path, match) in enumerate(cases):
+        dest = tmp_path / f"dest-{number}"
         with pytest.raises(AdapterRejected, match=match) as info:
-            resolve_under_roots(path, [str(root)])
+            copy_from_path(path, [str(tmp_path / "hidden"), str(root)], "acme", dest, 1 << 20)
         assert status_code(info.value) == 400, path
+        assert "hidden" not in info.value.message, "the allowed roots are not revealed"
+        assert not dest.exists() or not list(dest.iterdir()), path
     with pytest.raises(AdapterRejected, match="registration by path is disabled"):
-        resolve_under_roots(str(root / "ok"), [])
+        copy_from_path(str(mine / "ok"), [], "acme", tmp_path / "dest-x", 1 << 20)
+
+
+def test_a_link_swapped_in_during_the_copy_is_never_followed(tmp_path):
+    """The race of issue 14: a file flips between a regular file and a link to a secret
+    outside the subtree while registrations read it. Every copy holds the tenant's own bytes
+    or is refused with 400; none holds the secret."""
+    import threading
+
+    root = tmp_path / "root"
+    adapter = make_adapter(root / "acme" / "a")
+    secret = tmp_path / "secret.bin"
+    secret.write_bytes(b"secret " * 100)
+    own = (adapter / WEIGHTS_FILE).read_bytes()
+    weights = adapter / WEIGHTS_FILE
+    stop = threading.Event()
+
+    def flip() -> None:
+        tmp = adapter / "next"
+        while not stop.is_set():
+            tmp.symlink_to(secret)
+            os.replace(tmp, weights)
+            tmp.write_bytes(own)
+            os.replace(tmp, weights)
+
+    flipper = threading.Thread(target=flip, daemon=True)
+    flipper.start()
+    outcomes = {"copied": 0, "refused": 0}
+    try:
+        for attempt in range(200):
+            dest = tmp_path / f"d{attempt}"
+            try:
+                copy_from_path(str(adapter), [str(root)], "acme", dest, 1 << 20)
+            except AdapterRejected as e:
+                assert status_code(e) == 400
+                outcomes["refused"] += 1
+                continue
+            assert (dest / WEIGHTS_FILE).read_bytes() == own
+            outcomes["copied"] += 1
+    finally:
+        stop.set()
+        flipper.join()
+    assert outcomes["copied"] and outcomes["refused"], outcomes

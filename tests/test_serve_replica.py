@@ -30,7 +30,12 @@ from loraplex.registry.watch import RegistryWatcher
 from loraplex.replica.adapter_sync import AdapterSync
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import Engine, LLMEngine
-from loraplex.replica.protocol import AdapterNotFound, GenerateRequest, adapter_id
+from loraplex.replica.protocol import (
+    AdapterNotFound,
+    GenerateRequest,
+    adapter_id,
+    sampling_params,
+)
 from loraplex.replica.sampling import SamplingParams
 from loraplex.replica.scheduling.scheduler import SchedulerConfig
 from loraplex.router.walk import walk_order
@@ -274,6 +279,30 @@ def offline_tokens(model_dir: Path, adapter_dir: Path | None) -> list[int]:
     return list(out.token_ids)
 
 
+def offline_outputs(
+    cluster: Cluster, requests: list[GenerateRequest], folders: dict[str | None, str | None]
+) -> list[list[int]]:
+    """What the offline engine generates for `requests`, run together (the oracle of a
+    stream that was never interrupted)."""
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(cluster.model_dir),
+            pool_bytes=POOL_BYTES,
+            page_bytes=PAGE_BYTES,
+            scheduler=SchedulerConfig(max_num_seqs=len(requests)),
+        )
+    )
+    for adapter, folder in folders.items():
+        if folder is not None:
+            engine.add_adapter(adapter, cluster.adapters_dir / folder)
+    outs = engine.generate(
+        [r["prompt_token_ids"] for r in requests],
+        [sampling_params(r) for r in requests],
+        [r["adapter"] for r in requests],
+    )
+    return [list(out.token_ids) for out in outs]
+
+
 async def collect(backend, req: GenerateRequest) -> list[int]:
     tokens: list[int] = []
     async with asyncio.timeout(60):
@@ -389,16 +418,29 @@ def test_abandoned_requests_are_aborted(cluster: Cluster):
 @pytest.mark.ray
 @pytest.mark.etcd
 def test_killed_replica_neither_hangs_requests_nor_loses_adapters(cluster: Cluster):
+    """16 streams, greedy and seeded; the busier replica is killed while they stream. Every
+    stream resumes on the survivor after the tokens it already had and ends with exactly
+    the tokens of an uninterrupted run (the offline engine); requests sent at the kill are
+    retried; the replacement replica reads the registry and serves."""
     import ray
     from ray import serve
 
-    from loraplex.router.serve_backend import ReplicaFailed
+    long = 400  # tokens: the streams are mid-way when the kill lands (checked below)
+    adapters = [None, adapter_id(TENANT, "sql-r8"), adapter_id(TENANT, "code-r32")]
+    folders = {None: None, adapters[1]: "sql-r8", adapters[2]: "code-r32"}
 
-    long = 1000  # tokens: seconds of decoding, so the kill lands mid-stream
+    def stream_request(i: int) -> GenerateRequest:
+        req = request(adapters[i % 3], long)
+        if i % 2:  # seeded sampling: its draws must go on exactly after the resume
+            req["params"] |= {"temperature": 0.9, "top_p": 0.95, "seed": 1000 + i}
+        return req
+
+    wanted = [stream_request(i) for i in range(16)]
+    expected = offline_outputs(cluster, wanted, folders)
 
     async def stream(backend, req: GenerateRequest, started: asyncio.Event) -> list[int]:
         tokens: list[int] = []
-        async with asyncio.timeout(60):
+        async with asyncio.timeout(120):
             async for chunk in backend.generate(req):
                 started.set()
                 tokens += chunk["new_token_ids"]
@@ -408,30 +450,26 @@ def test_killed_replica_neither_hangs_requests_nor_loses_adapters(cluster: Clust
         backend = cluster.backend()
         before = cluster.replicas()
         assert len(before) == 2
-        adapters = [None, adapter_id(TENANT, "sql-r8"), adapter_id(TENANT, "code-r32")]
-        started = [asyncio.Event() for _ in range(6)]
+        started = [asyncio.Event() for _ in wanted]
         streaming = [
-            asyncio.create_task(stream(backend, request(adapters[i % 3], long), started[i]))
-            for i in range(6)
+            asyncio.create_task(stream(backend, req, event))
+            for req, event in zip(wanted, started, strict=True)
         ]
-        async with asyncio.timeout(20):
+        async with asyncio.timeout(30):
             for event in started:
                 await event.wait()
-        await asyncio.sleep(0.7)  # a stats period: the busier replica shows its queue
-        queues = {r: s["queue_len"] for r, s in (await cluster.routing_stats()).items()}
-        victim = max(queues, key=queues.__getitem__)
+        # asked of the replicas now (their engines' queues), not a period-old router view
+        running = {r: s["queue_len"] for r, s in (await cluster.routing_stats()).items()}
+        victim = max(running, key=running.__getitem__)
         (survivor,) = set(before) - {victim}
-        assert queues[victim] > 0, queues
+        assert running[victim] > 0, running
         ray.kill(before[victim], no_restart=True)
         # Sent while routers may still count the victim in: retried before any chunk.
         fresh = [asyncio.create_task(collect(backend, request(adapters[i % 3]))) for i in range(3)]
-        results = await asyncio.wait_for(
-            asyncio.gather(*streaming, return_exceptions=True), timeout=60
-        )
-        failed = [r for r in results if isinstance(r, ReplicaFailed)]
-        finished = [r for r in results if isinstance(r, list) and len(r) == long]
-        assert len(failed) + len(finished) == len(results), results  # never a hang
-        assert len(failed) == queues[victim] and finished, (queues, results)
+        results = await asyncio.wait_for(asyncio.gather(*streaming), timeout=120)
+        assert backend.resumed == running[victim], (backend.resumed, running)  # mid-stream
+        for got, want in zip(results, expected, strict=True):
+            assert got == want
         for tokens in await asyncio.wait_for(asyncio.gather(*fresh), timeout=60):
             assert len(tokens) == MAX_TOKENS
 

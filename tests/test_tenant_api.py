@@ -266,7 +266,7 @@ def test_archive_path_and_vllm_routes(env: Env):
     assert r.status_code == 201, r.text
     assert r.json()["target_modules"] == list(ALL)
 
-    in_root = make_adapter(env.tmp / "allowed" / "team" / "by-path", seed=4)
+    in_root = make_adapter(env.tmp / "allowed" / "routes-co" / "team" / "by-path", seed=4)
     r = env.client.post(
         "/v1/adapters", json={"name": "by-path", "path": str(in_root)}, headers=tenant
     )
@@ -376,6 +376,11 @@ def _weights(data: bytes) -> Callable[[Path], None]:
     return lambda path: (path / WEIGHTS_FILE).write_bytes(data)
 
 
+def _nested_header(depth: int) -> bytes:
+    header = b'{"__metadata__": {"x": ' + b"[" * depth + b"]" * depth + b"}}"
+    return len(header).to_bytes(8, "little") + header
+
+
 def _torch_pickle(path: Path) -> None:
     torch.save({"w": torch.zeros(2)}, path / WEIGHTS_FILE)
 
@@ -445,9 +450,17 @@ def _outside(env: Env) -> str:
 
 
 def _symlink_escape(env: Env) -> str:
-    link = env.tmp / "allowed" / f"escape-{time.monotonic_ns()}"
+    link = env.tmp / "allowed" / "bad-co" / f"escape-{time.monotonic_ns()}"
+    link.parent.mkdir(exist_ok=True)
     link.symlink_to(_outside(env))
     return str(link)
+
+
+def _link_loop(env: Env) -> str:
+    loop = env.tmp / "allowed" / "bad-co" / f"loop-{time.monotonic_ns()}"
+    loop.parent.mkdir(exist_ok=True)
+    loop.symlink_to(loop.name)
+    return str(loop)
 
 
 def _chunked_oversize(env: Env, tenant: dict) -> httpx.Response:
@@ -509,6 +522,18 @@ BAD_CASES = [
         400,
         "adapter_config.json is not valid JSON",
         _bad_adapter(lambda p: (p / CONFIG_FILE).write_text("{")),
+    ),
+    BadCase(
+        "config-nested-too-deeply",
+        400,
+        "adapter_config.json is not valid JSON: nested too deeply",
+        _bad_adapter(lambda p: (p / CONFIG_FILE).write_text("[" * 30000 + "]" * 30000)),
+    ),
+    BadCase(
+        "header-nested-too-deeply",
+        400,
+        "safetensors header is not valid JSON: nested too deeply",
+        _bad_adapter(_weights(_nested_header(20_000))),
     ),
     BadCase(
         "rank-over-max",
@@ -676,19 +701,29 @@ BAD_CASES = [
         _fields({"name": "bad"}, {"archive": ("a.tgz", b"plain text")}),
     ),
     # registration by path
-    BadCase("path-outside", 400, "is not inside the allowed roots", _by_path(_outside)),
+    BadCase("path-outside", 400, "is not in your folder of an allowed root", _by_path(_outside)),
     BadCase(
-        "path-symlink-escape", 400, "is not inside the allowed roots", _by_path(_symlink_escape)
+        "path-symlink-escape", 400, "leads outside the tenant's folder", _by_path(_symlink_escape)
     ),
     BadCase(
         "path-dotdot",
         400,
-        "is not inside the allowed roots",
-        _by_path(lambda env: f"{env.tmp}/allowed/../outside"),
+        "leads outside the tenant's folder",
+        _by_path(lambda env: f"{env.tmp}/allowed/bad-co/../outside"),
     ),
-    BadCase("path-relative", 400, "must be absolute", _by_path(lambda env: "allowed/x")),
     BadCase(
-        "path-missing", 400, "is not a folder", _by_path(lambda env: f"{env.tmp}/allowed/nope")
+        "path-other-tenant",
+        400,
+        "tenant 'bad-co' may register only from <allowed root>/bad-co/",
+        _by_path(lambda env: str(make_adapter(env.tmp / "allowed" / "other-co" / "theirs"))),
+    ),
+    BadCase("path-link-loop", 400, "too many symbolic links", _by_path(_link_loop)),
+    BadCase("path-relative", 400, "must be an absolute path", _by_path(lambda env: "allowed/x")),
+    BadCase(
+        "path-missing",
+        400,
+        "is not a folder",
+        _by_path(lambda env: f"{env.tmp}/allowed/bad-co/nope"),
     ),
     BadCase(
         "json-body",
@@ -827,8 +862,9 @@ def test_openapi_schema_renders_with_examples(env: Env):
 
 @pytest.fixture
 def live_server(shared_etcd_server: EtcdServer, tmp_path) -> Iterator[tuple[str, Path]]:
-    """The app under a real uvicorn on a free loopback port."""
-    app = create_app(api_settings(tmp_path), shared_etcd_server.settings(), tmp_path / "artifacts")
+    """The app under a real uvicorn on a free loopback port; a tenant may race 8 uploads."""
+    settings = api_settings(tmp_path, max_uploads_per_tenant=8)
+    app = create_app(settings, shared_etcd_server.settings(), tmp_path / "artifacts")
     with serve(app, timeout_s=10) as url:
         yield url, tmp_path
 
@@ -915,6 +951,8 @@ def test_etcd_down_writes_503_reads_from_the_snapshot(etcd_server: EtcdServer, t
                 "registry unavailable, nothing was changed; retry later"
             )
             assert w.headers["retry-after"] == "5"
+            port = etcd_server.endpoint.rpartition(":")[2]
+            assert port not in w.text, "the etcd endpoint is the operator's, not the caller's"
         assert tree(tmp_path / "artifacts") == artifacts_before
         assert client.get("/v1/adapters", headers=tenant).json() == {"adapters": [record]}
         assert client.get("/v1/adapters/first", headers=tenant).json() == record

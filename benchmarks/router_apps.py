@@ -16,7 +16,7 @@ from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.etcd_client import EtcdSettings
 from loraplex.replica.deployment import ReplicaDeployment, build_engine_config, deployment
 from loraplex.replica.engine import Engine
-from loraplex.replica.protocol import GenerateChunk, GenerateRequest, chunk
+from loraplex.replica.protocol import GenerateChunk, GenerateRequest, chunk, continuation
 from loraplex.replica.protocol import sampling_params as to_sampling_params
 
 if TYPE_CHECKING:
@@ -123,6 +123,7 @@ class MultiplexedReplica:
             to_sampling_params(request),
             lease.name if lease else None,
             request["request_id"],
+            continuation=continuation(request),  # the ingress resumes streams of a dead replica
         )
         try:
             async for out in outputs:

@@ -39,7 +39,8 @@ within it (benchmarks/goodput.py). Per workload (benchmarks/fleet_workloads.py):
                                            copies), affinity / the lower Ray router's
     loads_vs_floor                         device loads / distinct adapters requested
     failover: recovery_s (the kill until p99 TTFT of every later 5 s window is within the
-    SLO), streams_failed, requests_lost (0: requests without a first token are retried)
+    SLO), streams_failed (0: begun streams resume elsewhere), streams_resumed, requests_lost
+    (0: requests without a first token are retried)
 Scale sweep: zipf at the reference rate for 8..64 replicas and 500..10,000 adapters.
 """
 
@@ -317,6 +318,9 @@ def sweep(
     if workload == "failover":
         out["recovery_s"] = {r: f["recovery_s"][ref] for r, f in routers.items()}
         out["streams_failed"] = {r: f["at_reference"]["streams_failed"] for r, f in routers.items()}
+        out["streams_resumed"] = {
+            r: f["at_reference"]["streams_resumed"] for r, f in routers.items()
+        }
         out["requests_lost"] = 0  # simulate_fleet asserts it
     return out
 

@@ -29,7 +29,10 @@ def print_table(results: dict) -> None:
             + ("" if name != "zipf" else " (target <= 0.5)")
         )
     fail = f["workloads"]["failover"]
-    print(f"failover: recovery {fail['recovery_s']}  streams failed {fail['streams_failed']}")
+    print(
+        f"failover: recovery {fail['recovery_s']}  streams failed {fail['streams_failed']}, "
+        f"resumed {fail['streams_resumed']}"
+    )
     for p in f["scale"]["points"]:
         print(
             f"scale {p['replicas']:3d} replicas {p['adapters']:6d} adapters: p99 best Ray / affinity "

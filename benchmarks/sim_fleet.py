@@ -20,10 +20,11 @@ Warm-up: requests with rid < `measured_from` are served (they warm caches, host 
 the routers' estimates) but not reported, and the counters are those of the measured
 window, from the first measured arrival on.
 
-Failover (kill_at_s): the replica's streams that had begun end with an error (counted, not
-retried: stream resume is not built), its other requests go back to the router as new
-calls, as ServeBackend retries them; Serve starts a replacement after replace_after_s.
-Every request finishes or fails its stream; runs are deterministic per seed.
+Failover (kill_at_s): as router/serve_backend.py does, the replica's streams that had
+begun resume on another replica (routed again, their prompt and the tokens already streamed
+computed again, then the rest generated; their TTFT stays the first token's), its other
+requests go back to the router as new calls; Serve starts a replacement after
+replace_after_s. Every request finishes; runs are deterministic per seed.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ class FleetRun:
     replica: list[str]
     adapter: list[str]
     streams_failed: int
+    streams_resumed: int
     retried: int
     requests: int
     distinct_adapters: int
@@ -108,6 +110,7 @@ class FleetRun:
             "requests": self.requests,
             "completed": len(self.ttft),
             "streams_failed": self.streams_failed,
+            "streams_resumed": self.streams_resumed,
             "retried": self.retried,
             "p50_ttft_s": pct(50),
             "p99_ttft_s": pct(99),
@@ -146,7 +149,9 @@ class FleetSim:
         self.model_ids: dict[str, frozenset[str]] = {}  # Ray's view
         self.policy = AffinityPolicy(setup.affinity, clock=lambda: self.now, seed=setup.seed)
         self.ray = RayRouterModel(RaySettings(setup.max_ongoing_requests), seed=setup.seed)
-        self.failed_streams = 0
+        self.failed_streams = 0  # none: streams resume (kept for the bench's key)
+        self.resumed_streams = 0
+        self.first_token: dict[int, float] = {}  # resumed streams: their first token's time
         self.retried = 0
         self.routed = 0
         self.measured_from = measured_from
@@ -253,8 +258,18 @@ class FleetSim:
         self.stats.pop(victim, None)
         self.model_ids.pop(victim, None)
         started, retry = replica.kill()
-        self.failed_streams += len(started)
         self.retried += len(retry)
+        for req, first_token, streamed in started:
+            self.first_token.setdefault(req.rid, first_token)
+            self.resumed_streams += 1
+            rest = replace(
+                req,
+                arrival=self.now,
+                prompt=req.prompt + streamed,
+                output=req.output - streamed,
+                max_tokens=max(1, req.max_tokens - streamed),
+            )
+            self.pending.append(Pending(rest, RoutingContext(req.adapter, self.now)))
         for req in retry:
             self.pending.append(Pending(req, RoutingContext(req.adapter, self.now)))
         self._push(self.now + self.setup.replace_after_s, "replace", None)
@@ -344,7 +359,7 @@ class FleetSim:
         )
         measured = [r for r in self.requests if r.rid >= self.measured_from]
         arrival = np.array([original[r.request.rid].arrival for r in done])
-        first = np.array([r.first_token for r in done])
+        first = np.array([self.first_token.get(r.request.rid, r.first_token) for r in done])
         finish = np.array([r.finish for r in done])
         where = {}
         for rep in [*self.replicas.values(), *self.dead]:
@@ -366,6 +381,7 @@ class FleetSim:
             replica=[where[r.request.rid] for r in done],
             adapter=[original[r.request.rid].adapter for r in done],
             streams_failed=self.failed_streams,
+            streams_resumed=self.resumed_streams,
             retried=self.retried,
             requests=len(measured),
             distinct_adapters=len({r.adapter for r in measured}),

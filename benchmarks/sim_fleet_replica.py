@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from loraplex.benchmarks.ray_routers import MultiplexLRU
 from loraplex.benchmarks.sim_replica import (
     AdapterMeta,
-    Record,
     SimClock,
     SimLink,
     SimReplica,
@@ -302,12 +301,17 @@ class FleetReplica:
 
     # -- failure
 
-    def kill(self) -> tuple[list[Record], list[SimRequest]]:
-        """The replica dies: the records of streams that had begun (they fail), and the
-        requests without a first token (the ingress retries them elsewhere)."""
+    def kill(self) -> tuple[list[tuple[SimRequest, float, int]], list[SimRequest]]:
+        """The replica dies: the streams that had begun, as (request as routed here, its
+        first token's time, tokens streamed; the ingress resumes them elsewhere after those),
+        and the requests without a first token (the ingress retries them elsewhere)."""
         self.alive = False
-        started = [r for r in self.sim.records.values() if not math.isnan(r.first_token)]
-        begun = {r.request.rid for r in started}
+        started = [
+            (self._routed[r.request.rid], r.first_token, len(seq.output_ids))
+            for seq, r in self.sim.records.items()
+            if not math.isnan(r.first_token)
+        ]
+        begun = {req.rid for req, _, _ in started}
         retry = [req for rid, req in self._routed.items() if rid not in begun]
         self.sim.records.clear()
         self.waiting.clear()

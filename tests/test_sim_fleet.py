@@ -104,8 +104,16 @@ def test_a_killed_replica_loses_no_request_and_is_replaced():
     kill = fw.kill_at(reqs)
     sim = FleetSim("affinity", reqs, by_name, setup(kill_at_s=kill, replace_after_s=2.0))
     run = sim.run()
-    assert run.streams_failed + len(run.ttft) == len(reqs)
+    assert run.streams_failed == 0 and len(run.ttft) == len(reqs)
     assert run.retried > 0  # requests without a first token went elsewhere
+    assert run.streams_resumed > 0  # begun streams finished elsewhere
+    # a resumed stream keeps its first token's time, and ends after the kill elsewhere
+    resumed = [
+        i
+        for i, (a, t, e) in enumerate(zip(run.arrival, run.ttft, run.e2e, strict=True))
+        if a + t < kill < a + e and run.replica[i] != sim.dead[0].replica_id
+    ]
+    assert len(resumed) >= run.streams_resumed
     assert len(sim.dead) == 1 and len(sim.replicas) == 4
     assert any(r.arrival > kill + 2.0 for r in reqs)
     late = {

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,10 +31,11 @@ import torch.nn.functional as F
 
 from loraplex.benchmarks.report import log, write_json
 from loraplex.demo.assets import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
-from loraplex.replica.config import EngineConfig, MiB
+from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.sampling import SamplingParams
 from loraplex.replica.scheduling.scheduler import SchedulerConfig
+from loraplex.settings import MiB
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -145,7 +147,7 @@ def _build_assets(
 
 
 def _engine(
-    model_dir: Path, adapters: dict[str, Path], max_seqs: int = 32, tp: int = 1
+    model_dir: Path, adapters: dict[str, Path], max_seqs: int = 32, **more: Any
 ) -> LLMEngine:
     adapter_bytes = sum((p / "adapter_model.safetensors").stat().st_size for p in adapters.values())
     engine = LLMEngine(
@@ -155,8 +157,8 @@ def _engine(
             scheduler=SchedulerConfig(
                 max_num_seqs=max_seqs, max_num_batched_tokens=4096, max_loras_per_batch=32
             ),
-            tp=tp,
             tp_launcher="process",
+            **more,
         )
     )
     for name, path in adapters.items():

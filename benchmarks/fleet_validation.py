@@ -128,6 +128,7 @@ def _burst_capacity(profile: LinearProfile, w: bench_router.Workload) -> float:
 
 def _setup(measured: bench_router.Measured, w: bench_router.Workload, profile) -> FleetSetup:
     config = measured.engine_config
+    reads = config["artifacts"]
     costs = {k: v for k, v in measured.costs.items()}
     return FleetSetup(
         profile=profile,
@@ -137,7 +138,7 @@ def _setup(measured: bench_router.Measured, w: bench_router.Workload, profile) -
             SchedulerConfig(max_num_seqs=w.max_num_seqs),
             CacheConfig(loading="thread", host_bytes=config["cache"]["host_bytes"]),
         ),
-        store=StoreModel(config["artifact_read_bytes_per_s"], config["artifact_read_latency_s"]),
+        store=StoreModel(reads["read_bandwidth_mib_s"] * (1 << 20), reads["read_latency_ms"] / 1e3),
         # the real replicas publish measured costs too; these are what the router starts from
         affinity=AffinityConfig(**costs, use_measured_costs=False),
         max_ongoing_requests=2 * w.max_num_seqs,

@@ -14,13 +14,15 @@ from typing import TYPE_CHECKING, Any
 
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.etcd_client import EtcdSettings
-from loraplex.replica.deployment import ReplicaDeployment, build_engine_config, deployment
-from loraplex.replica.engine import Engine
+from loraplex.replica.async_engine import Engine
+from loraplex.replica.config import build_engine_config
+from loraplex.replica.deployment import ReplicaDeployment, deployment
 from loraplex.replica.protocol import GenerateChunk, GenerateRequest, chunk, continuation
 from loraplex.replica.protocol import sampling_params as to_sampling_params
+from loraplex.router.settings import RouterSettings
 
 if TYPE_CHECKING:
-    from loraplex.benchmarks.router import Workload
+    from loraplex.benchmarks.router_workload import Workload
 
 REPLICA_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # 3 engines share 2 cores
 
@@ -178,6 +180,7 @@ def build_app(
     replica = deployment(
         name=router,
         routing_stats_period_s=w.routing_stats_period_s,
+        routing_stats_timeout_s=RouterSettings().stats_timeout_s,
         router_kwargs=costs,
         **common,
     )

@@ -21,7 +21,7 @@ from loraplex.replica.model.config import ModelConfig
 from loraplex.replica.protocol import adapter_id
 
 if TYPE_CHECKING:
-    from loraplex.benchmarks.router import Workload
+    from loraplex.benchmarks.router_workload import Workload
 
 TENANT = "bench"
 
@@ -62,8 +62,10 @@ def replica_engine_config(
         "pool_bytes": (kv_pages + adapter_pages) * PAGE_BYTES,
         "scheduler": {"max_num_seqs": w.max_num_seqs},
         "cache": {"loading": "thread", "host_bytes": int(w.host_adapters_per_replica * mean_bytes)},
-        "artifact_read_bytes_per_s": w.read_bandwidth_mib_s * (1 << 20),
-        "artifact_read_latency_s": w.read_latency_ms / 1e3,
+        "artifacts": {
+            "read_bandwidth_mib_s": w.read_bandwidth_mib_s,
+            "read_latency_ms": w.read_latency_ms,
+        },
     }
     return config, {a.name: (a.rank, a.nbytes) for a in loaded}
 

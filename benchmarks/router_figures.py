@@ -14,10 +14,11 @@ from loraplex.benchmarks.goodput import (
     recovery_s,
     within_slo_rps,
 )
+from loraplex.benchmarks.router_workload import workload_dict
 
 if TYPE_CHECKING:
-    from loraplex.benchmarks.router import Workload
     from loraplex.benchmarks.router_runs import Outcome
+    from loraplex.benchmarks.router_workload import Workload
 
 PAGE_BYTES = 64 * 1024
 RECOVERY_WINDOW_S = 5.0
@@ -61,8 +62,6 @@ def summary(
     calibration: dict[str, Any],
     runs: dict[str, dict],
 ) -> dict[str, Any]:
-    from loraplex.benchmarks.router import workload_dict
-
     slo = SLO_FACTOR * calibration["unloaded_ttft_s"]
     workloads = {name: _workload(name, sweep, w, slo) for name, sweep in runs.items()}
     return {

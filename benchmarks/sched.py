@@ -31,6 +31,7 @@ import torch
 
 from loraplex.benchmarks.engine import DEFAULT_TRACE
 from loraplex.benchmarks.report import log, write_json
+from loraplex.benchmarks.sched_systems import SYSTEM_NAMES, systems
 from loraplex.benchmarks.sim_profiles import a40_llama7b
 from loraplex.benchmarks.sim_replica import Result, System, simulate
 from loraplex.benchmarks.sim_workload import (
@@ -40,11 +41,6 @@ from loraplex.benchmarks.sim_workload import (
     read_trace,
     replay_requests,
 )
-from loraplex.replica.memory.adapter_cache import CacheConfig
-from loraplex.replica.scheduling.chameleon import ChameleonParams
-from loraplex.replica.scheduling.scheduler import SchedulerConfig
-
-SYSTEM_NAMES = ("fifo_nocache", "fifo_cache", "sjf", "chameleon_nocache", "chameleon")
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,24 +59,6 @@ FULL = SimShape(
     scale_minutes=10,
     extras=True,
 )
-SCHED = {"max_num_seqs": 128, "max_num_batched_tokens": 4096, "max_loras_per_batch": 64}
-
-
-def systems(slo_s: float, sched: dict = SCHED, prefetch: int = 8) -> dict[str, System]:
-    nocache = CacheConfig(keep_idle=False, prefetch=prefetch, eviction="lru")
-    cache = CacheConfig(keep_idle=True, prefetch=prefetch, eviction="chameleon")
-    # T_refresh: 60 s instead of the paper's 5 min, for runs of minutes, not hours.
-    mlq = ChameleonParams(refresh_s=60.0, min_samples=64, slo_s=slo_s)
-    fifo = SchedulerConfig(policy="fifo", **sched)
-    sjf = SchedulerConfig(policy="sjf", **sched)
-    cham = SchedulerConfig(policy="chameleon", chameleon=mlq, **sched)
-    return {
-        "fifo_nocache": System("fifo_nocache", fifo, nocache),
-        "fifo_cache": System("fifo_cache", fifo, cache),
-        "sjf": System("sjf", sjf, nocache),
-        "chameleon_nocache": System("chameleon_nocache", cham, nocache),
-        "chameleon": System("chameleon", cham, cache),
-    }
 
 
 def run_bench(args: argparse.Namespace) -> int:

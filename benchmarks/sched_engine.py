@@ -31,6 +31,7 @@ import torch
 
 from loraplex.benchmarks.engine import DEFAULT_TRACE
 from loraplex.benchmarks.report import log
+from loraplex.benchmarks.sched_systems import SYSTEM_NAMES, systems
 from loraplex.benchmarks.sim_profiles import LinearProfile, StepLoad, fit_linear
 from loraplex.benchmarks.sim_replica import System, simulate
 from loraplex.benchmarks.sim_workload import (
@@ -63,8 +64,6 @@ SEEDS = (3, 4, 5)  # arrival draws at the high load: the first alone with --quic
 
 
 def engine_section(quick: bool) -> dict:
-    from loraplex.benchmarks.sched import SYSTEM_NAMES, systems
-
     torch.manual_seed(0)
     n_requests = 120 if quick else 400
     with tempfile.TemporaryDirectory(prefix="loraplex-sched-") as tmp:

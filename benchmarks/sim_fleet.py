@@ -29,6 +29,7 @@ replace_after_s. Every request finishes; runs are deterministic per seed.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -147,7 +148,9 @@ class FleetSim:
         self.pending: list[Pending] = []
         self.stats: dict[str, tuple[float, ReplicaStats]] = {}  # affinity's view
         self.model_ids: dict[str, frozenset[str]] = {}  # Ray's view
-        self.policy = AffinityPolicy(setup.affinity, clock=lambda: self.now, seed=setup.seed)
+        self.policy = AffinityPolicy(
+            dataclasses.replace(setup.affinity, seed=setup.seed), clock=lambda: self.now
+        )
         self.ray = RayRouterModel(RaySettings(setup.max_ongoing_requests), seed=setup.seed)
         self.failed_streams = 0  # none: streams resume (kept for the bench's key)
         self.resumed_streams = 0
@@ -262,7 +265,7 @@ class FleetSim:
         for req, first_token, streamed in started:
             self.first_token.setdefault(req.rid, first_token)
             self.resumed_streams += 1
-            rest = replace(
+            rest = dataclasses.replace(
                 req,
                 arrival=self.now,
                 prompt=req.prompt + streamed,

@@ -72,6 +72,16 @@ class Ingress:
         )
 
 
+def app_parts() -> tuple[type, ...]:
+    """What the app is built from, imported (ImportError names a part this install lacks:
+    `loraplex up` checks before starting anything)."""
+    from loraplex.replica.deployment import ReplicaDeployment
+    from loraplex.router.ingress import RegistryHandles
+    from loraplex.router.serve_backend import ServeBackend
+
+    return ReplicaDeployment, RegistryHandles, ServeBackend
+
+
 def build_app(args: dict[str, Any]) -> Application:
     """The application for `args` (LoraplexConfig fields). ValueError when it cannot be
     deployed as configured (no model, no etcd endpoints, no artifact root)."""
@@ -82,12 +92,9 @@ def build_app(args: dict[str, Any]) -> Application:
     engine = config.engine_config()
     if config.artifact_root is None:
         raise ValueError("artifact_root is not set: name a folder every node can read")
-    replicas = deployment(
-        **config.serve_options(),
-        router_kwargs=config.router.affinity_kwargs(),
-        routing_stats_period_s=config.router.stats_period_s,
-        routing_stats_timeout_s=config.router.stats_timeout_s,
-    ).bind(engine, etcd.model_dump(), config.artifact_root)
+    replicas = deployment(**config.serve_options()).bind(
+        engine, etcd.model_dump(), config.artifact_root
+    )
     ingress = serve.deployment(
         Ingress,
         name=INGRESS_NAME,

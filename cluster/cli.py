@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from loraplex.cluster import adapters_cli, generate, local_cluster, registry_server
 from loraplex.cluster.errors import CLIError
-from loraplex.replica.config import MiB
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,12 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_argument("dir", type=Path)
 
-    gen = sub.add_parser("generate", help="offline batch generation from a JSONL file of requests")
-    gen.add_argument("--model", type=Path, required=True, help="Hugging Face checkpoint folder")
-    gen.add_argument("--adapters", type=Path, help="folder whose subfolders are PEFT adapters")
-    gen.add_argument("--input", type=Path, required=True, help="JSONL: one request per line")
-    gen.add_argument("--output", type=Path, required=True, help="JSONL results, in input order")
-    _engine_options(gen)
+    generate.add_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
     bench.add_argument("suite", choices=["engine", "fleet", "registry", "router", "sched"])
@@ -35,8 +30,6 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument(
         "--plot", type=Path, help="router, fleet: write the goodput figure (PNG) into this folder"
     )
-
-    from loraplex.cluster import adapters_cli, local_cluster, registry_server
 
     registry_server.add_parser(sub)
     local_cluster.add_parsers(sub)
@@ -53,9 +46,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "registry":
             return registry_server.run(args)
         if args.command == "generate":
-            from loraplex.cluster.generate import run_generate
-
-            return run_generate(args)
+            return generate.run_generate(args)
         if args.suite == "registry":
             from loraplex.benchmarks.registry import run_bench
         elif args.suite == "router":
@@ -70,52 +61,6 @@ def main(argv: list[str] | None = None) -> int:
     except CLIError as e:
         print(f"loraplex: error: {e}", file=sys.stderr)
         return 2
-
-
-def _engine_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--max-num-seqs", type=int, default=32, help="requests in one batch")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048, help="tokens in one step")
-    p.add_argument("--max-loras-per-batch", type=int, default=32)
-    p.add_argument("--max-lora-rank", type=int, default=128)
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--pool-mib", type=int, help="unified pool size (default 512 MiB on CPU)")
-    p.add_argument("--page-kib", type=int, help="page size (default: >= 16 tokens of KV)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--tp", type=int, default=1, help="tensor-parallel ranks (local processes; gloo on CPU)"
-    )
-    p.add_argument(
-        "--kernels",
-        default="auto",
-        choices=["auto", "torch", "triton"],
-        help="auto: $LORAPLEX_KERNELS, else Triton on CUDA and the torch references elsewhere",
-    )
-
-
-def engine_config(args: argparse.Namespace):
-    from loraplex.replica.config import EngineConfig
-    from loraplex.replica.scheduling.scheduler import SchedulerConfig
-
-    try:
-        return EngineConfig(
-            model=str(args.model),
-            dtype=args.dtype,
-            device=args.device,
-            max_model_len=args.max_model_len,
-            pool_bytes=args.pool_mib * MiB if args.pool_mib else None,
-            page_bytes=args.page_kib * 1024 if args.page_kib else None,
-            max_lora_rank=args.max_lora_rank,
-            scheduler=SchedulerConfig(
-                args.max_num_seqs, args.max_num_batched_tokens, args.max_loras_per_batch
-            ),
-            seed=args.seed,
-            kernels=args.kernels,
-            tp=args.tp,
-        )
-    except ValueError as e:
-        raise CLIError(str(e)) from None
 
 
 def _demo_assets(args: argparse.Namespace) -> int:

@@ -26,9 +26,36 @@ from pydantic import (
     model_validator,
 )
 
-from loraplex.cluster.cli import engine_config
 from loraplex.cluster.errors import CLIError
+from loraplex.cluster.flags import add_flags, built, flag_values, from_flags
+from loraplex.replica.config import EngineConfig
 from loraplex.replica.protocol import SAMPLING_CHECKS
+from loraplex.replica.settings import EngineSettings
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="offline batch generation from a JSONL file of requests")
+    p.add_argument("--model", type=Path, required=True, help="Hugging Face checkpoint folder")
+    p.add_argument("--adapters", type=Path, help="folder whose subfolders are PEFT adapters")
+    p.add_argument("--input", type=Path, required=True, help="JSONL: one request per line")
+    p.add_argument("--output", type=Path, required=True, help="JSONL results, in input order")
+    engine = p.add_argument_group("engine (the YAML config's `engine:` settings)")
+    add_flags(engine, EngineSettings)
+    add_flags(engine, EngineConfig, ["tp"])
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine the flags describe; CLIError naming a refused flag."""
+    settings = from_flags(args, EngineSettings)
+    device = settings.resolve_device(has_gpu=settings.device == "auto" and _cuda_available())
+    more = flag_values(args, EngineConfig, ["tp"])
+    return built(lambda: settings.engine_config(str(args.model), device=device, **more))
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 class GenerateRequest(BaseModel):

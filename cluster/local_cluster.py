@@ -27,31 +27,30 @@ import json
 import logging
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
-from loraplex.cluster.config import APP_NAME, LoraplexConfig
+from loraplex.cluster.config import LoraplexConfig
 from loraplex.cluster.errors import CLIError
-from loraplex.cluster.supervisor import _text, read_state, write_private
+from loraplex.cluster.flags import add_flags, flag_values
+from loraplex.cluster.sections import HTTPSection
+from loraplex.cluster.serve_status import adapter_homes_report, serve_report
+from loraplex.cluster.state import (
+    SUPERVISOR,
+    pid_alive,
+    read_state,
+    stop_orphaned_etcd,
+    stop_supervisor,
+    write_private,
+)
 
 DEMO_MODEL_ID = "loraplex-demo-llama"  # the demo adapters' base_model_name_or_path
 DEMO_TENANT = "demo"
 DEMO_ADAPTER = "sql-r8"
-REPLICA_DEPLOYMENT = "replica"
-# Modules of the app that `up` needs; named in the error when one is missing.
-APP_MODULES = {
-    "loraplex.replica.deployment": ("ReplicaDeployment", "deployment"),
-    "loraplex.router.ingress": ("build_ingress", "RegistryHandles"),
-    "loraplex.router.serve_backend": ("ServeBackend",),
-}
-_SUPERVISOR = "loraplex.cluster.supervisor"
-
 log = logging.getLogger("loraplex.cluster")
 
 
@@ -68,7 +67,7 @@ def add_parsers(sub) -> None:
     )
     up.add_argument("--config", type=Path, help="LoraplexConfig YAML (default: the demo)")
     up.add_argument("--demo-dir", type=Path, help="where the demo assets go (no model set)")
-    up.add_argument("--port", type=int, help="HTTP port (overrides http.port)")
+    add_flags(up, HTTPSection, ["port"])
     up.add_argument(
         "--address", help="deploy onto this running Ray cluster (e.g. auto) instead of one"
     )
@@ -95,20 +94,18 @@ def run(args: argparse.Namespace) -> int:
 
 def up(args: argparse.Namespace, state_dir: Path, env: dict[str, str]) -> int:
     started = time.monotonic()
-    check_app_modules()
+    check_app_importable()
     state = read_state(state_dir)
     if state and pid_alive(state.get("pid")):
         print(f"loraplex is already running ({state.get('phase')}); `loraplex status` shows it")
         return 0
     config = load_config(args.config)
-    if args.port is not None:
-        config = config.model_copy(
-            update={"http": config.http.model_copy(update={"port": args.port})}
-        )
-    if args.etcd_host is not None:
-        config = config.model_copy(
-            update={"etcd": config.etcd.model_copy(update={"host": args.etcd_host})}
-        )
+    try:
+        config = config.overridden("http", **flag_values(args, HTTPSection, ["port"]))
+        if args.etcd_host is not None:
+            config = config.overridden("etcd", host=args.etcd_host)
+    except ValueError as e:
+        raise CLIError(f"--port / --etcd-host: {e}") from None
     state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     demo = None
     if config.model is None:
@@ -141,7 +138,7 @@ def up(args: argparse.Namespace, state_dir: Path, env: dict[str, str]) -> int:
     child_env = {**env, config.auth.admin_key_env: admin_key}
     with open(state_dir / "cluster.log", "ab") as log_file:
         process = subprocess.Popen(
-            [sys.executable, "-m", _SUPERVISOR, str(state_dir)],
+            [sys.executable, "-m", SUPERVISOR, str(state_dir)],
             env=child_env,
             stdin=subprocess.DEVNULL,
             stdout=log_file,
@@ -160,20 +157,14 @@ def up(args: argparse.Namespace, state_dir: Path, env: dict[str, str]) -> int:
     return 0
 
 
-def check_app_modules() -> None:
+def check_app_importable() -> None:
     """CLIError naming what the app needs and this install lacks."""
-    import importlib
+    try:
+        from loraplex.cluster.app import app_parts
 
-    missing = []
-    for module, names in APP_MODULES.items():
-        try:
-            loaded = importlib.import_module(module)
-        except ImportError as e:
-            missing.append(f"{module} ({e})")
-            continue
-        missing += [f"{module}.{name}" for name in names if not hasattr(loaded, name)]
-    if missing:
-        raise CLIError(f"the Serve app cannot be built: missing {', '.join(missing)}")
+        app_parts()
+    except ImportError as e:
+        raise CLIError(f"the Serve app cannot be built: {e}") from None
 
 
 def load_config(path: Path | None) -> LoraplexConfig:
@@ -338,55 +329,6 @@ def down(state_dir: Path) -> int:
     return 0
 
 
-def stop_supervisor(pid: int, timeout_s: float = 90.0) -> None:
-    """SIGTERM the supervisor and wait; SIGKILL after timeout_s (Ray's processes share its
-    fate; a started etcd is then killed by its recorded pid)."""
-    if not is_supervisor(pid):
-        return
-    os.kill(pid, signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if not pid_alive(pid):
-            return
-        time.sleep(0.2)
-    os.kill(pid, signal.SIGKILL)
-
-
-def stop_orphaned_etcd(state: dict, state_dir: Path) -> None:
-    """Kill the etcd a killed supervisor left behind: only the pid it recorded, and only
-    while that pid still runs etcd on this state folder's data."""
-    pid = state.get("etcd_pid")
-    if not isinstance(pid, int):
-        return
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return
-    if str(state_dir / "etcd").encode() in cmdline:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
-def pid_alive(pid: Any) -> bool:
-    if not isinstance(pid, int):
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return is_supervisor(pid)
-
-
-def is_supervisor(pid: int) -> bool:
-    """The pid runs our supervisor (not a process that reused the number)."""
-    try:
-        return _SUPERVISOR.encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return sys.platform != "linux"  # no /proc: trust the pid
-
-
 # ---------------------------------------------------------------- status
 
 
@@ -421,101 +363,3 @@ def status(state_dir: Path) -> int:
         lines = [f"serve:    unavailable ({type(e).__name__}: {e})"]
     print("\n".join(lines))
     return 0
-
-
-def adapter_homes_report(url: str) -> list[str]:
-    """The router's view of the busiest adapters, read from the ingress's /metrics: request
-    rate and homes (the replicas it is routed to), the rest summed as "other"."""
-    import httpx
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        text = httpx.get(f"{url}/metrics", timeout=5, trust_env=False).text
-    except httpx.HTTPError as e:
-        return [f"adapters: unavailable ({type(e).__name__}: {e})"]
-    rates: dict[str, float] = {}
-    homes: dict[str, list[str]] = {}
-    counts: dict[str, int] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            adapter = sample.labels.get("adapter")
-            if sample.name == "loraplex_adapter_request_rate":
-                rates[adapter] = sample.value
-            elif sample.name == "loraplex_adapter_homes":
-                counts[adapter] = int(sample.value)
-            elif sample.name == "loraplex_adapter_home":
-                homes.setdefault(adapter, []).append(sample.labels["replica"])
-    if not rates:
-        return ["adapters: no requests routed yet"]
-    lines = ["adapters: busiest first (router's estimate), their homes"]
-    ranked = sorted((a for a in rates if a != "other"), key=rates.__getitem__, reverse=True)
-    for adapter in [*ranked, "other"]:
-        where = ", ".join(sorted(homes.get(adapter, []))) or f"{counts.get(adapter, 0)} replicas"
-        lines.append(f"  {adapter:<32} {rates.get(adapter, 0.0):8.2f}/s  {where}")
-    return lines
-
-
-def serve_report(ray_address: str) -> list[str]:
-    """Deployments and their replicas; per replica, its routing stats (adapters per tier,
-    queue, pool pages), read from each replica actor."""
-    import ray
-    from ray import serve
-
-    ray.init(address=ray_address, log_to_driver=False, logging_level=logging.WARNING)
-    try:
-        app = serve.status().applications.get(APP_NAME)
-        if app is None:
-            return [f"serve:    application {APP_NAME!r} not deployed"]
-        lines = [
-            f"app:      {APP_NAME} {_text(app.status)}"
-            + (f" ({app.message})" if app.message else "")
-        ]
-        for name, dep in app.deployments.items():
-            counts = ", ".join(f"{n} {_text(s).lower()}" for s, n in dep.replica_states.items())
-            message = f"  {dep.message}" if dep.message else ""
-            lines.append(f"  {name:<10} {_text(dep.status):<10} {counts}{message}")
-        lines += replica_table(ray)
-        return lines
-    finally:
-        ray.shutdown()
-
-
-def replica_table(ray) -> list[str]:
-    prefix = f"SERVE_REPLICA::{APP_NAME}#{REPLICA_DEPLOYMENT}#"
-    names = sorted(
-        a["name"]
-        for a in ray.util.list_named_actors(all_namespaces=True)
-        if a["namespace"] == "serve" and a["name"].startswith(prefix)
-    )
-    rows = [("replica", "queue", "pages free/total", "device", "host", "loading")]
-    for name in names:
-        try:
-            stats = ray.get(
-                ray.get_actor(name, namespace="serve").record_routing_stats.remote(), timeout=10
-            )
-        except Exception as e:
-            rows.append(
-                (name.removeprefix(prefix), f"unavailable: {type(e).__name__}", "", "", "", "")
-            )
-            continue
-        total = stats.get("num_pages")
-        pages = f"{stats.get('free_pages', '?')}/{total if total is not None else '?'}"
-        rows.append(
-            (
-                name.removeprefix(prefix),
-                str(stats.get("queue_len", "?")),
-                pages,
-                _names(stats.get("device_adapters")),
-                _names(stats.get("host_adapters")),
-                _names(stats.get("loading_adapters")),
-            )
-        )
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return [
-        "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-        for row in rows
-    ]
-
-
-def _names(adapters: list[str] | None) -> str:
-    return ", ".join(adapters) if adapters else "-"

@@ -14,15 +14,19 @@ import signal
 import sys
 from pathlib import Path
 
+from loraplex.cluster.config import LoraplexConfig
 from loraplex.cluster.errors import CLIError
+from loraplex.cluster.flags import add_flags, built, flag_values
+from loraplex.cluster.sections import ADMIN_KEY_ENV
+from loraplex.registry.settings import AdapterLimits, RegistrySettings
 
-ADMIN_KEY_ENV = "LORAPLEX_ADMIN_KEY"
+NAMED = ("model_id", "artifact_root")  # the YAML config's settings of these names
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("registry", help="run the adapter registry's tenant API (HTTP)")
     p.add_argument("--model", type=Path, required=True, help="base model folder (config.json)")
-    p.add_argument("--model-id", help="base model id written into records (default: folder name)")
+    add_flags(p, LoraplexConfig, NAMED)
     p.add_argument(
         "--etcd",
         action="append",
@@ -36,16 +40,11 @@ def add_parser(sub) -> None:
         default=Path(".loraplex"),
         help="artifacts and the started etcd's data",
     )
-    p.add_argument("--artifact-root", type=Path, help="default: STATE_DIR/artifacts")
-    p.add_argument(
-        "--allowed-root",
-        action="append",
-        default=[],
-        help="folder adapters may be registered from by path (repeat)",
-    )
-    p.add_argument("--max-lora-rank", type=int, default=128)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8100)
+    p.add_argument("--host", default="127.0.0.1", help="address the tenant API binds")
+    p.add_argument("--port", type=int, default=8100, help="port the tenant API binds")
+    limits = p.add_argument_group("limits (as the YAML config sets them)")
+    add_flags(limits, RegistrySettings, aliases={"allowed_roots": "--allowed-root"})
+    add_flags(limits, AdapterLimits)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,16 +61,20 @@ def run(args: argparse.Namespace) -> int:
     if admin_key is None:
         admin_key = secrets.token_urlsafe(24)
         print(f"admin key (set {ADMIN_KEY_ENV} to choose one): {admin_key}", file=sys.stderr)
+    named = built(lambda: LoraplexConfig(**flag_values(args, LoraplexConfig, NAMED)))
     try:
-        settings = RegistryAPISettings(
-            admin_key=admin_key,
-            base_model_id=args.model_id or args.model.resolve().name,
-            base_model=BaseModelShape.from_config_json(args.model),
-            max_lora_rank=args.max_lora_rank,
-            allowed_roots=[str(p) for p in args.allowed_root],
-        )
+        shape = BaseModelShape.from_config_json(args.model)
     except ValueError as e:
         raise CLIError(str(e)) from None
+    settings = built(
+        lambda: RegistryAPISettings(
+            admin_key=admin_key,
+            base_model_id=named.model_id or args.model.resolve().name,
+            base_model=shape,
+            **flag_values(args, RegistrySettings),
+            **flag_values(args, AdapterLimits),
+        )
+    )
     args.state_dir.mkdir(parents=True, exist_ok=True)
     # uvicorn shuts down on SIGTERM, then raises it again under the handler found at start:
     # the default one would kill the process before the ExitStack stops the started etcd.
@@ -91,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(
             settings,
             EtcdSettings(endpoints=endpoints),
-            args.artifact_root or args.state_dir / "artifacts",
+            named.artifact_root or args.state_dir / "artifacts",
         )
         print(f"tenant API on http://{args.host}:{args.port} (OpenAPI at /docs)", file=sys.stderr)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

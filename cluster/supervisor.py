@@ -1,7 +1,7 @@
 """The process `loraplex up` hands a local cluster to (`python -m loraplex.cluster.supervisor
 STATE_DIR`, in its own session): it owns the etcd and the Ray head it starts, deploys the
-app, keeps etcd up, and tears everything down on SIGTERM/SIGINT (`loraplex down`).
-Also the state files `up`, `down` and `status` share."""
+app, keeps etcd up, and tears everything down on SIGTERM/SIGINT (`loraplex down`). It
+reports its phase in the state folder (cluster/state.py)."""
 
 from __future__ import annotations
 
@@ -17,39 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.cluster.config import APP_NAME, LoraplexConfig
+from loraplex.cluster.serve_status import deployment_errors
+from loraplex.cluster.state import write_state
 
 log = logging.getLogger("loraplex.cluster")
-
-
-def _text(value: Any) -> str:
-    return str(getattr(value, "value", value))
-
-
-# ---------------------------------------------------------------- state files
-
-
-def read_state(state_dir: Path) -> dict | None:
-    try:
-        return json.loads((state_dir / "cluster.json").read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def write_state(state_dir: Path, state: dict) -> None:
-    tmp = state_dir / "cluster.json.tmp"
-    tmp.write_text(json.dumps(state, indent=2))
-    tmp.replace(state_dir / "cluster.json")
-
-
-def write_private(path: Path, text: str) -> None:
-    """Write a file only its owner can read (created 0600, never world-readable)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(path, 0o600)
-
-
-# ---------------------------------------------------------------- the supervisor
 
 
 class Supervisor:
@@ -105,14 +76,14 @@ class Supervisor:
             self.state_dir / "etcd", host=config.etcd.host, client_port=config.etcd.client_port
         )
         self.etcd.start()
-        self.state.update(etcd_endpoints=[self.etcd.endpoint], etcd_pid=self.etcd._process.pid)
+        self.state.update(etcd_endpoints=[self.etcd.endpoint], etcd_pid=self.etcd.pid)
         return config.with_etcd_endpoints([self.etcd.endpoint])
 
     def keep_etcd_up(self) -> None:
         if self.etcd is not None and not self.etcd.running:
             log.warning("etcd exited; restarting it:\n%s", self.etcd.log_tail())
             self.etcd.start()
-            self.state["etcd_pid"] = self.etcd._process.pid
+            self.state["etcd_pid"] = self.etcd.pid
             write_state(self.state_dir, self.state)
 
     def start_ray(self) -> None:
@@ -162,21 +133,6 @@ class Supervisor:
             self.etcd.stop()
         self.state.pop("etcd_pid", None)
         self.phase("stopped")
-
-
-def deployment_errors() -> str:
-    """The last line of each failed deployment's message (its replica's exception)."""
-    from ray import serve
-
-    app = serve.status().applications.get(APP_NAME)
-    if app is None:
-        return ""
-    found = []
-    for name, dep in app.deployments.items():
-        lines = [line.strip() for line in (dep.message or "").splitlines() if line.strip()]
-        if lines and _text(dep.status) != "HEALTHY":
-            found.append(f"{name}: {lines[-1]}")
-    return "; ".join(found)
 
 
 def _dial_host(host: str) -> str:

@@ -25,10 +25,10 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Security
 from fastapi.responses import PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import ConfigDict, Field, SecretStr
 
 from loraplex.registry import paths, uploads
-from loraplex.registry.admission import UploadAdmission, check_staging_budget
+from loraplex.registry.admission import UploadAdmission
 from loraplex.registry.api_errors import RegistryRoute, responses
 from loraplex.registry.api_schemas import (
     REGISTRATION_BODY,
@@ -47,9 +47,10 @@ from loraplex.registry.archives import ArchiveLimits
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.auth import Authenticator
 from loraplex.registry.errors import Unacceptable
-from loraplex.registry.isolation import WorkLimits, run_isolated
+from loraplex.registry.isolation import run_isolated
 from loraplex.registry.models import AdapterRecord, Tenant
 from loraplex.registry.service import RegistryService
+from loraplex.registry.settings import AdapterLimits, RegistrySettings
 from loraplex.registry.store import EtcdSettings, RegistryStore
 from loraplex.registry.validation import BaseModelShape
 from loraplex.registry.watch import RegistryWatcher
@@ -57,8 +58,9 @@ from loraplex.registry.watch import RegistryWatcher
 __all__ = ["RegistryAPISettings", "TenantAPI", "create_app", "mount"]
 
 
-class RegistryAPISettings(BaseModel):
-    """Operator settings of the tenant API."""
+class RegistryAPISettings(RegistrySettings, AdapterLimits):
+    """Operator settings of the tenant API: the limits (registry/settings.py), the admin key
+    and the base model adapters are checked against."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -72,48 +74,8 @@ class RegistryAPISettings(BaseModel):
     base_model: BaseModelShape = Field(
         description="Dimensions of the base model that adapter tensor shapes are checked against."
     )
-    max_lora_rank: int = Field(128, ge=1, le=4096, description="Largest LoRA rank accepted.")
-    max_adapter_bytes: int = Field(
-        1 << 30, ge=1, description="Largest adapter accepted: config plus safetensors, in bytes."
-    )
-    max_upload_bytes: int = Field(
-        (1 << 30) + (1 << 20),
-        ge=1,
-        description="Largest registration request body (multipart framing and gzip included); "
-        "reading stops with 413 as soon as it is passed.",
-    )
     max_archive_members: int = Field(
         8, ge=2, le=1024, description="Most tar entries read from an uploaded archive."
-    )
-    allowed_roots: list[str] = Field(
-        default_factory=list,
-        description="Folders from which adapters may be registered by path: tenant T only "
-        "from <root>/T/ (symlinks followed only inside it); empty disables registration by "
-        "path.",
-    )
-    work_timeout_s: float = Field(
-        120.0,
-        gt=0,
-        le=3600,
-        description="Longest the file work of one registration step (extracting an archive, "
-        "copying from a path, validating) may run in its worker process; past it the "
-        "registration is refused with 413.",
-    )
-    work_memory_bytes: int = Field(
-        512 << 20,
-        ge=64 << 20,
-        description="Memory the file work of one registration may add in its worker process; "
-        "past it the registration is refused with 413.",
-    )
-    max_uploads_per_tenant: int = Field(
-        2, ge=1, le=1024, description="Registrations one tenant may have in flight (else 429)."
-    )
-    staging_max_bytes: int = Field(
-        4 << 30,
-        ge=1,
-        description="Staging bytes all registrations in flight may hold together: each body "
-        "as it arrives, plus max_adapter_bytes per archive extracted or path copied; past "
-        "it registrations are refused with 503 and Retry-After.",
     )
     staging_dir: str | None = Field(
         None,
@@ -127,14 +89,6 @@ class RegistryAPISettings(BaseModel):
         description="How long a write waits for the local watcher to show it, so a read "
         "after a write on the same ingress sees it.",
     )
-
-    @model_validator(mode="after")
-    def _one_upload_fits_staging(self) -> "RegistryAPISettings":
-        check_staging_budget(self.staging_max_bytes, self.max_upload_bytes, self.max_adapter_bytes)
-        return self
-
-    def work_limits(self) -> WorkLimits:
-        return WorkLimits(self.work_timeout_s, self.work_memory_bytes)
 
 
 @dataclass(frozen=True, slots=True)

@@ -124,6 +124,6 @@ def path_methods(scope: Scope, path_format: str) -> list[str]:
         method
         for route in routes
         if isinstance(route, APIRoute) and route.path_format == path_format
-        for method in route.methods
+        for method in route.methods or ()
     }
     return sorted(methods)

@@ -70,6 +70,10 @@ class EtcdProcess:
         return f"{self.host}:{self.client_port}"
 
     @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    @property
     def running(self) -> bool:
         return self._process is not None and self._process.poll() is None
 

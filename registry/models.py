@@ -180,7 +180,7 @@ RegistryValue = Tenant | AdapterRecord
 
 
 def encode(value: RegistryValue) -> bytes:
-    return value.model_dump_json(exclude=REVISION_FIELDS).encode()
+    return value.model_dump_json(exclude=set(REVISION_FIELDS)).encode()
 
 
 def decode(key: str, data: bytes, *, created_revision: int, updated_revision: int) -> RegistryValue:

@@ -10,16 +10,19 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
+
+if TYPE_CHECKING:
+    from python_multipart.multipart import MultipartCallbacks
 
 from loraplex.registry.admission import Reservation
 from loraplex.registry.archives import ArchiveLimits, safe_extract_tar_gz
@@ -57,7 +60,7 @@ class UploadForm:
     TEXT_FIELDS = ("name", "pinned")
     FILE_FIELDS = ("adapter_config", "adapter_model", "archive")
 
-    def callbacks(self) -> dict[str, Callable[..., None]]:
+    def callbacks(self) -> MultipartCallbacks:
         return {
             "on_part_begin": self._part_begin,
             "on_header_field": self._header_field,

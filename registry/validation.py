@@ -17,7 +17,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -259,7 +259,7 @@ def _check_layout(file: str, tensors: dict[str, TensorInfo]) -> int:
     return position
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

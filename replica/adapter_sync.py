@@ -26,7 +26,7 @@ from loraplex.replica.protocol import AdapterNotFound, adapter_id
 if TYPE_CHECKING:
     from loraplex.registry.artifacts import ArtifactStore
     from loraplex.registry.watch import RegistryEvent, RegistryWatcher
-    from loraplex.replica.engine import Engine
+    from loraplex.replica.async_engine import Engine
 
 log = logging.getLogger(__name__)
 

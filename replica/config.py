@@ -1,73 +1,246 @@
-"""Engine settings (one replica). Operator-facing YAML configuration lives in cluster/."""
+"""The engine's settings (one replica), each declared here once: slotted pydantic
+dataclasses, validated on construction, with every field's bounds and one-line doc.
+
+The engine, its scheduler and its adapter cache read them directly. Operators set them
+through `EngineSettings` (replica/settings.py: the YAML config's `engine:` section and the
+CLI flags), which copies these fields under its names and units; what crosses Ray is
+`EngineConfig` as plain values (`plain_engine_config` / `build_engine_config`). Torch-free: the YAML config
+and the CLI import this module."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+import json
+from pathlib import Path
+from typing import Any, Literal
 
-from loraplex.replica.memory.adapter_cache import CacheConfig
+from pydantic import Field, TypeAdapter, model_validator
+from pydantic.dataclasses import dataclass
+
+from loraplex.registry.settings import AdapterLimits
 from loraplex.replica.memory.store_reads import ReadModel
-from loraplex.replica.scheduling.scheduler import SchedulerConfig
+from loraplex.settings import FORBID_EXTRA, KiB, setting
 
-MiB = 1 << 20
+# The context window when max_model_len is unset: the model's positions, capped here.
+MAX_MODEL_LEN_CAP = 8192
+# What a checkpoint whose config.json names no max_position_embeddings is taken to hold.
+DEFAULT_MAX_POSITIONS = 4096
+
+Dtype = Literal["auto", "float32", "float16", "bfloat16"]
+Kernels = Literal["auto", "torch", "triton"]
+SchedulerPolicy = Literal["fifo", "sjf", "chameleon"]
+Eviction = Literal["chameleon", "lru", "gdsf", "equal"]
+AdapterLoading = Literal["sync", "thread"]
 
 
-@dataclass(frozen=True, slots=True)
-class EngineConfig:
-    model: str  # Hugging Face checkpoint folder
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # auto: the checkpoint's
-    device: str = "cpu"
-    max_model_len: int | None = None  # None: the model's max_position_embeddings, capped at 8192
-    pool_bytes: int | None = (
-        None  # the unified arena; None: 512 MiB on CPU, 90% of free memory on CUDA
+@dataclass(frozen=True, slots=True, config=FORBID_EXTRA)
+class ChameleonParams:
+    """Chameleon's parameters (seed 004 §4.3; the paper's values)."""
+
+    a: float = Field(0.4, ge=0, description="Weight of the input in a request's WRS.")
+    b: float = Field(0.6, ge=0, description="Weight of the output in a request's WRS.")
+    k_max: int = Field(4, ge=1, le=8, description="Most queues.")
+    elbow: float = Field(
+        0.1, ge=0, lt=1, description="One more queue must remove this share of the 1-queue WCSS."
     )
-    page_bytes: int | None = None  # None: the smallest power of two >= 16 tokens of KV (>= 64 KiB)
-    max_lora_rank: int = 128
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    # Adapter loads overlap the forward on a copy thread; eviction by Chameleon's score.
-    cache: CacheConfig = field(default_factory=lambda: CacheConfig(loading="thread"))
-    seed: int = 0  # seeds requests that set no seed of their own
-    kernels: Literal["auto", "torch", "triton"] = "auto"  # auto: $LORAPLEX_KERNELS, else by device
-    tp: int = 1  # tensor-parallel degree: ranks (processes) this replica's model spans
-    # tp workers: Ray actors in the replica's placement group, or local processes; auto:
-    # Ray when running inside a placement group
-    tp_launcher: Literal["auto", "process", "ray"] = "auto"
-    # The artifact tier's read model (replica/memory/store_reads.py): reads of adapters
-    # take at least latency + bytes / bandwidth. None: reads take what they take.
-    artifact_read_bytes_per_s: float | None = None
-    artifact_read_latency_s: float = 0.0
+    refresh_s: float = Field(300.0, gt=0, description="T_refresh: seconds between clusterings.")
+    min_samples: int = Field(32, ge=1, description="Arrivals seen before the first clustering.")
+    window: int = Field(
+        4096, ge=1, description="Arrivals (and finished requests) a refresh looks at."
+    )
+    slo_s: float = Field(5.0, gt=0, description="The TTFT SLO the token quotas are set for.")
+    max_bypass: int = Field(
+        8, ge=0, description="A request no fit for its adapter is overtaken at most this often."
+    )
+    starve_s: float | None = Field(
+        None, gt=0, description="Waited this long: admitted first, over quota; unset: slo_s."
+    )
+
+
+@dataclass(frozen=True, slots=True, config=FORBID_EXTRA)
+class SchedulerConfig:
+    """Batching and admission (each setting declared here once: the YAML config and the CLI
+    show it through replica/settings.py)."""
+
+    max_num_seqs: int = Field(32, ge=1, le=4096, description="Requests in one batch.")
+    max_num_batched_tokens: int = Field(
+        2048, ge=1, le=1 << 20, description="Tokens computed in one engine step."
+    )
+    max_loras_per_batch: int = Field(
+        32, ge=1, le=4096, description="Distinct adapters in one batch."
+    )
+    policy: SchedulerPolicy = Field(
+        "fifo",
+        description="Admission order: fifo; sjf (shortest predicted output first, aged); "
+        "chameleon (multi-level queues with token quotas, seed 004).",
+    )
+    sjf_aging_tokens_per_s: float = Field(
+        10.0, ge=0, description="SJF: a waiting request's priority improves this fast."
+    )
+    predictor_quantile: float = Field(
+        0.5, gt=0, lt=1, description="Output lengths are predicted as this quantile."
+    )
+    chameleon: ChameleonParams = Field(
+        default_factory=ChameleonParams, description="Chameleon's parameters."
+    )
+
+
+@dataclass(frozen=True, slots=True, config=FORBID_EXTRA)
+class CacheConfig:
+    """The adapter cache's settings (each declared here once: the YAML config and the CLI show
+    them through replica/settings.py)."""
+
+    eviction: Eviction = Field(
+        "chameleon",
+        description="Which idle adapter leaves the device pool first: Chameleon's score "
+        "(frequency, recency, size), lru, gdsf or equal weights.",
+    )
+    loading: AdapterLoading = Field(
+        "thread",
+        description="thread: adapter copies into the pool overlap the forward (a copy "
+        "stream on CUDA); sync: copied on the engine thread.",
+    )
+    keep_idle: bool = Field(
+        True,
+        description="Idle adapters stay in free pages; False: an adapter leaves the device "
+        "with its last request (S-LoRA).",
+    )
+    low_watermark: float = Field(
+        0.0, ge=0, le=1, description="Share of the pool a KV reclaim frees beyond its need."
+    )
+    high_watermark: float = Field(
+        0.0, ge=0, le=1, description="Share of the pool prefetching leaves free."
+    )
+    prefetch: int = Field(
+        0, ge=0, le=4096, description="Queued requests whose adapters are loaded ahead."
+    )
+    host_bytes: int | None = Field(
+        None,
+        ge=0,
+        le=1 << 50,
+        description="Host-tier budget for adapter weights; unset: every registered adapter "
+        "stays in host memory (others are read again from the artifact store).",
+    )
+    half_life_s: float = Field(
+        60.0, gt=0, description="An adapter's use count halves after this long unused."
+    )
+
+    @model_validator(mode="after")
+    def _watermarks_ordered(self) -> CacheConfig:
+        if self.low_watermark > self.high_watermark:
+            raise ValueError(
+                f"watermarks out of order: low_watermark ({self.low_watermark:g}) must not "
+                f"exceed high_watermark ({self.high_watermark:g})"
+            )
+        return self
+
+
+@dataclass(frozen=True, slots=True, config=FORBID_EXTRA)
+class ArtifactReadConfig:
+    """How a replica's reads of adapters from the artifact store are paced
+    (replica/memory/store_reads.py). Unset, reads take what the storage gives; set, they
+    take at least latency + size / bandwidth, one read at a time per replica, as from a
+    network store: for benchmarks and capacity planning on a machine whose local disk is
+    far faster than the store the cluster will use."""
+
+    read_bandwidth_mib_s: float | None = Field(
+        None, gt=0, le=1e7, description="Store bandwidth one replica gets, MiB/s; unset: unpaced."
+    )
+    read_latency_ms: float = Field(
+        0.0, ge=0, le=600_000, description="Latency of one read from the store, ms."
+    )
 
     def read_model(self) -> ReadModel | None:
-        """The artifact read model, or None when reads are not paced."""
-        if self.artifact_read_bytes_per_s is None and self.artifact_read_latency_s == 0:
+        """The read model, or None when reads are not paced."""
+        if self.read_bandwidth_mib_s is None and self.read_latency_ms == 0:
             return None
-        bandwidth = self.artifact_read_bytes_per_s or float("inf")
-        return ReadModel(bandwidth, self.artifact_read_latency_s)
+        bandwidth = float("inf") if self.read_bandwidth_mib_s is None else self.read_bandwidth_mib_s
+        return ReadModel(bandwidth * (1 << 20), self.read_latency_ms / 1e3)
 
-    def __post_init__(self):
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(
-                f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}"
-            )
-        if self.kernels not in ("auto", "torch", "triton"):
-            raise ValueError(f"kernels must be auto, torch or triton, got {self.kernels!r}")
-        if self.tp_launcher not in ("auto", "process", "ray"):
-            raise ValueError(f"tp_launcher must be auto, process or ray, got {self.tp_launcher!r}")
-        if not 1 <= self.tp <= 64:
-            raise ValueError(f"tp must be in [1, 64], got {self.tp}")
-        if not 1 <= self.max_lora_rank <= 1024:
-            raise ValueError(f"max_lora_rank must be in [1, 1024], got {self.max_lora_rank}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.artifact_read_bytes_per_s is not None and not self.artifact_read_bytes_per_s > 0:
-            raise ValueError(
-                f"artifact_read_bytes_per_s must be > 0, got {self.artifact_read_bytes_per_s}"
-            )
-        if not self.artifact_read_latency_s >= 0:
-            raise ValueError(
-                f"artifact_read_latency_s must be >= 0, got {self.artifact_read_latency_s}"
-            )
-        for name in ("pool_bytes", "page_bytes"):
-            value = getattr(self, name)
-            if value is not None and value < 1024:
-                raise ValueError(f"{name} must be >= 1024 bytes, got {value}")
+
+@dataclass(frozen=True, slots=True, config=FORBID_EXTRA)
+class EngineConfig:
+    """One replica's engine."""
+
+    model: str = Field(description="Hugging Face checkpoint folder.")
+    dtype: Dtype = Field(
+        "auto", description="Weights and activations; auto keeps the checkpoint's dtype."
+    )
+    device: str = Field("cpu", min_length=1, description="torch device of rank 0.")
+    max_model_len: int | None = Field(
+        None,
+        ge=2,
+        le=1 << 20,
+        description="Context window in tokens (prompt + output); unset: the model's "
+        f"max_position_embeddings, capped at {MAX_MODEL_LEN_CAP}.",
+    )
+    pool_bytes: int | None = Field(
+        None,
+        ge=KiB,
+        le=1 << 41,
+        description="Unified paged pool (KV cache + adapters) per device; unset: 512 MiB on "
+        "CPU, 90% of free memory on CUDA.",
+    )
+    page_bytes: int | None = Field(
+        None,
+        ge=KiB,
+        le=1 << 26,
+        description="Pool page size; unset: the smallest power of two holding 16 tokens of "
+        "KV (at least 64 KiB). 2 MiB suits GPUs.",
+    )
+    max_lora_rank: int = setting(AdapterLimits, "max_lora_rank")
+    scheduler: SchedulerConfig = Field(
+        default_factory=SchedulerConfig, description="Batching and admission."
+    )
+    cache: CacheConfig = Field(default_factory=CacheConfig, description="The adapter cache.")
+    seed: int = Field(
+        0, ge=0, le=2**63 - 1, description="Seeds the sampling of requests that set no seed."
+    )
+    kernels: Kernels = Field(
+        "auto",
+        description="LoRA and attention kernels: auto (Triton on CUDA, torch references "
+        "elsewhere; $LORAPLEX_KERNELS overrides), torch or triton.",
+    )
+    tp: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Tensor-parallel degree: the ranks one replica's model spans (Ray actors "
+        "in the replica's placement group, one bundle per rank packed on one node; local "
+        "processes for `loraplex generate`).",
+    )
+    tp_launcher: Literal["auto", "process", "ray"] = Field(
+        "auto",
+        description="How tp workers start: Ray actors in the replica's placement group, or "
+        "local processes; auto: Ray when running inside a placement group.",
+    )
+    artifacts: ArtifactReadConfig = Field(
+        default_factory=ArtifactReadConfig,
+        description="Reads of adapters from the artifact store (a read model; off by default).",
+    )
+
+
+_PLAIN = TypeAdapter(EngineConfig)
+
+
+def plain_engine_config(cfg: EngineConfig) -> dict[str, Any]:
+    """EngineConfig as plain values (`scheduler` and `cache` as dicts): what crosses Ray."""
+    return _PLAIN.dump_python(cfg)
+
+
+def build_engine_config(values: dict[str, Any]) -> EngineConfig:
+    """EngineConfig from `plain_engine_config`'s values; ValueError (a pydantic
+    ValidationError) names each bad or unknown field."""
+    return _PLAIN.validate_python(values)
+
+
+def context_window(max_model_len: int | None, max_positions: int) -> int:
+    """The context window of an engine: max_model_len if set, else the model's
+    max_position_embeddings capped at MAX_MODEL_LEN_CAP."""
+    return max_model_len if max_model_len is not None else min(max_positions, MAX_MODEL_LEN_CAP)
+
+
+def checkpoint_max_positions(model: str | Path) -> int:
+    """The max_position_embeddings of checkpoint folder `model`, read without torch (the one
+    place settings code reads a checkpoint's shape)."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    return int(config.get("max_position_embeddings", DEFAULT_MAX_POSITIONS))

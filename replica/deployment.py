@@ -19,16 +19,15 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import fields
 from typing import Any
 
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.etcd_client import EtcdSettings
 from loraplex.registry.watch import RegistryWatcher
 from loraplex.replica.adapter_sync import AdapterSync
-from loraplex.replica.config import EngineConfig
-from loraplex.replica.engine import Engine
-from loraplex.replica.memory.adapter_cache import CacheConfig, UnknownAdapter
+from loraplex.replica.async_engine import Engine
+from loraplex.replica.config import build_engine_config
+from loraplex.replica.memory.adapter_cache import UnknownAdapter
 from loraplex.replica.protocol import (
     AdapterNotFound,
     GenerateChunk,
@@ -37,28 +36,12 @@ from loraplex.replica.protocol import (
     continuation,
     sampling_params,
 )
-from loraplex.replica.scheduling.scheduler import SchedulerConfig
 
 log = logging.getLogger(__name__)
 
 # The router is named by import path: replica/ does not import router/ (DESIGN.md layout).
 AFFINITY_ROUTER = "loraplex.router.request_router:AffinityRequestRouter"
 DEPLOYMENT_NAME = "replica"
-
-
-def build_engine_config(values: dict[str, Any]) -> EngineConfig:
-    """EngineConfig from plain values (what crosses Ray and YAML): `scheduler` and `cache`
-    as dicts."""
-    known = {f.name for f in fields(EngineConfig)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ValueError(f"unknown engine settings {unknown}; accepted: {sorted(known)}")
-    values = dict(values)
-    if isinstance(values.get("scheduler"), dict):
-        values["scheduler"] = SchedulerConfig(**values["scheduler"])
-    if isinstance(values.get("cache"), dict):
-        values["cache"] = CacheConfig(**values["cache"])
-    return EngineConfig(**values)
 
 
 def measured_costs(stats: dict[str, Any]) -> dict[str, float]:
@@ -210,19 +193,21 @@ class ReplicaDeployment:
 
 def deployment(
     *,
+    routing_stats_period_s: float,
+    routing_stats_timeout_s: float,
     num_replicas: int | str | None = 1,
     ray_actor_options: dict[str, Any] | None = None,
     router_kwargs: dict[str, Any] | None = None,
-    routing_stats_period_s: float = 1.0,
-    routing_stats_timeout_s: float = 10.0,
     max_ongoing_requests: int = 64,
     name: str = DEPLOYMENT_NAME,
     **options: Any,
 ):
     """`ReplicaDeployment` as a Serve deployment routed by AffinityRequestRouter.
 
-    router_kwargs         AffinityConfig fields, plus `seed` (passed to the router's
+    router_kwargs         AffinityConfig fields (passed to the router's
                           `initialize_state`)
+    routing_stats_*       how often replicas publish their routing stats, and the
+                          deadline of one call (router/settings.py RouterSettings)
     max_ongoing_requests  Serve's per-replica cap on requests in flight; keep it above
                           the engine's max_num_seqs (Serve's default, 5, would starve
                           the batch), the engine queues the rest

@@ -19,7 +19,8 @@ from loraplex.replica.protocol import (
 )
 
 if TYPE_CHECKING:
-    from loraplex.replica.engine import AdapterInfo, Engine
+    from loraplex.replica.async_engine import Engine
+    from loraplex.replica.engine import AdapterInfo
 
 LOCAL_REPLICA = "local"  # the replica id of the engine in process
 

@@ -23,9 +23,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
+from pydantic import Field, model_validator
+from pydantic.dataclasses import dataclass as pydantic_dataclass
+
 from loraplex.router.rates import HeldHeat, RateEstimator
 from loraplex.router.routing_stats import ReplicaStats
 from loraplex.router.walk import cached_walk
+from loraplex.settings import FORBID_EXTRA
 
 
 class Affinity(IntEnum):
@@ -41,43 +45,85 @@ class Affinity(IntEnum):
     OVER_BOUND = 6  # not on the device, above the bounded load
 
 
-@dataclass(frozen=True, slots=True)
+@pydantic_dataclass(frozen=True, slots=True, config=FORBID_EXTRA)
 class AffinityConfig:
-    load_cost_s: float = 0.5  # artifact store -> device: what a cold load adds to TTFT
-    host_load_cost_s: float = 0.02  # host tier -> device; also charged while loading
-    request_time_s: float = 2.0  # mean time a request holds a batch slot
-    busy_cost_s: float = 0.0  # TTFT each request already on a replica adds (0: batching is free)
-    bounded_load_c: float = 1.25  # a cold home takes a request only below ceil(c * mean load)
-    bounded_adapters_c: float = 1.1  # ... and a new adapter only below ceil(c * mean adapters)
-    home_utilisation: float = 0.5  # share of a home's batch slots one adapter should fill
-    home_hysteresis: float = 0.25  # a home is withdrawn only below (1 - this) of the need
-    max_homes_per_adapter: int = 4  # homes one adapter may have at most
-    rate_window_s: float = 10.0  # time constant of the rate estimate's exponential decay
-    stale_after_s: float = 30.0  # older stats rank their replica after every fresh one
-    use_measured_costs: bool = True  # the replicas' published costs replace the two above
+    """The policy's settings (each declared here once; the YAML config's `router:` section
+    is router/settings.py's RouterSettings, which extends this)."""
 
-    def __post_init__(self):
-        for name in ("bounded_load_c", "bounded_adapters_c"):
-            if not getattr(self, name) > 1:
-                raise ValueError(f"{name} must be > 1, got {getattr(self, name)}")
-        if not 0 <= self.host_load_cost_s <= self.load_cost_s:
+    load_cost_s: float = Field(
+        0.5, ge=0, le=600, description="What a cold adapter load adds to TTFT, seconds."
+    )
+    host_load_cost_s: float = Field(
+        0.02,
+        ge=0,
+        le=600,
+        description="Host tier -> device load time, seconds (at most load_cost_s); also "
+        "charged while a load is in flight.",
+    )
+    request_time_s: float = Field(
+        2.0, gt=0, le=3600, description="Mean time a request holds a batch slot, seconds."
+    )
+    busy_cost_s: float = Field(
+        0.0,
+        ge=0,
+        le=600,
+        description="TTFT each request already on a replica adds, seconds: ~0 on GPUs "
+        "(decode batching is nearly free), the per-sequence step time on CPUs.",
+    )
+    bounded_load_c: float = Field(
+        1.25,
+        gt=1,
+        le=100,
+        description="A cold home takes a request only below ceil(c * mean load).",
+    )
+    bounded_adapters_c: float = Field(
+        1.1,
+        gt=1,
+        le=100,
+        description="A cold home takes a new adapter only below ceil(c * mean adapters held).",
+    )
+    home_utilisation: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Share of a replica's batch slots one adapter should fill: an adapter "
+        "gets as many homes as its request rate needs at this share (Little's law with "
+        "request_time_s).",
+    )
+    home_hysteresis: float = Field(
+        0.25,
+        ge=0,
+        lt=1,
+        description="A home of a hot adapter is withdrawn only once its rate needs (1 - "
+        "this) of one home less, so a rate near a threshold does not flap.",
+    )
+    max_homes_per_adapter: int = Field(
+        4, ge=1, le=4096, description="Most replicas one adapter is spread over."
+    )
+    rate_window_s: float = Field(
+        10.0,
+        gt=0,
+        le=3600,
+        description="Time constant of the adapter request-rate estimate's exponential decay.",
+    )
+    stale_after_s: float = Field(
+        30.0, gt=0, le=3600, description="Routing stats older than this rank their replica last."
+    )
+    use_measured_costs: bool = Field(
+        True,
+        description="Judge each replica by the busy and host-load costs the replicas measure "
+        "on their own steps and loads (the configured ones stand in until they have).",
+    )
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="Seeds tie-breaks between replicas.")
+
+    @model_validator(mode="after")
+    def _host_below_cold(self) -> AffinityConfig:
+        if self.host_load_cost_s > self.load_cost_s:
             raise ValueError(
-                f"need 0 <= host_load_cost_s <= load_cost_s, got {self.host_load_cost_s} "
-                f"and {self.load_cost_s}"
+                f"host_load_cost_s ({self.host_load_cost_s:g}) must not exceed load_cost_s "
+                f"({self.load_cost_s:g}): a host-tier load is a part of a cold load"
             )
-        if not self.busy_cost_s >= 0:
-            raise ValueError(f"busy_cost_s must be >= 0, got {self.busy_cost_s}")
-        for name in ("request_time_s", "rate_window_s", "stale_after_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not 0 < self.home_utilisation <= 1:
-            raise ValueError(f"home_utilisation must be in (0, 1], got {self.home_utilisation}")
-        if not 0 <= self.home_hysteresis < 1:
-            raise ValueError(f"home_hysteresis must be in [0, 1), got {self.home_hysteresis}")
-        if self.max_homes_per_adapter < 1:
-            raise ValueError(
-                f"max_homes_per_adapter must be >= 1, got {self.max_homes_per_adapter}"
-            )
+        return self
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,11 +217,10 @@ class AffinityPolicy:
         self,
         config: AffinityConfig,
         clock: Callable[[], float] = time.monotonic,
-        seed: int = 0,
     ):
         self.config = config
         self.clock = clock
-        self._rng = random.Random(seed)
+        self._rng = random.Random(config.seed)
         self._rates = RateEstimator(config.rate_window_s, clock())
         self._heat = HeldHeat(self._rates)
         self._placed: dict[str, dict[str, float]] = {}  # replica -> {adapter: sent at}
@@ -306,7 +351,7 @@ class AffinityPolicy:
 
         def key(r: ReplicaStats) -> tuple:
             a = affinity(r)
-            home = spread and r.replica_id in homes
+            home = spread and homes is not None and r.replica_id in homes
             return (
                 self._stale(r),
                 self._wait_s(r, busy) + load_s(r, a),

@@ -48,9 +48,9 @@ class AffinityRequestRouter(RequestRouter):
         self._parsed: dict[str, tuple[dict[str, Any], ReplicaStats]] = {}
         _ROUTERS.add(self)
 
-    def initialize_state(self, seed: int = 0, **config: Any) -> None:
-        """`request_router_kwargs`: AffinityConfig fields, and the seed of base-model ties."""
-        self.policy = AffinityPolicy(AffinityConfig(**config), seed=seed)
+    def initialize_state(self, **config: Any) -> None:
+        """`request_router_kwargs`: AffinityConfig fields."""
+        self.policy = AffinityPolicy(AffinityConfig(**config))
 
     async def choose_replicas(
         self,

@@ -19,12 +19,14 @@ from safetensors.torch import load_file, save_file
 from tiny_model import SPEC
 
 from loraplex.demo.assets import LORA_TARGETS, AdapterSpec, write_adapter
-from loraplex.replica.memory.adapter_cache import AdapterCache
+from loraplex.replica.memory.adapter_cache import AdapterCache, CacheConfig
 from loraplex.replica.memory.adapters import AdapterError, load_adapter
 from loraplex.replica.memory.pool import UnifiedPool
 from loraplex.replica.model.config import ModelConfig
 from loraplex.replica.model.llama import LlamaModel
 from loraplex.replica.model.lora_groups import LORA_GROUPS
+
+SYNC = CacheConfig(loading="sync")  # loads complete inside the call
 
 CONFIG = {
     "model_type": "llama",
@@ -74,7 +76,7 @@ def assert_rejected(path: Path, *fragments: str, max_rank: int = MAX_RANK) -> st
     fresh cache and pool exactly as they were."""
     pool = UnifiedPool(32, 4096, MODEL.dtype, torch.device("cpu"))
     columns = functools.partial(LlamaModel.output_columns, SimpleNamespace(cfg=MODEL))
-    cache = AdapterCache(pool, MODEL, columns)
+    cache = AdapterCache(pool, MODEL, columns, config=SYNC)
     before = pool.stats()
     with pytest.raises(AdapterError) as info:
         cache.add(load_adapter(path, "bad", MODEL, max_rank))
@@ -428,7 +430,7 @@ def test_missing_lora_alpha_is_refused(adapter_dir):
 def test_good_adapter_registers_and_loads_into_the_pool(adapter_dir):
     pool = UnifiedPool(32, 4096, MODEL.dtype, torch.device("cpu"))
     columns = functools.partial(LlamaModel.output_columns, SimpleNamespace(cfg=MODEL))
-    cache = AdapterCache(pool, MODEL, columns)
+    cache = AdapterCache(pool, MODEL, columns, config=SYNC)
     w = load_adapter(adapter_dir, "good", MODEL, MAX_RANK)
     cache.add(w)
     assert "good" in cache and pool.num_free == pool.num_pages  # registering takes no pages

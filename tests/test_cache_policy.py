@@ -80,7 +80,7 @@ def make_cache(num_pages: int, sizes: dict[str, int], **cfg) -> tuple[AdapterCac
         pool,
         None,
         clock=clock,
-        config=CacheConfig(**cfg),
+        config=CacheConfig(**{"loading": "sync", **cfg}),
         layout=SimLayout(PAGE),
         transfer=SimLink(*link, clock) if link else None,
     )

@@ -21,7 +21,8 @@ from loraplex.replica.engine import LLMEngine
 from loraplex.replica.sampling import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
-POOL = ["--pool-mib", "32", "--page-kib", "64"]  # small and fast; the engine below matches it
+# small and fast, on the CPU even where torch sees a GPU: the engine below matches it
+POOL = ["--pool-mib", "32", "--page-kib", "64", "--device", "cpu"]
 
 
 def engine(assets: DemoAssets, *adapters: str, **kw) -> LLMEngine:

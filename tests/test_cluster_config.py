@@ -8,6 +8,7 @@ import importlib
 import json
 import os
 import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,15 +16,15 @@ import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.schema import ServeDeploySchema
 
-from loraplex.cluster import local_cluster, supervisor
+from loraplex.cluster import local_cluster, state
 from loraplex.cluster.config import APP_NAME, IMPORT_PATH, LoraplexConfig
 from loraplex.cluster.errors import CLIError
 from loraplex.registry.etcd_client import EtcdSettings
-from loraplex.replica.config import EngineConfig
-from loraplex.replica.deployment import build_engine_config
+from loraplex.replica.config import ArtifactReadConfig, EngineConfig, build_engine_config
 from loraplex.replica.memory.adapter_cache import CacheConfig
 from loraplex.replica.scheduling.scheduler import SchedulerConfig
 from loraplex.router.policy import AffinityConfig
+from loraplex.settings import declared_fields
 
 CLUSTER = Path(__file__).resolve().parents[1] / "cluster"
 MODEL_CONFIG = {
@@ -64,10 +65,7 @@ def test_defaults_are_a_two_replica_cpu_demo_and_match_the_engine_defaults():
     assert config.auth.admin_key_env == "LORAPLEX_ADMIN_KEY"
     engine = engine_of(config.model_copy(update={"model": "/m"}).engine_config())
     assert engine == EngineConfig(model="/m")  # same defaults as the engine's own
-    assert (
-        AffinityConfig(**{k: v for k, v in config.router.affinity_kwargs().items() if k != "seed"})
-        == AffinityConfig()
-    )
+    assert AffinityConfig(**config.router.affinity_kwargs()) == AffinityConfig()
 
 
 def test_from_yaml_resolves_paths_against_the_file_and_maps_every_engine_field(
@@ -133,8 +131,7 @@ def test_from_yaml_resolves_paths_against_the_file_and_maps_every_engine_field(
         ),
         kernels="torch",
         seed=7,
-        artifact_read_bytes_per_s=5 << 20,
-        artifact_read_latency_s=0.05,
+        artifacts=ArtifactReadConfig(read_bandwidth_mib_s=5, read_latency_ms=50),
     )
     assert config.etcd_settings() == EtcdSettings(
         endpoints=["10.0.0.5:2379", "10.0.0.6:2379"],
@@ -145,6 +142,9 @@ def test_from_yaml_resolves_paths_against_the_file_and_maps_every_engine_field(
         "num_replicas": 3,
         "ray_actor_options": {"num_cpus": 2, "num_gpus": 1},
         "max_ongoing_requests": 8,
+        "router_kwargs": config.router.affinity_kwargs(),
+        "routing_stats_period_s": 1.0,
+        "routing_stats_timeout_s": 10.0,
     }
 
 
@@ -245,13 +245,14 @@ def test_unreadable_files_are_refused(tmp_path):
 
 def test_every_setting_is_documented():
     def check(model: type) -> None:
-        for name, field in model.model_fields.items():
+        for name, field in declared_fields(model).items():
             assert field.description, f"{model.__name__}.{name} has no description"
             annotation = field.annotation
-            if isinstance(annotation, type) and hasattr(annotation, "model_fields"):
+            if isinstance(annotation, type) and hasattr(annotation, "__pydantic_fields__"):
                 check(annotation)
 
     check(LoraplexConfig)
+    check(EngineConfig)  # what the YAML's engine section is made into
 
 
 # ---------------------------------------------------------------- Serve config and app
@@ -361,12 +362,12 @@ def test_ray_validation_is_not_vacuous():
 
 
 def test_up_names_the_missing_parts_of_the_app(monkeypatch):
-    monkeypatch.setitem(local_cluster.APP_MODULES, "loraplex.router.not_written_yet", ("x",))
-    monkeypatch.setitem(local_cluster.APP_MODULES, "loraplex.router.policy", ("NoSuchThing",))
+    local_cluster.check_app_importable()  # this install has them all
+    monkeypatch.setitem(sys.modules, "loraplex.router.serve_backend", None)  # as if absent
     with pytest.raises(CLIError) as caught:
-        local_cluster.check_app_modules()
-    assert "loraplex.router.not_written_yet" in str(caught.value)
-    assert "loraplex.router.policy.NoSuchThing" in str(caught.value)
+        local_cluster.check_app_importable()
+    assert "the Serve app cannot be built" in str(caught.value)
+    assert "loraplex.router.serve_backend" in str(caught.value)
 
 
 def test_admin_key_is_generated_once_and_private(tmp_path):
@@ -388,5 +389,5 @@ def test_down_and_status_without_a_cluster_say_so(tmp_path, capsys):
     assert local_cluster.status(tmp_path) == 1
     assert "not running" in capsys.readouterr().out
     # a stale state file whose pid is not a supervisor counts as not running
-    supervisor.write_state(tmp_path, {"pid": os.getpid(), "phase": "running"})
+    state.write_state(tmp_path, {"pid": os.getpid(), "phase": "running"})
     assert local_cluster.status(tmp_path) == 1

@@ -37,12 +37,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.cluster.adapters_cli import Endpoint, add_adapter, remove_adapter
 from loraplex.cluster.config import LoraplexConfig
-from loraplex.cluster.local_cluster import pid_alive, ray_temp_dir, stop_orphaned_etcd
-from loraplex.cluster.supervisor import read_state
+from loraplex.cluster.local_cluster import ray_temp_dir
+from loraplex.cluster.state import pid_alive, read_state, stop_orphaned_etcd
 from loraplex.demo.assets import DemoAssets
 from loraplex.net import free_port
 from loraplex.registry.etcd_process import INSTALL_HINT, find_etcd_binary
-from loraplex.replica.deployment import build_engine_config
+from loraplex.replica.config import build_engine_config
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.protocol import adapter_id
 from loraplex.replica.sampling import SamplingParams
@@ -342,6 +342,19 @@ class Streams:
         for started in self.started:
             assert started.wait(timeout), f"a stream sent no first event within {timeout}s"
 
+    def settled(self, at_least: int, quiet_s: float = 1.0, timeout: float = 60.0) -> int:
+        """Once `at_least` streams have ended and no other ends for `quiet_s` (the ingress
+        has nothing more to deliver), how many are still open."""
+        deadline = time.monotonic() + timeout
+        while sum(f.done() for f in self.futures) < at_least:
+            assert time.monotonic() < deadline, f"fewer than {at_least} streams ended in {timeout}s"
+            time.sleep(0.05)
+        while True:
+            done = sum(f.done() for f in self.futures)
+            time.sleep(quiet_s)
+            if sum(f.done() for f in self.futures) == done:
+                return len(self.futures) - done
+
     def results(self, timeout: float = 90.0) -> list[tuple[int, str] | openai.APIError]:
         deadline = time.monotonic() + timeout
         return [f.result(timeout=max(0.1, deadline - time.monotonic())) for f in self.futures]
@@ -360,6 +373,33 @@ def replica_actors(ray) -> dict[str, str]:
         for entry in ray.util.list_named_actors(all_namespaces=True)
         if entry["namespace"] == "serve" and entry["name"].startswith(REPLICA_PREFIX)
     }
+
+
+def actor_pid(ray, name: str) -> int:
+    """The process id of a replica actor."""
+    actor = ray.get_actor(name, namespace="serve")
+    return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+
+
+class Frozen:
+    """A process stopped (SIGSTOP) for the block: `kill()` ends it (SIGKILL, as a crash
+    would); otherwise it runs on (SIGCONT) when the block ends."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.killed = False
+
+    def kill(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+        self.killed = True
+
+    def __enter__(self) -> Frozen:
+        os.kill(self.pid, signal.SIGSTOP)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if not self.killed:
+            os.kill(self.pid, signal.SIGCONT)
 
 
 def routing_stats(ray) -> dict[str, dict[str, Any]]:
@@ -769,24 +809,40 @@ def test_killing_a_replica_mid_stream_neither_hangs_nor_loses_adapters(
     before = replica_actors(ray)
     assert len(before) == 2, before
 
-    long = 600  # tokens: seconds of decoding, so the kill lands mid-stream (checked below)
+    # Why this test once failed: the victim was picked from routing stats after every stream
+    # had started plus 0.5 s, and killed after a further RPC; on a quiet machine 600 tokens
+    # of the demo model take about as long, so its streams could finish first. Now the
+    # victim is frozen (SIGSTOP) as soon as its queue is read: its streams cannot finish
+    # until the kill. Once the others have ended and the client has seen everything the
+    # ingress holds, exactly queues[victim] streams must still be open; if one of the
+    # victim's slipped out between the read and the freeze, the round is repeated.
+    pids = {replica: actor_pid(ray, name) for replica, name in before.items()}
+    long = 600  # tokens: seconds of decoding
     models = [BASE_ID, "stream", BASE_ID, "stream"]
-    resumed_before = stream_resumes(cluster)
-    with Streams(acme, models, max_tokens=long) as streams:
-        streams.wait_started()
-        # the replicas' own queues now (not a stats period old): kill at once, mid-stream
-        queues = {r: s["queue_len"] for r, s in routing_stats(ray).items()}
-        assert set(queues) == set(before), queues
-        victim = max(queues, key=queues.__getitem__)
-        (survivor,) = set(before) - {victim}
-        assert queues[victim] > 0, queues
-        ray.kill(ray.get_actor(before[victim], namespace="serve"), no_restart=True)
+    for _ in range(3):
+        resumed_before = stream_resumes(cluster)
+        with Streams(acme, models, max_tokens=long) as streams:
+            streams.wait_started()
+            queues = {r: s["queue_len"] for r, s in routing_stats(ray).items()}
+            victim = max(queues, key=queues.__getitem__)
+            with Frozen(pids[victim]) as freeze:
+                assert set(queues) == set(before), queues
+                assert queues[victim] > 0, queues
+                if streams.settled(at_least=len(models) - queues[victim]) == queues[victim]:
+                    freeze.kill()  # mid-stream, by construction
+            if not freeze.killed:  # one of the victim's streams ended before the freeze
+                streams.results()  # the others end now that it runs again
+                continue
 
-        # sent while the router may still count the victim in: retried before any token
-        for model in (BASE_ID, "stream", BASE_ID):
-            assert complete(acme, model, max_tokens=8).usage.completion_tokens == 8
+            # sent while the router may still count the victim in: retried before any token
+            for model in (BASE_ID, "stream", BASE_ID):
+                assert complete(acme, model, max_tokens=8).usage.completion_tokens == 8
 
-        results = streams.results()  # never a hang
+            results = streams.results()  # never a hang
+            break
+    else:
+        pytest.fail("in 3 rounds a stream of the victim ended before it was frozen")
+    (survivor,) = set(before) - {victim}
     # no stream failed: the victim's resumed on the survivor after the tokens they had,
     # and each reads exactly as one uninterrupted run
     ids = oracle.tokenizer.encode(PROMPT)

@@ -12,8 +12,9 @@ import pytest
 from tokenizers import Tokenizer
 
 from loraplex.demo.assets import DemoAssets
+from loraplex.replica.async_engine import Engine
 from loraplex.replica.config import EngineConfig
-from loraplex.replica.engine import Engine, LLMEngine, RequestError
+from loraplex.replica.engine import LLMEngine, RequestError
 from loraplex.replica.memory.adapter_cache import UnknownAdapter
 from loraplex.replica.sampling import SamplingParams
 from loraplex.replica.scheduling.scheduler import SchedulerConfig

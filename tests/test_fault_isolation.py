@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from loraplex.demo.assets import DemoAssets
+from loraplex.replica.async_engine import Engine
 from loraplex.replica.config import EngineConfig
-from loraplex.replica.engine import Engine, LLMEngine
+from loraplex.replica.engine import LLMEngine
 from loraplex.replica.memory.adapter_cache import CacheConfig
 from loraplex.replica.sampling import SamplingParams
 from loraplex.replica.sequence import RequestOutput

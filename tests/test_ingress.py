@@ -34,8 +34,9 @@ from loraplex.registry.models import AdapterRecord
 from loraplex.registry.store import RegistryStore
 from loraplex.registry.validation import CONFIG_FILE, WEIGHTS_FILE, BaseModelShape
 from loraplex.registry.watch import RegistryWatcher
+from loraplex.replica.async_engine import Engine
 from loraplex.replica.config import EngineConfig
-from loraplex.replica.engine import Engine, LLMEngine
+from loraplex.replica.engine import LLMEngine
 from loraplex.replica.local_backend import LocalBackend
 from loraplex.replica.protocol import GenerateChunk, GenerateRequest, ReplicaFailed, adapter_id
 from loraplex.replica.sampling import SamplingParams

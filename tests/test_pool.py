@@ -396,7 +396,8 @@ class World:
             self.cfg,
             columns_for(self.cfg),
             clock=lambda: float(next(ticks)),
-            config=CacheConfig(eviction="lru"),  # the order test_kv_and_adapter_split checks
+            # lru: the order test_kv_and_adapter_split checks; sync: loads complete at once
+            config=CacheConfig(eviction="lru", loading="sync"),
         )
         self.names = [f"a{i}" for i in range(num_names)]
         self.loaded_from: dict[

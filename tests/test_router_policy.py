@@ -50,8 +50,8 @@ def idle(n: int, slots: int = 32) -> list[ReplicaStats]:
     return [replica(f"r{i}", slots=slots) for i in range(n)]
 
 
-def policy(clock: FakeClock | None = None, seed: int = 0, **config) -> AffinityPolicy:
-    return AffinityPolicy(AffinityConfig(**config), clock=clock or FakeClock(), seed=seed)
+def policy(clock: FakeClock | None = None, **config) -> AffinityPolicy:
+    return AffinityPolicy(AffinityConfig(**config), clock=clock or FakeClock())
 
 
 def test_device_then_host_or_loading_then_cold():

@@ -23,6 +23,8 @@ from loraplex.replica.scheduling.queue_math import (
 )
 from loraplex.replica.sequence import Sequence
 
+CHAMELEON = ChameleonParams()  # the paper's weights and elbow
+
 
 def seq(rid: str, prompt: int, max_tokens: int, adapter: str | None = None) -> Sequence:
     return Sequence(rid, [1] * prompt, SamplingParams(max_tokens=max_tokens), adapter, 0.0, None)
@@ -76,9 +78,10 @@ def test_overloaded_quotas_follow_occupancy_not_the_largest_request():
 
 
 def test_wrs_is_degree_two_in_the_adapter_size():
-    base = weighted_request_size(50, 100, 10, 100, 200, 40)
+    ab = (CHAMELEON.a, CHAMELEON.b)
+    base = weighted_request_size(50, 100, 10, 100, 200, 40, *ab)
     assert base == pytest.approx((0.4 * 0.5 + 0.6 * 0.5) * 0.25)
-    assert weighted_request_size(50, 100, 20, 100, 200, 40) == pytest.approx(2 * base)
+    assert weighted_request_size(50, 100, 20, 100, 200, 40, *ab) == pytest.approx(2 * base)
 
 
 def test_kmeans_elbow_picks_three_queues_where_minimal_wcss_picks_four():
@@ -97,9 +100,10 @@ def test_kmeans_elbow_picks_three_queues_where_minimal_wcss_picks_four():
 
 def test_one_tight_cluster_gets_one_queue():
     sizes = np.random.default_rng(1).normal(5.0, 0.01, 200)
-    assert choose_cutoffs(sizes)[0] == []
-    assert choose_cutoffs(np.full(10, 3.0))[0] == []
-    assert choose_cutoffs(np.array([]))[0] == []
+    elbow = (CHAMELEON.k_max, CHAMELEON.elbow)
+    assert choose_cutoffs(sizes, *elbow)[0] == []
+    assert choose_cutoffs(np.full(10, 3.0), *elbow)[0] == []
+    assert choose_cutoffs(np.array([]), *elbow)[0] == []
 
 
 def test_output_predictor_learns_per_adapter_and_caps_at_max_tokens():

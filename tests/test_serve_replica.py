@@ -28,8 +28,9 @@ from loraplex.registry.models import AdapterRecord, Tenant
 from loraplex.registry.store import RegistryStore
 from loraplex.registry.watch import RegistryWatcher
 from loraplex.replica.adapter_sync import AdapterSync
+from loraplex.replica.async_engine import Engine
 from loraplex.replica.config import EngineConfig
-from loraplex.replica.engine import Engine, LLMEngine
+from loraplex.replica.engine import LLMEngine
 from loraplex.replica.protocol import (
     AdapterNotFound,
     GenerateRequest,
@@ -38,6 +39,7 @@ from loraplex.replica.protocol import (
 )
 from loraplex.replica.sampling import SamplingParams
 from loraplex.replica.scheduling.scheduler import SchedulerConfig
+from loraplex.router.settings import RouterSettings
 from loraplex.router.walk import walk_order
 
 TENANT = "acme"
@@ -252,6 +254,7 @@ def cluster(
             num_replicas=2,
             ray_actor_options={"num_cpus": 0},
             routing_stats_period_s=0.5,
+            routing_stats_timeout_s=RouterSettings().stats_timeout_s,
             health_check_period_s=1.0,
             graceful_shutdown_wait_loop_s=0.2,
             graceful_shutdown_timeout_s=2.0,

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from loraplex.replica.config import EngineConfig
+from loraplex.replica.config import ArtifactReadConfig, EngineConfig
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.memory.store_reads import ReadModel, ReadPacer
 
@@ -43,11 +43,15 @@ def test_reads_take_latency_plus_size_over_bandwidth_one_after_another():
 def test_the_read_model_is_validated_and_off_by_default():
     with pytest.raises(ValueError, match="bytes_per_s"):
         ReadModel(bytes_per_s=0.0)
-    with pytest.raises(ValueError, match="artifact_read_latency_s"):
-        EngineConfig(model="m", artifact_read_latency_s=-1.0)
-    assert EngineConfig(model="m").read_model() is None
-    latency_only = EngineConfig(model="m", artifact_read_latency_s=0.1).read_model()
+    with pytest.raises(ValueError, match="read_latency_ms"):
+        ArtifactReadConfig(read_latency_ms=-1.0)
+    with pytest.raises(ValueError, match="read_bandwidth_mib_s"):
+        ArtifactReadConfig(read_bandwidth_mib_s=0.0)
+    assert EngineConfig(model="m").artifacts.read_model() is None
+    latency_only = ArtifactReadConfig(read_latency_ms=100.0).read_model()
     assert latency_only.latency_s == 0.1 and latency_only.bytes_per_s == float("inf")
+    both = ArtifactReadConfig(read_bandwidth_mib_s=8.0, read_latency_ms=50.0).read_model()
+    assert both.bytes_per_s == 8 << 20 and both.latency_s == 0.05
 
 
 def test_engine_reads_are_paced_only_when_configured(assets):
@@ -64,8 +68,9 @@ def test_engine_reads_are_paced_only_when_configured(assets):
         EngineConfig(
             model=str(assets.model_dir),
             pool_bytes=64 << 20,
-            artifact_read_bytes_per_s=bandwidth,
-            artifact_read_latency_s=0.2,
+            artifacts=ArtifactReadConfig(
+                read_bandwidth_mib_s=bandwidth / (1 << 20), read_latency_ms=200
+            ),
         )
     )
     start = time.monotonic()

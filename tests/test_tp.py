@@ -49,7 +49,7 @@ WORKLOAD = [
 def _engine(demo_assets, tp: int, pool_pages: int, cache: CacheConfig | None = None) -> LLMEngine:
     engine = LLMEngine(
         EngineConfig(
-            cache=cache or CacheConfig(),
+            cache=cache or CacheConfig(loading="sync"),
             model=str(demo_assets.model_dir),
             dtype="float32",
             pool_bytes=pool_pages * PAGE,
@@ -101,7 +101,7 @@ def _serve(engine: LLMEngine, check=None):
 
 @pytest.mark.parametrize(
     "cache",
-    [CacheConfig(), CacheConfig(loading="thread", prefetch=2)],
+    [CacheConfig(loading="sync"), CacheConfig(loading="thread", prefetch=2)],
     ids=["sync-loads", "copy-thread-and-prefetch"],
 )
 def test_tp2_matches_tp1_with_eviction_on_every_rank(demo_assets, cache):

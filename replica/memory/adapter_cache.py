@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from loraplex.replica.config import CacheConfig
 from loraplex.replica.memory.adapters import AdapterWeights, PoolLayout
 from loraplex.replica.memory.eviction import AdapterUsage, EvictionPolicy, make_eviction
 from loraplex.replica.memory.pool import PageKind, UnifiedPool
@@ -34,37 +35,6 @@ log = logging.getLogger(__name__)
 
 class UnknownAdapter(KeyError):
     pass
-
-
-@dataclass(frozen=True, slots=True)
-class CacheConfig:
-    eviction: Literal["chameleon", "lru", "gdsf", "equal"] = "chameleon"
-    loading: Literal["sync", "thread"] = "sync"  # thread: copies overlap the forward
-    keep_idle: bool = True  # False: an adapter leaves the device with its last request (S-LoRA)
-    low_watermark: float = 0.0  # share of the pool a KV reclaim frees beyond its need
-    high_watermark: float = 0.0  # share of the pool prefetch leaves free
-    prefetch: int = 0  # queued requests (in admission order) whose adapters are prefetched
-    host_bytes: int | None = None  # host-tier budget; None: every adapter stays in memory
-    half_life_s: float = 60.0  # an adapter's use count halves after this long unused
-
-    def __post_init__(self):
-        if self.eviction not in ("chameleon", "lru", "gdsf", "equal"):
-            raise ValueError(
-                f"eviction must be chameleon, lru, gdsf or equal, got {self.eviction!r}"
-            )
-        if self.loading not in ("sync", "thread"):
-            raise ValueError(f"loading must be sync or thread, got {self.loading!r}")
-        if not 0.0 <= self.low_watermark <= self.high_watermark <= 1.0:
-            raise ValueError(
-                "watermarks must satisfy 0 <= low_watermark <= high_watermark <= 1, got "
-                f"{self.low_watermark} and {self.high_watermark}"
-            )
-        if self.prefetch < 0:
-            raise ValueError(f"prefetch must be >= 0, got {self.prefetch}")
-        if self.half_life_s <= 0:
-            raise ValueError(f"half_life_s must be > 0, got {self.half_life_s}")
-        if self.host_bytes is not None and self.host_bytes < 0:
-            raise ValueError(f"host_bytes must be >= 0, got {self.host_bytes}")
 
 
 @dataclass(slots=True)

@@ -131,7 +131,7 @@ class GDSF:
 EVICTION_POLICIES = ("chameleon", "lru", "gdsf", "equal")
 
 
-def make_eviction(name: str, half_life_s: float = 60.0) -> EvictionPolicy:
+def make_eviction(name: str, half_life_s: float) -> EvictionPolicy:
     if name == "chameleon":
         return WeightedScore(half_life_s=half_life_s)
     if name == "lru":

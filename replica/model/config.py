@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from loraplex.registry.validation import BaseModelShape
+from loraplex.replica.config import DEFAULT_MAX_POSITIONS
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -116,7 +117,7 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            max_position_embeddings=raw.get("max_position_embeddings", DEFAULT_MAX_POSITIONS),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope if rope.get("rope_type", "default") != "default" else None,

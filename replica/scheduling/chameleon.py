@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from loraplex.replica.config import ChameleonParams
 from loraplex.replica.scheduling.policy import Admit, TryAdmit
 from loraplex.replica.scheduling.queue_math import (
     OutputPredictor,
@@ -17,26 +18,6 @@ from loraplex.replica.scheduling.queue_math import (
     weighted_request_size,
 )
 from loraplex.replica.sequence import Sequence
-
-
-@dataclass(frozen=True, slots=True)
-class ChameleonParams:
-    a: float = 0.4  # WRS weight of the input
-    b: float = 0.6  # WRS weight of the output
-    k_max: int = 4
-    elbow: float = 0.1  # one more queue must remove this share of the 1-queue WCSS
-    refresh_s: float = 300.0  # T_refresh
-    min_samples: int = 32  # arrivals seen before the first clustering
-    window: int = 4096  # arrivals (and finished requests) the refresh looks at
-    slo_s: float = 5.0
-    max_bypass: int = 8  # a request no fit for its adapter is overtaken at most this often
-    starve_s: float | None = None  # waited this long: admitted first, over quota (None: slo_s)
-
-    def __post_init__(self):
-        if not 1 <= self.k_max <= 8:
-            raise ValueError(f"k_max must be in [1, 8], got {self.k_max}")
-        if self.refresh_s <= 0 or self.slo_s <= 0:
-            raise ValueError("refresh_s and slo_s must be > 0")
 
 
 @dataclass(slots=True)

@@ -49,8 +49,8 @@ def weighted_request_size(
     max_prompt: int,
     max_output: int,
     max_adapter_bytes: int,
-    a: float = 0.4,
-    b: float = 0.6,
+    a: float,
+    b: float,
 ) -> float:
     """WRS = (A·in/max_in + B·out/max_out) · size/max_size (degree 2: the adapter scales
     both the prefill and the decode cost)."""
@@ -118,7 +118,7 @@ def _nearest(xs: np.ndarray, centroids: np.ndarray) -> np.ndarray:
 
 
 def choose_cutoffs(
-    sizes: np.ndarray, k_max: int = 4, elbow: float = 0.1, tight: float = 0.05
+    sizes: np.ndarray, k_max: int, elbow: float, tight: float = 0.05
 ) -> tuple[list[float], list[float]]:
     """Queue cut-offs for request sizes: K-means for K = 1..k_max, then the elbow rule —
     the smallest K after which one more queue removes less than `elbow` of the K = 1 WCSS.

@@ -8,35 +8,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Literal
 
+from loraplex.replica.config import SchedulerConfig
 from loraplex.replica.memory.adapter_cache import AdapterCache
 from loraplex.replica.memory.kv_cache import KVCache
-from loraplex.replica.scheduling.chameleon import Chameleon, ChameleonParams
+from loraplex.replica.scheduling.chameleon import Chameleon
 from loraplex.replica.scheduling.policy import FIFO, Admit, QueuePolicy, SJFAging
 from loraplex.replica.scheduling.queue_math import OutputPredictor
 from loraplex.replica.sequence import SeqStatus, Sequence
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 2048
-    max_loras_per_batch: int = 32
-    policy: Literal["fifo", "sjf", "chameleon"] = "fifo"
-    sjf_aging_tokens_per_s: float = 10.0  # SJF: a request's priority improves this fast
-    predictor_quantile: float = 0.5  # output length predicted as this quantile
-    chameleon: ChameleonParams = field(default_factory=ChameleonParams)
-
-    def __post_init__(self):
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_loras_per_batch"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
-        if self.policy not in ("fifo", "sjf", "chameleon"):
-            raise ValueError(f"policy must be fifo, sjf or chameleon, got {self.policy!r}")
-        if self.sjf_aging_tokens_per_s < 0:
-            raise ValueError("sjf_aging_tokens_per_s must be >= 0")
 
 
 class Scheduler:
@@ -45,7 +24,7 @@ class Scheduler:
         cfg: SchedulerConfig,
         kv: KVCache,
         adapters: AdapterCache,
-        max_len: int = 8192,
+        max_len: int,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.cfg = cfg

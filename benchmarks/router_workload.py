@@ -1,0 +1,50 @@
+"""The router bench's workload shape (benchmarks/router.py drives it; router_apps,
+router_assets, router_costs and router_figures read it). Requests and their outcomes are in
+router_runs.py."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from loraplex.demo.assets import ModelSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    model: ModelSpec
+    num_adapters: int
+    num_replicas: int
+    adapters_per_replica: int  # device pool: adapters of mean size beside a full batch's KV
+    host_adapters_per_replica: int  # host tier (sync) and max_num_models_per_replica
+    window_s: float  # one run's arrivals span this long
+    failover_window_s: float
+    rate_factors: tuple[float, ...]  # x the nominal capacity
+    reference_factor: float  # one of rate_factors: loads, load seconds
+    failover_factors: tuple[float, ...]
+    read_bandwidth_mib_s: float = 8.0
+    read_latency_ms: float = 50.0
+    prompt_tokens: tuple[int, int] = (16, 32)  # inclusive range
+    output_tokens: tuple[int, int] = (8, 16)
+    max_num_seqs: int = 16
+    routing_stats_period_s: float = 1.0
+    request_timeout_s: float = 120.0
+    seed: int = 0
+
+    def __post_init__(self):
+        if not 1 <= self.adapters_per_replica < self.num_adapters:
+            raise ValueError(
+                f"adapters_per_replica must be in [1, num_adapters): more adapters than fit on "
+                f"one replica, got {self.adapters_per_replica} of {self.num_adapters}"
+            )
+        if self.reference_factor not in self.rate_factors:
+            raise ValueError("reference_factor must be one of rate_factors")
+        if self.num_replicas < 1 or self.window_s <= 0:
+            raise ValueError("num_replicas and window_s must be > 0")
+
+
+def workload_dict(w: Workload) -> dict[str, Any]:
+    """The workload as the bench's JSON shows it."""
+    out = asdict(w)
+    out["model"] = {k: v for k, v in out["model"].items() if k != "rope_scaling"}
+    return out

@@ -1,0 +1,132 @@
+"""What Ray Serve reports about the app: deployment states, failed deployments' errors,
+each replica's routing stats (adapters per tier, queue, pool pages) and the router's busiest
+adapters with their homes, for `loraplex status`."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from loraplex.cluster.config import APP_NAME
+
+REPLICA_DEPLOYMENT = "replica"
+
+
+def status_text(value: Any) -> str:
+    """A Serve status (an enum in some Ray versions, a string in others) as its name."""
+    return str(getattr(value, "value", value))
+
+
+def deployment_errors() -> str:
+    """The last line of each failed deployment's message (its replica's exception)."""
+    from ray import serve
+
+    app = serve.status().applications.get(APP_NAME)
+    if app is None:
+        return ""
+    found = []
+    for name, dep in app.deployments.items():
+        lines = [line.strip() for line in (dep.message or "").splitlines() if line.strip()]
+        if lines and status_text(dep.status) != "HEALTHY":
+            found.append(f"{name}: {lines[-1]}")
+    return "; ".join(found)
+
+
+def serve_report(ray_address: str) -> list[str]:
+    """Deployments and their replicas; per replica, its routing stats (adapters per tier,
+    queue, pool pages), read from each replica actor."""
+    import ray
+    from ray import serve
+
+    ray.init(address=ray_address, log_to_driver=False, logging_level=logging.WARNING)
+    try:
+        app = serve.status().applications.get(APP_NAME)
+        if app is None:
+            return [f"serve:    application {APP_NAME!r} not deployed"]
+        lines = [
+            f"app:      {APP_NAME} {status_text(app.status)}"
+            + (f" ({app.message})" if app.message else "")
+        ]
+        for name, dep in app.deployments.items():
+            counts = ", ".join(
+                f"{n} {status_text(s).lower()}" for s, n in dep.replica_states.items()
+            )
+            message = f"  {dep.message}" if dep.message else ""
+            lines.append(f"  {name:<10} {status_text(dep.status):<10} {counts}{message}")
+        lines += replica_table(ray)
+        return lines
+    finally:
+        ray.shutdown()
+
+
+def replica_table(ray) -> list[str]:
+    prefix = f"SERVE_REPLICA::{APP_NAME}#{REPLICA_DEPLOYMENT}#"
+    names = sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == "serve" and a["name"].startswith(prefix)
+    )
+    rows = [("replica", "queue", "pages free/total", "device", "host", "loading")]
+    for name in names:
+        try:
+            stats = ray.get(
+                ray.get_actor(name, namespace="serve").record_routing_stats.remote(), timeout=10
+            )
+        except Exception as e:
+            rows.append(
+                (name.removeprefix(prefix), f"unavailable: {type(e).__name__}", "", "", "", "")
+            )
+            continue
+        total = stats.get("num_pages")
+        pages = f"{stats.get('free_pages', '?')}/{total if total is not None else '?'}"
+        rows.append(
+            (
+                name.removeprefix(prefix),
+                str(stats.get("queue_len", "?")),
+                pages,
+                _names(stats.get("device_adapters")),
+                _names(stats.get("host_adapters")),
+                _names(stats.get("loading_adapters")),
+            )
+        )
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return [
+        "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+
+
+def _names(adapters: list[str] | None) -> str:
+    return ", ".join(adapters) if adapters else "-"
+
+
+def adapter_homes_report(url: str) -> list[str]:
+    """The router's view of the busiest adapters, read from the ingress's /metrics: request
+    rate and homes (the replicas it is routed to), the rest summed as "other"."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        text = httpx.get(f"{url}/metrics", timeout=5, trust_env=False).text
+    except httpx.HTTPError as e:
+        return [f"adapters: unavailable ({type(e).__name__}: {e})"]
+    rates: dict[str, float] = {}
+    homes: dict[str, list[str]] = {}
+    counts: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            adapter = sample.labels.get("adapter")
+            if sample.name == "loraplex_adapter_request_rate":
+                rates[adapter] = sample.value
+            elif sample.name == "loraplex_adapter_homes":
+                counts[adapter] = int(sample.value)
+            elif sample.name == "loraplex_adapter_home":
+                homes.setdefault(adapter, []).append(sample.labels["replica"])
+    if not rates:
+        return ["adapters: no requests routed yet"]
+    lines = ["adapters: busiest first (router's estimate), their homes"]
+    ranked = sorted((a for a in rates if a != "other"), key=rates.__getitem__, reverse=True)
+    for adapter in [*ranked, "other"]:
+        where = ", ".join(sorted(homes.get(adapter, []))) or f"{counts.get(adapter, 0)} replicas"
+        lines.append(f"  {adapter:<32} {rates.get(adapter, 0.0):8.2f}/s  {where}")
+    return lines

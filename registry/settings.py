@@ -1,0 +1,82 @@
+"""The registry's settings, each declared once: what the tenant API accepts and its limits.
+
+`RegistrySettings` is the YAML config's `registry:` section; `AdapterLimits` holds the rank
+limit that the engine shares (replica/config.py takes it from here: replica/ may import
+registry/, not the reverse). `RegistryAPISettings` (registry/api.py) adds the per-process
+rest: the admin key and the base model's shape.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from loraplex.registry.admission import check_staging_budget
+from loraplex.registry.isolation import WorkLimits
+
+
+class AdapterLimits(BaseModel):
+    """Which adapters are accepted: by the tenant API at registration, and again by every
+    engine that loads one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_lora_rank: int = Field(
+        128,
+        ge=1,
+        le=1024,
+        description="Largest LoRA rank accepted; the engine sizes its LoRA buffers for it.",
+    )
+
+
+class RegistrySettings(BaseModel):
+    """Limits of the tenant API."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    allowed_roots: list[str] = Field(
+        default_factory=list,
+        description="Folders from which adapters may be registered by path: tenant T only "
+        "from <root>/T/ (symlinks followed only inside it); empty disables registration by "
+        "path.",
+    )
+    max_adapter_bytes: int = Field(
+        1 << 30, ge=1, description="Largest adapter accepted: config plus safetensors, in bytes."
+    )
+    max_upload_bytes: int = Field(
+        (1 << 30) + (1 << 20),
+        ge=1,
+        description="Largest registration request body in bytes (multipart framing and gzip "
+        "included); reading stops with 413 as soon as it is passed.",
+    )
+    work_timeout_s: float = Field(
+        120.0,
+        gt=0,
+        le=3600,
+        description="Longest the file work of one registration step (extracting an archive, "
+        "copying from a path, validating) may run in its worker process; past it the "
+        "registration is refused with 413.",
+    )
+    work_memory_bytes: int = Field(
+        512 << 20,
+        ge=64 << 20,
+        description="Memory the file work of one registration may add in its worker process; "
+        "past it the registration is refused with 413.",
+    )
+    max_uploads_per_tenant: int = Field(
+        2, ge=1, le=1024, description="Registrations one tenant may have in flight (else 429)."
+    )
+    staging_max_bytes: int = Field(
+        4 << 30,
+        ge=1,
+        description="Staging bytes all registrations in flight may hold together: each body "
+        "as it arrives, plus max_adapter_bytes per archive extracted or path copied; past "
+        "it registrations are refused with 503 and Retry-After.",
+    )
+
+    @model_validator(mode="after")
+    def _one_upload_fits_staging(self) -> RegistrySettings:
+        check_staging_budget(self.staging_max_bytes, self.max_upload_bytes, self.max_adapter_bytes)
+        return self
+
+    def work_limits(self) -> WorkLimits:
+        return WorkLimits(self.work_timeout_s, self.work_memory_bytes)

@@ -1,0 +1,153 @@
+"""`Engine`: `LLMEngine` (replica/engine.py) stepping on its own thread, with async streaming
+generation, adapter registration and cancellation for servers (the Serve deployment, the
+in-process backend)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from loraplex.replica.config import EngineConfig
+from loraplex.replica.engine import AdapterInfo, LLMEngine
+from loraplex.replica.sampling import SamplingParams
+from loraplex.replica.sequence import Continuation, RequestOutput
+
+
+class Engine:
+    """`LLMEngine` on a background thread, with async streaming for servers."""
+
+    def __init__(self, cfg: EngineConfig):
+        self.core = LLMEngine(cfg)
+        self._lock = threading.Lock()
+        self._waiters = 0  # callers waiting for the lock; the step loop yields to them
+        self._aborts: collections.deque[str] = collections.deque()  # thread-safe appends/pops
+        self._work = threading.Event()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._closed = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._closed:
+            while self._waiters:  # a caller wants the lock: let it in between two steps
+                time.sleep(0.0005)
+            with self._lock:
+                self._drain_aborts()
+                busy = self.core.has_unfinished()
+                try:
+                    outputs = self.core.step() if busy else []
+                except BaseException as e:  # the engine is broken: fail every stream, stop
+                    self._error = e
+                    outputs = []
+            if self._error is not None:
+                for loop, queue in list(self._streams.values()):
+                    loop.call_soon_threadsafe(queue.put_nowait, self._error)
+                return
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream[0].call_soon_threadsafe(stream[1].put_nowait, out)
+            if not busy:
+                self._work.wait(0.1)
+                self._work.clear()
+
+    def _drain_aborts(self) -> None:
+        while self._aborts:
+            self.core.abort(self._aborts.pop())
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request; never blocks (safe from a cancelled task or a finalizer). Its
+        pages are freed before the next step, or at once if the loop is idle."""
+        self._aborts.append(request_id)
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drain_aborts()
+            finally:
+                self._lock.release()
+        self._work.set()
+
+    async def _locked(self, fn, *args):
+        def call():
+            self._waiters += 1
+            try:
+                with self._lock:
+                    return fn(*args)
+            finally:
+                self._waiters -= 1
+
+        return await asyncio.to_thread(call)
+
+    async def add_adapter(self, name: str, path: Path) -> AdapterInfo:
+        weights = await asyncio.to_thread(self.core.read_adapter, name, path)
+        return await self._locked(self.core.register_adapter, weights, path)
+
+    async def remove_adapter(self, name: str) -> None:
+        await self._locked(self.core.remove_adapter, name)
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        adapter: str | None = None,
+        request_id: str | None = None,
+        continuation: Continuation | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs step by step. Closing the iterator early (or
+        cancelling the task) aborts the request and frees its pages."""
+        if self._error is not None or self._closed:
+            raise RuntimeError(f"the engine is stopped: {self._error!r}")
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def add():
+            seq = self.core.add_request(
+                prompt, params, adapter, request_id, continuation=continuation
+            )
+            self._streams[seq.request_id] = (loop, queue)
+            return seq
+
+        seq = await self._locked(add)
+        self._work.set()
+        finished = False
+        try:
+            while not finished:
+                out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise RuntimeError("the engine failed") from out
+                finished = out.finished
+                yield out
+        finally:
+            self._streams.pop(seq.request_id, None)
+            if not finished:
+                self.abort(seq.request_id)  # queued first: a cancellation cannot lose it
+                await self._locked(self._drain_aborts)  # then wait until it is applied
+
+    async def stats(self) -> dict:
+        return await self._locked(self.core.stats)
+
+    def failure(self) -> str | None:
+        """Why the step loop is not running, or None while it is (for health checks)."""
+        if self._error is not None:
+            return repr(self._error)
+        if self._closed:
+            return "shut down"
+        if not self._thread.is_alive():
+            return "the engine thread exited"
+        if self.core.tp is not None:
+            return self.core.tp.failure()
+        return None
+
+    def shutdown(self) -> None:
+        """Stop the loop; streams still open end with an error instead of waiting forever."""
+        self._closed = True
+        self._work.set()
+        self._thread.join(timeout=30)
+        self.core.close()
+        stopped = RuntimeError("the engine was shut down")
+        for loop, queue in list(self._streams.values()):
+            loop.call_soon_threadsafe(queue.put_nowait, stopped)

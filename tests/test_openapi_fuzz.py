@@ -36,8 +36,8 @@ from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.store import RegistryStore
 from loraplex.registry.validation import BaseModelShape
 from loraplex.registry.watch import RegistryWatcher
+from loraplex.replica.async_engine import Engine
 from loraplex.replica.config import EngineConfig
-from loraplex.replica.engine import Engine
 from loraplex.replica.local_backend import LocalBackend
 from loraplex.replica.tokenizer import Tokenizer
 from loraplex.router.ingress import RegistryHandles, build_ingress

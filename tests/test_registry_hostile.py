@@ -21,6 +21,7 @@ from etcd_server import EtcdServer, shared_etcd_server_fixture  # noqa: F401 (fi
 from http_server import serve
 from test_tenant_api import ADMIN_KEY, api_settings, etcd_state, make_adapter, tree, upload_files
 
+from loraplex.registry.admission import UploadAdmission
 from loraplex.registry.api import create_app
 
 pytestmark = pytest.mark.etcd
@@ -35,6 +36,7 @@ class Live:
     client: httpx.Client
     tmp: Path
     server: EtcdServer
+    admission: UploadAdmission  # the served app's, to wait until held uploads are admitted
 
     def tenant(self, name: str) -> dict:
         r = self.client.post(
@@ -53,7 +55,7 @@ def live(request, shared_etcd_server: EtcdServer, tmp_path) -> Iterator[Live]:
     settings = api_settings(tmp_path, **overrides)
     app = create_app(settings, shared_etcd_server.settings(), tmp_path / "artifacts")
     with serve(app) as url, httpx.Client(base_url=url, timeout=60, trust_env=False) as client:
-        yield Live(client, tmp_path, shared_etcd_server)
+        yield Live(client, tmp_path, shared_etcd_server, app.state.tenant_api.admission)
 
 
 def archive_upload(live: Live, tenant: dict, body: bytes, name: str = "bad") -> httpx.Response:
@@ -185,6 +187,13 @@ def test_one_tenant_may_hold_only_its_own_upload_slots(live: Live):
     held = [HeldUpload(live, greedy, 1000) for _ in range(2)]  # max_uploads_per_tenant = 2
     src = make_adapter(live.tmp / "adapters" / "ok", seed=7)
     names = (f"third-{i}" for i in range(1000))
+    # On a loaded machine the held uploads may reach the server after many a third one has
+    # come and gone (once, a hundred of them filled the tenant's quota): send it only when
+    # both slots are taken.
+    deadline = time.monotonic() + 30
+    while live.admission.in_flight.get("greedy-co", 0) < 2:
+        assert time.monotonic() < deadline, "the held uploads were never admitted"
+        time.sleep(0.05)
 
     def register(tenant: dict, name: str) -> httpx.Response:
         files = upload_files(src)
@@ -216,6 +225,10 @@ def test_uploads_in_flight_share_a_staging_budget(live: Live):
     archive = raw.getvalue()
     names = (f"arch-{i}" for i in range(1000))
     before = None
+    deadline = time.monotonic() + 30  # as above: attempt only once the held body is staged
+    while live.admission.staged < 1_048_000:
+        assert time.monotonic() < deadline, "the held upload was never staged"
+        time.sleep(0.05)
 
     def attempt() -> httpx.Response:
         nonlocal before

@@ -34,6 +34,9 @@ it (benchmarks/goodput.py). Keys per workload: goodput_ratio_vs_best_ray_router,
 load_seconds_ratio_vs_best_ray_router (at the reference rate: seconds replicas spent reading
 and copying adapters, affinity / the lower Ray router), loads_vs_floor (device loads /
 distinct adapters requested); failover: recovery_s, streams_failed, requests_lost.
+
+Section `fairness` (benchmarks/router_fairness.py): a tenant flooding at ten times its share
+beside one within it, through the ingress and one replica; `fairness.b_p99_ttft_ratio`.
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ from loraplex.benchmarks.router_assets import (
     write_assets,
 )
 from loraplex.benchmarks.router_costs import measure_router_costs
+from loraplex.benchmarks.router_fairness import FULL as FAIRNESS_FULL
+from loraplex.benchmarks.router_fairness import QUICK as FAIRNESS_QUICK
+from loraplex.benchmarks.router_fairness import measure_fairness, print_fairness
 from loraplex.benchmarks.router_figures import print_table, run_figures, summary
 from loraplex.benchmarks.router_runs import (
     BenchRequest,
@@ -128,6 +134,8 @@ def run_bench(args: argparse.Namespace) -> int:
         log(f"figure: {path}")
     results["seconds"] = time.perf_counter() - started
     print_table(results)
+    results["fairness"] = measure_fairness(FAIRNESS_QUICK if args.quick else FAIRNESS_FULL)
+    print_fairness(results["fairness"])
     write_json(args.json, results)
     return 0
 

@@ -23,6 +23,7 @@ from loraplex.replica.memory.pool import UnifiedPool
 from loraplex.replica.model.config import ModelConfig
 from loraplex.replica.sampling import SamplingParams
 from loraplex.replica.scheduling.chameleon import Chameleon
+from loraplex.replica.scheduling.fairness import tenant_policies
 from loraplex.replica.scheduling.scheduler import Scheduler, SchedulerConfig
 from loraplex.replica.sequence import Sequence
 
@@ -325,9 +326,10 @@ class Result:
             link_busy_s=sum(s.link.busy_s for s in sims),
             peak_memory_fraction=max(s.peak_pages_in_use / s.pool.num_pages for s in sims),
             bypasses=sum(
-                s.scheduler.policy.num_bypasses
+                policy.num_bypasses
                 for s in sims
-                if isinstance(s.scheduler.policy, Chameleon)
+                for policy in tenant_policies(s.scheduler.policy)
+                if isinstance(policy, Chameleon)
             ),
         )
 

@@ -43,6 +43,10 @@ class Ingress:
                 f"set it in the environment `ray start` runs in"
             )
         self.admin_key = admin_key
+        metrics_env = self.config.auth.metrics_key_env
+        self.metrics_key = os.environ.get(metrics_env) or None
+        if self.metrics_key is not None and len(self.metrics_key) < 16:
+            raise RuntimeError(f"the metrics key in ${metrics_env} needs 16+ characters")
 
     async def __serve_build_asgi_app__(self) -> FastAPI:
         from loraplex.registry.artifacts import ArtifactStore
@@ -69,6 +73,8 @@ class Ingress:
             max_model_len=await asyncio.to_thread(config.max_model_len),
             registry=registry,
             routing=functools.partial(routing_snapshot, config.router.metrics_top_adapters),
+            limits=config.limits,
+            metrics_key=self.metrics_key,
         )
 
 

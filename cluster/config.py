@@ -32,6 +32,7 @@ from loraplex.replica.config import (
     plain_engine_config,
 )
 from loraplex.replica.settings import EngineSettings
+from loraplex.router.limits import IngressLimits
 from loraplex.router.settings import RouterSettings
 from loraplex.settings import describe, setting
 
@@ -66,10 +67,14 @@ class LoraplexConfig(BaseModel):
         "unset: `loraplex up` uses STATE_DIR/artifacts.",
     )
     artifacts: ArtifactReadConfig = setting(EngineConfig, "artifacts")
-    auth: AuthSection = Field(default_factory=AuthSection, description="Admin key.")
+    auth: AuthSection = Field(default_factory=AuthSection, description="Admin and metrics keys.")
     registry: RegistrySettings = Field(default_factory=RegistrySettings, description="Tenant API.")
     router: RouterSettings = Field(default_factory=RouterSettings, description="Replica selection.")
     http: HTTPSection = Field(default_factory=HTTPSection, description="HTTP.")
+    limits: IngressLimits = Field(
+        default_factory=IngressLimits,
+        description="Request bodies, prompts, and each tenant's default limits at the ingress.",
+    )
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> LoraplexConfig:

@@ -174,6 +174,21 @@ class AdminKey(_Values):
     )
 
 
+class MetricsKey(_Values):
+    """The key /metrics wants as its bearer token (it shows every tenant's name and token
+    counts), put in the env var loraplex.auth.metrics_key_env of head and workers; the
+    ServiceMonitor sends it."""
+
+    existingSecret: str = Field(
+        pattern=_OPTIONAL_DNS_NAME,
+        description="Secret holding the key (16+ characters); empty: the chart generates "
+        "one at install and keeps it on upgrade.",
+    )
+    secretKey: str = Field(
+        pattern=r"^[-._a-zA-Z0-9]+$", description="Key of the Secret's data holding it."
+    )
+
+
 class ServiceMonitor(_Values):
     """A Prometheus Operator ServiceMonitor scraping /metrics through the router Service."""
 
@@ -208,6 +223,7 @@ class ChartValues(_Values):
     router: RouterService = Field(description="Router Service.")
     ingress: Ingress = Field(description="Ingress.")
     adminKey: AdminKey = Field(description="Admin key Secret.")
+    metricsKey: MetricsKey = Field(description="Metrics key Secret (/metrics).")
     serviceMonitor: ServiceMonitor = Field(description="Prometheus ServiceMonitor.")
     networkPolicy: NetworkPolicy = Field(description="NetworkPolicy around etcd.")
     loraplex: LoraplexConfig = Field(

@@ -10,6 +10,8 @@ supervisor deploys onto an existing Ray cluster instead, and `down` removes only
 
 State folder (`--state-dir`, default ~/.loraplex), kept by `down`:
     admin_key        the admin key, 0600 (generated once; $LORAPLEX_ADMIN_KEY overrides)
+    metrics_key      the key /metrics wants, 0600 (generated once; $LORAPLEX_METRICS_KEY
+                     overrides)
     demo_api_key     the key of tenant `demo`, created at the first `up`, 0600
     cluster.json     supervisor pid, phase, Ray and etcd addresses, URL
     run.json         what the supervisor was asked to run (effective config), 0600
@@ -121,6 +123,7 @@ def up(args: argparse.Namespace, state_dir: Path, env: dict[str, str]) -> int:
             raise CLIError(f"model {model} has no config.json (a Hugging Face checkpoint folder)")
         check_port_free(config.http.host, config.http.port)
     admin_key = admin_key_for(state_dir, env.get(config.auth.admin_key_env))
+    metrics_key = metrics_key_for(state_dir, env.get(config.auth.metrics_key_env))
 
     run_spec = {
         "config": config.model_dump(mode="json"),
@@ -135,7 +138,11 @@ def up(args: argparse.Namespace, state_dir: Path, env: dict[str, str]) -> int:
     }
     write_private(state_dir / "run.json", json.dumps(run_spec, indent=2))
     (state_dir / "cluster.json").unlink(missing_ok=True)
-    child_env = {**env, config.auth.admin_key_env: admin_key}
+    child_env = {
+        **env,
+        config.auth.admin_key_env: admin_key,
+        config.auth.metrics_key_env: metrics_key,
+    }
     with open(state_dir / "cluster.log", "ab") as log_file:
         process = subprocess.Popen(
             [sys.executable, "-m", SUPERVISOR, str(state_dir)],
@@ -201,11 +208,19 @@ def check_port_free(host: str, port: int) -> None:
 
 def admin_key_for(state_dir: Path, from_env: str | None) -> str:
     """$admin_key_env if set, else the stored key, else a new one (stored, 0600)."""
+    return _stored_key(state_dir / "admin_key", from_env, "admin key")
+
+
+def metrics_key_for(state_dir: Path, from_env: str | None) -> str:
+    """$metrics_key_env if set, else the stored key, else a new one (stored, 0600)."""
+    return _stored_key(state_dir / "metrics_key", from_env, "metrics key")
+
+
+def _stored_key(path: Path, from_env: str | None, what: str) -> str:
     if from_env:
         if len(from_env) < 16:
-            raise CLIError("the admin key in the environment must have at least 16 characters")
+            raise CLIError(f"the {what} in the environment must have at least 16 characters")
         return from_env
-    path = state_dir / "admin_key"
     if path.is_file():
         return path.read_text().strip()
     key = secrets.token_urlsafe(24)
@@ -295,6 +310,7 @@ def print_welcome(config, state_dir, url, admin_key, demo_key, demo, elapsed_s) 
     json_header = "-H 'Content-Type: application/json'"
     print(f"loraplex is serving {model} at {url} ({replicas} replicas, up in {elapsed_s:.0f} s)")
     print(f"  admin key:  {admin_key}  (in {state_dir / 'admin_key'})")
+    print(f"  metrics:    {url}/metrics with the key in {state_dir / 'metrics_key'} (Bearer)")
     if demo_key:
         print(f"  API key:    {demo_key}  (tenant {DEMO_TENANT}; in {state_dir / 'demo_api_key'})")
     print(f"  state:      {state_dir}  (log: cluster.log); stop with `loraplex down`")

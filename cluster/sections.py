@@ -14,6 +14,7 @@ from loraplex.replica.config import EngineConfig
 from loraplex.settings import describe, setting
 
 ADMIN_KEY_ENV = "LORAPLEX_ADMIN_KEY"
+METRICS_KEY_ENV = "LORAPLEX_METRICS_KEY"
 _ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 
 
@@ -107,6 +108,13 @@ class AuthSection(_Section):
         pattern=_ENV_NAME,
         description="Environment variable holding the admin key (at least 16 characters) "
         "in the ingress processes; `loraplex up` generates one and sets it.",
+    )
+    metrics_key_env: str = Field(
+        METRICS_KEY_ENV,
+        pattern=_ENV_NAME,
+        description="Environment variable holding the key /metrics wants as a bearer token "
+        "(at least 16 characters; the admin key is accepted too) in the ingress processes; "
+        "`loraplex up` generates one and sets it. Unset: only the admin key reads /metrics.",
     )
 
 

@@ -11,12 +11,14 @@ from collections.abc import Iterator
 
 
 @contextlib.contextmanager
-def lean_ray_serve(num_cpus: int = 2, object_store_mib: int = 200) -> Iterator[None]:
+def lean_ray_serve(
+    num_cpus: int = 2, object_store_mib: int = 200, http_port: int | None = None
+) -> Iterator[None]:
     """A new Ray instance (never another user's cluster on this machine) with no dashboard,
     a small object store and a temp dir of its own, short because Ray's socket paths must
     be; RAY_AUTH_MODE disabled, else Ray writes a token under $HOME. Serve runs without an
-    HTTP proxy (callers use handles). Everything is stopped and removed on exit, and the
-    environment restored."""
+    HTTP proxy (callers use handles), or with one on 127.0.0.1:`http_port`. Everything is
+    stopped and removed on exit, and the environment restored."""
     import ray
     from ray import serve
 
@@ -33,7 +35,12 @@ def lean_ray_serve(num_cpus: int = 2, object_store_mib: int = 200) -> Iterator[N
             _temp_dir=temp_dir,
             log_to_driver=False,
         )
-        serve.start(proxy_location="Disabled")
+        if http_port is None:
+            serve.start(proxy_location="Disabled")
+        else:
+            serve.start(
+                proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": http_port}
+            )
         yield
     finally:
         with contextlib.suppress(Exception):

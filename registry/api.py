@@ -48,7 +48,8 @@ from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.auth import Authenticator
 from loraplex.registry.errors import Unacceptable
 from loraplex.registry.isolation import run_isolated
-from loraplex.registry.models import AdapterRecord, Tenant
+from loraplex.registry.models import AdapterRecord, Tenant, TenantLimits
+from loraplex.registry.request_body import read_capped
 from loraplex.registry.service import RegistryService
 from loraplex.registry.settings import AdapterLimits, RegistrySettings
 from loraplex.registry.store import EtcdSettings, RegistryStore
@@ -141,17 +142,32 @@ async def require_tenant(request: Request, api: API, _: Bearer) -> Tenant:
 
 Owner = Annotated[Tenant, Depends(require_tenant)]
 
+
+class TenantAPIRoute(RegistryRoute):
+    """Every route of the tenant API needs a key: a caller without a valid one gets 401 before
+    anything of its body is read, and a declared (JSON) body is then read under
+    MAX_JSON_BYTES. The route's own dependencies check the kind of key (403)."""
+
+    async def admit(self, request: Request) -> None:
+        api: TenantAPI = request.app.state.tenant_api
+        await api.auth.require_key(request.headers.get("authorization"))
+        if self.body_field is not None:
+            await read_capped(request, uploads.MAX_JSON_BYTES, "JSON bodies of the tenant API")
+
+
 # ---------------------------------------------------------------- tenants (admin)
 
 tenants = APIRouter(
-    route_class=RegistryRoute, tags=["tenants (admin)"], dependencies=[Depends(require_admin)]
+    route_class=TenantAPIRoute, tags=["tenants (admin)"], dependencies=[Depends(require_admin)]
 )
 
 
-@tenants.post("/v1/tenants", status_code=201, responses=responses(400, 401, 403, 405, 409, 503))
+@tenants.post(
+    "/v1/tenants", status_code=201, responses=responses(400, 401, 403, 405, 409, 413, 503)
+)
 async def create_tenant(body: TenantCreate, api: API) -> TenantWithKey:
     """Create a tenant and its first API key (shown only in this response)."""
-    created, key = await api.service.create_tenant(body.name, body.adapter_quota)
+    created, key = await api.service.create_tenant(body.name, body.adapter_quota, body.limits)
     return TenantWithKey(tenant=TenantView.of(created), api_key=key)
 
 
@@ -167,10 +183,19 @@ async def delete_tenant(name: str, api: API) -> TenantDeleted:
     return TenantDeleted(name=name, adapters_deleted=[r.name for r in adapters])
 
 
+@tenants.put(
+    "/v1/tenants/{name}/limits", responses=responses(400, 401, 403, 404, 405, 409, 413, 503)
+)
+async def set_tenant_limits(name: str, body: TenantLimits, api: API) -> TenantView:
+    """Replace a tenant's limits (requests in flight, tokens per minute; null: the
+    operator's default). Every ingress applies them once its watcher sees the change."""
+    return TenantView.of(await api.service.set_limits(name, body))
+
+
 @tenants.post(
     "/v1/tenants/{name}/keys",
     status_code=201,
-    responses=responses(400, 401, 403, 404, 405, 503),
+    responses=responses(400, 401, 403, 404, 405, 413, 503),
 )
 async def issue_key(name: str, api: API, body: KeyRequest | None = None) -> TenantWithKey:
     """Issue another API key (shown only in this response), optionally revoking the others."""
@@ -180,7 +205,7 @@ async def issue_key(name: str, api: API, body: KeyRequest | None = None) -> Tena
 
 # ---------------------------------------------------------------- a tenant's adapters
 
-adapters = APIRouter(route_class=RegistryRoute, tags=["adapters"])
+adapters = APIRouter(route_class=TenantAPIRoute, tags=["adapters"])
 
 
 @adapters.post(
@@ -245,7 +270,7 @@ async def delete_adapter(name: str, owner: Owner, api: API) -> AdapterRecord:
 # ---------------------------------------------------------------- vLLM's aliases
 
 vllm = APIRouter(
-    route_class=RegistryRoute,
+    route_class=TenantAPIRoute,
     tags=["vLLM compatibility"],
     default_response_class=PlainTextResponse,
 )
@@ -267,7 +292,7 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, owner: Owner, api: API
     return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
 
-@vllm.post("/v1/unload_lora_adapter", responses=responses(400, 401, 403, 404, 405, 503))
+@vllm.post("/v1/unload_lora_adapter", responses=responses(400, 401, 403, 404, 405, 413, 503))
 async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, owner: Owner, api: API) -> str:
     await api.service.delete(owner.name, body.lora_name)
     return f"Success: LoRA adapter '{body.lora_name}' removed successfully."

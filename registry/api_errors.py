@@ -93,7 +93,12 @@ def responses(*codes: int) -> dict[int | str, dict[str, Any]]:
 class RegistryRoute(APIRoute):
     """Answers the registry's domain errors, raised by a route or its dependencies, with the
     tenant API's body, wherever the router is mounted; and 405 with every method of the path
-    in `Allow` (Starlette names only the methods of the first route it found for the path)."""
+    in `Allow` (Starlette names only the methods of the first route it found for the path).
+    `admit` runs before FastAPI reads and parses a declared body (and before the
+    dependencies): the place for checks that must come first."""
+
+    async def admit(self, request: Request) -> None:
+        """Nothing here; a subclass checks what must pass before the body is read."""
 
     async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.methods and scope["method"] not in self.methods:
@@ -110,6 +115,7 @@ class RegistryRoute(APIRoute):
 
         async def handle(request: Request) -> Response:
             try:
+                await self.admit(request)
                 return await handler(request)
             except RegistryError as e:
                 return error_response(e)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from loraplex.registry.models import NAME_PATTERN, AdapterRecord, Tenant
+from loraplex.registry.models import NAME_PATTERN, AdapterRecord, Tenant, TenantLimits
 from loraplex.registry.validation import CONFIG_FILE, WEIGHTS_FILE
 
 
@@ -18,6 +18,11 @@ class TenantCreate(BaseModel):
 
     name: str = Field(pattern=NAME_PATTERN, description="Tenant name (a-z 0-9 . _ -, max 63).")
     adapter_quota: int = Field(100, ge=0, le=1_000_000, description="Most adapters at once.")
+    limits: TenantLimits = Field(
+        default_factory=TenantLimits,
+        description="Requests in flight and tokens per minute at each ingress; unset fields "
+        "take the operator's defaults.",
+    )
 
 
 class TenantView(BaseModel):
@@ -25,6 +30,7 @@ class TenantView(BaseModel):
     adapter_quota: int
     created_at: float
     api_keys: int = Field(description="Number of valid API keys (the keys are not stored).")
+    limits: TenantLimits = Field(description="The tenant's own limits (null: the default).")
 
     @classmethod
     def of(cls, tenant: Tenant) -> TenantView:
@@ -33,6 +39,7 @@ class TenantView(BaseModel):
             adapter_quota=tenant.adapter_quota,
             created_at=tenant.created_at,
             api_keys=len(tenant.api_key_hashes),
+            limits=tenant.limits,
         )
 
 

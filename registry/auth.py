@@ -66,6 +66,12 @@ class Authenticator:
             raise Forbidden("this route needs the admin key; a tenant key was sent")
         raise Unauthenticated("invalid API key")
 
+    async def require_key(self, authorization: str | None) -> None:
+        """Passes for the admin key or any tenant's key: the check that needs no route."""
+        token = bearer_token(authorization)
+        if not self.is_admin(token) and await self._tenant_of(hash_api_key(token)) is None:
+            raise Unauthenticated("invalid API key")
+
     async def require_tenant(self, authorization: str | None) -> Tenant:
         """The tenant whose key the Authorization header's value carries."""
         token = bearer_token(authorization)

@@ -65,6 +65,30 @@ class _Revisioned(BaseModel):
     )
 
 
+class TenantLimits(BaseModel):
+    """What one tenant may use at once at an ingress; a field left null takes the operator's
+    default (the config's `limits` section). Enforced by every ingress replica on the
+    requests it receives."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    max_requests_in_flight: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 20,
+        description="Generation requests of this tenant one ingress serves at once; past it "
+        "429 with Retry-After. Null: the operator's default.",
+    )
+    tokens_per_minute: int | None = Field(
+        None,
+        ge=1,
+        le=1 << 40,
+        description="Prompt plus generated tokens per minute (a token bucket of one minute's "
+        "tokens; a request reserves its prompt and max_tokens, and gets back what it did not "
+        "use); past it 429 with Retry-After. Null: the operator's default.",
+    )
+
+
 class Tenant(_Revisioned):
     """A tenant: owns adapters, authenticates with API keys stored only as hashes."""
 
@@ -100,6 +124,11 @@ class Tenant(_Revisioned):
     )
     created_at: float = Field(
         default_factory=time.time, ge=0, description="Creation time, seconds since the epoch."
+    )
+    limits: TenantLimits = Field(
+        default_factory=TenantLimits,
+        description="Requests in flight and tokens per minute; unset fields take the "
+        "operator's defaults.",
     )
 
     @field_validator("api_key_hashes")

@@ -25,7 +25,7 @@ from loraplex.registry.errors import (
     Unauthenticated,
 )
 from loraplex.registry.isolation import WorkLimits, run_isolated
-from loraplex.registry.models import AdapterRecord, Tenant
+from loraplex.registry.models import AdapterRecord, Tenant, TenantLimits
 from loraplex.registry.store import RegistryStore
 from loraplex.registry.validation import BaseModelShape, validate_adapter_dir
 from loraplex.registry.watch import RegistryWatcher
@@ -197,29 +197,49 @@ class RegistryService:
 
     # tenants
 
-    async def create_tenant(self, name: str, adapter_quota: int) -> tuple[Tenant, str]:
+    async def create_tenant(
+        self, name: str, adapter_quota: int, limits: TenantLimits | None = None
+    ) -> tuple[Tenant, str]:
         """The new tenant and its first API key (only the key's hash is stored)."""
         key, key_hash = new_api_key()
-        tenant = Tenant(name=name, adapter_quota=adapter_quota, api_key_hashes=[key_hash])
+        tenant = Tenant(
+            name=name,
+            adapter_quota=adapter_quota,
+            api_key_hashes=[key_hash],
+            limits=limits or TenantLimits(),
+        )
         created = await self.store.create_tenant(tenant)  # AlreadyExists: the name is taken
         await self._await_revision(created.updated_revision)
         return created, key
 
     async def issue_key(self, name: str, revoke_existing: bool) -> tuple[Tenant, str]:
         key, key_hash = new_api_key()
+
+        def with_key(tenant: Tenant) -> dict:
+            hashes = [key_hash] if revoke_existing else [*tenant.api_key_hashes, key_hash]
+            return {"api_key_hashes": hashes}
+
+        return await self._update_tenant(name, with_key), key
+
+    async def set_limits(self, name: str, limits: TenantLimits) -> Tenant:
+        """Replace the tenant's limits; every ingress applies them once its watcher has the
+        change."""
+        return await self._update_tenant(name, lambda _: {"limits": limits})
+
+    async def _update_tenant(self, name: str, change: Callable[[Tenant], dict]) -> Tenant:
+        """Compare-and-set `change(tenant)` into the tenant's record, read again on conflict."""
         for _ in range(_KEY_UPDATE_ATTEMPTS):
             tenant = await self.store.get_tenant(name)
             if tenant is None:
                 raise NotFound(f"tenant {name!r} not found")
-            hashes = [key_hash] if revoke_existing else [*tenant.api_key_hashes, key_hash]
             try:
                 updated = await self.store.update_tenant(
-                    tenant.model_copy(update={"api_key_hashes": hashes}), tenant.updated_revision
+                    tenant.model_copy(update=change(tenant)), tenant.updated_revision
                 )
             except RevisionConflict:
                 continue
             await self._await_revision(updated.updated_revision)
-            return updated, key
+            return updated
         raise Conflict(f"tenant {name!r} changed {_KEY_UPDATE_ATTEMPTS} times meanwhile; retry")
 
     async def delete_tenant(self, name: str) -> list[AdapterRecord]:

@@ -95,10 +95,12 @@ class Engine:
         params: SamplingParams,
         adapter: str | None = None,
         request_id: str | None = None,
+        tenant: str | None = None,
         continuation: Continuation | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs step by step. Closing the iterator early (or
-        cancelling the task) aborts the request and frees its pages."""
+        cancelling the task) aborts the request and frees its pages. `tenant`: see
+        `LLMEngine.add_request`."""
         if self._error is not None or self._closed:
             raise RuntimeError(f"the engine is stopped: {self._error!r}")
         queue: asyncio.Queue = asyncio.Queue()
@@ -106,7 +108,7 @@ class Engine:
 
         def add():
             seq = self.core.add_request(
-                prompt, params, adapter, request_id, continuation=continuation
+                prompt, params, adapter, request_id, tenant=tenant, continuation=continuation
             )
             self._streams[seq.request_id] = (loop, queue)
             return seq

@@ -73,6 +73,12 @@ class SchedulerConfig:
         description="Admission order: fifo; sjf (shortest predicted output first, aged); "
         "chameleon (multi-level queues with token quotas, seed 004).",
     )
+    tenant_fairness: bool = Field(
+        True,
+        description="Share admission among tenants by the tokens each was served (a "
+        "virtual token counter per tenant), the policy's order within each tenant: one "
+        "tenant's queued flood does not delay another's requests.",
+    )
     sjf_aging_tokens_per_s: float = Field(
         10.0, ge=0, description="SJF: a waiting request's priority improves this fast."
     )

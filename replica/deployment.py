@@ -119,6 +119,7 @@ class ReplicaDeployment:
             params,
             adapter,
             request["request_id"],
+            tenant=request.get("tenant"),
             continuation=continuation(request),
         )
         try:

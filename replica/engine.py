@@ -157,9 +157,12 @@ class LLMEngine:
         adapter: str | None = None,
         request_id: str | None = None,
         arrival: float = 0.0,
+        tenant: str | None = None,
         continuation: Continuation | None = None,
     ) -> Sequence:
-        """Queue a request; `continuation`: it resumes after output it produced elsewhere."""
+        """Queue a request. `tenant`: the scheduler shares admission fairly among tenants
+        (None is one of its own); `continuation`: it resumes after output it produced
+        elsewhere."""
         ids = self.encode(prompt)
         self._check(ids, params, adapter)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -167,6 +170,7 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         seq = Sequence(request_id, ids, params, adapter, arrival, torch.Generator(), seed=seed)
+        seq.tenant = tenant
         if continuation is not None:
             self._check_continuation(continuation, params)
             seq.output_ids, seq.text = list(continuation.token_ids), continuation.text

@@ -43,6 +43,7 @@ class LocalBackend:
             params,
             request["adapter"],
             request["request_id"],
+            tenant=request.get("tenant"),
             continuation=continuation(request),
         )
         # aclosing: closing this generator must close the engine's at once (that aborts the

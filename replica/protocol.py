@@ -35,6 +35,9 @@ class GenerateRequest(TypedDict):
     adapter: str | None  # "tenant/name", or None for the base model
     params: dict  # SamplingParams fields (stop as a list)
     resume_after: NotRequired[ResumeAfter]  # set when a replica died mid-stream
+    # The replica's scheduler shares admission fairly among tenants (absent: None, one
+    # group of its own). The ingress sets the tenant.
+    tenant: NotRequired[str | None]
 
 
 class GenerateChunk(TypedDict):

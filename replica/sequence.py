@@ -48,6 +48,7 @@ class Sequence:
     text: str = ""  # detokenized output, cut at a stop string
     num_preemptions: int = 0
     lora: ResidentAdapter | None = None  # pinned while running
+    tenant: str | None = None  # admission is shared fairly among tenants
     seed: int = 0  # the request's seed; each draw's generator state is draw_seed(seed, position)
 
     def next_draw(self) -> torch.Generator:

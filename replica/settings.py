@@ -45,6 +45,7 @@ class EngineSettings(BaseModel):
     max_loras_per_batch: int = setting(SchedulerConfig, "max_loras_per_batch")
     seed: int = setting(EngineConfig, "seed")
     scheduler_policy: SchedulerPolicy = setting(SchedulerConfig, "policy")
+    tenant_fairness: bool = setting(SchedulerConfig, "tenant_fairness")
     eviction: Eviction = setting(CacheConfig, "eviction")
     adapter_loading: AdapterLoading = setting(CacheConfig, "loading")
     prefetch: int = setting(CacheConfig, "prefetch")
@@ -77,6 +78,7 @@ class EngineSettings(BaseModel):
                 max_num_batched_tokens=self.max_num_batched_tokens,
                 max_loras_per_batch=self.max_loras_per_batch,
                 policy=self.scheduler_policy,
+                tenant_fairness=self.tenant_fairness,
             ),
             cache=self.cache_config(),
             seed=self.seed,

@@ -10,11 +10,14 @@ from fastapi import Depends, Request
 from loraplex.registry.api import RegistryAPISettings
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.auth import Authenticator
+from loraplex.registry.models import TenantLimits
 from loraplex.registry.store import RegistryStore
 from loraplex.registry.watch import RegistryWatcher
 from loraplex.replica.protocol import Backend
 from loraplex.replica.tokenizer import Tokenizer
+from loraplex.router.limits import IngressLimits
 from loraplex.router.metrics import IngressMetrics
+from loraplex.router.tenant_limiter import TenantLimiter
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +39,9 @@ class IngressContext:
     base_model_id  the `model` that names the base model; it shadows an adapter so named
     registry       None: anyone may use the base model (no key), there are no adapters
     auth           the registry's key check (None without a registry)
+    limits         caps on bodies and prompts, and the tenants' default limits
+    limiter        each tenant's requests in flight and token bucket at this ingress
+    metrics_keys   sha256 digests of the keys /metrics accepts (empty: /metrics is open)
     started        creation time of the model cards (Unix seconds)"""
 
     backend: Backend
@@ -46,6 +52,9 @@ class IngressContext:
     auth: Authenticator | None
     metrics: IngressMetrics
     started: int
+    limits: IngressLimits
+    limiter: TenantLimiter
+    metrics_keys: frozenset[str]
 
 
 async def ingress_context(request: Request) -> IngressContext:
@@ -58,21 +67,30 @@ Ingress = Annotated[IngressContext, Depends(ingress_context)]
 
 @dataclass(frozen=True, slots=True)
 class Call:
-    """An authenticated inference call: the ingress, and the caller's tenant (None when
-    serving without a registry)."""
+    """An authenticated inference call: the ingress, and the caller's tenant and its record's
+    limits (None when serving without a registry)."""
 
     ingress: IngressContext
     tenant: str | None
+    limits: TenantLimits | None = None
 
 
-async def authenticated(request: Request) -> Call:
-    """Raises the registry's Unauthenticated or Forbidden. One dependency for both (each
-    dependency costs every request a resolution)."""
+async def authenticate(request: Request) -> Call:
+    """The caller, from the Authorization header alone; raises the registry's
+    Unauthenticated or Forbidden."""
     ingress: IngressContext = request.app.state.ingress
     if ingress.auth is None:
         return Call(ingress, None)
     tenant = await ingress.auth.require_tenant(request.headers.get("authorization"))
-    return Call(ingress, tenant.name)
+    return Call(ingress, tenant.name, tenant.limits)
+
+
+async def authenticated(request: Request) -> Call:
+    """The caller that `OpenAIRoute` authenticated before the body was read (or, on a route
+    without that check, authenticated now). One dependency for both kinds of refusal (each
+    dependency costs every request a resolution)."""
+    call = getattr(request.state, "call", None)
+    return call if call is not None else await authenticate(request)
 
 
 Caller = Annotated[Call, Depends(authenticated)]

@@ -2,19 +2,24 @@
 `GET /v1/models`, in one module-level router whose handlers take the ingress's collaborators
 from `app.state.ingress` (router/context.py).
 
-Request path: Bearer key → tenant; `model` → the base model or one of the caller's adapters
-(the registry watcher's snapshot); tokenize; check the context window; `backend.generate`
-→ one JSON body, or server-sent events (router/generation.py).
+Request path: Bearer key → tenant (from the headers, before the body is read); the tenant's
+limits (requests in flight, tokens per minute); the body, read under `max_body_bytes`;
+`model` → the base model or one of the caller's adapters (the registry watcher's snapshot);
+the prompt's size; tokenize (on a worker thread); check the context window and reserve the
+tokens; `backend.generate` → one JSON body, or server-sent events (router/generation.py).
+router/limits.py lists the limits.
 
 Every error these routes answer has OpenAI's body `{"error": {"message", "type", "param",
 "code"}}`, in SSE streams too (one error event, then `[DONE]`): 400 for bad parameters (and
 prompt + max_tokens over the context), 401 for a missing or unknown key, 403 for the admin
 key, 404 `model 'x' does not exist` for an unknown model (another tenant's adapter included:
-names never leak), 500 when the backend fails, 503 (retry) when the replicas failed, the
-request was aborted before it finished, or etcd is unreachable.
+names never leak), 413 for a body or prompt over its limit, 429 (with Retry-After) for a
+tenant over its limits, 500 when the backend fails, 503 (retry) when the replicas failed,
+the request was aborted before it finished, or etcd is unreachable.
 """
 
 # No `from __future__ import annotations`: FastAPI resolves the routes' annotations.
+import asyncio
 import logging
 import time
 import uuid
@@ -30,6 +35,7 @@ from loraplex.registry.errors import RegistryError
 from loraplex.registry.service import resolve_adapter
 from loraplex.replica.protocol import GenerateRequest, ReplicaFailed, adapter_id, sampling_params
 from loraplex.replica.tokenizer import ChatTemplateError
+from loraplex.router.admission import admit, holding
 from loraplex.router.context import Call, Caller, IngressContext
 from loraplex.router.generation import (
     EventStream,
@@ -45,6 +51,7 @@ from loraplex.router.openai_errors import (
     OpenAIError,
     invalid_request,
     model_not_found,
+    rate_limited,
     registry_error,
 )
 from loraplex.router.openai_requests import ChatCompletionRequest, CompletionRequest
@@ -57,34 +64,47 @@ from loraplex.router.openai_responses import (
     ModelList,
     ResponseFormat,
 )
+from loraplex.router.tenant_limiter import RateLimited
 
 log = logging.getLogger(__name__)
 
 
 class OpenAIRoute(APIRoute):
-    """Answers every error of its routes with OpenAI's error body."""
+    """Checks the caller's key and limits and reads the body under its cap before FastAPI
+    parses it (router/admission.py); answers every error of its routes with OpenAI's error
+    body."""
 
     def get_route_handler(self) -> Callable[[Request], Any]:
         handler = super().get_route_handler()
+        reads_body = self.body_field is not None
 
         async def handle(request: Request) -> Response:
+            ticket = None
             try:
-                return await handler(request)
+                ticket = await admit(request, reads_body)
+                response = await handler(request)
             except OpenAIError as e:
-                return e.response()
+                response = e.response()
             except RequestValidationError as e:
-                return invalid_request(e.errors()).response()
+                response = invalid_request(e.errors()).response()
             except RegistryError as e:
-                return registry_error(e).response()
+                response = registry_error(e).response()
             except StarletteHTTPException as e:  # FastAPI's: a body that is not UTF-8 JSON
-                return OpenAIError(e.status_code, str(e.detail), headers=e.headers).response()
+                response = OpenAIError(e.status_code, str(e.detail), headers=e.headers).response()
+            except RateLimited as e:
+                response = rate_limited(e).response()
+            except BaseException:
+                if ticket is not None:
+                    ticket.release()
+                raise
+            return holding(response, ticket, request)
 
         return handle
 
 
 router = APIRouter(route_class=OpenAIRoute, tags=["OpenAI-compatible"])
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 500, 503)
+    code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 413, 429, 500, 503)
 }
 
 
@@ -96,7 +116,11 @@ async def completions(body: CompletionRequest, request: Request, call: Caller) -
     arrival = time.monotonic()
     fmt = CompletionFormat(_response_id("cmpl"), int(time.time()), body.model)
     prompt = body.prompt
-    ids = call.ingress.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    if isinstance(prompt, str):
+        _check_prompt_bytes(call.ingress, len(prompt.encode()), "prompt")
+        ids = await asyncio.to_thread(call.ingress.tokenizer.encode, prompt)
+    else:
+        ids = list(prompt)
     return await _generate(call, body, fmt, ids, body.max_tokens, arrival, request)
 
 
@@ -115,8 +139,14 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, call: 
     if not tokenizer.has_chat_template:
         message = f"model {ingress.base_model_id!r} has no chat template; use /v1/completions"
         raise OpenAIError(400, message)
+    limit = ingress.limits.max_messages
+    if len(body.messages) > limit:
+        message = f"{len(body.messages)} messages; at most {limit} (limits.max_messages)"
+        raise OpenAIError(400, message, param="messages")
+    messages = [m.for_template() for m in body.messages]
+    _check_prompt_bytes(ingress, sum(len(m["content"].encode()) for m in messages), "messages")
     try:
-        ids = tokenizer.apply_chat_template([m.for_template() for m in body.messages])
+        ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages)
     except ChatTemplateError as e:
         raise OpenAIError(400, str(e), param="messages") from None
     max_tokens = body.max_new_tokens or ingress.max_model_len - len(ids)
@@ -162,6 +192,14 @@ async def _resolve(ingress: IngressContext, model: str, tenant: str | None) -> s
     raise model_not_found(model)
 
 
+def _check_prompt_bytes(ingress: IngressContext, size: int, param: str) -> None:
+    """Before tokenizing: a prompt past max_prompt_bytes is refused unread."""
+    limit = ingress.limits.max_prompt_bytes
+    if size > limit:
+        message = f"the prompt is {size} bytes of text; at most {limit} (limits.max_prompt_bytes)"
+        raise OpenAIError(413, message, param=param)
+
+
 def _check_context(max_model_len: int, prompt_tokens: int, max_tokens: int) -> None:
     window = f"this model's context window is {max_model_len} tokens"
     if prompt_tokens >= max_model_len:
@@ -191,17 +229,23 @@ async def _generate(
         raise OpenAIError(400, "the prompt is empty", param="prompt")
     _check_context(ingress.max_model_len, len(ids), max_tokens)
     params = body.sampling_fields(max_tokens)
-    call = GenerateRequest(request_id=fmt.id, prompt_token_ids=ids, adapter=adapter, params=params)
+    call = GenerateRequest(
+        request_id=fmt.id, prompt_token_ids=ids, adapter=adapter, params=params, tenant=tenant
+    )
     try:
         sampling_params(call)
     except ValueError as e:
         raise OpenAIError(400, str(e)) from None
+    ticket = getattr(request.state, "ticket", None)
+    if ticket is not None:
+        ticket.reserve(len(ids) + max_tokens)  # RateLimited: over its tokens per minute
     metrics = ingress.metrics
     tenant_label = tenant or ANONYMOUS
     metrics.tenant_requests.labels(tenant_label).inc()
     metrics.prompt_tokens.labels(tenant_label).inc(len(ids))
     timer = RequestTimer(metrics, tenant_label, arrival)
     gen = Generation(fmt, timer, len(ids), body.include_usage)
+    request.state.generation = gen  # the tokens it used go back to its ticket
     chunks = ingress.backend.generate(call)
     try:
         first = await first_chunk(chunks, gen)

@@ -16,12 +16,14 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from loraplex.registry import api as tenant_api
-from loraplex.registry.auth import Authenticator
+from loraplex.registry.auth import Authenticator, hash_api_key
 from loraplex.replica.protocol import Backend
 from loraplex.replica.tokenizer import Tokenizer
 from loraplex.router import inference, operations
 from loraplex.router.context import IngressContext, RegistryHandles
+from loraplex.router.limits import IngressLimits
 from loraplex.router.metrics import HTTPMetricsMiddleware, IngressMetrics, RoutingSource
+from loraplex.router.tenant_limiter import TenantLimiter
 
 __all__ = ["RegistryHandles", "build_ingress"]
 
@@ -34,16 +36,21 @@ def build_ingress(
     max_model_len: int,
     registry: RegistryHandles | None,
     routing: RoutingSource | None = None,
+    limits: IngressLimits | None = None,
+    metrics_key: str | None = None,
 ) -> FastAPI:
     """The ingress app; `app.state.metrics` is its `IngressMetrics`. Without a registry,
     anyone may use the base model (no key needed) and there is no tenant API. An adapter
     named like the base model is shadowed by it. `routing`: the router's view of each
-    adapter's rate and homes, for /metrics."""
+    adapter's rate and homes, for /metrics. `/metrics` answers the bearer of
+    `metrics_key` or of the admin key; with neither (no registry), anyone."""
     metrics = IngressMetrics(routing)
     auth = None
+    metrics_keys = {hash_api_key(metrics_key)} if metrics_key else set()
     if registry is not None:
         admin_key = registry.settings.admin_key.get_secret_value()
         auth = Authenticator(admin_key, registry.store, registry.watcher)
+        metrics_keys.add(hash_api_key(admin_key))
     app = FastAPI(
         title="loraplex",
         summary="OpenAI-compatible serving of one base model and many tenants' LoRA adapters.",
@@ -59,6 +66,9 @@ def build_ingress(
         auth=auth,
         metrics=metrics,
         started=int(time.time()),
+        limits=limits or IngressLimits(),
+        limiter=TenantLimiter(),
+        metrics_keys=frozenset(metrics_keys),
     )
     app.state.metrics = metrics
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)

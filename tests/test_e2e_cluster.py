@@ -33,6 +33,7 @@ import httpx
 import openai
 import pytest
 import yaml
+from process_memory import peak_growth
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.cluster.adapters_cli import Endpoint, add_adapter, remove_adapter
@@ -92,6 +93,7 @@ class Cluster:
     url: str
     state_dir: Path
     admin_key: str
+    metrics_key: str
     demo_key: str
     ray_address: str
 
@@ -157,6 +159,7 @@ def cluster(config_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iter
             url=url,
             state_dir=state_dir,
             admin_key=(state_dir / "admin_key").read_text().strip(),
+            metrics_key=(state_dir / "metrics_key").read_text().strip(),
             demo_key=demo_key,
             ray_address=state["ray_address"],
         )
@@ -375,9 +378,9 @@ def replica_actors(ray) -> dict[str, str]:
     }
 
 
-def actor_pid(ray, name: str) -> int:
-    """The process id of a replica actor."""
-    actor = ray.get_actor(name, namespace="serve")
+def actor_pid(ray, name: str, namespace: str = "serve") -> int:
+    """The process id of an actor (a replica's, by default)."""
+    actor = ray.get_actor(name, namespace=namespace)
     return ray.get(actor.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
 
 
@@ -707,9 +710,38 @@ def test_errors(cluster: Cluster, keys: dict[str, str], oracle: LLMEngine):
         assert http.post("/v1/tenants", json={"name": "intruder"}).status_code == 403
 
 
+def test_a_body_without_a_key_is_not_read(cluster: Cluster, ray_driver):
+    """200 MB sent without a key (declared, then chunked) to an inference route and to the
+    tenant API: 401, and neither Serve's HTTP proxy nor the ingress replica holds the body
+    (read, the ingress would add its size at least, and the proxy buffers what the replica
+    pulls). The proxy reads what arrives until the replica has answered, so its margin
+    allows for that."""
+    ray = ray_driver
+    actors = ray.util.list_named_actors(all_namespaces=True)
+    [proxy] = [a for a in actors if a["name"].startswith("SERVE_PROXY_ACTOR")]
+    [ingress] = [a for a in actors if a["name"].startswith(f"SERVE_REPLICA::{APP}#ingress#")]
+    pids = {"proxy": actor_pid(ray, **proxy), "ingress": actor_pid(ray, **ingress)}
+    size = 200 << 20
+
+    def body():
+        chunk = b"{" * (1 << 20)
+        for _ in range(size >> 20):
+            yield chunk
+
+    with cluster.http() as http:
+        for route in ("/v1/completions", "/v1/tenants"):
+            for headers in ({"Content-Length": str(size)}, {}):
+                headers["Content-Type"] = "application/json"
+                with peak_growth(pids["proxy"]) as proxy, peak_growth(pids["ingress"]) as ing:
+                    r = http.post(route, content=body(), headers=headers)
+                assert r.status_code == 401, (route, r.text)
+                grew = {"proxy": proxy.mib, "ingress": ing.mib}
+                assert grew["ingress"] < 48 and grew["proxy"] < 64, (route, headers, grew)
+
+
 def stream_resumes(cluster: Cluster) -> float:
     """The ingress's count of streams resumed after their replica died (/metrics)."""
-    with cluster.http() as http:
+    with cluster.http(cluster.metrics_key) as http:
         r = http.get("/metrics")
     assert r.status_code == 200, r.text
     for family in text_string_to_metric_families(r.text):
@@ -722,7 +754,9 @@ def stream_resumes(cluster: Cluster) -> float:
 def metrics_by_replica(cluster: Cluster) -> tuple[float, dict[str, dict[tuple, float]]]:
     """The ingress's /metrics: how many replicas it reports, and per replica id its
     samples, keyed by (name, other labels)."""
-    with cluster.http() as http:  # /metrics needs no key
+    with cluster.http() as http:
+        assert http.get("/metrics").status_code == 401  # tenants' names and figures
+    with cluster.http(cluster.metrics_key) as http:  # `loraplex up` made the key
         r = http.get("/metrics")
     assert r.status_code == 200, r.text
     reporting, view = None, {}

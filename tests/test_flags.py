@@ -83,6 +83,7 @@ def test_generate_flags_make_the_engine_the_yaml_config_makes(tmp_path: Path):
         "max_loras_per_batch": 3,
         "seed": 11,
         "scheduler_policy": "sjf",
+        "tenant_fairness": False,
         "eviction": "gdsf",
         "adapter_loading": "sync",
         "prefetch": 2,
@@ -94,7 +95,10 @@ def test_generate_flags_make_the_engine_the_yaml_config_makes(tmp_path: Path):
     assert set(values) == set(declared_fields(EngineSettings))  # every setting, not defaults
     argv = [*REQUIRED, "--tp", "2"]
     for name, value in values.items():
-        argv += [flag(name), str(value)]
+        if isinstance(value, bool):  # --x / --no-x
+            argv.append(flag(name) if value else flag(name).replace("--", "--no-", 1))
+        else:
+            argv += [flag(name), str(value)]
     args = GENERATE.parse_args(argv)
     args.model = model
     from_cli = generate.engine_config(args)
@@ -102,6 +106,7 @@ def test_generate_flags_make_the_engine_the_yaml_config_makes(tmp_path: Path):
     assert from_cli == build_engine_config(config.engine_config())
     assert (from_cli.pool_bytes, from_cli.page_bytes) == (48 << 20, 128 << 10)
     assert from_cli.cache.host_bytes == 64 << 20
+    assert from_cli.scheduler.tenant_fairness is False
 
 
 def test_a_cross_field_refusal_is_the_yaml_one():

@@ -213,12 +213,36 @@ def test_admin_key_reaches_the_app_from_the_secret(case):
         ref = env["valueFrom"]["secretKeyRef"]
         if existing:
             assert ref == {"name": existing, "key": values["adminKey"]["secretKey"]}
-            assert not rendered.of_kind("Secret")
+            assert "Secret" not in rendered.named("prod-loraplex-admin-key")
             continue
         secret = rendered.one("Secret", ref["name"])
         key = base64.b64decode(secret["data"][ref["key"]]).decode()
         assert len(key) >= 16  # what the ingress requires
         assert key not in rendered.rayservice["spec"]["serveConfigV2"]
+
+
+def test_metrics_key_reaches_the_app_and_the_service_monitor(case):
+    """/metrics wants the metrics key: the ingress reads it from the env var the config
+    names, and the ServiceMonitor sends it from the same Secret."""
+    values, rendered = case
+    env_name = rendered.app_args["auth"]["metrics_key_env"]
+    existing = values.get("metricsKey", {}).get("existingSecret")
+    refs = []
+    for pod in rendered.ray_pods().values():
+        (env,) = [e for e in container(pod)["env"] if e["name"] == env_name]
+        refs.append(env["valueFrom"]["secretKeyRef"])
+    (ref,) = {tuple(sorted(r.items())) for r in refs}
+    ref = dict(ref)
+    if existing:
+        assert ref == {"name": existing, "key": values["metricsKey"]["secretKey"]}
+    else:
+        secret = rendered.one("Secret", ref["name"])
+        key = base64.b64decode(secret["data"][ref["key"]]).decode()
+        assert len(key) >= 16  # what the ingress requires
+        assert key not in rendered.rayservice["spec"]["serveConfigV2"]
+    if values.get("serviceMonitor", {}).get("enabled"):
+        (endpoint,) = rendered.one("ServiceMonitor")["spec"]["endpoints"]
+        assert endpoint["authorization"] == {"type": "Bearer", "credentials": ref}
 
 
 def test_router_service_reaches_the_serve_proxies(case):

@@ -16,7 +16,7 @@ from loraplex.router.openai_errors import registry_error
 ROOT = Path(__file__).resolve().parents[1]
 HTTP_PACKAGES = ("fastapi", "starlette")
 # The registry's HTTP edge: its routes, the error mapping, and the streamed upload parser.
-REGISTRY_EDGE = {"api.py", "api_errors.py", "uploads.py"}
+REGISTRY_EDGE = {"api.py", "api_errors.py", "request_body.py", "uploads.py"}
 
 # The README's status codes of the tenant API, by kind of refusal.
 DOCUMENTED = {

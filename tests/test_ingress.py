@@ -46,6 +46,7 @@ from loraplex.router.ingress import RegistryHandles, build_ingress
 
 BASE_ID = "loraplex-demo-llama"
 ADMIN_KEY = "admin-key-for-the-ingress-tests-0123"
+METRICS_KEY = "metrics-key-for-the-ingress-tests"
 PAGE = 64 * 1024
 DEMO_ADAPTER = "sql-r8"  # the demo adapter the tests upload
 PROMPT = "Once upon a time there was"
@@ -157,6 +158,7 @@ def tenants_app(
         base_model_id=BASE_ID,
         max_model_len=engine.core.max_model_len,
         registry=handles,
+        metrics_key=METRICS_KEY,
     )
     with serve(app) as url:
         served = Served(url, app, handles)
@@ -528,8 +530,9 @@ def test_client_gone_before_a_whole_answer_aborts_the_request(anonymous: Served,
 # ---------------------------------------------------------------- models, health, metrics
 
 
-def samples(url: str) -> dict[tuple[str, frozenset], float]:
-    r = httpx.get(f"{url}/metrics")
+def samples(url: str, key: str | None = None) -> dict[tuple[str, frozenset], float]:
+    headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+    r = httpx.get(f"{url}/metrics", headers=headers)
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
     return {
         (s.name, frozenset(s.labels.items())): s.value
@@ -552,7 +555,7 @@ def test_models_health_and_metrics(tenants_app: Served, anonymous: Served, keys,
     out = acme.completions.create(model=BASE_ID, prompt=PROMPT, max_tokens=8, temperature=0)
     with pytest.raises(openai.NotFoundError):
         acme.completions.create(model="nope", prompt=PROMPT)
-    got = samples(tenants_app.url)  # the engine is idle: its figures hold still
+    got = samples(tenants_app.url, METRICS_KEY)  # the engine is idle: its figures hold still
 
     def value(name: str, **labels) -> float:
         return got.get((name, frozenset(labels.items())), 0.0)

@@ -156,6 +156,7 @@ def test_admin_creates_tenants_and_keys_are_stored_hashed(env: Env):
         "adapter_quota": 7,
         "created_at": pytest.approx(time.time(), abs=60),
         "api_keys": 1,
+        "limits": {"max_requests_in_flight": None, "tokens_per_minute": None},
     }
     _, kvs = etcd_state(env.server)
     stored = json.loads(kvs["/loraplex/v1/tenants/keys-co"][1])

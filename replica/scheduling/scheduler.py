@@ -1,7 +1,8 @@
 """Iteration-level continuous batching: every step, running requests advance (one token for
 decode, a chunk for prefill) and waiting requests are admitted while the token budget, the
 sequence cap, the distinct-adapter cap and the pool allow. The admission order is the
-policy's (sched_policy: FIFO, SJF with aging, Chameleon's multi-level queues). When KV
+policy's (policy.py: FIFO, SJF with aging; chameleon.py: Chameleon's multi-level queues),
+one per tenant, tenants taking turns by the tokens each was served (fairness.py). When KV
 runs out, the latest running request is preempted and later recomputed."""
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from loraplex.replica.config import SchedulerConfig
 from loraplex.replica.memory.adapter_cache import AdapterCache
 from loraplex.replica.memory.kv_cache import KVCache
 from loraplex.replica.scheduling.chameleon import Chameleon
+from loraplex.replica.scheduling.fairness import TenantFair
 from loraplex.replica.scheduling.policy import FIFO, Admit, QueuePolicy, SJFAging
 from loraplex.replica.scheduling.queue_math import OutputPredictor
 from loraplex.replica.sequence import SeqStatus, Sequence
@@ -150,7 +152,19 @@ class Scheduler:
 def make_policy(
     cfg: SchedulerConfig, kv: KVCache, adapters: AdapterCache, max_len: int
 ) -> QueuePolicy:
-    predictor = OutputPredictor(cfg.predictor_quantile)
+    predictor = OutputPredictor(cfg.predictor_quantile)  # one, shared by every tenant's policy
+    if cfg.tenant_fairness:
+        return TenantFair(lambda: _policy(cfg, kv, adapters, max_len, predictor))
+    return _policy(cfg, kv, adapters, max_len, predictor)
+
+
+def _policy(
+    cfg: SchedulerConfig,
+    kv: KVCache,
+    adapters: AdapterCache,
+    max_len: int,
+    predictor: OutputPredictor,
+) -> QueuePolicy:
     if cfg.policy == "fifo":
         return FIFO()
     if cfg.policy == "sjf":

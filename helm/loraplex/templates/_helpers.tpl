@@ -53,6 +53,10 @@ app.kubernetes.io/component: etcd
 {{- .Values.adminKey.existingSecret | default (printf "%s-admin-key" (include "loraplex.fullname" .)) -}}
 {{- end -}}
 
+{{- define "loraplex.metricsKeySecret" -}}
+{{- .Values.metricsKey.existingSecret | default (printf "%s-metrics-key" (include "loraplex.fullname" .)) -}}
+{{- end -}}
+
 {{- define "loraplex.artifactsClaim" -}}
 {{- .Values.artifacts.existingClaim | default (printf "%s-artifacts" (include "loraplex.fullname" .)) -}}
 {{- end -}}
@@ -182,6 +186,11 @@ spec:
             secretKeyRef:
               name: {{ include "loraplex.adminKeySecret" $root }}
               key: {{ $root.Values.adminKey.secretKey }}
+        - name: {{ $root.Values.loraplex.auth.metrics_key_env | default "LORAPLEX_METRICS_KEY" }}
+          valueFrom:
+            secretKeyRef:
+              name: {{ include "loraplex.metricsKeySecret" $root }}
+              key: {{ $root.Values.metricsKey.secretKey }}
       resources:
         {{- toYaml .resources | nindent 8 }}
       volumeMounts:

@@ -1,0 +1,455 @@
+"""`loraplex bench router`, section `fairness`: does a tenant that floods the cluster starve
+another tenant?
+
+A real local Serve app reached through Serve's HTTP proxy: the ingress (router/ingress.py:
+keys, per-tenant limits) over one replica (replica/deployment.py: the engine and its
+scheduler), tenants and keys in the registry on a real etcd. Two tenants send streamed
+completions of the base model (token-id prompts, greedy, ignore_eos) over HTTP, open loop:
+
+    B  Poisson at `b_rate_per_s`, its share (the two tenants' shares are equal)
+    A  Poisson at `flood_factor` x B's rate: ten times its share
+
+Rounds alternate two windows with the same seeded schedule of B's requests, so that drift
+in the machine's load falls on both alike:
+
+    quiet   B alone
+    flood   B, and A flooding
+
+and each round runs on two apps in turn:
+
+    protected    every tenant limited to max_num_seqs / 2 requests in flight at the ingress
+                 (429 past it), and the scheduler's fair admission across tenants
+    unprotected  neither (no in-flight limit; one FIFO queue for every tenant)
+
+Keys (TTFT: from a request's scheduled arrival to its first streamed event, at the client):
+
+    b_p99_ttft_ratio              B's p99 TTFT in flood windows / in quiet windows, protected
+                                  (target <= 1.5)
+    b_p99_ttft_ratio_unprotected  the same on the unprotected app
+    a_429s, b_429s                requests refused for the tenant's in-flight limit, protected
+    apps.<app>.<window>.<tenant>  offered, completed, 429s, failed, p50/p99 TTFT per window
+    apps.<app>.<window>.cores_used  cores each process kept busy (Serve's proxy, the ingress,
+                                  the replica, this client), mean over the windows: where the
+                                  machine's two cores went
+    load_avg_1m                   before and after each app's rounds
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from ray import serve
+
+from loraplex.benchmarks.report import log
+from loraplex.demo.assets import ModelSpec, write_checkpoint
+from loraplex.demo.lean_ray import lean_ray_serve
+from loraplex.net import free_port
+from loraplex.registry.auth import new_api_key
+from loraplex.registry.etcd_client import EtcdSettings
+from loraplex.registry.etcd_process import EtcdProcess
+from loraplex.registry.models import Tenant
+from loraplex.registry.store import RegistryStore
+from loraplex.replica.deployment import deployment
+from loraplex.router.limits import IngressLimits
+from loraplex.router.settings import RouterSettings
+
+TENANTS = ("a", "b")
+ADMIN_KEY = "fairness-bench-admin-key"
+APPS = ("protected", "unprotected")
+MAX_MODEL_LEN = 256
+REPLICA_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+_QUIET_SERVE = {"enable_access_log": False, "log_level": "WARNING"}
+
+
+@dataclass(frozen=True, slots=True)
+class FairnessWorkload:
+    model: ModelSpec
+    b_rate_per_s: float = 4.0
+    flood_factor: float = 10.0
+    window_s: float = 10.0
+    rounds: int = 3
+    max_num_seqs: int = 8
+    prompt_tokens: tuple[int, int] = (16, 32)  # inclusive range
+    output_tokens: tuple[int, int] = (8, 16)
+    request_timeout_s: float = 60.0
+    seed: int = 0
+
+    @property
+    def in_flight_limit(self) -> int:
+        """Each tenant's share of the batch."""
+        return max(1, self.max_num_seqs // len(TENANTS))
+
+
+FAIRNESS_MODEL = ModelSpec(
+    hidden_size=128,
+    intermediate_size=352,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=None,  # the demo tokenizer's (the ingress needs a tokenizer)
+    rope_scaling=None,
+)
+FULL = FairnessWorkload(FAIRNESS_MODEL)
+QUICK = replace(FULL, window_s=6.0, rounds=1)
+
+
+@serve.ingress()
+class FairnessIngress:
+    """router/ingress.py's app over a ServeBackend to the replica, with the registry of the
+    bench's etcd (the same assembly as cluster/app.py's Ingress, from plain arguments)."""
+
+    def __init__(
+        self, replicas, model_dir: str, etcd: dict, artifact_root: str, limits: dict
+    ) -> None:
+        self.replicas, self.model_dir = replicas, model_dir
+        self.etcd, self.artifact_root, self.limits = etcd, artifact_root, limits
+
+    async def __serve_build_asgi_app__(self):
+        from loraplex.registry.api import RegistryAPISettings
+        from loraplex.registry.artifacts import ArtifactStore
+        from loraplex.registry.validation import BaseModelShape
+        from loraplex.registry.watch import RegistryWatcher
+        from loraplex.replica.tokenizer import Tokenizer
+        from loraplex.router.ingress import RegistryHandles, build_ingress
+        from loraplex.router.serve_backend import ServeBackend
+
+        etcd = EtcdSettings(**self.etcd)
+        settings = RegistryAPISettings(
+            admin_key=ADMIN_KEY,
+            base_model_id="bench",
+            base_model=BaseModelShape.from_config_json(self.model_dir),
+        )
+        registry = RegistryHandles(
+            RegistryStore(etcd), RegistryWatcher(etcd), ArtifactStore(self.artifact_root), settings
+        )
+        return build_ingress(
+            ServeBackend(self.replicas, first_chunk_timeout_s=60.0),
+            await asyncio.to_thread(Tokenizer, Path(self.model_dir)),
+            base_model_id="bench",
+            max_model_len=MAX_MODEL_LEN,
+            registry=registry,
+            limits=IngressLimits(**self.limits),
+        )
+
+
+# -- the run --------------------------------------------------------------------------------
+
+
+def measure_fairness(w: FairnessWorkload) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="loraplex-bench-fairness-") as tmp:
+        root = Path(tmp)
+        model_dir = root / "model"
+        write_checkpoint(model_dir, w.model, seed=w.seed)
+        etcd = EtcdProcess(root / "etcd")
+        etcd.start()
+        try:
+            settings = EtcdSettings(endpoints=[etcd.endpoint])
+            keys = asyncio.run(_tenants(settings))
+            port = free_port()
+            per_app = {}
+            with lean_ray_serve(http_port=port):
+                for name in APPS:
+                    app = _app(name, w, model_dir, settings, root / "artifacts")
+                    per_app[name] = _serve(name, app, f"http://127.0.0.1:{port}", keys, w)
+        finally:
+            etcd.stop(kill=True)
+    return _summary(w, per_app)
+
+
+async def _tenants(settings: EtcdSettings) -> dict[str, str]:
+    """Tenants a and b, with no limits of their own (the app's defaults apply); their keys."""
+    keys = {}
+    async with RegistryStore(settings) as store:
+        for name in TENANTS:
+            key, digest = new_api_key()
+            await store.create_tenant(Tenant(name=name, api_key_hashes=[digest]))
+            keys[name] = key
+    return keys
+
+
+def _app(name: str, w: FairnessWorkload, model_dir: Path, etcd: EtcdSettings, artifacts: Path):
+    protected = name == "protected"
+    engine = {
+        "model": str(model_dir),
+        "max_model_len": MAX_MODEL_LEN,
+        "page_bytes": 64 << 10,
+        "pool_bytes": 256 * (64 << 10),
+        "scheduler": {"max_num_seqs": w.max_num_seqs, "tenant_fairness": protected},
+    }
+    limits = IngressLimits(tenant_max_requests_in_flight=w.in_flight_limit if protected else None)
+    router = RouterSettings()
+    replica = deployment(
+        name="replica",
+        routing_stats_period_s=router.stats_period_s,
+        routing_stats_timeout_s=router.stats_timeout_s,
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": REPLICA_ENV}},
+        max_ongoing_requests=4096,  # the engine queues; Serve only forwards
+        graceful_shutdown_wait_loop_s=0.2,
+        graceful_shutdown_timeout_s=2.0,
+        logging_config=_QUIET_SERVE,
+    ).bind(engine, etcd.model_dump(), str(artifacts))
+    ingress = serve.deployment(
+        FairnessIngress,
+        name="ingress",
+        num_replicas=1,
+        max_ongoing_requests=4096,
+        ray_actor_options={"num_cpus": 0},
+        logging_config=_QUIET_SERVE,
+    )
+    return ingress.bind(
+        replica, str(model_dir), etcd.model_dump(), str(artifacts), limits.model_dump()
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    at_s: float
+    tenant: str
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass(slots=True)
+class Outcome:
+    tenant: str
+    status: int | None = None
+    ttft_s: float | None = None
+    error: str | None = None
+
+
+def _schedule(w: FairnessWorkload, tenant: str, rate: float, seed: int) -> list[Request]:
+    rng = np.random.default_rng(seed)
+    out, at = [], 0.0
+    while True:
+        at += rng.exponential(1.0 / rate)
+        if at >= w.window_s:
+            return out
+        prompt = rng.integers(10, 500, rng.integers(*w.prompt_tokens, endpoint=True))
+        max_tokens = int(rng.integers(*w.output_tokens, endpoint=True))
+        out.append(Request(float(at), tenant, prompt.tolist(), max_tokens))
+
+
+def _serve(name: str, app, url: str, keys: dict[str, str], w: FairnessWorkload) -> dict[str, Any]:
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
+    serve.run(app, name=f"fairness-{name}", route_prefix="/")
+    log(f"fairness {name}: app up in {time.perf_counter() - started:.1f}s")
+    windows: dict[str, list[Outcome]] = {"quiet": [], "flood": []}
+    cpu: dict[str, list[dict[str, float]]] = {"quiet": [], "flood": []}
+    try:
+        asyncio.run(_warm_up(url, keys))
+        pids = {**_serve_pids(f"fairness-{name}"), "client": os.getpid()}
+        for r in range(w.rounds):
+            b = _schedule(w, "b", w.b_rate_per_s, w.seed * 1000 + r)
+            a = _schedule(w, "a", w.flood_factor * w.b_rate_per_s, w.seed * 1000 + 500 + r)
+            for window, requests in (("quiet", b), ("flood", sorted(a + b, key=_at))):
+                before, began = _cpu_seconds(pids), time.perf_counter()
+                outcomes = asyncio.run(_drive(url, keys, requests, w.request_timeout_s))
+                cpu[window].append(_cores(before, _cpu_seconds(pids), time.perf_counter() - began))
+                windows[window] += outcomes
+                log(f"fairness {name} round {r} {window}: {_line(outcomes)}")
+    finally:
+        serve.delete(f"fairness-{name}")
+    figures: dict[str, Any] = {
+        window: {t: _figures([o for o in outcomes if o.tenant == t]) for t in TENANTS}
+        for window, outcomes in windows.items()
+    }
+    for window, shares in cpu.items():
+        figures[window]["cores_used"] = {
+            process: float(np.mean([s[process] for s in shares])) for process in shares[0]
+        }
+    return figures | {"load_avg_1m": [load_before, os.getloadavg()[0]]}
+
+
+def _serve_pids(app: str) -> dict[str, int]:
+    """Process ids of Serve's HTTP proxy and of the app's ingress and replica."""
+    import ray
+
+    found = {}
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        actor_name = actor["name"]
+        if actor_name.startswith("SERVE_PROXY_ACTOR"):
+            kind = "proxy"
+        elif actor_name.startswith(f"SERVE_REPLICA::{app}#"):
+            kind = actor_name.split("#")[1]  # "ingress" or "replica"
+        else:
+            continue
+        handle = ray.get_actor(actor_name, namespace=actor["namespace"])
+        found[kind] = ray.get(handle.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+    return found
+
+
+def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """User + system CPU seconds of each process so far (Linux /proc; NaN elsewhere)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    seconds = {}
+    for name, pid in pids.items():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            seconds[name] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+        except (OSError, IndexError, ValueError):
+            seconds[name] = float("nan")
+    return seconds
+
+
+def _cores(before: dict[str, float], after: dict[str, float], elapsed: float) -> dict[str, float]:
+    """Cores each process kept busy on average over `elapsed` seconds."""
+    return {name: (after[name] - before[name]) / elapsed for name in before}
+
+
+def _at(r: Request) -> float:
+    return r.at_s
+
+
+async def _warm_up(url: str, keys: dict[str, str]) -> None:
+    """A few requests of each tenant, so the replica ran a forward and the ingress's watcher
+    holds both tenants."""
+    body = {"model": "bench", "prompt": list(range(10, 26)), "max_tokens": 2}
+    async with httpx.AsyncClient(base_url=url, timeout=60, trust_env=False) as client:
+        deadline = time.monotonic() + 60
+        for tenant in TENANTS:
+            headers = {"Authorization": f"Bearer {keys[tenant]}"}
+            while (
+                r := await client.post("/v1/completions", json=body, headers=headers)
+            ).status_code != 200:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the fairness app does not serve: {r.status_code} {r.text}")
+                await asyncio.sleep(0.5)
+
+
+async def _drive(
+    url: str, keys: dict[str, str], requests: list[Request], timeout_s: float
+) -> list[Outcome]:
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
+    async with httpx.AsyncClient(
+        base_url=url, timeout=timeout_s, limits=limits, trust_env=False
+    ) as client:
+        start = time.perf_counter()
+        return await asyncio.gather(*(_one(client, keys, r, start) for r in requests))
+
+
+async def _one(
+    client: httpx.AsyncClient, keys: dict[str, str], r: Request, start: float
+) -> Outcome:
+    arrival = start + r.at_s
+    await asyncio.sleep(max(0.0, arrival - time.perf_counter()))
+    outcome = Outcome(r.tenant)
+    body = {
+        "model": "bench",
+        "prompt": r.prompt,
+        "max_tokens": r.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {keys[r.tenant]}"}
+    try:
+        async with client.stream("POST", "/v1/completions", json=body, headers=headers) as resp:
+            outcome.status = resp.status_code
+            if resp.status_code != 200:
+                await resp.aread()
+                return outcome
+            async for line in resp.aiter_lines():
+                if outcome.ttft_s is None and line.startswith("data: {"):
+                    outcome.ttft_s = time.perf_counter() - arrival
+    except Exception as e:  # counted and reported, never hidden
+        outcome.error = repr(e)
+    return outcome
+
+
+def _line(outcomes: list[Outcome]) -> str:
+    parts = []
+    for t in TENANTS:
+        mine = [o for o in outcomes if o.tenant == t]
+        if mine:
+            f = _figures(mine)
+            parts.append(
+                f"{t}: {f['completed']}/{f['offered']} done, {f['rate_limited']} x 429, "
+                f"p99 TTFT {_ms(f['p99_ttft_ms'])}"
+            )
+    return "; ".join(parts)
+
+
+def _figures(outcomes: list[Outcome]) -> dict[str, Any]:
+    ttft = np.array([o.ttft_s for o in outcomes if o.ttft_s is not None], dtype=float) * 1e3
+    return {
+        "offered": len(outcomes),
+        "completed": sum(o.status == 200 and o.error is None for o in outcomes),
+        "rate_limited": sum(o.status == 429 for o in outcomes),
+        "failed": sum(o.error is not None or o.status not in (200, 429) for o in outcomes),
+        "errors": sorted(
+            {o.error or str(o.status) for o in outcomes if o.error or o.status not in (200, 429)}
+        )[:5],
+        "p50_ttft_ms": float(np.percentile(ttft, 50)) if len(ttft) else None,
+        "p99_ttft_ms": float(np.percentile(ttft, 99)) if len(ttft) else None,
+    }
+
+
+def _summary(w: FairnessWorkload, per_app: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    def ratio(app: str) -> float | None:
+        quiet = per_app[app]["quiet"]["b"]["p99_ttft_ms"]
+        flood = per_app[app]["flood"]["b"]["p99_ttft_ms"]
+        return None if not quiet or flood is None else flood / quiet
+
+    workload = asdict(w)
+    workload["model"] = {k: v for k, v in workload["model"].items() if k != "rope_scaling"}
+    protected = per_app["protected"]["flood"]
+    return {
+        "workload": workload,
+        "a_offered_per_s": w.flood_factor * w.b_rate_per_s,
+        "in_flight_limit": w.in_flight_limit,
+        "b_p99_ttft_ratio": ratio("protected"),
+        "b_p99_ttft_ratio_unprotected": ratio("unprotected"),
+        "a_429s": protected["a"]["rate_limited"],
+        "b_429s": protected["b"]["rate_limited"],
+        "apps": per_app,
+    }
+
+
+def print_fairness(r: dict[str, Any]) -> None:
+    w = r["workload"]
+    print(
+        f"\nfairness: tenant b at {w['b_rate_per_s']:g}/s (its share), tenant a at "
+        f"{r['a_offered_per_s']:g}/s ({w['flood_factor']:g}x), {w['rounds']} rounds of "
+        f"{w['window_s']:g} s windows; protected: {r['in_flight_limit']} in flight per tenant "
+        f"+ fair admission"
+    )
+    print(
+        f"{'app':12} {'window':6} {'tenant':6} {'done':>5} {'429':>5} {'failed':>6} "
+        f"{'p50 ttft':>9} {'p99 ttft':>9} {'loadavg':>8}"
+    )
+    for app, windows in r["apps"].items():
+        for window in ("quiet", "flood"):
+            for tenant in TENANTS:
+                f = windows[window][tenant]
+                if not f["offered"]:
+                    continue
+                print(
+                    f"{app:12} {window:6} {tenant:6} {f['completed']:5d} {f['rate_limited']:5d} "
+                    f"{f['failed']:6d} {_ms(f['p50_ttft_ms'])} {_ms(f['p99_ttft_ms'])} "
+                    f"{max(windows['load_avg_1m']):8.1f}"
+                )
+    for app, windows in r["apps"].items():
+        for window in ("quiet", "flood"):
+            used = ", ".join(f"{p} {c:.2f}" for p, c in windows[window]["cores_used"].items())
+            print(f"cores used, {app} {window}: {used}")
+    for key, target in (
+        ("b_p99_ttft_ratio", "target <= 1.5"),
+        ("b_p99_ttft_ratio_unprotected", "(reported)"),
+    ):
+        value = r[key]
+        shown = "n/a" if value is None else f"{value:.2f}"
+        print(f"{key:30} {shown:>8}  {target}")
+
+
+def _ms(value: float | None) -> str:
+    return f"{'n/a':>9}" if value is None else f"{value:7.1f}ms"

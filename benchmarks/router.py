@@ -33,7 +33,8 @@ SLO = 5 x the unloaded TTFT; goodput = the highest offered rate whose p99 TTFT s
 it (benchmarks/goodput.py). Keys per workload: goodput_ratio_vs_best_ray_router,
 load_seconds_ratio_vs_best_ray_router (at the reference rate: seconds replicas spent reading
 and copying adapters, affinity / the lower Ray router), loads_vs_floor (device loads /
-distinct adapters requested); failover: recovery_s, streams_failed, requests_lost.
+distinct adapters requested; below 1 where the warm-up left adapters resident); failover:
+recovery_s, streams_failed, requests_lost.
 
 Section `fairness` (benchmarks/router_fairness.py): a tenant flooding at ten times its share
 beside one within it, through the ingress and one replica; `fairness.b_p99_ttft_ratio`.

@@ -77,8 +77,8 @@ from loraplex.benchmarks.router_runs import (
     wait_for_replicas,
 )
 from loraplex.benchmarks.router_workload import Workload
-from loraplex.demo.assets import ModelSpec
 from loraplex.demo.lean_ray import lean_ray_serve
+from loraplex.demo.synthetic import ModelSpec
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.etcd_client import EtcdSettings
 from loraplex.registry.etcd_process import INSTALL_HINT, EtcdProcess, find_etcd_binary

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from loraplex.benchmarks import fleet_workloads as fw
 from loraplex.benchmarks.engine import SERVING_TARGETS
 from loraplex.benchmarks.router_figures import PAGE_BYTES
-from loraplex.demo.assets import AdapterSpec, write_adapter, write_checkpoint
+from loraplex.demo.synthetic import AdapterSpec, write_adapter, write_checkpoint
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.etcd_client import EtcdSettings
 from loraplex.registry.models import AdapterRecord, Tenant

@@ -49,8 +49,8 @@ import numpy as np
 from ray import serve
 
 from loraplex.benchmarks.report import log
-from loraplex.demo.assets import ModelSpec, write_checkpoint
 from loraplex.demo.lean_ray import lean_ray_serve
+from loraplex.demo.synthetic import ModelSpec, write_checkpoint
 from loraplex.net import free_port
 from loraplex.registry.auth import new_api_key
 from loraplex.registry.etcd_client import EtcdSettings
@@ -125,7 +125,7 @@ class FairnessIngress:
         settings = RegistryAPISettings(
             admin_key=ADMIN_KEY,
             base_model_id="bench",
-            base_model=BaseModelShape.from_config_json(self.model_dir),
+            base_model=BaseModelShape.from_checkpoint(self.model_dir),
         )
         registry = RegistryHandles(
             RegistryStore(etcd), RegistryWatcher(etcd), ArtifactStore(self.artifact_root), settings

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from loraplex.demo.assets import ModelSpec
+from loraplex.demo.synthetic import ModelSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,24 +1,49 @@
-"""The five systems of Chameleon's experiment (seed 004 §5), as scheduler and cache settings:
-the simulator section (benchmarks/sched.py) and the real engine's (sched_engine.py) run
-the same ones.
+"""The systems `loraplex bench sched` runs side by side on the same arrivals.
 
-  fifo_nocache       FIFO, adapters leave with their last request (S-LoRA)
+On S-LoRA's engine (benchmarks/sim_slora.py: FIFO admission every 10 decode steps with
+memory reserved for the whole output, whole-prompt prefill steps apart from decode,
+adapters loaded on the critical path and prefetched for the queue head):
+  slora              S-LoRA as its code does it: adapters freed when no request uses them
+  chameleon          Chameleon as seed 004 built it, on S-LoRA: Chameleon's queues (the
+                     policy loraplex runs) and its adapter cache (benchmarks/sim_slora_chameleon.py)
+On loraplex's engine (chunked prefill beside decode, admission every step, preemption by
+recompute, adapter copies beside the compute, the adapters of the next 8 queued requests
+prefetched) — the ablation against our own FIFO:
+  fifo_nocache       FIFO, adapters leave with their last request
   fifo_cache         FIFO + the adapter cache (Chameleon's score)
-  sjf                SJF with aging, no cache (S-LoRA + µServe's SJF)
-  chameleon_nocache  multi-level queues, no cache
-  chameleon          multi-level queues + the adapter cache
+  sjf                SJF with aging, no cache (µServe's SJF)
+  chameleon_nocache  Chameleon's queues, no cache
+  loraplex           everything on: Chameleon's queues (bypass, squash) and cache,
+                     prefetch, copy overlap, the engine's defaults otherwise
 """
 
 from __future__ import annotations
 
 from loraplex.benchmarks.sim_replica import System
+from loraplex.benchmarks.sim_slora import SLoRAConfig
 from loraplex.replica.config import CacheConfig, ChameleonParams, SchedulerConfig
 
-SYSTEM_NAMES = ("fifo_nocache", "fifo_cache", "sjf", "chameleon_nocache", "chameleon")
+SYSTEM_NAMES = (
+    "slora",
+    "fifo_nocache",
+    "fifo_cache",
+    "sjf",
+    "chameleon_nocache",
+    "chameleon",
+    "loraplex",
+)
 SCHED = {"max_num_seqs": 128, "max_num_batched_tokens": 4096, "max_loras_per_batch": 64}
+# S-LoRA's flags: the pool is the device's (max_total_token_num = its slots), prompts up
+# to the model's context, prefetching on (seed 004 §5.1: "asynchronous adapter
+# prefetching"); the rest are S-LoRA's defaults.
+SLORA = SLoRAConfig(max_req_total_len=4096, prefetch=True)
 
 
-def systems(slo_s: float, sched: dict = SCHED, prefetch: int = 8) -> dict[str, System]:
+def systems(
+    slo_s: float, sched: dict = SCHED, prefetch: int = 8, slora: SLoRAConfig = SLORA
+) -> dict[str, System]:
+    """Every system, with Chameleon's quotas sized for `slo_s`; `sched` caps loraplex's
+    batches, `slora` is S-LoRA's server configuration."""
     nocache = CacheConfig(keep_idle=False, prefetch=prefetch, eviction="lru")
     cache = CacheConfig(keep_idle=True, prefetch=prefetch, eviction="chameleon")
     # T_refresh: 60 s instead of the paper's 5 min, for runs of minutes, not hours.
@@ -27,9 +52,24 @@ def systems(slo_s: float, sched: dict = SCHED, prefetch: int = 8) -> dict[str, S
     sjf = SchedulerConfig(policy="sjf", **sched)
     cham = SchedulerConfig(policy="chameleon", chameleon=mlq, **sched)
     return {
+        # the cache settings are what S-LoRA's rules need when the real engine runs them
+        # (benchmarks/slora_engine.py); the simulator's S-LoRA keeps its own books
+        "slora": System(
+            "slora",
+            SchedulerConfig(),
+            CacheConfig(keep_idle=False, prefetch=4096, eviction="lru"),
+            slora=slora,
+        ),
         "fifo_nocache": System("fifo_nocache", fifo, nocache),
         "fifo_cache": System("fifo_cache", fifo, cache),
         "sjf": System("sjf", sjf, nocache),
         "chameleon_nocache": System("chameleon_nocache", cham, nocache),
-        "chameleon": System("chameleon", cham, cache),
+        # prefetch: S-LoRA's, as much of the queue head as fits (sim_slora.py)
+        "chameleon": System(
+            "chameleon",
+            cham,
+            CacheConfig(keep_idle=True, prefetch=4096, eviction="chameleon"),
+            slora=slora,
+        ),
+        "loraplex": System("loraplex", cham, cache),
     }

@@ -201,6 +201,10 @@ class LinearProfile:
     adapter_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     fit_r2: float = field(default=0.0)
 
+    def kv_bytes_per_token(self) -> int:
+        cfg = ModelConfig.from_dict(self.model)
+        return cfg.kv_elems_per_token() * (4 if self.model.get("torch_dtype") == "float32" else 2)
+
     def step_time(self, load: StepLoad) -> float:
         c0, ct, cc, cl = self.coef
         return max(c0, c0 + ct * load.tokens + cc * load.context + cl * load.token_rank)

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from loraplex.benchmarks.sim_profiles import StepLoad
@@ -51,6 +50,7 @@ class AdapterMeta:
     name: str
     rank: int
     nbytes: int
+    version: str | None = None
 
 
 class SimLayout:
@@ -117,9 +117,26 @@ class SimLink:
 
 @dataclass(frozen=True, slots=True)
 class System:
+    """What one simulated replica runs: loraplex's engine (`scheduler` and `cache` drive
+    the real Scheduler and AdapterCache), or S-LoRA's (`slora`: benchmarks/sim_slora.py)."""
+
     name: str
     scheduler: SchedulerConfig
     cache: CacheConfig
+    slora: object | None = None  # an SLoRAConfig: S-LoRA's engine instead of loraplex's
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaCounters:
+    """What a simulated replica reports beside its finished requests."""
+
+    cache: dict
+    preemptions: int
+    steps: int
+    link_busy_s: float
+    peak_memory_fraction: float
+    bypasses: int
+    squashes: int = 0
 
 
 @dataclass(slots=True)
@@ -181,6 +198,25 @@ class SimReplica:
     def load(self) -> int:
         return len(self.scheduler.running) + len(self.scheduler.policy)
 
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def holds(self, adapter: str) -> bool:
+        return self.cache.is_resident(adapter)
+
+    def counters(self) -> ReplicaCounters:
+        # under fair admission across tenants, one policy per tenant
+        chameleons = [p for p in tenant_policies(self.scheduler.policy) if isinstance(p, Chameleon)]
+        return ReplicaCounters(
+            cache={f: getattr(self.cache.stats, f) for f in self.cache.stats.__slots__},
+            preemptions=self.scheduler.num_preemptions,
+            steps=self.steps,
+            link_busy_s=self.link.busy_s,
+            peak_memory_fraction=self.peak_pages_in_use / self.pool.num_pages,
+            bypasses=sum(p.num_bypasses for p in chameleons),
+            squashes=sum(p.num_squashes for p in chameleons),
+        )
+
     def add(self, req: SimRequest) -> None:
         params = SamplingParams(max_tokens=req.max_tokens)
         seq = Sequence(str(req.rid), [0] * req.prompt, params, req.adapter, req.arrival, None)
@@ -239,119 +275,3 @@ class SimReplica:
                 self.scheduler.finish(seq, "length")
                 self.done.append(self.records.pop(seq))
         return True
-
-
-def simulate(
-    requests: list[SimRequest],
-    profile,
-    system: System,
-    adapters: list[AdapterSpec],
-    max_len: int,
-    replicas: int = 1,
-    dispatch: Callable[[list[SimReplica], SimRequest], int] | None = None,
-) -> Result:
-    """Serve `requests` (sorted by arrival) on `replicas` simulated replicas. A request
-    goes where `dispatch` says (default: the least loaded replica, preferring one that
-    holds its adapter on the device among the least loaded + 2)."""
-    dispatch = dispatch or affinity_dispatch
-    sims = [SimReplica(profile, system, adapters, max_len) for _ in range(replicas)]
-    for req in requests:
-        for sim in sims:
-            sim.advance_until(req.arrival)
-        sims[dispatch(sims, req) if replicas > 1 else 0].add(req)
-    for sim in sims:
-        while sim.scheduler.has_work():
-            sim.step()
-    return Result.of(system.name, sims, requests)
-
-
-def affinity_dispatch(sims: list[SimReplica], req: SimRequest) -> int:
-    least = min(s.load for s in sims)
-    warm = [
-        i
-        for i, s in enumerate(sims)
-        if req.adapter is not None and s.cache.is_resident(req.adapter) and s.load <= least + 2
-    ]
-    if warm:
-        return min(warm, key=lambda i: sims[i].load)
-    return min(range(len(sims)), key=lambda i: sims[i].load)
-
-
-@dataclass(slots=True)
-class Result:
-    system: str
-    ttft: np.ndarray
-    tbt: np.ndarray  # per request: mean time between its tokens
-    e2e: np.ndarray
-    queue: np.ndarray  # arrival -> first scheduled
-    ranks: np.ndarray
-    duration_s: float
-    output_tokens: int
-    cache: dict = field(default_factory=dict)
-    preemptions: int = 0
-    steps: int = 0
-    link_busy_s: float = 0.0
-    bypasses: int = 0
-    peak_memory_fraction: float = 0.0
-
-    @classmethod
-    def of(cls, name: str, sims: list[SimReplica], requests: list[SimRequest]) -> Result:
-        done = [r for s in sims for r in s.done]
-        assert len(done) == len(requests), "every request must finish (no starvation)"
-        done.sort(key=lambda r: r.request.rid)
-        arrival = np.array([r.request.arrival for r in done])
-        first = np.array([r.first_token for r in done])
-        finish = np.array([r.finish for r in done])
-        outs = np.array([r.request.output for r in done])
-        tbt = np.where(outs > 1, (finish - first) / np.maximum(outs - 1, 1), 0.0)
-        rank_of = {}
-        for s in sims:
-            rank_of.update(s.rank)
-        cache = {}
-        for s in sims:
-            for f in s.cache.stats.__slots__:
-                cache[f] = cache.get(f, 0) + getattr(s.cache.stats, f)
-        return cls(
-            system=name,
-            ttft=first - arrival,
-            tbt=tbt,
-            e2e=finish - arrival,
-            queue=np.array([r.admitted for r in done]) - arrival,
-            ranks=np.array([rank_of.get(r.request.adapter, 0) for r in done]),
-            duration_s=float(finish.max() - arrival.min()),
-            output_tokens=int(outs.sum()),
-            cache=cache,
-            preemptions=sum(s.scheduler.num_preemptions for s in sims),
-            steps=sum(s.steps for s in sims),
-            link_busy_s=sum(s.link.busy_s for s in sims),
-            peak_memory_fraction=max(s.peak_pages_in_use / s.pool.num_pages for s in sims),
-            bypasses=sum(
-                policy.num_bypasses
-                for s in sims
-                for policy in tenant_policies(s.scheduler.policy)
-                if isinstance(policy, Chameleon)
-            ),
-        )
-
-    def summary(self) -> dict:
-        return {
-            "p50_ttft_s": float(np.percentile(self.ttft, 50)),
-            "p99_ttft_s": float(np.percentile(self.ttft, 99)),
-            "mean_ttft_s": float(self.ttft.mean()),
-            "p50_tbt_s": float(np.percentile(self.tbt, 50)),
-            "p99_tbt_s": float(np.percentile(self.tbt, 99)),
-            "mean_e2e_s": float(self.e2e.mean()),
-            "throughput_rps": len(self.ttft) / self.duration_s,
-            "throughput_tok_s": self.output_tokens / self.duration_s,
-            "requests": len(self.ttft),
-            "preemptions": self.preemptions,
-            "bypasses": self.bypasses,
-            "hit_rate": self.cache.get("hits", 0)
-            / max(self.cache.get("hits", 0) + self.cache.get("misses", 0), 1),
-            "loads": self.cache.get("loads", 0),
-            "gb_loaded": self.cache.get("bytes_loaded", 0) / 1e9,
-            "evictions": self.cache.get("evictions", 0),
-            "mean_load_ms": 1e3
-            * self.cache.get("load_seconds", 0.0)
-            / max(self.cache.get("loads", 0), 1),
-        }

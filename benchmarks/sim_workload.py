@@ -111,11 +111,18 @@ def poisson_requests(
     max_tokens: int,
     seed: int = 0,
     offset: int = 0,
+    cv: float = 1.0,
 ) -> list[SimRequest]:
-    """n requests arriving as a Poisson process at `rate` / s, with the lengths of trace
-    rows offset.. (wrapping), scaled by `length_scale` (at least 1 token each)."""
+    """n requests arriving at `rate` / s, with the lengths of trace rows offset.. (wrapping),
+    scaled by `length_scale` (at least 1 token each). Inter-arrival times are exponential
+    (Poisson, cv = 1) or gamma with coefficient of variation `cv` (bursts; the generator of
+    S-LoRA's benchmarks/trace.py: shape 1/cv², scale cv²/rate)."""
     rng = np.random.default_rng(seed)
-    arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
+    if cv == 1.0:
+        gaps = rng.exponential(1.0 / rate, n)
+    else:
+        gaps = rng.gamma(1.0 / cv**2, cv**2 / rate, n)
+    arrivals = np.cumsum(gaps)
     names = pick_adapters(adapters, n, rng)
     rows = (offset + np.arange(n)) % len(trace.context)
     return [

@@ -15,9 +15,15 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser(
-        "demo-assets", help="write a small Llama checkpoint, tokenizer and PEFT adapters"
+        "demo-assets",
+        help="place the demo model (SmolLM2-135M-Instruct, GGUF) and its adapters in DIR",
     )
     demo.add_argument("dir", type=Path)
+    demo.add_argument(
+        "--synthetic",
+        action="store_true",
+        help="write the small random Llama checkpoint, tokenizer and adapters instead (tests)",
+    )
 
     generate.add_parser(sub)
 
@@ -28,7 +34,19 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--trace", type=Path, help="engine, sched: Azure LLM inference trace CSV")
     bench.add_argument("--sim-only", action="store_true", help="sched: the simulator section only")
     bench.add_argument(
-        "--plot", type=Path, help="router, fleet: write the goodput figure (PNG) into this folder"
+        "--scenario",
+        choices=["paper", "long-prompt", "bursty"],
+        default="paper",
+        help="sched: the main workload (paper: seed 004 §5.1); the others run as trace shapes",
+    )
+    bench.add_argument(
+        "--plot",
+        type=Path,
+        help="sched: the P99 TTFT vs load plot; router, fleet: the goodput figure (PNG); "
+        "written into this folder",
+    )
+    bench.add_argument(
+        "--jobs", type=int, default=1, help="sched: processes running the simulations (1)"
     )
 
     registry_server.add_parser(sub)
@@ -64,10 +82,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _demo_assets(args: argparse.Namespace) -> int:
-    from loraplex.demo.assets import make_demo_assets
+    def progress(msg: str) -> None:
+        print(msg, file=sys.stderr)
 
-    assets = make_demo_assets(args.dir, progress=lambda msg: print(msg, file=sys.stderr))
-    print(f"model:    {assets.model_dir}")
+    if args.synthetic:
+        from loraplex.demo.synthetic import make_synthetic_assets
+
+        assets = make_synthetic_assets(args.dir, progress=progress)
+    else:
+        from loraplex.demo.assets import make_demo_assets
+        from loraplex.demo.smollm import ModelNotFetched
+
+        try:
+            assets = make_demo_assets(args.dir, progress=progress)
+        except ModelNotFetched as e:
+            raise CLIError(str(e)) from None
+    print(f"model:    {assets.model}")
     print(f"adapters: {assets.adapters_dir} ({', '.join(assets.adapter_names)})")
     return 0
 

@@ -50,7 +50,8 @@ class LoraplexConfig(BaseModel):
     model: str | None = Field(
         None,
         description="Hugging Face checkpoint folder (config.json, *.safetensors, "
-        "tokenizer.json), readable on every node; unset: `loraplex up` uses the demo model.",
+        "tokenizer.json) or a Llama-family .gguf file, readable on every node; unset: "
+        "`loraplex up` uses the demo model (SmolLM2-135M-Instruct).",
     )
     model_id: str | None = Field(
         None,
@@ -141,7 +142,7 @@ class LoraplexConfig(BaseModel):
         return plain_engine_config(engine)
 
     def max_model_len(self) -> int:
-        """The context window the engine will use (reads the model's config.json if unset)."""
+        """The context window the engine will use (the checkpoint's own if unset)."""
         positions = checkpoint_max_positions(self.require_model())
         return context_window(self.engine.max_model_len, positions)
 
@@ -168,14 +169,14 @@ class LoraplexConfig(BaseModel):
         )
 
     def registry_api_settings(self, admin_key: str):
-        """The tenant API's settings (reads the model's config.json for adapter shapes)."""
+        """The tenant API's settings (reads the model's shape for adapter validation)."""
         from loraplex.registry.api import RegistryAPISettings
         from loraplex.registry.validation import BaseModelShape
 
         return RegistryAPISettings(
             admin_key=admin_key,
             base_model_id=self.base_model_id,
-            base_model=BaseModelShape.from_config_json(self.require_model()),
+            base_model=BaseModelShape.from_checkpoint(self.require_model()),
             max_lora_rank=self.engine.max_lora_rank,
             **self.registry.model_dump(),
         )

@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -35,7 +35,9 @@ from loraplex.replica.settings import EngineSettings
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="offline batch generation from a JSONL file of requests")
-    p.add_argument("--model", type=Path, required=True, help="Hugging Face checkpoint folder")
+    p.add_argument(
+        "--model", type=Path, required=True, help="Hugging Face checkpoint folder or .gguf file"
+    )
     p.add_argument("--adapters", type=Path, help="folder whose subfolders are PEFT adapters")
     p.add_argument("--input", type=Path, required=True, help="JSONL: one request per line")
     p.add_argument("--output", type=Path, required=True, help="JSONL results, in input order")
@@ -58,6 +60,13 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "user", "assistant"]
+    content: str
+
+
 class GenerateRequest(BaseModel):
     """One line of the input file."""
 
@@ -66,6 +75,9 @@ class GenerateRequest(BaseModel):
     id: str | int | None = None
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
+    messages: list[ChatMessage] | None = Field(
+        None, description="a conversation, rendered with the model's own chat template"
+    )
     adapter: str | None = Field(
         None, description="a folder name under --adapters; null for the base model"
     )
@@ -85,8 +97,11 @@ class GenerateRequest(BaseModel):
 
     @model_validator(mode="after")
     def _one_prompt(self):
-        if (self.prompt is None) == (self.prompt_token_ids is None):
-            raise ValueError("give exactly one of 'prompt' (text) or 'prompt_token_ids'")
+        given = [self.prompt, self.prompt_token_ids, self.messages]
+        if sum(p is not None for p in given) != 1:
+            raise ValueError(
+                "give exactly one of 'prompt' (text), 'prompt_token_ids' or 'messages' (chat)"
+            )
         return self
 
     def sampling_params(self):
@@ -128,9 +143,9 @@ def read_requests(path: Path) -> list[tuple[int, GenerateRequest]]:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from loraplex.checkpoint_shape import CheckpointError, is_gguf
     from loraplex.replica.engine import LLMEngine, RequestError
     from loraplex.replica.memory.adapters import AdapterError, is_adapter_dir
-    from loraplex.replica.model.config import ModelConfigError
 
     numbered = read_requests(args.input)
     requests = [r for _, r in numbered]
@@ -144,19 +159,24 @@ def run_generate(args: argparse.Namespace) -> int:
         if r.adapter is not None and r.adapter not in available:
             where = f"under {args.adapters}" if args.adapters else "(no --adapters folder given)"
             raise CLIError(f"{args.input}:{lineno}: adapter {r.adapter!r} not found {where}")
-    if not args.model.is_dir():
-        raise CLIError(f"--model {args.model} is not a folder")
+    if not (args.model.is_dir() or (is_gguf(args.model) and args.model.is_file())):
+        raise CLIError(f"--model {args.model} is neither a checkpoint folder nor a .gguf file")
 
     try:
         engine = LLMEngine(engine_config(args))
         for name in wanted:
             engine.add_adapter(name, args.adapters / name)
-    except (ModelConfigError, AdapterError, RequestError, ValueError) as e:
+    except (CheckpointError, AdapterError, RequestError, ValueError) as e:
         raise CLIError(str(e)) from None
     seqs = []
     for lineno, r in numbered:
         try:
-            prompt = r.prompt if r.prompt is not None else r.prompt_token_ids
+            if r.messages is not None:
+                if engine.tokenizer is None:
+                    raise RequestError("this model has no tokenizer for 'messages'")
+                prompt = engine.tokenizer.apply_chat_template([m.model_dump() for m in r.messages])
+            else:
+                prompt = r.prompt if r.prompt is not None else r.prompt_token_ids
             seqs.append(engine.add_request(prompt, r.sampling_params(), r.adapter))
         except (RequestError, ValueError) as e:
             raise CLIError(f"{args.input}:{lineno}: {e}") from None
@@ -178,7 +198,13 @@ def run_generate(args: argparse.Namespace) -> int:
         for r, out in zip(requests, results, strict=True)
     ]
     _write_atomic(args.output, "\n".join(lines) + "\n")
-    print(f"wrote {len(lines)} results to {args.output}", file=sys.stderr)
+    prompt = sum(out.num_prompt_tokens for out in results)
+    cached = sum(out.num_cached_tokens for out in results)
+    print(
+        f"wrote {len(lines)} results to {args.output} ({prompt} prompt tokens, {cached} of "
+        "them from the prefix cache)",
+        file=sys.stderr,
+    )
     return 0
 
 

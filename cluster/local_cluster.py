@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loraplex.cluster.config import LoraplexConfig
 from loraplex.cluster.errors import CLIError
@@ -49,10 +50,13 @@ from loraplex.cluster.state import (
     stop_supervisor,
     write_private,
 )
+from loraplex.demo.assets import DEMO_MODEL_ID
 
-DEMO_MODEL_ID = "loraplex-demo-llama"  # the demo adapters' base_model_name_or_path
+if TYPE_CHECKING:
+    from loraplex.registry.etcd_client import EtcdSettings
+
 DEMO_TENANT = "demo"
-DEMO_ADAPTER = "sql-r8"
+DEMO_ADAPTER = "pirate-r16"
 log = logging.getLogger("loraplex.cluster")
 
 
@@ -108,20 +112,22 @@ def up(args: argparse.Namespace, state_dir: Path, env: dict[str, str]) -> int:
             config = config.overridden("etcd", host=args.etcd_host)
     except ValueError as e:
         raise CLIError(f"--port / --etcd-host: {e}") from None
+    # Refusals first: nothing is written or started for a config that cannot serve.
+    if config.model is not None:
+        check_model(Path(config.model), on_cluster=args.address is not None)
+    if args.address is None:
+        check_port_free(config.http.host, config.http.port)
+    if config.etcd.endpoints is not None:
+        check_etcd(config.etcd_settings())
     state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     demo = None
     if config.model is None:
         demo = demo_assets((args.demo_dir or state_dir / "demo-assets").expanduser().resolve())
         config = config.model_copy(
-            update={"model": str(demo.model_dir), "model_id": config.model_id or DEMO_MODEL_ID}
+            update={"model": str(demo.model), "model_id": config.model_id or DEMO_MODEL_ID}
         )
     if config.artifact_root is None:
         config = config.model_copy(update={"artifact_root": str(state_dir / "artifacts")})
-    if args.address is None:  # on a cluster, the head may not hold the model
-        model = Path(config.require_model())
-        if not (model / "config.json").is_file():
-            raise CLIError(f"model {model} has no config.json (a Hugging Face checkpoint folder)")
-        check_port_free(config.http.host, config.http.port)
     admin_key = admin_key_for(state_dir, env.get(config.auth.admin_key_env))
     metrics_key = metrics_key_for(state_dir, env.get(config.auth.metrics_key_env))
 
@@ -184,16 +190,50 @@ def load_config(path: Path | None) -> LoraplexConfig:
 
 
 def demo_assets(dest: Path):
-    from loraplex.demo.assets import DEMO_ADAPTERS, DemoAssets, make_demo_assets
+    """The demo model and adapters in `dest`, placed there first if missing."""
+    from loraplex.demo.assets import demo_assets_complete, make_demo_assets
+    from loraplex.demo.smollm import ModelNotFetched
 
-    names = tuple(a.name for a in DEMO_ADAPTERS)
-    complete = (dest / "model" / "config.json").is_file() and all(
-        (dest / "adapters" / n / "adapter_model.safetensors").is_file() for n in names
-    )
-    if complete:
-        return DemoAssets(dest / "model", dest / "adapters", names)
-    print(f"writing the demo model and adapters to {dest}", file=sys.stderr)
-    return make_demo_assets(dest)
+    assets = demo_assets_complete(dest)
+    if assets is not None:
+        return assets
+    print(f"placing the demo model and adapters in {dest}", file=sys.stderr)
+    try:
+        return make_demo_assets(dest)
+    except ModelNotFetched as e:
+        raise CLIError(str(e)) from None
+
+
+def check_model(model: Path, on_cluster: bool) -> None:
+    """CLIError unless `model` is a checkpoint here, a folder or a .gguf file (on a cluster,
+    the ingress on this node reads its tokenizer, and every node needs it)."""
+    from loraplex.checkpoint_shape import CheckpointError
+    from loraplex.model_shape import read_model_shape
+
+    try:
+        read_model_shape(model)
+    except CheckpointError as e:
+        where = " on this node (every node of the cluster needs it)" if on_cluster else ""
+        raise CLIError(f"model {model}{where}: {e}") from None
+
+
+def check_etcd(settings: EtcdSettings) -> None:
+    """CLIError naming each endpoint and why, unless one of the configured etcds answers."""
+    import asyncio
+
+    from loraplex.registry.etcd_client import EtcdConnection, RegistryUnavailable
+
+    async def status() -> None:
+        connection = EtcdConnection(settings)
+        try:
+            await connection.request(lambda client: client.status())
+        finally:
+            await connection.close()
+
+    try:
+        asyncio.run(status())
+    except RegistryUnavailable as e:
+        raise CLIError(f"{e}; check etcd.endpoints (unset: `loraplex up` starts one)") from None
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -318,7 +358,11 @@ def print_welcome(config, state_dir, url, admin_key, demo_key, demo, elapsed_s) 
     print(f"  export LORAPLEX_URL={url} LORAPLEX_API_KEY={demo_key or '<a tenant key>'}")
     adapter, path = (DEMO_ADAPTER, demo.adapters_dir / DEMO_ADAPTER) if demo else ("mine", "DIR")
     print(f"  loraplex adapters add {adapter} {path}")
-    body = {"model": adapter, "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 16}
+    body = {
+        "model": adapter,
+        "messages": [{"role": "user", "content": "What is the capital of Peru?"}],
+        "max_tokens": 32,
+    }
     print(
         f'  curl -s $LORAPLEX_URL/v1/chat/completions -H "Authorization: Bearer $LORAPLEX_API_KEY" '
         f"{json_header} -d '{json.dumps(body)}'"

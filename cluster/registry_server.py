@@ -25,7 +25,12 @@ NAMED = ("model_id", "artifact_root")  # the YAML config's settings of these nam
 
 def add_parser(sub) -> None:
     p = sub.add_parser("registry", help="run the adapter registry's tenant API (HTTP)")
-    p.add_argument("--model", type=Path, required=True, help="base model folder (config.json)")
+    p.add_argument(
+        "--model",
+        type=Path,
+        required=True,
+        help="base model: a checkpoint folder (config.json) or a .gguf file",
+    )
     add_flags(p, LoraplexConfig, NAMED)
     p.add_argument(
         "--etcd",
@@ -55,15 +60,13 @@ def run(args: argparse.Namespace) -> int:
     from loraplex.registry.store import EtcdSettings
     from loraplex.registry.validation import BaseModelShape
 
-    if not (args.model / "config.json").is_file():
-        raise CLIError(f"--model {args.model} has no config.json")
     admin_key = os.environ.get(ADMIN_KEY_ENV)
     if admin_key is None:
         admin_key = secrets.token_urlsafe(24)
         print(f"admin key (set {ADMIN_KEY_ENV} to choose one): {admin_key}", file=sys.stderr)
     named = built(lambda: LoraplexConfig(**flag_values(args, LoraplexConfig, NAMED)))
     try:
-        shape = BaseModelShape.from_config_json(args.model)
+        shape = BaseModelShape.from_checkpoint(args.model)
     except ValueError as e:
         raise CLIError(str(e)) from None
     settings = built(

@@ -1,6 +1,6 @@
-"""What Ray Serve reports about the app: deployment states, failed deployments' errors,
-each replica's routing stats (adapters per tier, queue, pool pages) and the router's busiest
-adapters with their homes, for `loraplex status`."""
+"""What Ray reports about the cluster and the app: the nodes alive, deployment states,
+failed deployments' errors, each replica's routing stats (adapters per tier, queue, pool
+pages) and the router's busiest adapters with their homes, for `loraplex status`."""
 
 from __future__ import annotations
 
@@ -40,13 +40,14 @@ def serve_report(ray_address: str) -> list[str]:
 
     ray.init(address=ray_address, log_to_driver=False, logging_level=logging.WARNING)
     try:
+        lines = [node_line(ray.nodes())]
         app = serve.status().applications.get(APP_NAME)
         if app is None:
-            return [f"serve:    application {APP_NAME!r} not deployed"]
-        lines = [
+            return [*lines, f"serve:    application {APP_NAME!r} not deployed"]
+        lines.append(
             f"app:      {APP_NAME} {status_text(app.status)}"
             + (f" ({app.message})" if app.message else "")
-        ]
+        )
         for name, dep in app.deployments.items():
             counts = ", ".join(
                 f"{n} {status_text(s).lower()}" for s, n in dep.replica_states.items()
@@ -57,6 +58,17 @@ def serve_report(ray_address: str) -> list[str]:
         return lines
     finally:
         ray.shutdown()
+
+
+def node_line(nodes: list[dict]) -> str:
+    """The Ray nodes alive, by address, the head marked."""
+    alive = sorted(
+        node["NodeManagerAddress"]
+        + (" (head)" if "node:__internal_head__" in node.get("Resources", {}) else "")
+        for node in nodes
+        if node.get("Alive")
+    )
+    return f"nodes:    {len(alive)} alive: {', '.join(alive)}"
 
 
 def replica_table(ray) -> list[str]:

@@ -1,6 +1,7 @@
 """The process `loraplex up` hands a local cluster to (`python -m loraplex.cluster.supervisor
 STATE_DIR`, in its own session): it owns the etcd and the Ray head it starts, deploys the
-app, keeps etcd up, and tears everything down on SIGTERM/SIGINT (`loraplex down`). It
+app, keeps etcd up, and tears everything down on SIGTERM/SIGINT (`loraplex down`), or when
+the Ray cluster it serves on is gone (`ray stop`, `ray down`): etcd must not outlive it. It
 reports its phase in the state folder (cluster/state.py)."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.cluster.config import APP_NAME, LoraplexConfig
+from loraplex.cluster.ray_node_watch import RAY_LOST_AFTER_S, accepts, host_port
 from loraplex.cluster.serve_status import deployment_errors
 from loraplex.cluster.state import write_state
 
@@ -33,6 +35,7 @@ class Supervisor:
         self.ray_options = spec["ray"]
         self.ray_address = spec["ray_address"]
         self.stop = threading.Event()
+        self.ray_lost = False
         self.etcd = None
         self.state: dict[str, Any] = {"pid": os.getpid(), "started_at": time.time()}
 
@@ -55,8 +58,18 @@ class Supervisor:
             self.deploy(config)
             url = f"http://{_dial_host(config.http.host)}:{config.http.port}"
             self.phase("running", url=url)
+            gcs = host_port(self.state["ray_address"])
+            refused_since = None
             while not self.stop.wait(1.0):
                 self.keep_etcd_up()
+                if accepts(gcs):
+                    refused_since = None
+                    continue
+                refused_since = refused_since or time.monotonic()
+                if time.monotonic() - refused_since > RAY_LOST_AFTER_S:
+                    log.warning("Ray's GCS at %s:%d is gone: stopping", *gcs)
+                    self.ray_lost = True
+                    break
             return 0
         except Exception as e:
             log.exception("the cluster failed")
@@ -119,6 +132,14 @@ class Supervisor:
 
     def teardown(self) -> None:
         self.phase("stopping")
+        if not self.ray_lost:
+            self.undeploy()
+        if self.etcd is not None:
+            self.etcd.stop()
+        self.state.pop("etcd_pid", None)
+        self.phase("stopped", "the Ray cluster is gone" if self.ray_lost else "")
+
+    def undeploy(self) -> None:
         with contextlib.suppress(Exception):
             import ray
             from ray import serve
@@ -129,10 +150,6 @@ class Supervisor:
                 else:
                     serve.delete(APP_NAME)
                 ray.shutdown()
-        if self.etcd is not None:
-            self.etcd.stop()
-        self.state.pop("etcd_pid", None)
-        self.phase("stopped")
 
 
 def _dial_host(host: str) -> str:
@@ -144,7 +161,12 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     (state_dir,) = argv if argv is not None else sys.argv[1:]
-    return Supervisor(Path(state_dir)).run()
+    supervisor = Supervisor(Path(state_dir))
+    code = supervisor.run()
+    if supervisor.ray_lost:  # Ray's exit hooks would wait for the GCS that is gone
+        logging.shutdown()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -37,6 +37,16 @@ class StoredArtifact:
     weights_sha256: str  # sha256 of adapter_model.safetensors alone (what `sha256sum` prints)
 
 
+def contents_digest(contents: dict[str, bytes]) -> str:
+    """An artifact's digest (`_frame`) of adapter file contents already read: what was
+    read is what is hashed."""
+    digest = hashlib.sha256()
+    for name in ADAPTER_FILES:
+        _frame(digest, name, len(contents[name]))
+        digest.update(contents[name])
+    return digest.hexdigest()
+
+
 def _frame(digest: hashlib._Hash, name: str, size: int) -> None:
     """An artifact's digest is a sha256 over its files in canonical (sorted) order, each
     framed as `name NUL size(8 bytes, little-endian) content`, so no two file sets share it."""

@@ -22,6 +22,8 @@ from typing import Any, TypeGuard
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from loraplex.checkpoint_shape import ModelShape
+from loraplex.model_shape import read_model_shape
 from loraplex.registry.errors import Invalid, TooLarge, Unacceptable
 
 CONFIG_FILE = "adapter_config.json"
@@ -87,21 +89,20 @@ class BaseModelShape(BaseModel):
     head_dim: int = Field(ge=1, description="Width of one attention head.")
 
     @classmethod
-    def from_config_json(cls, source: str | os.PathLike[str] | dict[str, Any]) -> BaseModelShape:
-        """From a Hugging Face `config.json` (a path to it, its folder, or the parsed dict)."""
-        if isinstance(source, dict):
-            cfg = source
-        else:
-            path = Path(source)
-            cfg = json.loads((path / "config.json" if path.is_dir() else path).read_text())
-        heads = cfg["num_attention_heads"]
+    def from_checkpoint(cls, path: str | os.PathLike[str]) -> BaseModelShape:
+        """From a Hugging Face folder (config.json) or a .gguf file: `read_model_shape`,
+        the reader the engine uses too. CheckpointError when it cannot be read."""
+        return cls.from_shape(read_model_shape(path))
+
+    @classmethod
+    def from_shape(cls, shape: ModelShape) -> BaseModelShape:
         return cls(
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            hidden_size=shape.hidden_size,
+            intermediate_size=shape.intermediate_size,
+            num_layers=shape.num_layers,
+            num_heads=shape.num_heads,
+            num_kv_heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
         )
 
     def projection_shapes(self) -> dict[str, tuple[int, int]]:

@@ -82,9 +82,9 @@ class Engine:
 
         return await asyncio.to_thread(call)
 
-    async def add_adapter(self, name: str, path: Path) -> AdapterInfo:
+    async def add_adapter(self, name: str, path: Path, version: str | None = None) -> AdapterInfo:
         weights = await asyncio.to_thread(self.core.read_adapter, name, path)
-        return await self._locked(self.core.register_adapter, weights, path)
+        return await self._locked(self.core.register_adapter, weights, path, version)
 
     async def remove_adapter(self, name: str) -> None:
         await self._locked(self.core.remove_adapter, name)
@@ -95,12 +95,13 @@ class Engine:
         params: SamplingParams,
         adapter: str | None = None,
         request_id: str | None = None,
-        tenant: str | None = None,
         continuation: Continuation | None = None,
+        tenant: str | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs step by step. Closing the iterator early (or
-        cancelling the task) aborts the request and frees its pages. `tenant`: see
-        `LLMEngine.add_request`."""
+        cancelling the task) aborts the request and frees its pages. `tenant` and
+        `cache_salt`: see `LLMEngine.add_request`."""
         if self._error is not None or self._closed:
             raise RuntimeError(f"the engine is stopped: {self._error!r}")
         queue: asyncio.Queue = asyncio.Queue()
@@ -108,7 +109,13 @@ class Engine:
 
         def add():
             seq = self.core.add_request(
-                prompt, params, adapter, request_id, tenant=tenant, continuation=continuation
+                prompt,
+                params,
+                adapter,
+                request_id,
+                continuation=continuation,
+                tenant=tenant,
+                cache_salt=cache_salt,
             )
             self._streams[seq.request_id] = (loop, queue)
             return seq

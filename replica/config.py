@@ -9,7 +9,6 @@ and the CLI import this module."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,8 +21,6 @@ from loraplex.settings import FORBID_EXTRA, KiB, setting
 
 # The context window when max_model_len is unset: the model's positions, capped here.
 MAX_MODEL_LEN_CAP = 8192
-# What a checkpoint whose config.json names no max_position_embeddings is taken to hold.
-DEFAULT_MAX_POSITIONS = 4096
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 Kernels = Literal["auto", "torch", "triton"]
@@ -53,6 +50,19 @@ class ChameleonParams:
     )
     starve_s: float | None = Field(
         None, gt=0, description="Waited this long: admitted first, over quota; unset: slo_s."
+    )
+    squash: bool = Field(
+        True,
+        description="Squash a bypasser (preempt it, to run right behind the request it "
+        "overtook) once its leaving would let that blocked request run (seed 004 §4.3.3).",
+    )
+    # The paper charges each request its adapter's tokens; on S-LoRA's engine that charge
+    # held Chameleon behind S-LoRA's FIFO (bench sched): running requests of one adapter
+    # share its memory.
+    share_adapter_tokens: bool = Field(
+        True,
+        description="Charge an adapter's tokens to a queue's quota once while any of its "
+        "running requests use it, not once per request.",
     )
 
 
@@ -167,7 +177,7 @@ class ArtifactReadConfig:
 class EngineConfig:
     """One replica's engine."""
 
-    model: str = Field(description="Hugging Face checkpoint folder.")
+    model: str = Field(description="Hugging Face checkpoint folder or Llama-family .gguf file.")
     dtype: Dtype = Field(
         "auto", description="Weights and activations; auto keeps the checkpoint's dtype."
     )
@@ -223,6 +233,23 @@ class EngineConfig:
         default_factory=ArtifactReadConfig,
         description="Reads of adapters from the artifact store (a read model; off by default).",
     )
+    enable_prefix_caching: bool = Field(
+        True,
+        description="Keep full KV blocks after their requests end and start later requests "
+        "with the same prefix (tokens, adapter version, tenant, cache salt) from them.",
+    )
+    share_base_prefix: bool = Field(
+        False,
+        description="Share cached base-model blocks across tenants (adapter blocks never "
+        "are); off, a tenant's cached blocks serve only that tenant.",
+    )
+    prefix_cache_share: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="A static share of the pool for idle cached blocks instead of one "
+        "eviction decision over cached blocks and idle adapters (a baseline: bench engine).",
+    )
 
 
 _PLAIN = TypeAdapter(EngineConfig)
@@ -246,7 +273,8 @@ def context_window(max_model_len: int | None, max_positions: int) -> int:
 
 
 def checkpoint_max_positions(model: str | Path) -> int:
-    """The max_position_embeddings of checkpoint folder `model`, read without torch (the one
-    place settings code reads a checkpoint's shape)."""
-    config = json.loads((Path(model) / "config.json").read_text())
-    return int(config.get("max_position_embeddings", DEFAULT_MAX_POSITIONS))
+    """The max_position_embeddings of checkpoint `model` (a Hugging Face folder or a .gguf
+    file), read without torch through the one shape reader."""
+    from loraplex.model_shape import read_model_shape
+
+    return read_model_shape(model).max_position_embeddings

@@ -32,6 +32,7 @@ from loraplex.replica.protocol import (
     AdapterNotFound,
     GenerateChunk,
     GenerateRequest,
+    cache_salts,
     chunk,
     continuation,
     sampling_params,
@@ -119,7 +120,7 @@ class ReplicaDeployment:
             params,
             adapter,
             request["request_id"],
-            tenant=request.get("tenant"),
+            **cache_salts(request),
             continuation=continuation(request),
         )
         try:

@@ -5,6 +5,7 @@ replica/async_engine.py's `Engine` runs that loop on its own thread for servers.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
@@ -20,9 +21,17 @@ from loraplex.kernels.backend import make_backend, resolve_kernels
 from loraplex.replica.batch import build_step_batch
 from loraplex.replica.config import EngineConfig, context_window
 from loraplex.replica.memory.adapter_cache import AdapterCache, UnknownAdapter
-from loraplex.replica.memory.adapters import AdapterError, AdapterWeights, load_adapter, plan_layout
+from loraplex.replica.memory.adapters import (
+    AdapterError,
+    AdapterWeights,
+    load_adapter,
+    plan_layout,
+    tensors_digest,
+)
+from loraplex.replica.memory.eviction import RestoreCosts
 from loraplex.replica.memory.kv_cache import KVCache
 from loraplex.replica.memory.pool import UnifiedPool
+from loraplex.replica.memory.prefix_cache import PrefixCache
 from loraplex.replica.memory.store_reads import ReadPacer
 from loraplex.replica.model.config import DTYPES, ModelConfig
 from loraplex.replica.model.llama import ForwardOps, LlamaModel
@@ -48,6 +57,7 @@ class AdapterInfo:
     targets: tuple[str, ...]
     host_bytes: int
     pool_pages: int
+    version: str | None  # the weights' content digest: cached KV blocks are keyed by it
 
 
 class LLMEngine:
@@ -67,8 +77,7 @@ class LLMEngine:
             self.model = LlamaModel(
                 mc, load_weights(Path(cfg.model), mc, device), self.max_model_len
             )
-        has_tokenizer = (Path(cfg.model) / "tokenizer.json").is_file()
-        self.tokenizer = Tokenizer(Path(cfg.model)) if has_tokenizer else None
+        self.tokenizer = Tokenizer(cfg.model) if Tokenizer.exists(cfg.model) else None
         elem = torch.empty((), dtype=mc.dtype).element_size()
         page_bytes = cfg.page_bytes or _auto_page_bytes(
             mc.kv_elems_per_token() * elem, mc.kv_size * elem
@@ -76,7 +85,23 @@ class LLMEngine:
         pool_bytes = cfg.pool_bytes or _auto_pool_bytes(device)
         self.pool = UnifiedPool(pool_bytes // page_bytes, page_bytes // elem, mc.dtype, device)
         self.kv = KVCache(self.pool, mc)
-        self.adapters = AdapterCache(self.pool, mc, self.model.output_columns, config=cfg.cache)
+        self.step_costs = StepCostEstimator()  # what the router and the eviction weigh
+        if cfg.enable_prefix_caching:
+            self.kv.prefix = PrefixCache(
+                self.pool,
+                self.kv.block_size,
+                half_life_s=cfg.cache.half_life_s,
+                share_base=cfg.share_base_prefix,
+                share=cfg.prefix_cache_share,
+            )
+        self.adapters = AdapterCache(
+            self.pool,
+            mc,
+            self.model.output_columns,
+            config=cfg.cache,
+            blocks=self.kv.prefix,
+            restore_costs=self.restore_costs if self.kv.prefix is not None else None,
+        )
         self.kernels = resolve_kernels(cfg.kernels, device)
         sched = cfg.scheduler
         layout_args = (cfg.max_lora_rank, sched.max_num_seqs, sched.max_num_batched_tokens)
@@ -98,15 +123,18 @@ class LLMEngine:
         self.step_costs = StepCostEstimator()  # what the router weighs (routing stats)
         model = cfg.artifacts.read_model()
         self.read_pacer = None if model is None else ReadPacer(model)
+        self.prompt_tokens = 0  # of the requests added
+        self.prompt_tokens_computed = 0  # prompt positions computed (cache hits are not)
 
     # adapters
 
-    def add_adapter(self, name: str, path: Path) -> AdapterInfo:
-        return self.register_adapter(self.read_adapter(name, path), path)
+    def add_adapter(self, name: str, path: Path, version: str | None = None) -> AdapterInfo:
+        return self.register_adapter(self.read_adapter(name, path), path, version)
 
     def read_adapter(self, name: str, path: Path) -> AdapterWeights:
-        """Read and validate; touches no engine state (safe off the engine thread). With an
-        artifact read model the read lasts at least what the model says."""
+        """Read and validate; touches no engine state (safe off the engine thread). Its
+        version is the digest of its files as read. With an artifact read model the read
+        lasts at least what the model says."""
         started = time.monotonic()
         weights = load_adapter(Path(path), name, self.model_config, self.cfg.max_lora_rank)
         if self.read_pacer is not None:
@@ -119,19 +147,40 @@ class LLMEngine:
             )
         return weights.pin_memory() if self.pool.arena.is_cuda else weights
 
-    def register_adapter(self, weights: AdapterWeights, path: Path | None = None) -> AdapterInfo:
-        """`path`: where to read it again if the host-tier budget drops its host copy."""
-        read = None if path is None else functools.partial(self._reread, weights.name, path)
+    def register_adapter(
+        self, weights: AdapterWeights, path: Path | None = None, version: str | None = None
+    ) -> AdapterInfo:
+        """`path`: where to read it again if the host-tier budget drops its host copy.
+        `version` (a content digest; the registry's) identifies the weights for the prefix
+        cache; by default the one `read_adapter` computed, or a digest of the tensors."""
+        digest = weights.version  # of the files as read, when read from files
+        version = version or digest or tensors_digest(weights)
+        weights = dataclasses.replace(weights, version=version)
+        read = None
+        if path is not None:
+            read = functools.partial(self._reread, weights.name, path, version, digest)
         if self.tp is not None:  # every rank keeps its shard in its host tier
             weights = self.tp.add_adapter(weights)
         self.adapters.add(weights, read)
         return AdapterInfo(
-            weights.name, weights.rank, weights.targets, weights.nbytes, self._pages_for(weights)
+            weights.name,
+            weights.rank,
+            weights.targets,
+            weights.nbytes,
+            self._pages_for(weights),
+            version,
         )
 
-    def _reread(self, name: str, path: Path) -> AdapterWeights:
-        """The host copy the cache dropped, read again: rank 0's shard under tp."""
+    def _reread(self, name: str, path: Path, version: str, digest: str | None) -> AdapterWeights:
+        """The host copy the cache dropped, read again: rank 0's shard under tp. Other
+        content found there is refused: cached KV blocks are keyed by the version
+        registered, so the weights must be the ones registered."""
         weights = self.read_adapter(name, path)
+        if digest is not None and weights.version != digest:
+            raise AdapterError(
+                f"adapter {name!r} changed at {path} since it was registered; register it again"
+            )
+        weights = dataclasses.replace(weights, version=version)
         return weights if self.tp is None else self.tp.shard(weights)
 
     def _pages_for(self, weights: AdapterWeights) -> int:
@@ -157,12 +206,15 @@ class LLMEngine:
         adapter: str | None = None,
         request_id: str | None = None,
         arrival: float = 0.0,
-        tenant: str | None = None,
         continuation: Continuation | None = None,
+        tenant: str | None = None,
+        cache_salt: str | None = None,
     ) -> Sequence:
-        """Queue a request. `tenant`: the scheduler shares admission fairly among tenants
-        (None is one of its own); `continuation`: it resumes after output it produced
-        elsewhere."""
+        """Queue a request; `continuation`: it resumes after output it produced elsewhere.
+        `tenant`: the scheduler shares admission fairly among tenants (None is one of its
+        own). `tenant` and `cache_salt` also salt the request's cached KV blocks: only
+        requests of the same tenant (or, with share_base_prefix, any tenant's base-model
+        requests) and the same cache_salt share them."""
         ids = self.encode(prompt)
         self._check(ids, params, adapter)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -170,18 +222,19 @@ class LLMEngine:
             raise RequestError(f"request id {request_id!r} is already in use")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         seq = Sequence(request_id, ids, params, adapter, arrival, torch.Generator(), seed=seed)
-        seq.tenant = tenant
+        seq.tenant, seq.cache_salt = tenant, cache_salt
         if continuation is not None:
             self._check_continuation(continuation, params)
             seq.output_ids, seq.text = list(continuation.token_ids), continuation.text
         self.requests[request_id] = seq
+        self.prompt_tokens += len(ids)
         self.scheduler.add(seq)
         return seq
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise RequestError("this model has no tokenizer.json; send prompt_token_ids")
+                raise RequestError("this model has no tokenizer; send prompt_token_ids")
             return self.tokenizer.encode(prompt)
         return list(prompt)
 
@@ -244,7 +297,9 @@ class LLMEngine:
         batch = build_step_batch(scheduled, self.kv, self.model_config.sliding_window)
         logits = self.model.forward(batch, self.kv.view, self.kv.rows)
         for seq, n in scheduled:
+            self.prompt_tokens_computed += max(0, min(n, len(seq.prompt_ids) - seq.num_computed))
             seq.num_computed += n
+            self.kv.commit(seq)
         greedy = greedy_tokens(logits)
         self.step_costs.record_step(
             sum(n for _, n in scheduled),
@@ -300,6 +355,7 @@ class LLMEngine:
             finished=reason is not None,
             finish_reason=reason,
             num_prompt_tokens=len(seq.prompt_ids),
+            num_cached_tokens=seq.num_cached_tokens,
             logits=logits,
         )
 
@@ -324,10 +380,53 @@ class LLMEngine:
                     final[out.request_id] = out
         return [final[i] for i in ids]
 
+    def restore_costs(self) -> RestoreCosts:
+        """What losing an idle page costs, as this engine measures it: its steps' cost per
+        token (recomputing a cached block) and its adapter loads' seconds per byte. Until
+        it has measured them: priors for the device (dense FLOPs at 100 TFLOP/s on CUDA,
+        100 GFLOP/s on CPU; loads over 25 GB/s PCIe, or 5 GB/s host copies)."""
+        cuda = self.pool.arena.is_cuda
+        est = self.step_costs.estimate()
+        if est is not None and est.per_token_s > 0:
+            per_token = est.per_token_s
+        else:
+            per_token = 2 * self._dense_parameters() / (1e14 if cuda else 1e11)
+        s = self.adapters.stats
+        if s.bytes_loaded and s.load_seconds > 0:
+            per_byte = s.load_seconds / s.bytes_loaded
+        else:
+            per_byte = 1 / (25e9 if cuda else 5e9)
+        return RestoreCosts(per_token, per_byte)
+
+    def _dense_parameters(self) -> int:
+        """Weights one token multiplies through (the projections of every layer)."""
+        mc = self.model_config
+        return mc.num_layers * sum(i * o for i, o in mc.projection_shapes().values())
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block (those running requests hold stay theirs); the pages
+        freed."""
+        return 0 if self.kv.prefix is None else self.kv.prefix.clear()
+
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any."""
         if self.tp is not None:
             self.tp.close()
+
+    def _prefix_stats(self) -> dict:
+        """Prompt tokens requested and computed (a hit's tokens are not), and the cache's
+        counters: lookups, hit and missed blocks, evictions of idle cached blocks."""
+        prefix = self.kv.prefix
+        out = {
+            "enabled": prefix is not None,
+            "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens_computed": self.prompt_tokens_computed,
+        }
+        if prefix is not None:
+            out.update(asdict(prefix.stats))
+            out["cached_blocks"] = len(prefix.blocks)
+            out["idle_blocks"] = prefix.num_idle
+        return out
 
     def stats(self) -> dict:
         pool = self.pool.stats()
@@ -345,6 +444,7 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "preemptions": self.scheduler.num_preemptions,
             "kv_block_size": self.kv.block_size,
+            "prefix_cache": self._prefix_stats(),
             "step_costs": None if (c := self.step_costs.estimate()) is None else asdict(c),
             "kernels": self.kernels,
             "tp": {"size": 1}
@@ -371,6 +471,7 @@ def _final(seq: Sequence) -> RequestOutput:
         finished=True,
         finish_reason=seq.finish_reason,
         num_prompt_tokens=len(seq.prompt_ids),
+        num_cached_tokens=seq.num_cached_tokens,
         error=seq.error,
     )
 

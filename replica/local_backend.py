@@ -13,6 +13,7 @@ from loraplex.replica.protocol import (
     AdapterNotFound,
     GenerateChunk,
     GenerateRequest,
+    cache_salts,
     chunk,
     continuation,
     sampling_params,
@@ -43,7 +44,7 @@ class LocalBackend:
             params,
             request["adapter"],
             request["request_id"],
-            tenant=request.get("tenant"),
+            **cache_salts(request),
             continuation=continuation(request),
         )
         # aclosing: closing this generator must close the engine's at once (that aborts the

@@ -34,10 +34,12 @@ class GenerateRequest(TypedDict):
     prompt_token_ids: list[int]
     adapter: str | None  # "tenant/name", or None for the base model
     params: dict  # SamplingParams fields (stop as a list)
-    resume_after: NotRequired[ResumeAfter]  # set when a replica died mid-stream
-    # The replica's scheduler shares admission fairly among tenants (absent: None, one
-    # group of its own). The ingress sets the tenant.
+    # The ingress sets the tenant. The replica's scheduler shares admission fairly among
+    # tenants (absent: None, one group of its own), and the prefix cache's blocks are shared
+    # only by requests of one tenant with one cache_salt (absent: None).
     tenant: NotRequired[str | None]
+    cache_salt: NotRequired[str | None]
+    resume_after: NotRequired[ResumeAfter]  # set when a replica died mid-stream
 
 
 class GenerateChunk(TypedDict):
@@ -48,6 +50,7 @@ class GenerateChunk(TypedDict):
     finish_reason: str | None  # "stop", "length", "abort" or "error" when finished
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: NotRequired[int]  # prompt tokens the prefix cache served
     # why the request failed (finish_reason "error"); other requests go on
     error: NotRequired[str | None]
 
@@ -99,6 +102,11 @@ def sampling_params(request: GenerateRequest) -> SamplingParams:
     return SamplingParams(**fields)
 
 
+def cache_salts(request: GenerateRequest) -> dict[str, str | None]:
+    """The engine's `tenant` and `cache_salt` arguments for a request."""
+    return {"tenant": request.get("tenant"), "cache_salt": request.get("cache_salt")}
+
+
 def continuation(request: GenerateRequest) -> Continuation | None:
     resume = request.get("resume_after")
     if resume is None:
@@ -114,6 +122,7 @@ def chunk(out: RequestOutput) -> GenerateChunk:
         finished=out.finished,
         finish_reason=out.finish_reason,
         num_prompt_tokens=out.num_prompt_tokens,
+        num_cached_tokens=out.num_cached_tokens,
         num_output_tokens=len(out.token_ids),
         error=out.error,
     )

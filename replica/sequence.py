@@ -48,7 +48,14 @@ class Sequence:
     text: str = ""  # detokenized output, cut at a stop string
     num_preemptions: int = 0
     lora: ResidentAdapter | None = None  # pinned while running
-    tenant: str | None = None  # admission is shared fairly among tenants
+    # prefix cache: the salt (tenant, then the request's cache_salt), the chain root it was
+    # admitted under, the keys of its full blocks, and the tokens whose blocks are registered
+    tenant: str | None = None  # also: admission is shared fairly among tenants
+    cache_salt: str | None = None
+    prefix_root: bytes | None = None
+    block_keys: list[bytes] = field(default_factory=list)
+    num_committed: int = 0
+    num_cached_tokens: int = 0  # prompt tokens its first admission found cached
     seed: int = 0  # the request's seed; each draw's generator state is draw_seed(seed, position)
 
     def next_draw(self) -> torch.Generator:
@@ -64,6 +71,9 @@ class Sequence:
         if end <= n:
             return self.prompt_ids[start:end]
         return (self.prompt_ids + self.output_ids)[start:end]
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
 
     @property
     def finished(self) -> bool:
@@ -82,5 +92,6 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop", "length", "abort", or "error" (see `error`)
     num_prompt_tokens: int
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed
     logits: torch.Tensor | None = None  # [vocab] float32, when params.return_logits
     error: str | None = None  # why this request failed, when finish_reason is "error"

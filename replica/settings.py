@@ -53,6 +53,8 @@ class EngineSettings(BaseModel):
     high_watermark: float = setting(CacheConfig, "high_watermark")
     host_mib: int | None = setting(CacheConfig, "host_bytes", unit=MiB)
     kernels: Kernels = setting(EngineConfig, "kernels")
+    enable_prefix_caching: bool = setting(EngineConfig, "enable_prefix_caching")
+    share_base_prefix: bool = setting(EngineConfig, "share_base_prefix")
 
     @model_validator(mode="after")
     def _cache_accepts(self) -> EngineSettings:
@@ -83,6 +85,8 @@ class EngineSettings(BaseModel):
             cache=self.cache_config(),
             seed=self.seed,
             kernels=self.kernels,
+            enable_prefix_caching=self.enable_prefix_caching,
+            share_base_prefix=self.share_base_prefix,
             **more,
         )
 

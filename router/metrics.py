@@ -33,7 +33,7 @@ ANONYMOUS = "anonymous"  # tenant label of requests served without a registry
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKEN_GAP_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)
-_POOL_PAGE_KINDS = ("free", "kv", "adapter", "pinned")
+_POOL_PAGE_KINDS = ("free", "kv", "adapter", "cached", "pinned")
 _CACHE_EVENTS = {"hits": "hit", "misses": "miss", "loads": "load", "evictions": "eviction"}
 
 
@@ -141,7 +141,8 @@ class _ReplicaStats(Collector):
         )
         pages = GaugeMetricFamily(
             "loraplex_pool_pages",
-            "Unified-pool pages by use (free + kv + adapter = total; pinned: adapter pages "
+            "Unified-pool pages by use (free + kv + adapter + cached = total; cached: idle "
+            "prefix-cache blocks; pinned: adapter pages "
             "a running request holds).",
             labels=["replica", "kind"],
         )

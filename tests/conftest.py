@@ -14,7 +14,8 @@ if not torch.cuda.is_available():
     # kernel is defined, so it is set before any test module imports one.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from loraplex.demo.assets import DemoAssets, make_demo_assets
+from loraplex.demo.assets import DemoAssets
+from loraplex.demo.synthetic import make_synthetic_assets
 
 BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed batch (adapter_names=)
 
@@ -39,8 +40,8 @@ def one_torch_thread():
 
 @pytest.fixture(scope="session")
 def demo_assets(tmp_path_factory: pytest.TempPathFactory) -> DemoAssets:
-    """dest/model (checkpoint + tokenizer) and dest/adapters/<name> for every DEMO_ADAPTERS."""
-    return make_demo_assets(tmp_path_factory.mktemp("demo_assets"))
+    """dest/model (checkpoint + tokenizer) and dest/adapters/<name> for every SYNTHETIC_ADAPTERS."""
+    return make_synthetic_assets(tmp_path_factory.mktemp("demo_assets"))
 
 
 @pytest.fixture(scope="session")
@@ -76,7 +77,7 @@ def peft_oracle(demo_assets: DemoAssets):
     pytest.importorskip("transformers")
     pytest.importorskip("peft")
     adapters = {name: demo_assets.adapters_dir / name for name in demo_assets.adapter_names}
-    return load_peft_model(demo_assets.model_dir, adapters)
+    return load_peft_model(demo_assets.model, adapters)
 
 
 @torch.inference_mode()
@@ -127,3 +128,39 @@ def oracle_logits(peft_oracle) -> OracleLogits:
         return mixed_batch_logits(peft_oracle if model is None else model, token_ids, adapters)
 
     return run
+
+
+# ---------------------------------------------------------------- the real model
+
+
+@pytest.fixture(scope="session")
+def real_gguf() -> Path:
+    """SmolLM2-135M-Instruct's GGUF, fetched by scripts/setup.sh (skipped, with the command,
+    when it is not there)."""
+    from loraplex.demo.smollm import ModelNotFetched, demo_model_path
+
+    try:
+        return demo_model_path()
+    except ModelNotFetched as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def real_assets(real_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> DemoAssets:
+    """`loraplex demo-assets`' folder: the GGUF and the three demo adapters."""
+    from loraplex.demo.assets import make_demo_assets
+
+    return make_demo_assets(tmp_path_factory.mktemp("real_assets"))
+
+
+@pytest.fixture(scope="session")
+def real_reference(real_assets: DemoAssets, tmp_path_factory: pytest.TempPathFactory):
+    """The 96-request real-model run, checked step by step against transformers + peft
+    (tests/real_model.py). One run per session: every real-model test shares it."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from real_model import reference_run, write_random_adapters
+
+    adapters = {n: real_assets.adapters_dir / n for n in real_assets.adapter_names}
+    adapters |= write_random_adapters(tmp_path_factory.mktemp("random_adapters"))
+    return reference_run(real_assets.model, adapters)

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tiny_model import SPEC
 
-from loraplex.demo.assets import LORA_TARGETS, AdapterSpec, write_adapter
+from loraplex.demo.synthetic import LORA_TARGETS, AdapterSpec, write_adapter
 from loraplex.replica.memory.adapter_cache import AdapterCache, CacheConfig
 from loraplex.replica.memory.adapters import AdapterError, load_adapter
 from loraplex.replica.memory.pool import UnifiedPool

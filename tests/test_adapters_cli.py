@@ -19,7 +19,7 @@ from tiny_model import BASE, SPEC
 
 from loraplex.cluster import adapters_cli
 from loraplex.cluster.errors import CLIError
-from loraplex.demo.assets import AdapterSpec, write_adapter
+from loraplex.demo.synthetic import AdapterSpec, write_adapter
 from loraplex.net import free_port
 from loraplex.registry.api import RegistryAPISettings, create_app
 

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from loraplex.benchmarks import engine as bench_engine
-from loraplex.demo.assets import ModelSpec
+from loraplex.benchmarks import engine_prefix
+from loraplex.demo.synthetic import ModelSpec
 from loraplex.registry.etcd_process import find_etcd_binary
 
 TINY = bench_engine.BenchShape(
@@ -40,11 +41,39 @@ def test_engine_bench_serves_the_same_greedy_tokens_as_peft(tmp_path):
         overheads
     )
     assert overheads["lora_traffic_bound"] > 0
-    serving_result = bench_engine._speedup_vs_peft(model_dir, serving, TINY, trace=None)
+    serving_result = bench_engine._speedup_vs_peft(model_dir, serving, TINY, trace=None, rounds=2)
     figures = serving_result["serving"]
     assert figures["requests"] == 8 and serving_result["speedup_vs_peft"] > 0
+    lo, hi = serving_result["speedup_vs_peft_spread"]
+    assert lo <= serving_result["speedup_vs_peft"] <= hi
+    assert len(figures["loraplex_s"]) == len(figures["peft_s"]) == 2
     # the workload is only a fair comparison if both systems give the same answers
     assert figures["first_4_tokens_equal_to_peft"] == 1.0
+
+
+TINY_CHAT = engine_prefix.ChatShape(
+    model=ModelSpec(vocab_size=512, rope_scaling=None),  # 2 KiB of KV a token: 32 a block
+    tenants=3,
+    system_tokens=(64, 100),
+    conversations=1,
+    turns=2,
+    user_tokens=(4, 8),
+    output_tokens=(2, 4),
+    max_num_seqs=4,
+    rounds=1,
+)
+
+
+def test_engine_bench_prefix_section_reports_its_keys(tmp_path):
+    figures = engine_prefix._run(tmp_path, TINY_CHAT)
+    keys = {"prefill_tokens_ratio", "p50_ttft_ratio", "throughput_ratio", "unified_vs_split"}
+    assert keys <= set(figures)
+    load = figures["load"]
+    # the same requests reached both engines; only the cached one skipped prompt tokens
+    assert load["on"]["prompt_tokens"] == load["off"]["prompt_tokens"]
+    assert load["off"]["prompt_tokens_computed"] == load["off"]["prompt_tokens"]
+    assert load["on"]["prompt_tokens_computed"] < load["on"]["prompt_tokens"]
+    assert set(figures["pressure"]["evictions"]) == {"unified", "split"}
 
 
 def test_trace_lengths_are_scaled_and_capped(tmp_path):
@@ -53,6 +82,47 @@ def test_trace_lengths_are_scaled_and_capped(tmp_path):
     lengths, source = bench_engine.trace_lengths(trace, 2, TINY)
     assert source == str(trace)
     assert lengths == [(24, 6), (4, 6)]  # 6400/64 capped at 24; 64/64 raised to the floor of 4
+
+
+def test_sched_bench_reports_every_key_on_tiny_shapes(tmp_path):
+    """Every system on the same arrivals, two seeds, every trace shape, the real engine with
+    S-LoRA's rules, and the plot: the keys issue 13 names are all there."""
+    from loraplex.benchmarks import sched, sched_engine, sched_sim
+    from loraplex.benchmarks.sched_scenarios import SCENARIOS
+    from loraplex.benchmarks.sched_systems import SYSTEM_NAMES
+
+    tiny = sched_sim.SimShape(
+        requests=40, load_factors=(0.25, 1.0, 1.5), scale_minutes=0.5, seeds=2
+    )
+    bench = sched.BenchShape(
+        sim=tiny,
+        shapes=sched_sim.shape_of(tiny, quick=True),
+        engine=sched_engine.EngineShape(requests=12, table_draws=1, slora_draws=2),
+    )
+    r = sched.collect(bench, None, SCENARIOS["paper"], engine=True, plot=tmp_path)
+    groups = ("vs_slora", "loraplex_vs_slora")
+    for group in groups:
+        for key in sched.NEW_KEYS:
+            assert isinstance(r[group][key], float)
+            assert {"std", "min", "max", "per_seed"} <= set(r["sim"]["spread"][f"{group}.{key}"])
+            assert len(r["sim"]["spread"][f"{group}.{key}"]["per_seed"]) == 2
+        for level in ("low", "medium", "high"):
+            assert f"p99_ttft_reduction_{level}_load" in r["sim"][group]
+        assert {"p99_ttft_reduction", "p99_ttft_reduction_per_draw", "sign_settled"} <= set(
+            r["engine"][group]
+        )
+        assert len(r["engine"][group]["p99_ttft_reduction_per_draw"]) == 2
+    for key in sched.NEW_KEYS:  # the ablation against our own FIFO stays
+        assert isinstance(r[key], float)
+    assert set(r["sim"]["systems"]) == set(SYSTEM_NAMES)
+    assert set(r["engine"]["systems"]) == set(SYSTEM_NAMES)
+    assert set(r["shapes"]) == {"long-prompt", "bursty"}
+    for shape in r["shapes"].values():
+        assert all(isinstance(shape[g][k], float) for g in groups for k in sched.NEW_KEYS)
+    assert r["sim"]["paper"]["p99_ttft_reduction_high_load"] == 0.807
+    png = tmp_path / "sched_p99_ttft_paper.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sched.print_table(r)
 
 
 @pytest.mark.etcd

@@ -10,12 +10,10 @@ from pathlib import Path
 import pytest
 
 from loraplex.cluster.cli import main
-from loraplex.demo.assets import (
-    AdapterSpec,
-    DemoAssets,
-    ModelSpec,
-    write_adapter,
-)
+from loraplex.demo.assets import DemoAssets
+from loraplex.demo.behaviours import BEHAVIOURS
+from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter
+from loraplex.registry.validation import BaseModelShape, validate_adapter_dir
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.sampling import SamplingParams
@@ -28,7 +26,7 @@ POOL = ["--pool-mib", "32", "--page-kib", "64", "--device", "cpu"]
 def engine(assets: DemoAssets, *adapters: str, **kw) -> LLMEngine:
     """The engine `generate` builds from POOL and the default options."""
     eng = LLMEngine(
-        EngineConfig(model=str(assets.model_dir), page_bytes=64 * 1024, pool_bytes=32 << 20, **kw)
+        EngineConfig(model=str(assets.model), page_bytes=64 * 1024, pool_bytes=32 << 20, **kw)
     )
     for name in sorted(set(adapters) - {None}):
         eng.add_adapter(name, assets.adapters_dir / name)
@@ -43,21 +41,26 @@ def write_jsonl(path: Path, *lines) -> Path:
 
 
 def generate(
-    assets: DemoAssets, inp: Path, out: Path, *extra: str, adapters: Path | None = None
+    assets: DemoAssets,
+    inp: Path,
+    out: Path,
+    *extra: str,
+    adapters: Path | None = None,
+    pool: list[str] = POOL,
 ) -> int:
     adapters = assets.adapters_dir if adapters is None else adapters
     return main(
         [
             "generate",
             "--model",
-            str(assets.model_dir),
+            str(assets.model),
             "--adapters",
             str(adapters),
             "--input",
             str(inp),
             "--output",
             str(out),
-            *POOL,
+            *pool,
             *extra,
         ]
     )
@@ -67,8 +70,10 @@ def read_results(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_demo_assets_writes_a_model_and_adapters(tmp_path: Path, capsys: pytest.CaptureFixture):
-    assert main(["demo-assets", str(tmp_path / "demo")]) == 0
+def test_demo_assets_synthetic_writes_a_model_and_adapters(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+):
+    assert main(["demo-assets", "--synthetic", str(tmp_path / "demo")]) == 0
     model, adapters = tmp_path / "demo" / "model", tmp_path / "demo" / "adapters"
     for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
         assert (model / name).is_file(), name
@@ -86,6 +91,35 @@ def test_demo_assets_writes_a_model_and_adapters(tmp_path: Path, capsys: pytest.
     eng = LLMEngine(EngineConfig(model=str(model), page_bytes=64 * 1024, pool_bytes=32 << 20))
     for folder in folders:
         eng.add_adapter(folder.name, folder)
+
+
+def test_demo_assets_places_the_real_model_and_its_adapters(
+    real_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture
+):
+    assert main(["demo-assets", str(tmp_path / "demo")]) == 0
+    model = tmp_path / "demo" / "model" / real_gguf.name
+    assert model.is_file() and model.stat().st_size == real_gguf.stat().st_size
+    adapters = tmp_path / "demo" / "adapters"
+    names = sorted(p.name for p in adapters.iterdir())
+    assert names == ["json-r8", "pirate-r16", "sql-r4"]
+    out = capsys.readouterr().out
+    assert str(model) in out and all(n in out for n in names)
+    # every adapter passes the registry's validation against the GGUF's shape
+    base = BaseModelShape.from_checkpoint(model)
+    ranks = {n: validate_adapter_dir(adapters / n, base, 128, 1 << 30).rank for n in names}
+    assert ranks == {"json-r8": 8, "pirate-r16": 16, "sql-r4": 4}
+    total = sum((adapters / n / "adapter_model.safetensors").stat().st_size for n in names)
+    assert total <= 10 << 20
+
+
+def test_demo_assets_without_the_fetched_model_names_the_setup_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("LORAPLEX_CACHE_DIR", str(tmp_path / "empty-cache"))
+    assert main(["demo-assets", str(tmp_path / "demo")]) == 2
+    err = capsys.readouterr().err
+    assert "is not fetched" in err and "scripts/setup.sh" in err
+    assert not (tmp_path / "demo" / "adapters").exists()
 
 
 def test_generate_writes_results_in_input_order_matching_the_engine(
@@ -163,16 +197,22 @@ def test_generate_writes_results_in_input_order_matching_the_engine(
     assert results[3]["finish_reason"] == "stop" and "e" not in results[3]["text"]
 
 
-def test_the_shipped_example_runs(assets: DemoAssets, tmp_path: Path):
+def test_the_shipped_example_runs_on_the_real_model(real_assets: DemoAssets, tmp_path: Path):
     example = REPO / "examples" / "requests.jsonl"
     out = tmp_path / "out.jsonl"
-    assert generate(assets, example, out) == 0
+    assert generate(real_assets, example, out, pool=[]) == 0  # the README's command as is
     expected_ids = [
         json.loads(line).get("id") for line in example.read_text().splitlines() if line.strip()
     ]
     results = read_results(out)
     assert [r["id"] for r in results] == expected_ids
     assert all(r["finish_reason"] in ("length", "stop") and r["token_ids"] for r in results)
+    # the chat lines show each adapter's behaviour (README's offline example)
+    by_id = {r["id"]: r["text"] for r in results}
+    checks = {b.name: b.checker() for b in BEHAVIOURS}
+    assert checks["json"]("", by_id["json"]) and not checks["json"]("", by_id["base"])
+    assert checks["pirate"]("", by_id["pirate"]) and not checks["pirate"]("", by_id["base"])
+    assert checks["sql"]("How many customers live in Porto?", by_id["sql"])
 
 
 def test_prompt_token_ids_are_used_as_given_and_text_prompts_get_bos(
@@ -229,6 +269,32 @@ def test_non_adapter_entries_in_the_adapters_folder_are_ignored(assets: DemoAsse
 
 
 GOOD = {"prompt": "fine", "max_tokens": 2, "temperature": 0}
+
+
+def test_prefix_caching_changes_what_is_computed_not_what_is_written(
+    assets: DemoAssets, tmp_path: Path, capsys: pytest.CaptureFixture
+):
+    shared = list(range(1, 70))  # two full blocks of 32 tokens, then one more token each
+    lines = [
+        {"prompt_token_ids": shared + [100 + i], "adapter": a, "max_tokens": 6, "temperature": 0}
+        for i, a in enumerate(["sql-r8", "sql-r8", None, None, "chat-r16"])
+    ]
+    inp = write_jsonl(tmp_path / "in.jsonl", *lines)
+    written, cached = {}, {}
+    for flag in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
+        out = tmp_path / f"{flag}.jsonl"
+        # one request at a time, so each finds what the one before it left in the cache
+        assert generate(assets, inp, out, "--max-num-seqs", "1", flag) == 0
+        written[flag] = read_results(out)
+        cached[flag] = capsys.readouterr().err.splitlines()[-1]
+    assert written["--enable-prefix-caching"] == written["--no-enable-prefix-caching"]
+    # the second sql-r8 and the second base request find two blocks each
+    assert cached["--enable-prefix-caching"].endswith(
+        "(350 prompt tokens, 128 of them from the prefix cache)"
+    )
+    assert cached["--no-enable-prefix-caching"].endswith(
+        "(350 prompt tokens, 0 of them from the prefix cache)"
+    )
 
 
 @pytest.mark.parametrize(
@@ -345,7 +411,7 @@ def test_bad_paths_exit_2_with_a_one_line_error(
     assets: DemoAssets, tmp_path: Path, capsys: pytest.CaptureFixture, what: str
 ):
     inp = write_jsonl(tmp_path / "in.jsonl", GOOD)
-    model, adapters = assets.model_dir, assets.adapters_dir
+    model, adapters = assets.model, assets.adapters_dir
     if what == "missing-input":
         inp = tmp_path / "nope.jsonl"
     elif what == "blank-input":
@@ -388,7 +454,7 @@ def test_python_dash_m_reports_user_errors_as_exit_2(assets: DemoAssets, tmp_pat
             "loraplex.cluster.cli",
             "generate",
             "--model",
-            str(assets.model_dir),
+            str(assets.model),
             "--input",
             str(inp),
             "--output",

@@ -9,6 +9,7 @@ import json
 import os
 import stat
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,9 +17,11 @@ import yaml
 from ray.autoscaler._private.util import prepare_config, validate_config
 from ray.serve.schema import ServeDeploySchema
 
-from loraplex.cluster import local_cluster, state
+from loraplex.cluster import local_cluster, ray_up_files, state
+from loraplex.cluster.cli import main as cli_main
 from loraplex.cluster.config import APP_NAME, IMPORT_PATH, LoraplexConfig
 from loraplex.cluster.errors import CLIError
+from loraplex.net import free_port
 from loraplex.registry.etcd_client import EtcdSettings
 from loraplex.replica.config import ArtifactReadConfig, EngineConfig, build_engine_config
 from loraplex.replica.memory.adapter_cache import CacheConfig
@@ -27,7 +30,9 @@ from loraplex.router.policy import AffinityConfig
 from loraplex.settings import declared_fields
 
 CLUSTER = Path(__file__).resolve().parents[1] / "cluster"
-MODEL_CONFIG = {
+MODEL_CONFIG = {  # what every reader of the shape needs (the engine refuses less)
+    "model_type": "llama",
+    "vocab_size": 320,
     "hidden_size": 64,
     "intermediate_size": 128,
     "num_hidden_layers": 2,
@@ -94,6 +99,8 @@ def test_from_yaml_resolves_paths_against_the_file_and_maps_every_engine_field(
                 "high_watermark": 0.1,
                 "host_mib": 256,
                 "kernels": "torch",
+                "enable_prefix_caching": False,
+                "share_base_prefix": True,
             },
             "replicas": {"num_replicas": 3, "num_cpus": 2, "num_gpus": 1, "tp": 1},
             "artifact_root": "artifacts",
@@ -132,6 +139,8 @@ def test_from_yaml_resolves_paths_against_the_file_and_maps_every_engine_field(
         kernels="torch",
         seed=7,
         artifacts=ArtifactReadConfig(read_bandwidth_mib_s=5, read_latency_ms=50),
+        enable_prefix_caching=False,
+        share_base_prefix=True,
     )
     assert config.etcd_settings() == EtcdSettings(
         endpoints=["10.0.0.5:2379", "10.0.0.6:2379"],
@@ -341,14 +350,57 @@ def test_serve_builds_the_app_from_the_config_files_import_path(tmp_path, model_
 # ---------------------------------------------------------------- `ray up` cluster files
 
 
-@pytest.mark.parametrize("name", ["cluster.yaml", "cluster-onprem.yaml"])
+@pytest.mark.parametrize("name", ray_up_files.CLUSTER_FILES)
 def test_ray_up_cluster_files_pass_rays_own_validation(name):
     config = yaml.safe_load((CLUSTER / name).read_text())
     prepared = prepare_config(config)  # what `ray up` does before validating
     validate_config(prepared)
     commands = " ".join(prepared["head_start_ray_commands"])
     assert "loraplex.cluster.cli up --config" in commands and "--address auto" in commands
-    assert all("LORAPLEX_ADMIN_KEY" in c for c in prepared["worker_start_ray_commands"][1:])
+    starts = [c for c in prepared["worker_start_ray_commands"] if "ray start" in c]
+    assert starts and all("LORAPLEX_ADMIN_KEY" in c for c in starts)
+    assert any(
+        "loraplex.cluster.ray_node_watch" in c for c in prepared["worker_start_ray_commands"]
+    )
+
+
+@pytest.mark.parametrize("name", ray_up_files.CLUSTER_FILES)
+def test_ray_up_files_share_one_list_of_mounts_and_commands(name):
+    """Every path and command the cloud and on-prem files share is the one list in
+    cluster/ray_up_files.py: as a YAML loader reads the file, and as its text (a test of
+    `python -m loraplex.cluster.ray_up_files --check`: the committed file is current)."""
+    text = (CLUSTER / name).read_text()
+    assert sorted(ray_up_files.blocks(text)) == sorted(ray_up_files.SHARED)
+    assert ray_up_files.rewrite(text) == text, "run: python -m loraplex.cluster.ray_up_files"
+    config = yaml.safe_load(text)
+    shared = ray_up_files.shared_values()
+    assert config["file_mounts"] == shared["file_mounts"]
+    setup = shared["setup_commands"]
+    assert config["setup_commands"][: len(setup)] == setup  # a cloud adds its own after
+    assert config["head_start_ray_commands"] == shared["head_start_ray_commands"]
+    assert config["worker_start_ray_commands"] == shared["worker_start_ray_commands"]
+
+
+def test_the_shared_commands_install_the_ray_the_project_ships():
+    """One Ray version: the nodes' venv, the chart's image and its values."""
+    image = (CLUSTER.parent / "helm" / "image" / "Dockerfile").read_text()
+    values = yaml.safe_load((CLUSTER.parent / "helm" / "loraplex" / "values.yaml").read_text())
+    assert f"ARG RAY_VERSION={ray_up_files.RAY_VERSION}\n" in image
+    assert values["rayVersion"] == ray_up_files.RAY_VERSION
+    assert f'"ray[serve]=={ray_up_files.RAY_VERSION}"' in " ".join(
+        ray_up_files.shared_values()["setup_commands"]
+    )
+
+
+def test_a_stale_shared_block_is_rewritten_and_reported(tmp_path, capsys):
+    for name in ray_up_files.CLUSTER_FILES:
+        (tmp_path / name).write_text((CLUSTER / name).read_text())
+    stale = tmp_path / "cluster.yaml"
+    stale.write_text(stale.read_text().replace("ray stop", "ray stop --force", 1))
+    assert ray_up_files.main(["--check", "--dir", str(tmp_path)]) == 1
+    assert f"{stale}: differ" in capsys.readouterr().out
+    assert ray_up_files.main(["--dir", str(tmp_path)]) == 0
+    assert stale.read_text() == (CLUSTER / "cluster.yaml").read_text()
 
 
 def test_ray_validation_is_not_vacuous():
@@ -368,6 +420,39 @@ def test_up_names_the_missing_parts_of_the_app(monkeypatch):
         local_cluster.check_app_importable()
     assert "the Serve app cannot be built" in str(caught.value)
     assert "loraplex.router.serve_backend" in str(caught.value)
+
+
+@pytest.mark.parametrize("address", [[], ["--address", "auto"]])
+def test_up_refuses_a_model_folder_missing_here_before_starting_anything(tmp_path, capsys, address):
+    missing = tmp_path / "models" / "absent"
+    config = write_yaml(tmp_path / "c.yaml", {"model": str(missing)})
+    state_dir = tmp_path / "state"
+    assert cli_main(["up", "--config", str(config), "--state-dir", str(state_dir), *address]) == 2
+    where = " on this node (every node of the cluster needs it)" if address else ""
+    err = capsys.readouterr().err
+    assert f"model {missing}{where}: " in err and "(no config.json) nor a .gguf file" in err
+    assert not state_dir.exists()  # nothing written, no supervisor started
+
+
+def test_up_refuses_an_etcd_that_does_not_answer_before_starting_anything(
+    tmp_path, capsys, model_dir
+):
+    port = free_port()
+    settings = {
+        "model": str(model_dir),
+        "etcd": {"endpoints": [f"127.0.0.1:{port}"], "timeout_s": 1},
+    }
+    config = write_yaml(tmp_path / "c.yaml", settings)
+    state_dir = tmp_path / "state"
+    started = time.monotonic()
+    code = cli_main(
+        ["up", "--config", str(config), "--state-dir", str(state_dir), "--address", "auto"]
+    )
+    assert code == 2 and time.monotonic() - started < 30
+    error = capsys.readouterr().err
+    assert f"etcd unavailable (timeout 1s): 127.0.0.1:{port}: not reachable" in error, error
+    assert "check etcd.endpoints" in error
+    assert not state_dir.exists()
 
 
 def test_admin_key_is_generated_once_and_private(tmp_path):
@@ -391,3 +476,24 @@ def test_down_and_status_without_a_cluster_say_so(tmp_path, capsys):
     # a stale state file whose pid is not a supervisor counts as not running
     state.write_state(tmp_path, {"pid": os.getpid(), "phase": "running"})
     assert local_cluster.status(tmp_path) == 1
+
+
+def test_a_worker_watch_returns_only_once_the_gcs_has_refused_for_a_while():
+    """cluster/ray_node_watch.py against a real listener standing in for the head's GCS."""
+    import socket
+    import threading
+
+    from loraplex.cluster import ray_node_watch
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    gcs = listener.getsockname()[:2]
+    done = threading.Event()
+    thread = threading.Thread(
+        target=lambda: (ray_node_watch.watch(gcs, poll_s=0.1), done.set()), daemon=True
+    )
+    thread.start()
+    assert not done.wait(1.5)  # the GCS answers: the watch goes on
+    listener.close()
+    closed = time.monotonic()
+    assert done.wait(ray_node_watch.RAY_LOST_AFTER_S + 5)
+    assert time.monotonic() - closed >= ray_node_watch.RAY_LOST_AFTER_S

@@ -117,7 +117,7 @@ def config_file(demo_assets: DemoAssets, tmp_path_factory: pytest.TempPathFactor
     """Two CPU replicas of the demo model with a small pool, on a free port."""
     path = tmp_path_factory.mktemp("e2e_config") / "loraplex.yaml"
     settings = {
-        "model": str(demo_assets.model_dir),
+        "model": str(demo_assets.model),
         "model_id": BASE_ID,
         "engine": {
             "max_model_len": MAX_MODEL_LEN,
@@ -782,7 +782,7 @@ def expected_samples(stats: dict[str, Any]) -> dict[tuple, float]:
     """What /metrics should show of a replica whose `stats()` is `stats`."""
     pool, adapters, tiers = stats["pool"], stats["adapters"], stats["tiers"]
     samples = {("loraplex_pool_pages", ("kind", "total")): pool["num_pages"]}
-    for kind in ("free", "kv", "adapter", "pinned"):
+    for kind in ("free", "kv", "adapter", "cached", "pinned"):
         samples["loraplex_pool_pages", ("kind", kind)] = pool[f"{kind}_pages"]
     for tier in ("device", "host", "loading"):
         samples["loraplex_replica_adapters", ("tier", tier)] = len(tiers[tier])

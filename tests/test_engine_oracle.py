@@ -21,14 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplex.demo.assets import (
+from loraplex.demo.assets import DemoAssets
+from loraplex.demo.synthetic import (
     ATTENTION_TARGETS,
-    DEMO_ADAPTERS,
-    DEMO_MODEL,
     LORA_TARGETS,
     MLP_TARGETS,
+    SYNTHETIC_ADAPTERS,
+    SYNTHETIC_MODEL,
     AdapterSpec,
-    DemoAssets,
     ModelSpec,
     write_adapter,
     write_checkpoint,
@@ -50,7 +50,7 @@ pytest.importorskip("peft")
 ATOL = 1e-3  # float32 engine vs float32 oracle
 PAGE_BYTES = 64 * 1024
 POOL_BYTES = 32 << 20
-DEMO = {a.name: a for a in DEMO_ADAPTERS}
+DEMO = {a.name: a for a in SYNTHETIC_ADAPTERS}
 
 TEXTS = (
     "The capital of France is",
@@ -101,10 +101,15 @@ class Driver:
         self.num_steps = 0
 
     def add(
-        self, request_id: str, prompt: str | list[int], max_tokens: int, adapter: str | None
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        max_tokens: int,
+        adapter: str | None,
+        **request,  # tenant, cache_salt
     ) -> Run:
         seq = self.engine.add_request(
-            prompt, greedy(max_tokens), adapter=adapter, request_id=request_id
+            prompt, greedy(max_tokens), adapter=adapter, request_id=request_id, **request
         )
         run = Run(request_id, list(seq.prompt_ids), adapter, max_tokens, seq=seq)
         self.runs[request_id] = run
@@ -194,7 +199,7 @@ def check_against_oracle(
 
 
 def demo_engine(assets: DemoAssets, adapters=(), **overrides) -> LLMEngine:
-    cfg = EngineConfig(model=str(assets.model_dir), page_bytes=PAGE_BYTES, pool_bytes=POOL_BYTES)
+    cfg = EngineConfig(model=str(assets.model), page_bytes=PAGE_BYTES, pool_bytes=POOL_BYTES)
     engine = LLMEngine(replace(cfg, **overrides))
     for name in adapters:
         engine.add_adapter(name, assets.adapters_dir / name)
@@ -235,7 +240,7 @@ def test_mixed_batch_matches_oracle(demo_assets: DemoAssets, oracle_logits):
     for i, (prompt, adapter) in enumerate(requests):
         driver.add(f"r{i}", prompt, 32, adapter)
 
-    tok = AutoTokenizer.from_pretrained(demo_assets.model_dir)
+    tok = AutoTokenizer.from_pretrained(demo_assets.model)
     for i, (prompt, _) in enumerate(requests):
         expected = tok(prompt).input_ids if isinstance(prompt, str) else prompt
         assert driver.runs[f"r{i}"].prompt_ids == expected  # text prompts: BOS + BPE, as HF
@@ -363,7 +368,7 @@ def rank_adapters(
             demo_assets.adapters_dir / spec.name if spec.name in DEMO else root / spec.name
         )
         if spec.name not in DEMO:
-            write_adapter(paths[spec.name], DEMO_MODEL, spec)
+            write_adapter(paths[spec.name], SYNTHETIC_MODEL, spec)
     return paths
 
 
@@ -395,7 +400,7 @@ def test_ranks_1_4_7_128_and_rslora_in_one_batch_match_oracle(
     for i, (prompt, adapter) in enumerate(requests):
         driver.add(f"k{i}", prompt, 20, adapter)
     driver.run_to_completion()
-    model = oracle_model_loader(demo_assets.model_dir, rank_adapters)
+    model = oracle_model_loader(demo_assets.model, rank_adapters)
     runs = list(driver.runs.values())
     check_against_oracle(runs, lambda ids, adapters: oracle_logits(ids, adapters, model=model))
 
@@ -405,7 +410,7 @@ def test_ranks_1_4_7_128_and_rslora_in_one_batch_match_oracle(
     plain = {
         r.adapter: _without_rslora(rank_adapters[r.adapter], tmp_path / r.adapter) for r in rslora
     }
-    plain_model = oracle_model_loader(demo_assets.model_dir, plain)
+    plain_model = oracle_model_loader(demo_assets.model, plain)
     with pytest.raises(AssertionError, match="logits differ"):
         check_against_oracle(
             rslora[:1], lambda ids, adapters: oracle_logits(ids, adapters, model=plain_model)
@@ -422,7 +427,7 @@ def test_ranks_1_4_7_128_and_rslora_in_one_batch_match_oracle(
 @dataclass(frozen=True)
 class Variant:
     name: str
-    spec: ModelSpec = DEMO_MODEL
+    spec: ModelSpec = SYNTHETIC_MODEL
     dtype: torch.dtype = torch.float32
     num_shards: int = 1
     config_patch: tuple[tuple[str, object], ...] = ()  # written over config.json
@@ -438,7 +443,7 @@ MISTRAL_PATCH = (
     ("sliding_window", SLIDING_WINDOW),
 )
 VARIANTS = (
-    Variant("tied-embeddings", replace(DEMO_MODEL, tie_word_embeddings=True)),
+    Variant("tied-embeddings", replace(SYNTHETIC_MODEL, tie_word_embeddings=True)),
     Variant("sharded-3", num_shards=3),
     # Reduced precision. The oracle runs in the same dtype, but the engine rounds differently
     # (fused qkv / gate_up, paged attention over padded blocks, LoRA in the model dtype with the
@@ -451,11 +456,11 @@ VARIANTS = (
     Variant("bfloat16", dtype=torch.bfloat16, atol=0.125, exact_tokens=False),
     Variant(
         "mistral-sliding-window",
-        replace(DEMO_MODEL, rope_scaling=None),
+        replace(SYNTHETIC_MODEL, rope_scaling=None),
         config_patch=MISTRAL_PATCH,
         hf_kwargs=(("attn_implementation", "eager"),),  # sdpa agrees; eager is the plainest
     ),
-    Variant("default-rope", replace(DEMO_MODEL, rope_scaling=None)),
+    Variant("default-rope", replace(SYNTHETIC_MODEL, rope_scaling=None)),
     Variant(  # q_size (144) != hidden_size (96), 3 query heads per kv head
         "gqa-head-dim-24",
         ModelSpec(

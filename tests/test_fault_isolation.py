@@ -59,7 +59,7 @@ def _poisons() -> list[tuple[str, SamplingParams, str | None]]:
 
 def _engine(assets: DemoAssets, **cache) -> LLMEngine:
     cfg = EngineConfig(
-        model=str(assets.model_dir),
+        model=str(assets.model),
         page_bytes=PAGE,
         pool_bytes=256 * PAGE,
         cache=CacheConfig(loading="thread", **cache),
@@ -122,7 +122,7 @@ def test_an_adapter_that_fails_to_load_fails_only_its_requests(
     broken = tmp_path / "broken"
     shutil.copytree(assets.adapters_dir / "math-r64", broken)
     cfg = EngineConfig(
-        model=str(assets.model_dir),
+        model=str(assets.model),
         page_bytes=PAGE,
         pool_bytes=256 * PAGE,
         cache=CacheConfig(loading=loading, host_bytes=0),  # every host copy is dropped
@@ -155,9 +155,7 @@ def test_an_adapter_that_fails_to_load_fails_only_its_requests(
 def test_the_async_engine_keeps_serving_after_a_request_fails(assets: DemoAssets, reference):
     """The step loop survives a failing request: other streams finish, the health check
     reports nothing, and new requests are served."""
-    engine = Engine(
-        EngineConfig(model=str(assets.model_dir), page_bytes=PAGE, pool_bytes=256 * PAGE)
-    )
+    engine = Engine(EngineConfig(model=str(assets.model), page_bytes=PAGE, pool_bytes=256 * PAGE))
 
     async def run(prompt, params, adapter) -> RequestOutput:
         last = None

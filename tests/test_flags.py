@@ -91,6 +91,8 @@ def test_generate_flags_make_the_engine_the_yaml_config_makes(tmp_path: Path):
         "high_watermark": 0.2,
         "host_mib": 64,
         "kernels": "torch",
+        "enable_prefix_caching": False,
+        "share_base_prefix": True,
     }
     assert set(values) == set(declared_fields(EngineSettings))  # every setting, not defaults
     argv = [*REQUIRED, "--tp", "2"]
@@ -107,6 +109,7 @@ def test_generate_flags_make_the_engine_the_yaml_config_makes(tmp_path: Path):
     assert (from_cli.pool_bytes, from_cli.page_bytes) == (48 << 20, 128 << 10)
     assert from_cli.cache.host_bytes == 64 << 20
     assert from_cli.scheduler.tenant_fairness is False
+    assert (from_cli.enable_prefix_caching, from_cli.share_base_prefix) == (False, True)
 
 
 def test_a_cross_field_refusal_is_the_yaml_one():

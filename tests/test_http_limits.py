@@ -81,9 +81,7 @@ def chunks(mib: int) -> Iterator[bytes]:
 
 @pytest.fixture(scope="module")
 def engine(demo_assets: DemoAssets) -> Iterator[Engine]:
-    eng = Engine(
-        EngineConfig(model=str(demo_assets.model_dir), page_bytes=PAGE, pool_bytes=256 * PAGE)
-    )
+    eng = Engine(EngineConfig(model=str(demo_assets.model), page_bytes=PAGE, pool_bytes=256 * PAGE))
     try:
         yield eng
     finally:
@@ -104,7 +102,7 @@ def ingress_app(engine: Engine, demo_assets: DemoAssets, etcd, tmp: Path):
     settings = RegistryAPISettings(
         admin_key=ADMIN_KEY,
         base_model_id=BASE_ID,
-        base_model=BaseModelShape.from_config_json(demo_assets.model_dir / "config.json"),
+        base_model=BaseModelShape.from_checkpoint(demo_assets.model),
         staging_dir=str(tmp),
     )
     handles = RegistryHandles(
@@ -112,7 +110,7 @@ def ingress_app(engine: Engine, demo_assets: DemoAssets, etcd, tmp: Path):
     )
     return build_ingress(
         LocalBackend(engine),
-        Tokenizer(demo_assets.model_dir),
+        Tokenizer(demo_assets.model),
         base_model_id=BASE_ID,
         max_model_len=engine.core.max_model_len,
         registry=handles,
@@ -359,7 +357,7 @@ def registry_process(demo_assets: DemoAssets, shared_etcd_server: EtcdServer, tm
     port = free_port()
     env = {**os.environ, "LORAPLEX_ADMIN_KEY": ADMIN_KEY}
     cmd = [sys.executable, "-m", "loraplex.cluster.cli", "registry"]
-    cmd += ["--model", str(demo_assets.model_dir), "--state-dir", str(tmp_path)]
+    cmd += ["--model", str(demo_assets.model), "--state-dir", str(tmp_path)]
     cmd += ["--etcd", shared_etcd_server.endpoint, "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

@@ -57,12 +57,12 @@ MESSAGES = [
 
 
 def engine_config(assets: DemoAssets) -> EngineConfig:
-    return EngineConfig(model=str(assets.model_dir), page_bytes=PAGE, pool_bytes=512 * PAGE)
+    return EngineConfig(model=str(assets.model), page_bytes=PAGE, pool_bytes=512 * PAGE)
 
 
 @pytest.fixture(scope="module")
 def tokenizer(demo_assets: DemoAssets) -> Tokenizer:
-    return Tokenizer(demo_assets.model_dir)
+    return Tokenizer(demo_assets.model)
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +145,7 @@ def tenants_app(
     settings = RegistryAPISettings(
         admin_key=ADMIN_KEY,
         base_model_id=BASE_ID,
-        base_model=BaseModelShape.from_config_json(demo_assets.model_dir / "config.json"),
+        base_model=BaseModelShape.from_checkpoint(demo_assets.model),
         staging_dir=str(tmp / "staging"),
     )
     etcd = shared_etcd_server.settings()
@@ -579,10 +579,12 @@ def test_models_health_and_metrics(tenants_app: Served, anonymous: Served, keys,
         ("free", pool.free_pages),
         ("kv", pool.kv_pages),
         ("adapter", pool.adapter_pages),
+        ("cached", pool.cached_pages),
         ("pinned", pool.pinned_pages),
     ]:
         assert value("loraplex_pool_pages", replica="local", kind=kind) == pages, kind
-    assert pool.free_pages + pool.kv_pages + pool.adapter_pages == pool.num_pages
+    kinds = pool.free_pages + pool.kv_pages + pool.adapter_pages + pool.cached_pages
+    assert kinds == pool.num_pages
     resident = set(core.adapters.resident)
     assert value("loraplex_replica_adapters", replica="local", tier="device") == len(resident)
     host = len(set(core.adapters.host) - resident)
@@ -704,10 +706,8 @@ def test_sse_response_aborts_the_request_when_the_client_leaves(
 
 
 def test_chat_needs_a_chat_template(backend: LocalBackend, demo_assets, tmp_path: Path):
-    (tmp_path / "tokenizer.json").write_bytes(
-        (demo_assets.model_dir / "tokenizer.json").read_bytes()
-    )
-    config = json.loads((demo_assets.model_dir / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer.json").write_bytes((demo_assets.model / "tokenizer.json").read_bytes())
+    config = json.loads((demo_assets.model / "tokenizer_config.json").read_text())
     del config["chat_template"]
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
     app = build_ingress(
@@ -842,7 +842,7 @@ def test_no_first_token_in_time_is_a_503_not_a_hang(demo_assets: DemoAssets):
 
     app = build_ingress(
         _SilentBackend(),
-        Tokenizer(demo_assets.model_dir),
+        Tokenizer(demo_assets.model),
         base_model_id="base",
         max_model_len=256,
         registry=None,

@@ -21,7 +21,7 @@ ADAPTERS = ("chat-r16", "math-r64", "sql-r8")
 def _run(demo_assets, kernels: str) -> tuple[list[list[int]], list[torch.Tensor]]:
     engine = LLMEngine(
         EngineConfig(
-            model=str(demo_assets.model_dir),
+            model=str(demo_assets.model),
             dtype="float32",
             pool_bytes=16 << 20,
             page_bytes=64 * 1024,

@@ -125,14 +125,14 @@ def test_tenant_api_answers_as_its_spec_says(tenant_api: Target):
 def ingress(shared_etcd_server: EtcdServer, demo_assets: DemoAssets, tmp_path) -> Iterator[Target]:
     # A short context bounds what one generated request can cost the engine.
     config = EngineConfig(
-        model=str(demo_assets.model_dir),
+        model=str(demo_assets.model),
         page_bytes=64 << 10,
         pool_bytes=256 * (64 << 10),
         max_model_len=128,
     )
     engine = Engine(config)
     settings = api_settings(tmp_path).model_copy(
-        update={"base_model": BaseModelShape.from_config_json(demo_assets.model_dir)}
+        update={"base_model": BaseModelShape.from_checkpoint(demo_assets.model)}
     )
     etcd = shared_etcd_server.settings()
     handles = RegistryHandles(
@@ -140,7 +140,7 @@ def ingress(shared_etcd_server: EtcdServer, demo_assets: DemoAssets, tmp_path) -
     )
     app = build_ingress(
         LocalBackend(engine),
-        Tokenizer(demo_assets.model_dir),
+        Tokenizer(demo_assets.model),
         base_model_id=BASE_ID,
         max_model_len=engine.core.max_model_len,
         registry=handles,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from tiny_model import SPEC
 
-from loraplex.demo.assets import AdapterSpec, write_adapter
+from loraplex.demo.synthetic import AdapterSpec, write_adapter
 from loraplex.registry.artifacts import ArtifactStore
 
 FILES = ("adapter_config.json", "adapter_model.safetensors")

@@ -60,7 +60,7 @@ def test_register_then_restart_keeps_the_adapter_and_sigint_or_sigterm_stop_its_
 ):
     port = free_port()
     base = f"http://127.0.0.1:{port}"
-    proc = start(tmp_path / "state", demo_assets.model_dir, port)
+    proc = start(tmp_path / "state", demo_assets.model, port)
     try:
         r = httpx.post(
             f"{base}/v1/tenants",
@@ -84,7 +84,7 @@ def test_register_then_restart_keeps_the_adapter_and_sigint_or_sigterm_stop_its_
         stop(proc)
     assert_etcd_stopped(tmp_path / "state")
 
-    proc = start(tmp_path / "state", demo_assets.model_dir, port)
+    proc = start(tmp_path / "state", demo_assets.model, port)
     try:
         r = httpx.get(f"{base}/v1/adapters", headers=auth)
         assert r.status_code == 200
@@ -110,4 +110,4 @@ def test_a_model_folder_without_config_is_a_clear_error(tmp_path):
         timeout=60,
     )
     assert r.returncode == 2
-    assert "has no config.json" in r.stderr
+    assert "no config.json" in r.stderr

@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import save_file
 from tiny_model import BASE, SPEC
 
-from loraplex.demo.assets import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
+from loraplex.checkpoint_shape import ModelShape
+from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
 from loraplex.registry.api_errors import status_code
 from loraplex.registry.archives import ArchiveLimits, safe_extract_tar_gz
 from loraplex.registry.errors import AdapterRejected
@@ -81,7 +82,7 @@ def raw_safetensors(path: Path, header: object, data: bytes = b"", *, length: in
 # ---------------------------------------------------------------- accepted adapters
 
 
-def test_base_shape_from_config_json_matches_the_checkpoint_spec(tmp_path):
+def test_base_shape_from_checkpoint_matches_the_checkpoint_spec(tmp_path):
     spec = ModelSpec(
         hidden_size=96,
         intermediate_size=160,
@@ -92,23 +93,20 @@ def test_base_shape_from_config_json_matches_the_checkpoint_spec(tmp_path):
         vocab_size=64,
     )
     write_checkpoint(tmp_path, spec, with_tokenizer=False)
-    for source in (
-        tmp_path,
-        tmp_path / "config.json",
-        json.loads((tmp_path / "config.json").read_text()),
-    ):
-        shape = BaseModelShape.from_config_json(source)
-        assert shape.num_layers == 3 and shape.head_dim == 8
-        assert shape.projection_shapes() == spec.projection_shapes()
+    shape = BaseModelShape.from_checkpoint(tmp_path)
+    assert shape.num_layers == 3 and shape.head_dim == 8
+    assert shape.projection_shapes() == spec.projection_shapes()
     # head_dim and num_key_value_heads are optional in older configs
     legacy = {
+        "model_type": "llama",
+        "vocab_size": 64,
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
     }
     assert (
-        BaseModelShape.from_config_json(legacy).projection_shapes()
+        BaseModelShape.from_shape(ModelShape.from_config_dict(legacy)).projection_shapes()
         == ModelSpec(
             hidden_size=64,
             intermediate_size=128,

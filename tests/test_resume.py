@@ -16,9 +16,7 @@ PROMPT = "The morning train left the station"
 
 
 def _engine(assets: DemoAssets) -> LLMEngine:
-    eng = LLMEngine(
-        EngineConfig(model=str(assets.model_dir), page_bytes=PAGE, pool_bytes=256 * PAGE)
-    )
+    eng = LLMEngine(EngineConfig(model=str(assets.model), page_bytes=PAGE, pool_bytes=256 * PAGE))
     eng.add_adapter("sql-r8", assets.adapters_dir / "sql-r8")
     return eng
 

@@ -23,7 +23,7 @@ def engine(assets: DemoAssets, policy: str, cache: CacheConfig | None = None) ->
     sched = SchedulerConfig(policy=policy, max_num_seqs=2, chameleon=ChameleonParams(min_samples=8))
     eng = LLMEngine(
         EngineConfig(
-            model=str(assets.model_dir),
+            model=str(assets.model),
             page_bytes=PAGE,
             pool_bytes=512 * PAGE,
             scheduler=sched,

@@ -270,7 +270,7 @@ def test_engine_serves_a_second_tenant_ahead_of_a_queued_flood(assets: DemoAsset
     by the order (greedy)."""
     engine = LLMEngine(
         EngineConfig(
-            model=str(assets.model_dir),
+            model=str(assets.model),
             page_bytes=PAGE,
             pool_bytes=256 * PAGE,
             scheduler=SchedulerConfig(max_num_seqs=2, tenant_fairness=fair),
@@ -294,6 +294,6 @@ def test_engine_serves_a_second_tenant_ahead_of_a_queued_flood(assets: DemoAsset
     assert overtaken == (9 if fair else 0)
     if fair:
         assert first_token["b0"] == first_token["a2"] < first_token["a3"]
-    offline = LLMEngine(EngineConfig(model=str(assets.model_dir), page_bytes=PAGE))
+    offline = LLMEngine(EngineConfig(model=str(assets.model), page_bytes=PAGE))
     [want] = offline.generate([list(range(40, 56))], [params], [None])
     assert tokens["b0"] == want.token_ids

@@ -218,6 +218,42 @@ def test_a_finished_request_returns_its_quota():
     assert "c" in rec.admitted
 
 
+def test_requests_sharing_an_adapter_charge_its_tokens_to_their_queue_once():
+    """An adapter's memory is held once however many running requests use it; the paper's
+    per-request charge (share_adapter_tokens=False) counts it once per request."""
+
+    def make(share: bool) -> Chameleon:
+        ch = Chameleon(
+            ChameleonParams(refresh_s=1e9, share_adapter_tokens=share),
+            OutputPredictor(),
+            max_len=100,
+            capacity=lambda: 1000,
+            adapter_bytes=lambda name: 1,
+            adapter_tokens=lambda name: {"a": 40, "b": 30}[name],
+            max_adapter_bytes=lambda: 1,
+        )
+        ch.last_refresh = 0.0
+        return ch
+
+    ch = make(share=True)
+    x, y, z = seq("x", 5, 5, "a"), seq("y", 5, 5, "a"), seq("z", 5, 5, "b")
+    for s in (x, y, z):
+        ch.add(s, 0.0)
+    ch.admit(0.0, Recorder())
+    assert ch.used == [10 + 10 + 10 + 40 + 30]  # a's 40 tokens once
+    ch.left(x, 1.0, finished=True)
+    assert ch.used == [10 + 10 + 40 + 30]  # y still holds a
+    ch.left(y, 1.0, finished=True)
+    assert ch.used == [10 + 30]
+    ch.left(z, 1.0, finished=True)
+    assert ch.used == [0] and ch.holders == {}
+    ch = make(share=False)
+    for s in (seq("x", 5, 5, "a"), seq("y", 5, 5, "a")):
+        ch.add(s, 0.0)
+    ch.admit(0.0, Recorder())
+    assert ch.used == [2 * (10 + 40)]
+
+
 def test_service_time_d_is_measured_from_admission_not_arrival():
     # D of the quota formula is the time to process a request: a request that waited 10 s
     # and then ran 2 s is recorded as 2 s, so a queue's wait does not inflate its D.

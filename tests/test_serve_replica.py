@@ -126,9 +126,7 @@ def test_adapter_sync_follows_registry(
 
     async def body():
         engine = Engine(
-            EngineConfig(
-                model=str(demo_assets.model_dir), pool_bytes=POOL_BYTES, page_bytes=PAGE_BYTES
-            )
+            EngineConfig(model=str(demo_assets.model), pool_bytes=POOL_BYTES, page_bytes=PAGE_BYTES)
         )
         reads: list[str] = []
         add_adapter = engine.add_adapter
@@ -259,12 +257,12 @@ def cluster(
             graceful_shutdown_wait_loop_s=0.2,
             graceful_shutdown_timeout_s=2.0,
         ).bind(
-            engine_config(demo_assets.model_dir),
+            engine_config(demo_assets.model),
             settings.model_dump(),
             str(artifacts.root),
         )
         serve.run(app, name=APP, route_prefix=None)
-        yield Cluster(settings, artifacts, source, demo_assets.model_dir)
+        yield Cluster(settings, artifacts, source, demo_assets.model)
 
 
 def offline_tokens(model_dir: Path, adapter_dir: Path | None) -> list[int]:

@@ -1,6 +1,6 @@
 """The simulator drives the real scheduler and cache: every request finishes, the numbers
-obey what the cost model implies, N replicas share the work, and `bench sched` reports
-every key the issue names (tiny shapes; its figures come from `loraplex bench sched`)."""
+obey what the cost model implies, N replicas share the work (`bench sched`'s keys are
+checked in tests/test_bench_smoke.py; its figures come from `loraplex bench sched`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from loraplex.benchmarks import sched as bench_sched
+from loraplex.benchmarks import sched_sim, sched_systems
 from loraplex.benchmarks.sim_profiles import StepLoad, a40_llama7b, fit_linear
-from loraplex.benchmarks.sim_replica import simulate
+from loraplex.benchmarks.sim_run import simulate
 from loraplex.benchmarks.sim_workload import (
     AdapterSpec,
     SimRequest,
@@ -68,10 +68,10 @@ def _requests(n: int, rate: float) -> tuple[list[SimRequest], list[AdapterSpec]]
     return poisson_requests(trace, adapters, rate, n, 0.25, 1024, seed=1), adapters
 
 
-@pytest.mark.parametrize("name", bench_sched.SYSTEM_NAMES)
+@pytest.mark.parametrize("name", list(sched_systems.systems(5.0)))
 def test_every_request_finishes_under_every_system(name):
     reqs, adapters = _requests(150, 8.0)
-    result = simulate(reqs, PROFILE, bench_sched.systems(5.0)[name], adapters, 4096)
+    result = simulate(reqs, PROFILE, sched_systems.systems(5.0)[name], adapters, 4096)
     assert len(result.ttft) == 150 and (result.ttft > 0).all()
     assert (result.e2e >= result.ttft).all()
     assert result.output_tokens == sum(r.output for r in reqs)
@@ -82,7 +82,7 @@ def test_every_request_finishes_under_every_system(name):
 
 def test_the_cache_cuts_loads_and_the_simulation_is_deterministic():
     reqs, adapters = _requests(200, 6.0)
-    systems = bench_sched.systems(5.0)
+    systems = sched_systems.systems(5.0)
     nocache = simulate(reqs, PROFILE, systems["fifo_nocache"], adapters, 4096)
     cache = simulate(reqs, PROFILE, systems["fifo_cache"], adapters, 4096)
     assert cache.cache["loads"] < nocache.cache["loads"]
@@ -93,9 +93,9 @@ def test_the_cache_cuts_loads_and_the_simulation_is_deterministic():
 
 def test_four_replicas_serve_four_times_the_load_about_as_fast_as_one():
     reqs, adapters = _requests(120, 3.0)
-    one = simulate(reqs, PROFILE, bench_sched.systems(5.0)["chameleon"], adapters, 4096)
+    one = simulate(reqs, PROFILE, sched_systems.systems(5.0)["loraplex"], adapters, 4096)
     many, _ = _requests(480, 12.0)
-    four = simulate(many, PROFILE, bench_sched.systems(5.0)["chameleon"], adapters, 4096, 4)
+    four = simulate(many, PROFILE, sched_systems.systems(5.0)["loraplex"], adapters, 4096, 4)
     assert np.percentile(four.ttft, 50) < 2 * np.percentile(one.ttft, 50)
 
 
@@ -110,29 +110,11 @@ def test_linear_fit_recovers_known_coefficients_and_ignores_a_slow_outlier():
     assert coef[:3] == pytest.approx((0.002, 1e-5, 2e-7), rel=1e-3) and r2 > 0.999
 
 
-def test_bench_sched_reports_every_key_on_a_tiny_shape():
-    shape = bench_sched.SimShape(requests=60, load_factors=(0.25, 1.0), scale_minutes=0.5)
-    out = bench_sched.sim_section(shape, None)
-    for key in (
-        "p99_ttft_reduction_high_load",
-        "p50_ttft_reduction_high_load",
-        "throughput_at_slo_ratio",
-        "slo_s",
-        "high_load_rps",
-        "length_scale",
-    ):
-        assert key in out
-    assert set(out["systems"]) == set(bench_sched.SYSTEM_NAMES)
-    for rows in out["systems"].values():
-        for row in rows.values():
-            assert {"p50_ttft_s", "p99_ttft_s", "p99_tbt_s", "throughput_rps"} <= set(row)
-
-
 def test_throughput_at_slo_interpolates_the_crossing():
     rows = {"1": {"p99_ttft_s": 1.0}, "2": {"p99_ttft_s": 3.0}, "3": {"p99_ttft_s": 9.0}}
-    assert bench_sched.throughput_at_slo(["1", "2", "3"], rows, 5.0) == pytest.approx(2 + 2 / 6)
-    assert bench_sched.throughput_at_slo(["1", "2", "3"], rows, 10.0) == 3.0
-    assert bench_sched.throughput_at_slo(["1", "2", "3"], rows, 0.5) == 0.0
+    assert sched_sim.throughput_at_slo(["1", "2", "3"], rows, 5.0) == pytest.approx(2 + 2 / 6)
+    assert sched_sim.throughput_at_slo(["1", "2", "3"], rows, 10.0) == 3.0
+    assert sched_sim.throughput_at_slo(["1", "2", "3"], rows, 0.5) == 0.0
 
 
 def test_cache_config_rejects_inverted_watermarks():

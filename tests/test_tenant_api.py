@@ -27,7 +27,7 @@ from fastapi.testclient import TestClient
 from http_server import serve
 from tiny_model import BASE, SPEC
 
-from loraplex.demo.assets import AdapterSpec, ModelSpec, write_adapter
+from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter
 from loraplex.registry.api import RegistryAPISettings, create_app
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.auth import hash_api_key

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from loraplex.checkpoint_shape import CheckpointError
 from loraplex.cluster.cli import main
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.memory.adapter_cache import CacheConfig
 from loraplex.replica.memory.adapters import load_adapter
-from loraplex.replica.model.config import ModelConfigError
 from loraplex.replica.parallel.handles import WorkerFailed
 from loraplex.replica.parallel.shard import ShardPlan
 from loraplex.replica.sampling import SamplingParams
@@ -50,7 +50,7 @@ def _engine(demo_assets, tp: int, pool_pages: int, cache: CacheConfig | None = N
     engine = LLMEngine(
         EngineConfig(
             cache=cache or CacheConfig(loading="sync"),
-            model=str(demo_assets.model_dir),
+            model=str(demo_assets.model),
             dtype="float32",
             pool_bytes=pool_pages * PAGE,
             page_bytes=PAGE,
@@ -169,8 +169,8 @@ def test_a_dying_worker_fails_the_step_and_never_hangs(demo_assets):
 
 
 def test_tp_must_divide_the_model(demo_assets):
-    with pytest.raises(ModelConfigError, match="tp=3 must divide"):
-        LLMEngine(EngineConfig(model=str(demo_assets.model_dir), tp=3, tp_launcher="process"))
+    with pytest.raises(CheckpointError, match="tp=3 must divide"):
+        LLMEngine(EngineConfig(model=str(demo_assets.model), tp=3, tp_launcher="process"))
 
 
 def test_generate_with_tp2_writes_what_tp1_writes(demo_assets, tmp_path: Path):
@@ -184,7 +184,7 @@ def test_generate_with_tp2_writes_what_tp1_writes(demo_assets, tmp_path: Path):
     results = {}
     for tp in (1, 2):
         dest = tmp_path / f"out-tp{tp}.jsonl"
-        argv = ["generate", "--model", str(demo_assets.model_dir), "--adapters",
+        argv = ["generate", "--model", str(demo_assets.model), "--adapters",
                 str(demo_assets.adapters_dir), "--input", str(src), "--output", str(dest),
                 "--dtype", "float32", "--pool-mib", "16", "--tp", str(tp)]  # fmt: skip
         assert main(argv) == 0
@@ -217,7 +217,7 @@ def test_tp2_with_triton_kernels_matches_tp1_torch(demo_assets):
     for tp, kernels in ((1, "torch"), (2, "triton")):
         engine = LLMEngine(
             EngineConfig(
-                model=str(demo_assets.model_dir),
+                model=str(demo_assets.model),
                 dtype="float32",
                 pool_bytes=64 * PAGE,
                 page_bytes=PAGE,
@@ -281,7 +281,7 @@ def test_tp2_remove_and_readd_between_steps_matches_tp1(demo_assets):
 def test_tp2_tied_embeddings_and_a_vocab_tp_does_not_divide(tmp_path: Path):
     """The LM head is read from the embedding's rows, and the last rank pads its vocab
     share with zero rows that the gather trims."""
-    from loraplex.demo.assets import ModelSpec, write_checkpoint
+    from loraplex.demo.synthetic import ModelSpec, write_checkpoint
 
     spec = ModelSpec(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                      vocab_size=321, tie_word_embeddings=True)  # fmt: skip

@@ -51,7 +51,7 @@ def test_serve_deployment_with_tp2(demo_assets):
 
     config = LoraplexConfig.model_validate(
         {
-            "model": str(demo_assets.model_dir),
+            "model": str(demo_assets.model),
             "engine": {"dtype": "float32", "pool_mib": 16, "page_kib": 64, "max_num_seqs": 4},
             "replicas": {"num_replicas": 1, "num_cpus": 0.5, "tp": 2},
         }
@@ -61,7 +61,7 @@ def test_serve_deployment_with_tp2(demo_assets):
     engine_config = config.engine_config()
     assert engine_config["tp"] == 2
 
-    offline = LLMEngine(EngineConfig(model=str(demo_assets.model_dir), dtype="float32"))
+    offline = LLMEngine(EngineConfig(model=str(demo_assets.model), dtype="float32"))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     (want,) = offline.generate([PROMPT], [params], [None])
 

@@ -1,6 +1,6 @@
 """The small Llama shape the registry and adapter tests build adapters for."""
 
-from loraplex.demo.assets import ModelSpec
+from loraplex.demo.synthetic import ModelSpec
 
 SPEC = ModelSpec(
     hidden_size=64,

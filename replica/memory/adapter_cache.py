@@ -4,7 +4,9 @@ artifact store on disk.
 - Device: adapters resident in pool pages. A running request pins its adapter; idle
   adapters stay warm in idle pages and leave, in the eviction policy's order, when the
   pool needs the pages — for another adapter or for KV blocks (the pool calls `reclaim`).
-  Adapters of queued requests (`want`) are kept unless memory forces it.
+  Adapters of queued requests (`want`) are kept unless memory forces it. With a prefix
+  cache, idle cached KV blocks are evictable too, and one decision picks between the next
+  adapter and the next block: the cheaper to lose (eviction.py `victims`).
 - Host: the registered weights in memory (pinned on CUDA). With a `host_bytes` budget the
   least recently used ones not on the device are dropped and read again from disk.
 - Loads go through a `Transfer` (a copy thread beside the compute, or the simulator's
@@ -22,13 +24,22 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 from loraplex.replica.config import CacheConfig
 from loraplex.replica.memory.adapters import AdapterWeights, PoolLayout
-from loraplex.replica.memory.eviction import AdapterUsage, EvictionPolicy, make_eviction
+from loraplex.replica.memory.eviction import (
+    AdapterUsage,
+    EvictionPolicy,
+    RestoreCosts,
+    make_eviction,
+    victims,
+)
 from loraplex.replica.memory.pool import PageKind, UnifiedPool
 from loraplex.replica.memory.transfer import CopyThread, Immediate, Transfer
+
+if TYPE_CHECKING:
+    from loraplex.replica.memory.prefix_cache import PrefixCache
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +90,7 @@ class _Entry:
     """A registered adapter. `weights` is None while it lives on disk only."""
 
     name: str
+    version: str | None  # content digest: what cached KV blocks computed with it are keyed by
     nbytes: int
     pages: int
     usage: AdapterUsage
@@ -98,7 +110,12 @@ class AdapterCache:
         layout: AdapterLayout | None = None,
         transfer: Transfer | None = None,
         eviction: EvictionPolicy | None = None,
+        blocks: PrefixCache | None = None,
+        restore_costs: Callable[[], RestoreCosts] | None = None,
     ):
+        """`blocks`: the prefix cache whose idle blocks share the eviction decision, with
+        `restore_costs` to weigh them against adapters."""
+        assert (blocks is None) == (restore_costs is None), "blocks need restore_costs"
         self.cfg = config or CacheConfig()
         self.pool = pool
         self.clock = clock
@@ -109,6 +126,8 @@ class AdapterCache:
             )
         self.transfer = transfer
         self.eviction = eviction or make_eviction(self.cfg.eviction, self.cfg.half_life_s)
+        self.blocks = blocks
+        self.restore_costs = restore_costs
         self.entries: dict[str, _Entry] = {}
         self.host: dict[str, AdapterWeights] = {}  # the host tier: weights in memory
         self._host_bytes = 0  # their bytes, kept as it changes: the budget check is O(1)
@@ -139,6 +158,7 @@ class AdapterCache:
             self._drop_host(weights.name)  # the old version's bytes
         self.entries[weights.name] = _Entry(
             weights.name,
+            weights.version,
             weights.nbytes,
             self.layout.num_pages(weights),
             usage,
@@ -173,6 +193,9 @@ class AdapterCache:
 
     def nbytes_of(self, name: str) -> int:
         return self.entries[name].nbytes
+
+    def version_of(self, name: str) -> str | None:
+        return self.entries[name].version
 
     def is_resident(self, name: str) -> bool:
         return name in self.resident
@@ -314,32 +337,62 @@ class AdapterCache:
         self.layout.fill(resident, weights)
 
     def reclaim(self, pages_needed: int) -> None:
-        """The pool is short of `pages_needed` pages (for KV): evict idle adapters, those no
-        queued request wants first, and with them `low_watermark` of the pool more."""
+        """The pool is short of `pages_needed` pages (for KV): evict idle adapters (those no
+        queued request wants first) and idle cached blocks, and with them `low_watermark`
+        of the pool more."""
         extra = math.ceil(self.cfg.low_watermark * self.pool.num_pages)
         if self._evict(pages_needed, queued=True, extra=extra):
             self.stats.reclaims += 1
 
     def _evict(self, pages_needed: int, queued: bool, extra: int = 0) -> bool:
         """Free at least `pages_needed` pages from idle adapters (wanted ones last, and
-        only if `queued`), then up to `extra` more from unwanted ones. Evicts nothing and
-        answers False if all the idle ones would not be enough."""
+        only if `queued`) and idle cached blocks (eviction.py `victims`), then up to `extra`
+        more from ones nothing queued waits for. Evicts nothing and answers False if all
+        the idle pages would not be enough."""
         now = self.clock()
         idle = [e.usage for n, e in self.entries.items() if n in self.resident]
         idle = [u for u in idle if self.resident[u.name].pins == 0]
         cold = [u for u in idle if u.name not in self.wanted]
         warm = [u for u in idle if u.name in self.wanted] if queued else []
-        order = self.eviction.order(cold, now) + self.eviction.order(warm, now)
-        if sum(self.entries[u.name].pages for u in order) < pages_needed:
+        blocks = self.blocks
+        split = blocks is not None and blocks.share is not None
+        if split and not queued:  # a prefetch never takes a static share's blocks
+            blocks = None
+        idle_blocks = 0 if blocks is None else blocks.num_idle
+        if sum(self.entries[u.name].pages for u in cold + warm) + idle_blocks < pages_needed:
             return False
+        order = victims(
+            self.eviction.order(cold, now),
+            self.eviction.order(warm, now),
+            blocks,
+            self._block_first(now) if blocks is not None else None,
+            blocks_last=split,
+        )
         freed = 0
-        for usage in order:
-            in_reserve = freed >= pages_needed
-            if in_reserve and (freed >= pages_needed + extra or usage.name in self.wanted):
+        for usage, spare in order:
+            if freed >= pages_needed and (freed >= pages_needed + extra or not spare):
                 break
-            freed += len(self.resident[usage.name].pages)
-            self._evict_one(usage.name)
+            if usage is None:
+                freed += self.blocks.evict_cheapest()
+            else:
+                freed += len(self.resident[usage.name].pages)
+                self._evict_one(usage.name)
         return True
+
+    def _block_first(self, now: float) -> Callable[[AdapterUsage], bool]:
+        """Whether the cheapest idle block costs less to lose than an idle adapter."""
+        blocks, costs = self.blocks, self.restore_costs()
+
+        def first(usage: AdapterUsage) -> bool:
+            block = blocks.cheapest()
+            entry = self.entries[usage.name]
+            block_loss = costs.block_loss(blocks.frequency_at(block, now), blocks.block_size)
+            adapter_loss = costs.adapter_loss_per_page(
+                usage.frequency_at(now, self.cfg.half_life_s), entry.nbytes, entry.pages
+            )
+            return block_loss < adapter_loss
+
+        return first
 
     def _evict_one(self, name: str) -> None:
         resident = self.resident.pop(name)

@@ -3,14 +3,16 @@ adapter out in the unified pool as views the LoRA kernels read in place."""
 
 from __future__ import annotations
 
+import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load as load_safetensors
 
 from loraplex.kernels.lora import LoraGroupWeights, LoraOut
+from loraplex.registry.artifacts import contents_digest
 from loraplex.registry.errors import AdapterRejected
 from loraplex.registry.validation import (
     CONFIG_FILE,
@@ -31,12 +33,15 @@ class AdapterError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class AdapterWeights:
-    """An adapter on the host: per (layer, target) A [r, in] and Bt = scale * B.T [r, out]."""
+    """An adapter on the host: per (layer, target) A [r, in] and Bt = scale * B.T [r, out].
+    `version` identifies the weights (a content digest, as the registry's artifacts have):
+    cached KV blocks computed with them are keyed by it."""
 
     name: str
     rank: int  # the largest rank among its modules
     targets: tuple[str, ...]
     modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    version: str | None = None
 
     @property
     def nbytes(self) -> int:
@@ -45,7 +50,7 @@ class AdapterWeights:
     def pin_memory(self) -> AdapterWeights:
         """Page-locked host copies, so device copies can run asynchronously (CUDA)."""
         modules = {k: (a.pin_memory(), bt.pin_memory()) for k, (a, bt) in self.modules.items()}
-        return AdapterWeights(self.name, self.rank, self.targets, modules)
+        return replace(self, modules=modules)
 
 
 def is_adapter_dir(path: Path) -> bool:
@@ -54,7 +59,8 @@ def is_adapter_dir(path: Path) -> bool:
 
 def load_adapter(path: Path, name: str, model: ModelConfig, max_rank: int) -> AdapterWeights:
     """Validate a PEFT adapter folder (the registry's checks: safetensors header, config,
-    names and shapes against the base model, finite values; never pickle), then read it."""
+    names and shapes against the base model, finite values; never pickle), then read it.
+    Its version is the digest of the files as read (registry/artifacts.py's framing)."""
     path = Path(path)
     if not path.is_dir():
         raise AdapterError(f"adapter path {path} is not a folder")
@@ -63,7 +69,8 @@ def load_adapter(path: Path, name: str, model: ModelConfig, max_rank: int) -> Ad
     except AdapterRejected as e:
         raise AdapterError(f"adapter {name!r}: {e.message}") from None
     scale = summary.alpha / (math.sqrt(summary.rank) if summary.use_rslora else summary.rank)
-    tensors = load_file(str(path / WEIGHTS_FILE))
+    contents = {f: (path / f).read_bytes() for f in (CONFIG_FILE, WEIGHTS_FILE)}
+    tensors = load_safetensors(contents[WEIGHTS_FILE])
     modules = {}
     for key, a in tensors.items():
         m = TENSOR_NAME.match(key)
@@ -72,7 +79,21 @@ def load_adapter(path: Path, name: str, model: ModelConfig, max_rank: int) -> Ad
         b = tensors[key.removesuffix("lora_A.weight") + "lora_B.weight"]
         bt = (b.float().T * scale).to(model.dtype).contiguous()
         modules[(int(m[1]), m[2] or m[3])] = (a.to(model.dtype).contiguous(), bt)
-    return AdapterWeights(name, summary.rank, summary.target_modules, dict(sorted(modules.items())))
+    modules = dict(sorted(modules.items()))
+    return AdapterWeights(
+        name, summary.rank, summary.target_modules, modules, contents_digest(contents)
+    )
+
+
+def tensors_digest(weights: AdapterWeights) -> str:
+    """A content digest of weights that came without one (not read from files)."""
+    h = hashlib.sha256()
+    for (layer, target), pair in weights.modules.items():
+        h.update(f"{layer}:{target}".encode())
+        for t in pair:
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def plan_layout(
@@ -117,6 +138,7 @@ class ResidentAdapter:
     ):
         self.name = weights.name
         self.rank = weights.rank
+        self.version = weights.version
         self.pins = 0  # running requests using it; its pages are pinned while > 0
         packer, self._plan = plan_layout(weights, pool.page_elems, model.num_layers)
         self.fragmentation = packer.fragmentation()
@@ -164,7 +186,7 @@ class PoolLayout:
     def skeleton(self, weights: AdapterWeights) -> AdapterWeights:
         """The same adapter with meta tensors: shapes for `place`, no memory."""
         modules = {k: (a.to("meta"), bt.to("meta")) for k, (a, bt) in weights.modules.items()}
-        return AdapterWeights(weights.name, weights.rank, weights.targets, modules)
+        return replace(weights, modules=modules)
 
     def place(self, weights: AdapterWeights, pages: list[int]) -> ResidentAdapter:
         return ResidentAdapter(weights, self.pool, self.model, self.columns, pages, fill=False)

@@ -10,10 +10,18 @@ Pure policies over `AdapterUsage` records: no pool, no clock of their own (the c
 - `GDSF`: Greedy-Dual-Size-Frequency (web caching): H = L + frequency · cost / size, with
   cost the reload time (a fixed setup plus bytes over the link), set when the adapter is
   used; the lowest H goes and L rises to it (aging).
+
+Idle adapters are not the only evictable pages: the prefix cache keeps full KV blocks no
+request holds. Which kind goes is one decision by cost (`RestoreCosts`): the expected
+seconds lost per page freed, i.e. how often the page is used (a count halving every
+`half_life_s`) times what bringing it back costs (recomputing a block's tokens, reloading
+an adapter), over the pages it frees.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -34,9 +42,31 @@ class AdapterUsage:
         self.last_used = now
 
     def frequency_at(self, now: float, half_life_s: float) -> float:
-        if self.frequency == 0.0:
-            return 0.0
-        return self.frequency * 0.5 ** (max(0.0, now - self.last_used) / half_life_s)
+        return decayed(self.frequency, self.last_used, now, half_life_s)
+
+
+def decayed(frequency: float, last_used: float, now: float, half_life_s: float) -> float:
+    """A use count halving every `half_life_s` since `last_used`."""
+    if frequency == 0.0:
+        return 0.0
+    return frequency * 0.5 ** (max(0.0, now - last_used) / half_life_s)
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreCosts:
+    """What losing an idle page costs if it is needed again. The engine measures both:
+    its steps' cost per token (step_costs.py) and its adapter loads' seconds per byte."""
+
+    recompute_s_per_token: float
+    load_s_per_byte: float
+
+    def block_loss(self, frequency: float, block_size: int) -> float:
+        """Expected seconds lost by evicting one cached block (one page)."""
+        return frequency * self.recompute_s_per_token * block_size
+
+    def adapter_loss_per_page(self, frequency: float, nbytes: int, pages: int) -> float:
+        """Expected seconds lost per page freed by evicting an adapter."""
+        return frequency * self.load_s_per_byte * nbytes / max(pages, 1)
 
 
 class EvictionPolicy(Protocol):
@@ -126,6 +156,39 @@ class GDSF:
 
     def evicted(self, usage: AdapterUsage) -> None:
         self.inflation = max(self.inflation, self._h.pop(usage.name, self.inflation))
+
+
+class IdleBlocks(Protocol):
+    """The prefix cache as eviction sees it: how many idle cached blocks it holds."""
+
+    num_idle: int
+
+
+def victims(
+    cold: list[AdapterUsage],
+    warm: list[AdapterUsage],
+    blocks: IdleBlocks | None,
+    block_first: Callable[[AdapterUsage], bool] | None,
+    blocks_last: bool = False,
+) -> Iterator[tuple[AdapterUsage | None, bool]]:
+    """Idle pages in the order they go, lazily: (an adapter's usage, or None for the
+    cheapest idle cached block at that moment; whether it may go beyond the need, for a
+    watermark). `cold` and `warm` (adapters queued requests want) come in a policy's order,
+    kept among adapters. Between the next cold adapter and the next block,
+    `block_first(adapter)` says which is cheaper to lose; warm adapters go after both.
+    `blocks_last` (a static share for blocks): blocks go only when no idle adapter is left.
+    The caller evicts each victim before asking for the next."""
+    queue = deque(cold)
+    merged = blocks is not None and not blocks_last
+    while queue or (merged and blocks.num_idle):
+        if merged and blocks.num_idle and (not queue or block_first(queue[0])):
+            yield None, True
+        else:
+            yield queue.popleft(), True
+    for usage in warm:
+        yield usage, False
+    while blocks is not None and blocks_last and blocks.num_idle:
+        yield None, False
 
 
 EVICTION_POLICIES = ("chameleon", "lru", "gdsf", "equal")

@@ -1,11 +1,20 @@
 """KV-cache blocks in the unified pool: one block is one page holding `block_size` tokens of
-K and V for every layer."""
+K and V for every layer.
+
+Each block has a reference count: the running sequences whose block table holds it. With a
+prefix cache, a sequence starts from the cached blocks of its prompt's longest cached
+prefix (`match`), shared with other requests; the blocks it fills are registered as they
+fill (`commit`); a block whose last holder leaves stays cached (prefix_cache.py) instead of
+being freed. Only full blocks are shared, and a sequence writes only past its shared ones.
+"""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from loraplex.replica.memory.pool import PageKind, UnifiedPool
+from loraplex.replica.memory.prefix_cache import PrefixCache
 from loraplex.replica.model.config import ModelConfig
 from loraplex.replica.sequence import Sequence
 
@@ -33,6 +42,8 @@ class KVCache:
         )
         self.rows = pool.arena.view(-1, cfg.kv_size)  # writes go through index_copy_ on rows
         self.rows_per_page = pool.page_elems // cfg.kv_size
+        self.refs = np.zeros(n, dtype=np.int32)  # running sequences holding each block
+        self.prefix: PrefixCache | None = None  # set to cache full blocks (engine.py)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -45,12 +56,69 @@ class KVCache:
             return True
         if not self.pool.can_allocate(missing):
             return False
-        seq.block_table.extend(self.pool.allocate(missing, PageKind.KV))
+        pages = self.pool.allocate(missing, PageKind.KV)
+        self.refs[pages] = 1
+        seq.block_table.extend(pages)
         return True
 
     def free(self, seq: Sequence) -> None:
-        self.pool.free(seq.block_table)
+        """`seq` lets go of its blocks: each is freed, or kept cached, once no sequence
+        holds it."""
+        pages = seq.block_table
         seq.block_table = []
+        if not pages:
+            return
+        self.refs[pages] -= 1  # a table never holds a page twice
+        assert (self.refs[pages] >= 0).all(), "a block was let go more often than held"
+        unheld = [p for p in pages if self.refs[p] == 0]
+        if self.prefix is not None:
+            unheld = self.prefix.park(unheld)
+        self.pool.free(unheld)
+
+    def match(self, seq: Sequence, root: bytes) -> int:
+        """At admission: start `seq` from the cached blocks of its longest cached prefix
+        (full blocks only, and never its last token: that one is computed for its logits).
+        The number of blocks it now holds; `free` undoes it."""
+        assert self.prefix is not None and not seq.block_table and seq.num_computed == 0
+        if seq.prefix_root != root:
+            seq.prefix_root, seq.block_keys = root, []
+        limit = (seq.num_tokens - 1) // self.block_size
+        if len(seq.block_keys) < limit:
+            self.prefix.extend_keys(seq.block_keys, root, seq.all_token_ids(), limit)
+        pages = self.prefix.lookup(seq.block_keys[:limit])
+        self.prefix.take(pages)
+        self.refs[pages] += 1
+        seq.block_table = pages
+        seq.num_computed = seq.num_committed = len(pages) * self.block_size
+        return len(pages)
+
+    def admitted(self, seq: Sequence) -> None:
+        """`seq`'s admission went through: count its lookup, and its hits as uses."""
+        prefix = self.prefix
+        assert prefix is not None
+        hits = seq.num_computed // self.block_size
+        limit = (seq.num_tokens - 1) // self.block_size
+        prefix.touch(seq.block_table[:hits])
+        prefix.stats.lookups += 1
+        prefix.stats.hit_blocks += hits
+        prefix.stats.miss_blocks += limit - hits
+        prefix.stats.hit_tokens += hits * self.block_size
+        if seq.num_preemptions == 0:
+            seq.num_cached_tokens = hits * self.block_size
+
+    def commit(self, seq: Sequence) -> None:
+        """After a step: register the blocks `seq` filled (their KV is in the cache now)."""
+        if self.prefix is None or seq.prefix_root is None:
+            return
+        bs = self.block_size
+        first, full = seq.num_committed // bs, seq.num_computed // bs
+        if full <= first:
+            return
+        if len(seq.block_keys) < full:
+            self.prefix.extend_keys(seq.block_keys, seq.prefix_root, seq.all_token_ids(), full)
+        for i in range(first, full):
+            self.prefix.register(seq.block_keys[i], seq.block_table[i], i)
+        seq.num_committed = full * bs
 
     def slots(self, seq: Sequence, start: int, end: int) -> tuple[list[int], list[int]]:
         """(page, offset) of positions start..end-1 of `seq`."""

@@ -1,7 +1,9 @@
 """The unified paged pool (S-LoRA unified paging, seed 002).
 
 One arena per device, cut into fixed-size pages. KV-cache blocks and adapter weights both
-take pages from the same free list, so the split between them moves with load. Pages are
+take pages from the same free list, so the split between them moves with load. A third kind,
+CACHED, is a full KV block no running request holds, kept for the prefix cache: like an idle
+adapter it is evictable (memory/prefix_cache.py). Pages are
 never required to be contiguous: a KV block is one page, and an adapter is laid out as
 row-chunks that each live inside one page (see `RowPacker`). So an allocation of n pages
 succeeds whenever n pages are free: there is no external fragmentation.
@@ -22,8 +24,9 @@ import torch
 
 class PageKind(IntEnum):
     FREE = 0
-    KV = 1
+    KV = 1  # a KV block held by running requests
     ADAPTER = 2
+    CACHED = 3  # a full KV block no running request holds, kept for the prefix cache
 
 
 class PoolExhausted(RuntimeError):
@@ -38,6 +41,7 @@ class PoolStats:
     kv_pages: int
     adapter_pages: int
     pinned_pages: int
+    cached_pages: int
 
 
 class UnifiedPool:
@@ -96,6 +100,12 @@ class UnifiedPool:
         self.kind[pages] = PageKind.FREE
         self._free.extend(pages)
 
+    def retag(self, pages: list[int], kind: PageKind) -> None:
+        """Pages change kind without leaving their owner (a KV block parked in the prefix
+        cache, or taken back from it)."""
+        assert kind != PageKind.FREE and self.kind[pages].all(), "retagged a free page"
+        self.kind[pages] = kind
+
     def pin(self, pages: list[int]) -> None:
         assert self.kind[pages].all(), "pinned a free page"
         np.add.at(self.pins, pages, 1)
@@ -112,6 +122,7 @@ class UnifiedPool:
             kv_pages=int((self.kind == PageKind.KV).sum()),
             adapter_pages=int((self.kind == PageKind.ADAPTER).sum()),
             pinned_pages=int((self.pins > 0).sum()),
+            cached_pages=int((self.kind == PageKind.CACHED).sum()),
         )
 
     def check_invariants(self) -> None:

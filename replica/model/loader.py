@@ -1,5 +1,6 @@
-"""Reads a Hugging Face Llama checkpoint (single or sharded safetensors) into the engine's
-fused layout: q/k/v stacked into one [q+2kv, hidden] weight, gate/up into one [2i, hidden]."""
+"""Reads a Llama checkpoint — a Hugging Face folder (single or sharded safetensors) or a GGUF
+file (dequantized at load) — into the engine's fused layout: q/k/v stacked into one
+[q+2kv, hidden] weight, gate/up into one [2i, hidden]."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from loraplex.replica.model.config import ModelConfig, ModelConfigError
+from loraplex.checkpoint_shape import CheckpointError, is_gguf
+from loraplex.replica.model.config import ModelConfig
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -24,10 +26,10 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     if single.is_file():
         return [single]
     if any(model_dir.glob("*.bin")):
-        raise ModelConfigError(
+        raise CheckpointError(
             f"{model_dir} holds only .bin (pickle) weights; convert them to safetensors"
         )
-    raise ModelConfigError(f"{model_dir} has no model.safetensors or model.safetensors.index.json")
+    raise CheckpointError(f"{model_dir} has no model.safetensors or model.safetensors.index.json")
 
 
 # rows and columns of a 2-D checkpoint tensor to read (a tensor-parallel rank's share)
@@ -38,13 +40,34 @@ def load_weights(
     model_dir: Path, cfg: ModelConfig, device: torch.device, part: Part | None = None
 ) -> dict[str, torch.Tensor]:
     """The model's weights in the fused layout. With `part`, only part(name) of each 2-D
-    tensor is read from disk (safetensors slices) — the rest never enters memory."""
+    tensor is read from disk (safetensors slices; GGUF rows, and columns on quantization
+    block bounds) and dequantized — the rest never enters memory."""
+    if is_gguf(model_dir):
+        from loraplex.gguf_checkpoint import open_gguf
+
+        checkpoint = open_gguf(model_dir)
+        tensors = {name: _GGUFSlice(checkpoint, name) for name in checkpoint.names()}
+        return _assemble(model_dir, cfg, device, part, tensors)
     with ExitStack() as files:
         tensors = {}  # name without "model." -> the file's slice reader
         for path in checkpoint_files(model_dir):
             f = files.enter_context(safe_open(str(path), framework="pt"))
             tensors.update({name.removeprefix("model."): f.get_slice(name) for name in f.keys()})
         return _assemble(model_dir, cfg, device, part, tensors)
+
+
+class _GGUFSlice:
+    """A GGUF tensor behind safetensors' slice interface (`get_shape`, `[rows, cols]`)."""
+
+    def __init__(self, checkpoint, name: str):
+        self.checkpoint, self.name = checkpoint, name
+
+    def get_shape(self) -> list[int]:
+        return list(self.checkpoint.tensor_shape(self.name))
+
+    def __getitem__(self, index) -> torch.Tensor:
+        rows, cols = index if isinstance(index, tuple) else (index, None)
+        return torch.from_numpy(self.checkpoint.read(self.name, rows, cols))
 
 
 def _assemble(model_dir, cfg: ModelConfig, device, part: Part | None, tensors: dict):
@@ -55,13 +78,13 @@ def _assemble(model_dir, cfg: ModelConfig, device, part: Part | None, tensors: d
         if n not in tensors and not (n == "lm_head.weight" and cfg.tie_word_embeddings)
     ]
     if missing:
-        raise ModelConfigError(
+        raise CheckpointError(
             f"checkpoint {model_dir} lacks tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}"
         )
     for name, shape in expected.items():
         found = tuple(tensors[name].get_shape()) if name in tensors else shape
         if found != shape:
-            raise ModelConfigError(f"tensor {name}: expected shape {shape}, found {found}")
+            raise CheckpointError(f"tensor {name}: expected shape {shape}, found {found}")
 
     def take(name: str, part_of: str | None = None) -> torch.Tensor:
         s = tensors[name]

@@ -25,8 +25,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from loraplex.checkpoint_shape import CheckpointError
 from loraplex.replica.memory.adapters import AdapterWeights
-from loraplex.replica.model.config import ModelConfig, ModelConfigError
+from loraplex.replica.model.config import ModelConfig
 from loraplex.replica.model.llama import LlamaModel
 from loraplex.replica.model.lora_groups import DOWN, GATE_UP, LORA_GROUPS, OUT, QKV
 
@@ -47,7 +48,7 @@ class ShardPlan:
             ("hidden_size", cfg.hidden_size),
         ):
             if value % n:
-                raise ModelConfigError(
+                raise CheckpointError(
                     f"tp={n} must divide {what} ({value}); choose tp among its divisors"
                 )
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from loraplex.replica.config import ChameleonParams
-from loraplex.replica.scheduling.policy import Admit, TryAdmit
+from loraplex.replica.scheduling.policy import Admit, Room, TryAdmit
 from loraplex.replica.scheduling.queue_math import (
     OutputPredictor,
     QueueLoad,
@@ -24,11 +24,14 @@ from loraplex.replica.sequence import Sequence
 class _Entry:
     wrs: float
     need: int  # tokens it holds while running: input + predicted output + its adapter
+    adapter_need: int  # of which its adapter's
     predicted: int
     enqueued: float
     queue: int = 0
     started: float = 0.0  # admitted (last, if preempted): D is measured from here
     overtaken: int = 0
+    bypassers: list[Sequence] = field(default_factory=list)  # younger ones that overtook it
+    behind: Sequence | None = None  # squashed for this request: requeued right after it
 
 
 class Chameleon:
@@ -59,6 +62,7 @@ class Chameleon:
         self.quotas: list[int] = [capacity()]
         self.queues: list[deque[Sequence]] = [deque()]
         self.used: list[int] = [0]
+        self.holders: dict[tuple[int, str | None], int] = {}  # running requests per queue, adapter
         self.entries: dict[Sequence, _Entry] = {}
         self.running: dict[Sequence, _Entry] = {}
         self.arrivals: deque[tuple[float, float, int]] = deque(maxlen=params.window)
@@ -67,6 +71,8 @@ class Chameleon:
         self.wcss: list[float] = []
         self.num_bypasses = 0
         self.num_starving = 0  # admitted by the starvation guard
+        self.num_squashes = 0
+        self.bypassed: dict[Sequence, None] = {}  # waiting requests with running bypassers
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -87,28 +93,36 @@ class Chameleon:
             self.p.a,
             self.p.b,
         )
-        need = len(seq.prompt_ids) + predicted + self.adapter_tokens(seq.adapter)
-        entry = _Entry(wrs, need, predicted, now, self.queue_of(wrs))
+        adapter_need = self.adapter_tokens(seq.adapter)
+        need = len(seq.prompt_ids) + predicted + adapter_need
+        entry = _Entry(wrs, need, adapter_need, predicted, now, self.queue_of(wrs))
         self.entries[seq] = entry
         self.arrivals.append((now, wrs, need))
         self.queues[entry.queue].append(seq)
 
     def requeue(self, seq: Sequence, now: float) -> None:
+        """Back to the head of its queue; a squashed request goes right behind the request
+        it was squashed for, which must be tried first."""
         entry = self.entries[seq]
         entry.queue = min(entry.queue, len(self.queues) - 1)
-        self.queues[entry.queue].appendleft(seq)
+        queue = self.queues[entry.queue]
+        blocked, entry.behind = entry.behind, None
+        if blocked is not None and blocked in self.entries and blocked in queue:
+            queue.insert(queue.index(blocked) + 1, seq)
+        else:
+            queue.appendleft(seq)
 
     def remove(self, seq: Sequence) -> None:
         entry = self.entries.pop(seq)
         self.queues[entry.queue].remove(seq)
+        self.bypassed.pop(seq, None)
 
     def waiting(self) -> list[Sequence]:
         return [seq for q in self.queues for seq in q]
 
     def left(self, seq: Sequence, now: float, finished: bool) -> None:
         entry = self.running.pop(seq)
-        if entry.queue < len(self.used):
-            self.used[entry.queue] -= entry.need
+        self._uncharge(seq, entry)
         if finished:
             self.predictor.observe(seq.adapter, len(seq.output_ids))
             self.served.append((entry.wrs, now - entry.started))
@@ -137,9 +151,10 @@ class Chameleon:
             entry.queue = self.queue_of(entry.wrs)
             self.queues[entry.queue].append(seq)
         self.used = [0] * k
-        for entry in self.running.values():
+        self.holders = {}
+        for seq, entry in self.running.items():
             entry.queue = self.queue_of(entry.wrs)
-            self.used[entry.queue] += entry.need
+            self._charge(seq, entry)
         self.quotas = token_quotas(self.queue_loads(now), self.capacity(), self.p.slo_s)
 
     def queue_loads(self, now: float) -> list[QueueLoad]:
@@ -165,6 +180,29 @@ class Chameleon:
                 )
             )
         return loads
+
+    # -- quota accounting
+
+    def cost(self, seq: Sequence, entry: _Entry, q: int) -> int:
+        """What admitting `seq` to queue q takes from its quota."""
+        shared = self.p.share_adapter_tokens and self.holders.get((q, seq.adapter), 0) > 0
+        return entry.need - entry.adapter_need if shared else entry.need
+
+    def _charge(self, seq: Sequence, entry: _Entry) -> int:
+        cost = self.cost(seq, entry, entry.queue)
+        self.used[entry.queue] += cost
+        key = (entry.queue, seq.adapter)
+        self.holders[key] = self.holders.get(key, 0) + 1
+        return cost
+
+    def _uncharge(self, seq: Sequence, entry: _Entry) -> None:
+        if entry.queue >= len(self.used):
+            return
+        key = (entry.queue, seq.adapter)
+        self.holders[key] = self.holders.get(key, 1) - 1
+        if self.holders[key] <= 0:
+            del self.holders[key]
+        self.used[entry.queue] -= self.cost(seq, entry, entry.queue)
 
     # -- admission
 
@@ -205,8 +243,9 @@ class Chameleon:
             if result is Admit.OK:
                 self.queues[entry.queue].remove(seq)
                 del self.entries[seq]
+                self.bypassed.pop(seq, None)
                 entry.started = now
-                self.used[entry.queue] += entry.need
+                self._charge(seq, entry)
                 self.running[seq] = entry
                 self.num_starving += 1
         return False
@@ -219,34 +258,67 @@ class Chameleon:
         so that a quota smaller than one request cannot starve the queue."""
         consumed = 0
         admitted: list[Sequence] = []
-        blocked: _Entry | None = None
+        blocked: Sequence | None = None
         full = False
         for seq in self.queues[q]:
             entry = self.entries[seq]
-            if entry.need > tokens - consumed and self.used[q] > 0:
+            if self.cost(seq, entry, q) > tokens - consumed and self.used[q] > 0:
                 break
-            if blocked is not None and not self._may_overtake(blocked, entry):
+            if blocked is not None and not self._may_overtake(self.entries[blocked], entry):
                 break
             result = try_admit(seq)
             if result is Admit.OK:
                 admitted.append(seq)
                 entry.started = now
-                consumed += entry.need
-                self.used[q] += entry.need
+                consumed += self._charge(seq, entry)
                 self.running[seq] = entry
                 if blocked is not None:
-                    blocked.overtaken += 1
+                    self.entries[blocked].overtaken += 1
+                    self.entries[blocked].bypassers.append(seq)
+                    self.bypassed[blocked] = None
                     self.num_bypasses += 1
             elif result is Admit.FULL:
                 full = True
                 break
             elif result is Admit.NO_ROOM and blocked is None:
-                blocked = entry
+                blocked = seq
             # LOADING / ADAPTER_CAP: it waits for its adapter, the others go on
         for seq in admitted:
             self.queues[q].remove(seq)
             del self.entries[seq]
+            self.bypassed.pop(seq, None)
         return consumed, full
+
+    def to_squash(self, now: float, room: Room) -> list[Sequence]:
+        """§4.3.3: a bypass bets that the younger request finishes before memory for the
+        blocked one frees up. When the bet is lost — the blocked request would fit if
+        (some of) its running bypassers left, and does not fit without them — those
+        bypassers are squashed (preempted, to run again later, right behind it): the
+        most recently admitted first, as few as make room."""
+        if not self.p.squash:
+            return []
+        victims: list[Sequence] = []
+        for blocked in list(self.bypassed):
+            entry = self.entries[blocked]
+            entry.bypassers = [s for s in entry.bypassers if s in self.running]
+            if not entry.bypassers:
+                del self.bypassed[blocked]
+                continue
+            if room(blocked, []):
+                continue  # memory is there already: admission takes it
+            chosen: list[Sequence] = []
+            for seq in reversed(entry.bypassers):  # appended as admitted
+                chosen.append(seq)
+                if room(blocked, victims + chosen):
+                    break
+            else:
+                continue  # even all of them would not make room: let them run
+            for seq in chosen:
+                entry.bypassers.remove(seq)
+                self.running[seq].behind = blocked
+            victims += chosen
+            self.num_squashes += len(chosen)
+        return victims
 
     def _may_overtake(self, blocked: _Entry, younger: _Entry) -> bool:
         if blocked.overtaken >= self.p.max_bypass:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Hashable
 
-from loraplex.replica.scheduling.policy import Admit, QueuePolicy, TryAdmit
+from loraplex.replica.scheduling.policy import Admit, QueuePolicy, Room, TryAdmit
 from loraplex.replica.sequence import SeqStatus, Sequence
 
 Tenant = Hashable  # a tenant's name, or None for requests that name none
@@ -78,6 +78,18 @@ class TenantFair:
         if seq.status is not SeqStatus.WAITING:  # ended (a preempted one waits again)
             del self._charged[seq]
         self.policies[seq.tenant].left(seq, now, finished)
+
+    def to_squash(self, now: float, room: Room) -> list[Sequence]:
+        """Each tenant's policy squashes its own bypassers (a bypass happens within one
+        tenant's queue); room counts the victims already chosen for other tenants."""
+        victims: list[Sequence] = []
+
+        def beside_chosen(seq: Sequence, leaving: list[Sequence]) -> bool:
+            return room(seq, victims + leaving)
+
+        for policy in self.policies.values():
+            victims.extend(policy.to_squash(now, beside_chosen))
+        return victims
 
     def waiting(self) -> list[Sequence]:
         """Each tenant's waiting requests in its policy's order, merged as admission would

@@ -37,6 +37,9 @@ class Admit(Enum):
 
 
 TryAdmit = Callable[[Sequence], Admit]
+# room(waiting, leaving): would `waiting` fit (its adapter, its first step's KV) if the
+# running requests `leaving` were preempted?
+Room = Callable[[Sequence, list[Sequence]], bool]
 
 
 class QueuePolicy(Protocol):
@@ -56,6 +59,9 @@ class QueuePolicy(Protocol):
 
     def left(self, seq: Sequence, now: float, finished: bool) -> None:
         """A running request finished (or was preempted: finished=False)."""
+
+    def to_squash(self, now: float, room: Room) -> list[Sequence]:
+        """Running requests to preempt before this step's admission (Chameleon's squash)."""
 
     def __len__(self) -> int: ...
 
@@ -87,6 +93,9 @@ class FIFO:
 
     def left(self, seq: Sequence, now: float, finished: bool) -> None:
         pass
+
+    def to_squash(self, now: float, room: Room) -> list[Sequence]:
+        return []
 
 
 class SJFAging:
@@ -139,3 +148,6 @@ class SJFAging:
     def left(self, seq: Sequence, now: float, finished: bool) -> None:
         if finished:
             self.predictor.observe(seq.adapter, len(seq.output_ids))
+
+    def to_squash(self, now: float, room: Room) -> list[Sequence]:
+        return []

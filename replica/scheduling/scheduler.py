@@ -2,8 +2,10 @@
 decode, a chunk for prefill) and waiting requests are admitted while the token budget, the
 sequence cap, the distinct-adapter cap and the pool allow. The admission order is the
 policy's (policy.py: FIFO, SJF with aging; chameleon.py: Chameleon's multi-level queues),
-one per tenant, tenants taking turns by the tokens each was served (fairness.py). When KV
-runs out, the latest running request is preempted and later recomputed."""
+one per tenant, tenants taking turns by the tokens each was served (fairness.py). With a
+prefix cache, an admitted request starts after its prompt's cached blocks. When KV runs
+out, the latest running request is preempted and later recomputed (from the blocks of it
+still cached)."""
 
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.failed: list[Sequence] = []  # finished with "error" by a schedule, not yet reported
         self.num_preemptions = 0
+        self.num_squashes = 0
         self.policy = make_policy(cfg, kv, adapters, max_len)
 
     @property
@@ -52,6 +55,9 @@ class Scheduler:
         """The step's sequences and how many new tokens each computes."""
         self.adapters.poll()
         self._fail_adapter_loads()
+        for victim in self.policy.to_squash(self.clock(), self._room_for):
+            self.preempt(victim)
+            self.num_squashes += 1
         budget = self.cfg.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
         i = 0
@@ -97,17 +103,23 @@ class Scheduler:
             new_adapter = seq.adapter is not None and seq.adapter not in in_use
             if new_adapter and len(in_use) >= self.cfg.max_loras_per_batch:
                 return Admit.ADAPTER_CAP
+            version = self._match_prefix(seq)  # first: what it hits is then not evicted
             lora = None
             if seq.adapter is not None:
                 lora = self.adapters.acquire(seq.adapter)
                 if lora is None:
+                    self._drop_blocks(seq)
                     loading = seq.adapter in self.adapters.loading
                     return Admit.LOADING if loading else Admit.NO_ROOM
+                assert self.kv.prefix is None or lora.version == version
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self.kv.ensure(seq, seq.num_computed + n):
                 if lora is not None:
                     self.adapters.release(lora)
+                self._drop_blocks(seq)
                 return Admit.FULL
+            if self.kv.prefix is not None:
+                self.kv.admitted(seq)
             seq.lora, seq.status = lora, SeqStatus.RUNNING
             self.running.append(seq)
             scheduled.append((seq, n))
@@ -118,6 +130,40 @@ class Scheduler:
 
         self.policy.admit(self.clock(), try_admit)
 
+    def _room_for(self, seq: Sequence, leaving: list[Sequence]) -> bool:
+        """Would `seq` start (its adapter on the device, KV for its first step) if the
+        running requests `leaving` were preempted? Counts free pages, the KV of those
+        leaving, and idle adapters — with those whose every pin is held by `leaving`."""
+        pool = self.kv.pool
+        have = pool.num_free + sum(len(s.block_table) for s in leaving)
+        released: dict[str, int] = {}
+        for s in leaving:
+            if s.adapter is not None:
+                released[s.adapter] = released.get(s.adapter, 0) + 1
+        for name, resident in self.adapters.resident.items():
+            if name != seq.adapter and resident.pins == released.get(name, 0):
+                have += len(resident.pages)
+        need = 0
+        if seq.adapter is not None and self.adapters.tier(seq.adapter) not in ("device", "loading"):
+            need += self.adapters.pages_of(seq.adapter)
+        n = min(seq.num_tokens - seq.num_computed, self.cfg.max_num_batched_tokens)
+        need += self.kv.blocks_for(seq.num_computed + n) - len(seq.block_table)
+        return have >= need
+
+    def _match_prefix(self, seq: Sequence) -> str | None:
+        """Start `seq` from its cached prefix blocks, if any; the adapter version they
+        were looked up under."""
+        prefix = self.kv.prefix
+        if prefix is None:
+            return None
+        version = None if seq.adapter is None else self.adapters.version_of(seq.adapter)
+        self.kv.match(seq, prefix.root(version, seq.tenant, seq.cache_salt))
+        return version
+
+    def _drop_blocks(self, seq: Sequence) -> None:
+        self.kv.free(seq)
+        seq.num_computed = seq.num_committed = 0
+
     def _release(self, seq: Sequence) -> None:
         self.kv.free(seq)
         if seq.lora is not None:
@@ -127,7 +173,7 @@ class Scheduler:
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._release(seq)
-        seq.num_computed = 0
+        seq.num_computed = seq.num_committed = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -8,23 +8,25 @@ import torch
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from loraplex.demo.assets import (
+from loraplex.demo.assets import DemoAssets
+from loraplex.demo.synthetic import (
     ATTENTION_TARGETS,
-    BOS_TOKEN,
-    DEMO_ADAPTERS,
-    DEMO_MODEL,
-    END_HEADER_TOKEN,
-    EOT_TOKEN,
     LORA_DELTA_RATIO,
     LORA_TARGETS,
     MLP_TARGETS,
-    START_HEADER_TOKEN,
+    SYNTHETIC_ADAPTERS,
+    SYNTHETIC_MODEL,
     AdapterSpec,
-    DemoAssets,
     ModelSpec,
-    make_demo_assets,
+    make_synthetic_assets,
     write_adapter,
     write_checkpoint,
+)
+from loraplex.demo.synthetic_tokenizer import (
+    BOS_TOKEN,
+    END_HEADER_TOKEN,
+    EOT_TOKEN,
+    START_HEADER_TOKEN,
 )
 
 PROMPTS = ("The capital of France is", "Once upon a time there was")
@@ -43,7 +45,7 @@ TOKEN_IDS = torch.tensor([[1, 5, 9, 200, 33, 7, 299, 2, 64, 128]])
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> DemoAssets:
-    return make_demo_assets(tmp_path_factory.mktemp("demo"))
+    return make_synthetic_assets(tmp_path_factory.mktemp("demo"))
 
 
 @pytest.fixture
@@ -57,43 +59,43 @@ def _tree_bytes(root: Path) -> dict[str, bytes]:
 
 
 def test_make_demo_assets_is_byte_identical_and_idempotent(assets: DemoAssets, tmp_path: Path):
-    first = _tree_bytes(assets.model_dir.parent)
-    again = make_demo_assets(tmp_path, progress=lambda _message: None)
+    first = _tree_bytes(assets.model.parent)
+    again = make_synthetic_assets(tmp_path, progress=lambda _message: None)
     assert _tree_bytes(tmp_path) == first
-    make_demo_assets(tmp_path)
+    make_synthetic_assets(tmp_path)
     assert _tree_bytes(tmp_path) == first
-    assert again.adapter_names == tuple(a.name for a in DEMO_ADAPTERS)
+    assert again.adapter_names == tuple(a.name for a in SYNTHETIC_ADAPTERS)
 
 
 def test_tokenizer_training_is_identical_in_a_fresh_process(assets: DemoAssets, tmp_path: Path):
     script = (
         "import sys; from pathlib import Path;"
-        "from loraplex.demo.assets import write_tokenizer;"
+        "from loraplex.demo.synthetic import write_tokenizer;"
         "write_tokenizer(Path(sys.argv[1]))"
     )
     subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        assert (tmp_path / name).read_bytes() == (assets.model_dir / name).read_bytes()
+        assert (tmp_path / name).read_bytes() == (assets.model / name).read_bytes()
 
 
 def test_demo_adapters_cover_ranks_targets_and_rslora():
-    ranks = [a.rank for a in DEMO_ADAPTERS]
-    assert len(DEMO_ADAPTERS) >= 8
-    assert len({a.name for a in DEMO_ADAPTERS}) == len(DEMO_ADAPTERS)
+    ranks = [a.rank for a in SYNTHETIC_ADAPTERS]
+    assert len(SYNTHETIC_ADAPTERS) >= 8
+    assert len({a.name for a in SYNTHETIC_ADAPTERS}) == len(SYNTHETIC_ADAPTERS)
     assert min(ranks) == 8 and max(ranks) == 64
-    assert any(a.use_rslora for a in DEMO_ADAPTERS)
-    target_sets = {frozenset(a.targets) for a in DEMO_ADAPTERS}
+    assert any(a.use_rslora for a in SYNTHETIC_ADAPTERS)
+    target_sets = {frozenset(a.targets) for a in SYNTHETIC_ADAPTERS}
     assert {frozenset(ATTENTION_TARGETS), frozenset(MLP_TARGETS), frozenset(LORA_TARGETS)} <= (
         target_sets
     )
-    assert len({a.alpha for a in DEMO_ADAPTERS}) > 3
+    assert len({a.alpha for a in SYNTHETIC_ADAPTERS}) > 3
 
 
 @pytest.mark.parametrize(
     "text", ["hi", "naïve café — 🚀 ok", "\x00\x7f control", "def f(x):\n    return {'a': x}\n"]
 )
 def test_tokenizer_prepends_bos_and_round_trips(assets: DemoAssets, text: str):
-    tokenizer = Tokenizer.from_file(str(assets.model_dir / "tokenizer.json"))
+    tokenizer = Tokenizer.from_file(str(assets.model / "tokenizer.json"))
     encoding = tokenizer.encode(text)
     assert encoding.ids[0] == tokenizer.token_to_id(BOS_TOKEN)
     assert BOS_TOKEN not in tokenizer.decode(encoding.ids[1:], skip_special_tokens=False)
@@ -101,8 +103,8 @@ def test_tokenizer_prepends_bos_and_round_trips(assets: DemoAssets, text: str):
 
 
 def test_tokenizer_vocab_and_special_tokens(assets: DemoAssets):
-    tokenizer = Tokenizer.from_file(str(assets.model_dir / "tokenizer.json"))
-    config = json.loads((assets.model_dir / "config.json").read_text())
+    tokenizer = Tokenizer.from_file(str(assets.model / "tokenizer.json"))
+    config = json.loads((assets.model / "config.json").read_text())
     vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
     assert 1000 <= vocab_size <= 2000
     assert config["vocab_size"] == vocab_size
@@ -196,13 +198,15 @@ def _greedy(model, tokenizer, prompt: str, new_tokens: int = 8) -> list[int]:
 def test_transformers_loads_model_and_tokenizer(assets: DemoAssets, offline: None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(assets.model_dir, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(assets.model_dir, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(assets.model, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(assets.model, local_files_only=True)
     assert tokenizer("hello world").input_ids[0] == tokenizer.bos_token_id
     assert tokenizer.bos_token_id == model.config.bos_token_id
     assert tokenizer.eos_token == EOT_TOKEN
     assert model.config.rope_parameters["rope_type"] == "llama3"
-    assert model.config.head_dim == DEMO_MODEL.hidden_size // DEMO_MODEL.num_attention_heads
+    assert (
+        model.config.head_dim == SYNTHETIC_MODEL.hidden_size // SYNTHETIC_MODEL.num_attention_heads
+    )
 
     messages = [
         {"role": "system", "content": "You are terse."},
@@ -226,8 +230,8 @@ def test_every_demo_adapter_changes_greedy_output(assets: DemoAssets, offline: N
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(assets.model_dir, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(assets.model_dir, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(assets.model, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(assets.model, local_files_only=True)
     base = {prompt: _greedy(model, tokenizer, prompt) for prompt in PROMPTS}
 
     first, *rest = assets.adapter_names

@@ -1,0 +1,423 @@
+"""The simulator section of `loraplex bench sched`: seed 004's experiment, every system on the
+same arrivals, over several arrival seeds.
+
+Per seed: every system at every swept load; the SLO is 5x the mean execution time of
+`slora` (the paper's baseline) at the lowest load; a system's throughput at SLO is the
+load at which its P99 TTFT crosses the SLO. The paper's low, medium and high loads (6, 8
+and 9 RPS against S-LoRA's SLO crossing at 8.6 RPS, §5.2) are taken relative to this
+seed's `slora` crossing, and `slora`, `chameleon` and `loraplex` run there. Keys are
+computed per seed and reported as their mean, with the spread over seeds beside them.
+The existing keys (`p99_ttft_reduction_high_load`, ...) are the ablation against our own
+FIFO: `loraplex` (Chameleon's queues and cache on loraplex's engine) against
+`fifo_nocache` at the first swept load where its P99 TTFT misses the SLO.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from loraplex.benchmarks.report import log
+from loraplex.benchmarks.sched_scenarios import Scenario, scenario_requests, shape_trace
+from loraplex.benchmarks.sched_systems import SYSTEM_NAMES, systems
+from loraplex.benchmarks.sim_profiles import a40_llama7b
+from loraplex.benchmarks.sim_replica import System
+from loraplex.benchmarks.sim_run import Result, simulate
+from loraplex.benchmarks.sim_workload import Trace, paper_adapters, read_trace, replay_requests
+
+# seed 004 §5.2: loads as multiples of the load at which S-LoRA crosses the SLO (8.6 RPS)
+PAPER_LOADS = {"low": 6 / 8.6, "medium": 8 / 8.6, "high": 9 / 8.6}
+# Chameleon against S-LoRA, seed 004 §5.2 (Figs. 11 and 13)
+PAPER = {
+    "p99_ttft_reduction_high_load": 0.807,
+    "p50_ttft_reduction_high_load": 0.481,
+    "throughput_at_slo_ratio": 1.5,
+    "p99_ttft_reduction_medium_load": 0.246,
+    "p50_ttft_reduction_medium_load": 0.209,
+    "p99_ttft_reduction_low_load": 0.147,
+    "p50_ttft_reduction_low_load": 0.139,
+}
+AGAINST_SLORA = {"vs_slora": "chameleon", "loraplex_vs_slora": "loraplex"}
+# what loraplex's engine alone is worth against slora (FIFO, no cache, like S-LoRA)
+ABLATION = ("fifo_nocache",)
+
+
+@dataclass(frozen=True, slots=True)
+class SimShape:
+    requests: int  # per load and seed
+    load_factors: tuple[float, ...]  # x the trace's mean arrival rate
+    scale_minutes: float  # trace minutes replayed to find the length scale
+    seeds: int = 5  # arrival draws
+    systems: tuple[str, ...] = SYSTEM_NAMES
+    extras: bool = False  # eviction scores, the starvation guard at SLO/4, N replicas
+
+
+QUICK = SimShape(
+    requests=500, load_factors=(0.25, 0.6, 0.8, 0.9, 1.0, 1.1, 1.25), scale_minutes=3, seeds=2
+)
+FULL = SimShape(
+    requests=1200,
+    load_factors=(0.25, 0.5, 0.7, 0.8, 0.9, 0.95, 1.0, 1.1, 1.2),
+    scale_minutes=10,
+    extras=True,
+)
+# other trace shapes: the systems the new keys compare, fewer seeds
+SHAPE_SYSTEMS = ("slora", "fifo_nocache", "chameleon", "loraplex")
+
+
+def shape_of(shape: SimShape, quick: bool) -> SimShape:
+    """The smaller sweep that checks a trace shape the systems were not tuned on."""
+    if quick:
+        return replace(shape, requests=300, seeds=1, systems=SHAPE_SYSTEMS, extras=False)
+    return replace(shape, requests=1000, seeds=3, systems=SHAPE_SYSTEMS, extras=False)
+
+
+def sim_section(
+    shape: SimShape, trace_path: Path | None, scenario: Scenario, jobs: int = 1
+) -> dict:
+    """The section's figures; `jobs` processes run the independent simulations."""
+    profile = a40_llama7b()
+    trace = shape_trace(read_trace(trace_path), scenario)
+    adapters = paper_adapters(100, profile.adapter_bytes)
+    max_len = profile.model["max_position_embeddings"]
+    rate = len(trace.timestamps) / float(trace.timestamps[-1] - trace.timestamps[0])
+    tag = f"sim[{scenario.name}]"
+    log(f"{tag}: trace {trace.source} ({len(trace.timestamps)} requests, {rate:.2f} req/s)")
+    scale = memory_scale(trace, profile, adapters, shape, max_len)
+    log(f"{tag}: lengths x {scale:.3f} (peak memory of the trace replay = the pool)")
+    seeds = list(range(shape.seeds))
+
+    def run(
+        system: System,
+        load_rps: float,
+        seed: int,
+        n: int = 0,
+        replicas: int = 1,
+        cost=None,
+        arrivals: Scenario = scenario,
+    ) -> Result:
+        reqs = scenario_requests(
+            arrivals, trace, adapters, load_rps, n or shape.requests, scale, max_len, seed
+        )
+        return simulate(reqs, cost or profile, system, adapters, max_len, replicas=replicas)
+
+    loads = [f"{f * rate:.2f}" for f in shape.load_factors]
+    # the SLO: 5x the mean execution time of slora at the lowest load, Poisson arrivals
+    # (a low-load system, whatever the scenario's burstiness)
+    base = systems(1.0)["slora"]
+    poisson = replace(scenario, cv=1.0)
+    lowest = {seed: run(base, float(loads[0]), seed, arrivals=poisson) for seed in seeds}
+    slo = 5.0 * float(np.mean(np.concatenate([r.e2e for r in lowest.values()])))
+    log(f"{tag}: SLO = 5 x mean slora execution at {loads[0]} req/s = {slo:.2f} s")
+    by_system = systems(slo)
+    _CONTEXT.update(run=run, by_system=by_system)
+    curves: dict[str, dict[int, dict[str, dict]]] = {
+        n: {s: {} for s in seeds} for n in shape.systems
+    }
+    sweep = [(n, float(load), seed) for seed in seeds for load in loads for n in shape.systems]
+    if scenario.cv == 1.0:  # the SLO's runs are the sweep's lowest slora points
+        sweep = [t for t in sweep if not (t[0] == "slora" and t[1] == float(loads[0]))]
+        for seed in seeds:
+            curves["slora"][seed][loads[0]] = lowest[seed].summary()
+    for (name, load, seed), summary in _run_all(sweep, jobs).items():
+        curves[name][seed][f"{load:.2f}"] = summary
+    for seed in seeds:
+        for load in loads:
+            log(
+                f"{tag}: seed {seed} {load} req/s  p99 TTFT "
+                + "  ".join(f"{n} {curves[n][seed][load]['p99_ttft_s']:.2f}" for n in shape.systems)
+            )
+    rows = {seed: {n: curves[n][seed] for n in shape.systems} for seed in seeds}
+    at_loads = {seed: _paper_loads(rows[seed], loads, slo) for seed in seeds}
+    others = [n for n in ("slora", *AGAINST_SLORA.values(), *ABLATION) if n in shape.systems]
+    paper_runs = _run_all(
+        [(n, load, seed) for seed in seeds for load in at_loads[seed].values() for n in others],
+        jobs,
+    )
+    per_seed = [
+        _seed_keys(
+            rows[seed],
+            loads,
+            slo,
+            lambda name, load, s=seed: paper_runs[(name, load, s)],
+        )
+        for seed in seeds
+    ]
+    out = {
+        "scenario": scenario.name,
+        "scenario_description": scenario.description,
+        "profile": profile.name,
+        "profile_source": profile.source,
+        "trace": trace.source,
+        "length_scale": scale,
+        "adapters": len(adapters),
+        "requests_per_load": shape.requests,
+        "seeds": len(seeds),
+        "slo_s": slo,
+        "loads_rps": [float(k) for k in loads],
+        "systems": _mean_curves(curves, loads),
+        **_combine(per_seed),
+    }
+    if shape.extras:
+        out["extras"] = _extras(run, by_system, slo, loads, out["high_load_rps"], shape.requests)
+        out["extras"]["slower_link"] = _slower_link(
+            run, by_system, profile, out["paper_loads_rps"]["high"]
+        )
+    return out
+
+
+_CONTEXT: dict = {}  # what forked workers run with: `run` and `by_system`
+
+
+def _work(task: tuple[str, float, int]) -> tuple[tuple[str, float, int], dict]:
+    name, load, seed = task
+    return task, _CONTEXT["run"](_CONTEXT["by_system"][name], load, seed).summary()
+
+
+def _run_all(tasks: list[tuple[str, float, int]], jobs: int) -> dict:
+    """(system, load, seed) -> summary; in `jobs` forked processes when jobs > 1."""
+    if jobs <= 1 or len(tasks) < 2:
+        return dict(_work(t) for t in tasks)
+    with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        return dict(pool.imap_unordered(_work, tasks))
+
+
+def _paper_loads(rows: dict[str, dict[str, dict]], loads: list[str], slo: float) -> dict:
+    """Seed 004 §5.2's loads relative to where this seed's slora crosses the SLO."""
+    crossing = throughput_at_slo(loads, rows["slora"], slo)
+    return {level: f * crossing for level, f in PAPER_LOADS.items()}
+
+
+def _seed_keys(rows: dict[str, dict[str, dict]], loads: list[str], slo: float, run) -> dict:
+    """One seed's keys from its curves; `run(name, load_rps)` runs a system at a load."""
+    keys: dict = {}
+    tput = {name: throughput_at_slo(loads, rows[name], slo) for name in rows}
+    keys["throughput_at_slo_rps"] = tput
+    if "fifo_nocache" in rows and "loraplex" in rows:
+        # the ablation against our own FIFO: Chameleon's mechanisms on loraplex's engine
+        base_p99 = [rows["fifo_nocache"][k]["p99_ttft_s"] for k in loads]
+        high = next((k for k, p in zip(loads, base_p99, strict=True) if p > slo), loads[-1])
+        base, ours = rows["fifo_nocache"][high], rows["loraplex"][high]
+        keys["high_load_rps"] = float(high)
+        keys["p99_ttft_reduction_high_load"] = 1 - ours["p99_ttft_s"] / base["p99_ttft_s"]
+        keys["p50_ttft_reduction_high_load"] = 1 - ours["p50_ttft_s"] / base["p50_ttft_s"]
+        keys["throughput_at_slo_ratio"] = _ratio(tput["loraplex"], tput["fifo_nocache"])
+    crossing = tput["slora"]
+    paper_loads = _paper_loads(rows, loads, slo)
+    keys["paper_loads_rps"] = paper_loads
+    others = [n for n in (*AGAINST_SLORA.values(), *ABLATION) if n in rows]
+    at = {
+        level: {name: run(name, load) for name in ("slora", *others)}
+        for level, load in paper_loads.items()
+    }
+    keys["at_paper_loads"] = at
+    against = {}
+    for name in others:
+        against[name] = {"throughput_at_slo_ratio": _ratio(tput[name], crossing)}
+        for level in PAPER_LOADS:
+            base, ours = at[level]["slora"], at[level][name]
+            for q in ("p99", "p50"):
+                against[name][f"{q}_ttft_reduction_{level}_load"] = (
+                    1 - ours[f"{q}_ttft_s"] / base[f"{q}_ttft_s"]
+                )
+    for key, name in AGAINST_SLORA.items():
+        keys[key] = against[name]
+    keys["against_slora"] = against
+    return keys
+
+
+def _combine(per_seed: list[dict]) -> dict:
+    """Means over seeds, with each key's spread (std, min, max, every seed's value)."""
+    out: dict = {}
+    spread: dict = {}
+    scalar = [k for k, v in per_seed[0].items() if isinstance(v, float)]
+    for key in scalar:
+        values = [s[key] for s in per_seed]
+        out[key] = float(np.mean(values))
+        spread[key] = _spread(values)
+    for key in AGAINST_SLORA:
+        out[key] = {}
+        for sub in per_seed[0][key]:
+            values = [s[key][sub] for s in per_seed]
+            out[key][sub] = float(np.mean(values))
+            spread[f"{key}.{sub}"] = _spread(values)
+    out["against_slora"] = {
+        name: {
+            sub: float(np.mean([s["against_slora"][name][sub] for s in per_seed])) for sub in subs
+        }
+        for name, subs in per_seed[0]["against_slora"].items()
+    }
+    names = per_seed[0]["throughput_at_slo_rps"]
+    out["throughput_at_slo_rps"] = {
+        n: float(np.mean([s["throughput_at_slo_rps"][n] for s in per_seed])) for n in names
+    }
+    for n in names:
+        spread[f"throughput_at_slo_rps.{n}"] = _spread(
+            [s["throughput_at_slo_rps"][n] for s in per_seed]
+        )
+    out["paper_loads_rps"] = {
+        level: float(np.mean([s["paper_loads_rps"][level] for s in per_seed]))
+        for level in PAPER_LOADS
+    }
+    out["at_paper_loads"] = {
+        level: {
+            name: {
+                f: float(np.mean([s["at_paper_loads"][level][name][f] for s in per_seed]))
+                for f in (
+                    "p50_ttft_s",
+                    "p99_ttft_s",
+                    "throughput_rps",
+                    "hit_rate",
+                    "gb_loaded",
+                    "link_busy",
+                )
+            }
+            for name in per_seed[0]["at_paper_loads"][level]
+        }
+        for level in PAPER_LOADS
+    }
+    out["spread"] = spread
+    out["paper"] = PAPER
+    return out
+
+
+def _spread(values: list[float]) -> dict:
+    return {
+        "std": float(np.std(values)),
+        "min": float(np.min(values)),
+        "max": float(np.max(values)),
+        "per_seed": [float(v) for v in values],
+    }
+
+
+def _mean_curves(curves: dict, loads: list[str]) -> dict:
+    """Per system and load: each summary figure's mean over seeds, and the P99's range."""
+    out: dict = {}
+    for name, by_seed in curves.items():
+        out[name] = {}
+        for load in loads:
+            rows = [by_seed[s][load] for s in by_seed]
+            mean = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
+            p99 = [r["p99_ttft_s"] for r in rows]
+            mean["p99_ttft_s_min"], mean["p99_ttft_s_max"] = float(min(p99)), float(max(p99))
+            out[name][load] = mean
+    return out
+
+
+def _extras(run, by_system, slo, loads, high, requests) -> dict:
+    """Beyond the paper's main figure, on seed 0 and loraplex's engine: eviction scores under
+    the Chameleon scheduler at the load before the high one (the cache matters most while memory is not
+    yet all KV); the starvation guard at SLO/4 instead of the SLO, at that load and the
+    high one; and N = 4 replicas with adapter-affinity dispatch at 4x the high load."""
+    high_key = f"{high:.2f}" if f"{high:.2f}" in loads else loads[-1]
+    i = loads.index(high_key)
+    medium = loads[max(0, i - 1)]
+    eviction = {}
+    for policy in ("chameleon", "lru", "gdsf", "equal"):
+        base = by_system["loraplex"]
+        system = replace(base, name=policy, cache=replace(base.cache, eviction=policy))
+        eviction[policy] = run(system, float(medium), 0).summary()
+    log(
+        f"sim: eviction at {medium} req/s: "
+        + "  ".join(
+            f"{k} p99 {v['p99_ttft_s']:.2f} hit {v['hit_rate']:.2f}" for k, v in eviction.items()
+        )
+    )
+    base = by_system["loraplex"]
+    quarter = replace(base.scheduler.chameleon, starve_s=slo / 4)
+    early = replace(
+        base, name="chameleon_starve_slo4", scheduler=replace(base.scheduler, chameleon=quarter)
+    )
+    starve = {k: run(early, float(k), 0).summary() for k in (medium, high_key)}
+    log(
+        "sim: starvation guard at SLO/4: "
+        + "  ".join(
+            f"{k} req/s p50 {v['p50_ttft_s']:.2f} p99 {v['p99_ttft_s']:.2f}"
+            for k, v in starve.items()
+        )
+    )
+    rate = 4 * float(high_key)
+    replicas = {
+        name: run(by_system[name], rate, 0, n=4 * requests, replicas=4).summary()
+        for name in ("fifo_nocache", "loraplex")
+    }
+    log(
+        f"sim: 4 replicas at {rate:.2f} req/s: "
+        + "  ".join(f"{k} p99 {v['p99_ttft_s']:.2f}" for k, v in replicas.items())
+    )
+    return {
+        "eviction_at_rps": float(medium),
+        "eviction": eviction,
+        "chameleon_starve_slo4": starve,
+        "replicas_4_at_rps": rate,
+        "replicas_4": replicas,
+    }
+
+
+def _slower_link(run, by_system, profile, high: float) -> dict:
+    """The ablation of the cache's worth: the paper's high load (seed 0) with the host link
+    4x and 16x slower than the profile's, where S-LoRA's loads take a larger share of its
+    critical path."""
+    out = {}
+    for factor in (1, 4, 16):
+        cost = replace(profile, link_bytes_per_s=profile.link_bytes_per_s / factor)
+        rows = {
+            name: run(by_system[name], high, 0, cost=cost).summary()
+            for name in ("slora", "chameleon", "loraplex")
+        }
+        out[f"link_div_{factor}"] = {
+            name: {k: row[k] for k in ("p50_ttft_s", "p99_ttft_s", "link_busy", "hit_rate")}
+            for name, row in rows.items()
+        }
+        log(
+            f"sim: link / {factor} at {high:.2f} req/s: "
+            + "  ".join(
+                f"{n} p99 {r['p99_ttft_s']:.2f} link {r['link_busy']:.3f}" for n, r in rows.items()
+            )
+        )
+    return out
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else math.inf
+
+
+def throughput_at_slo(loads: list[str], rows: dict[str, dict], slo: float) -> float:
+    """The load at which P99 TTFT crosses the SLO, linear between the swept loads around
+    the first crossing; the highest load if it never does, 0 if even the lowest misses."""
+    xs = [float(k) for k in loads]
+    ys = [rows[k]["p99_ttft_s"] for k in loads]
+    if ys[0] > slo:
+        return 0.0
+    for i in range(1, len(xs)):
+        if ys[i] > slo:
+            return xs[i - 1] + (slo - ys[i - 1]) / (ys[i] - ys[i - 1]) * (xs[i] - xs[i - 1])
+    return xs[-1]
+
+
+def memory_scale(trace: Trace, profile, adapters, shape: SimShape, max_len: int) -> float:
+    """The paper's length scaling (seed 004 §3.2, §5.1): the constant factor for which the
+    trace, replayed at its own timestamps on FIFO without a cache, peaks at the pool's
+    capacity: the smallest factor (bisection, 1% steps) whose peak memory in use (KV +
+    pinned adapters) reaches 95%."""
+    n = int((trace.timestamps < shape.scale_minutes * 60).sum())
+    base = systems(1.0)["fifo_nocache"]
+
+    def peak(scale: float) -> float:
+        reqs = replay_requests(trace, adapters, n, 1.0, scale, 4096)
+        return simulate(reqs, profile, base, adapters, max_len).peak_memory_fraction
+
+    lo, hi = 0.0, 1.0
+    if peak(hi) < 0.95:
+        return hi
+    while hi - lo > 0.01:
+        mid = (lo + hi) / 2
+        if peak(mid) >= 0.95:
+            hi = mid
+        else:
+            lo = mid
+    return hi

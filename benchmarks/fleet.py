@@ -72,7 +72,8 @@ from loraplex.benchmarks.report import log, write_json
 from loraplex.benchmarks.sim_fleet import ROUTERS, FleetRun, FleetSetup, simulate_fleet
 from loraplex.benchmarks.sim_fleet_replica import StoreModel
 from loraplex.benchmarks.sim_profiles import GiB, StepLoad, gpu_profile
-from loraplex.benchmarks.sim_replica import System, simulate
+from loraplex.benchmarks.sim_replica import System
+from loraplex.benchmarks.sim_run import simulate
 from loraplex.benchmarks.sim_workload import AdapterSpec, SimRequest, Trace, read_trace
 from loraplex.replica.memory.adapter_cache import CacheConfig
 from loraplex.replica.scheduling.scheduler import SchedulerConfig

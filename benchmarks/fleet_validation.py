@@ -27,7 +27,8 @@ from loraplex.benchmarks.router_figures import PAGE_BYTES
 from loraplex.benchmarks.sim_fleet import ROUTERS, FleetSetup, simulate_fleet
 from loraplex.benchmarks.sim_fleet_replica import StoreModel
 from loraplex.benchmarks.sim_profiles import LinearProfile, fit_linear
-from loraplex.benchmarks.sim_replica import System, simulate
+from loraplex.benchmarks.sim_replica import System
+from loraplex.benchmarks.sim_run import simulate
 from loraplex.benchmarks.sim_workload import AdapterSpec, SimRequest
 from loraplex.replica.memory.adapter_cache import CacheConfig
 from loraplex.replica.scheduling.scheduler import SchedulerConfig

@@ -306,20 +306,27 @@ def not_found(client: openai.OpenAI, model: str) -> bool:
 class Streams:
     """Long streaming completions, one thread each. Each ends with its completion-token count
     (from the usage chunk) and its text, or with the openai.APIError that ended it (an error
-    event, a timeout)."""
+    event, a timeout). `stagger_s`: the i-th stream starts i x that after the first."""
 
-    def __init__(self, client: openai.OpenAI, models: list[str], max_tokens: int):
+    def __init__(
+        self, client: openai.OpenAI, models: list[str], max_tokens: int, stagger_s: float = 0.0
+    ):
         self.started = [threading.Event() for _ in models]
         self.pool = ThreadPoolExecutor(len(models))
         self.futures = [
-            self.pool.submit(self._run, client, model, max_tokens, started)
-            for model, started in zip(models, self.started, strict=True)
+            self.pool.submit(self._run, client, model, max_tokens, started, i * stagger_s)
+            for i, (model, started) in enumerate(zip(models, self.started, strict=True))
         ]
 
     @staticmethod
     def _run(
-        client: openai.OpenAI, model: str, max_tokens: int, started: threading.Event
+        client: openai.OpenAI,
+        model: str,
+        max_tokens: int,
+        started: threading.Event,
+        delay_s: float = 0.0,
     ) -> tuple[int, str] | openai.APIError:
+        time.sleep(delay_s)
         try:
             with complete(
                 client,
@@ -521,8 +528,10 @@ def test_requests_for_an_adapter_stay_on_the_replica_holding_it(
     register(cluster, keys["acme"], name, demo_assets, "chat-r16")
 
     # resident on `busy`: all go there, and fill its batch (max_num_seqs 8), so a cold
-    # adapter whose home is `busy` is over the bounded load
-    with Streams(acme, ["code"] * 8, max_tokens=800) as streams:
+    # adapter whose home is `busy` is over the bounded load. Started 0.6 s apart, so the
+    # rate of `code` stays within one home (need = rate x 2 s / (0.5 x 8) < 1 up to 2 req/s;
+    # eight at once, decayed over 3 s, are ~2.7 req/s and get it a second home, `other`)
+    with Streams(acme, ["code"] * 8, max_tokens=800, stagger_s=0.6) as streams:
         streams.wait_started()
         # the replica publishes the queue (on a loaded machine a stats call can lag), then
         # two stats periods so the ingress's router has received it too

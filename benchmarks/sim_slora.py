@@ -145,13 +145,19 @@ class SLoRAQueue:
 
     def next_batch(self) -> list[SReq] | None:
         """The queue head up to batch_max_tokens of prompt: what prefetch loads for."""
-        batch, tokens = [], 0
-        for req in self.waiting:
-            if tokens + req.input_len > self.batch_max_tokens:
-                break
-            batch.append(req)
-            tokens += req.input_len
-        return batch or None
+        return queue_head(self.waiting, self.batch_max_tokens)
+
+
+def queue_head(waiting: list[SReq], max_tokens: int) -> list[SReq] | None:
+    """The waiting requests from the head whose prompts fit `max_tokens` together (S-LoRA's
+    `ReqQueue.next_batch`)."""
+    batch, tokens = [], 0
+    for req in waiting:
+        if tokens + req.input_len > max_tokens:
+            break
+        batch.append(req)
+        tokens += req.input_len
+    return batch or None
 
 
 def _peak_kv(held: list[int], left: list[int]) -> int:

@@ -18,7 +18,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from loraplex.benchmarks.sim_slora import SLoRAConfig, SLoRAReplica, SReq, _peak_kv
+from loraplex.benchmarks.sim_slora import (
+    SLoRAConfig,
+    SLoRAReplica,
+    SReq,
+    _peak_kv,
+    queue_head,
+)
 from loraplex.benchmarks.sim_workload import AdapterSpec
 from loraplex.replica.memory.eviction import AdapterUsage, WeightedScore
 from loraplex.replica.sampling import SamplingParams
@@ -116,13 +122,7 @@ class ChameleonQueue:
         return batch or None
 
     def next_batch(self) -> list[SReq] | None:
-        batch, tokens = [], 0
-        for req in self.waiting:
-            if tokens + req.input_len > self.batch_max_tokens:
-                break
-            batch.append(req)
-            tokens += req.input_len
-        return batch or None
+        return queue_head(self.waiting, self.batch_max_tokens)
 
 
 class ChameleonOnSLoRA(SLoRAReplica):

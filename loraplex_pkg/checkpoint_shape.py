@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -71,17 +71,7 @@ class ModelShape:
 
     def projection_shapes(self) -> dict[str, tuple[int, int]]:
         """(out_features, in_features) of each LoRA-targetable projection of one layer."""
-        h, i = self.hidden_size, self.intermediate_size
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return {
-            "q_proj": (q, h),
-            "k_proj": (kv, h),
-            "v_proj": (kv, h),
-            "o_proj": (h, q),
-            "gate_proj": (i, h),
-            "up_proj": (i, h),
-            "down_proj": (h, i),
-        }
+        return projection_shapes(self)
 
     @classmethod
     def from_config_dict(cls, raw: dict[str, Any]) -> ModelShape:
@@ -143,3 +133,32 @@ class ModelShape:
 
 def is_gguf(path: str | os.PathLike[str]) -> bool:
     return str(path).endswith(GGUF_SUFFIX)
+
+
+class _Dimensions(Protocol):
+    @property
+    def hidden_size(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def num_heads(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+
+
+def projection_shapes(m: _Dimensions) -> dict[str, tuple[int, int]]:
+    """(out_features, in_features) of each LoRA-targetable projection of one layer of a
+    Llama-family model with `m`'s dimensions."""
+    h, i = m.hidden_size, m.intermediate_size
+    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+    return {
+        "q_proj": (q, h),
+        "k_proj": (kv, h),
+        "v_proj": (kv, h),
+        "o_proj": (h, q),
+        "gate_proj": (i, h),
+        "up_proj": (i, h),
+        "down_proj": (h, i),
+    }

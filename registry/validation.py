@@ -22,7 +22,7 @@ from typing import Any, TypeGuard
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from loraplex.checkpoint_shape import ModelShape
+from loraplex.checkpoint_shape import ModelShape, projection_shapes
 from loraplex.model_shape import read_model_shape
 from loraplex.registry.errors import Invalid, TooLarge, Unacceptable
 
@@ -107,17 +107,7 @@ class BaseModelShape(BaseModel):
 
     def projection_shapes(self) -> dict[str, tuple[int, int]]:
         """(out_features, in_features) of each LoRA-targetable projection of one layer."""
-        h, i = self.hidden_size, self.intermediate_size
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return {
-            "q_proj": (q, h),
-            "k_proj": (kv, h),
-            "v_proj": (kv, h),
-            "o_proj": (h, q),
-            "gate_proj": (i, h),
-            "up_proj": (i, h),
-            "down_proj": (h, i),
-        }
+        return projection_shapes(self)
 
 
 @dataclass(frozen=True, slots=True)

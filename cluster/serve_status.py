@@ -112,16 +112,21 @@ def _names(adapters: list[str] | None) -> str:
     return ", ".join(adapters) if adapters else "-"
 
 
-def adapter_homes_report(url: str) -> list[str]:
-    """The router's view of the busiest adapters, read from the ingress's /metrics: request
-    rate and homes (the replicas it is routed to), the rest summed as "other"."""
+def adapter_homes_report(url: str, metrics_key: str | None = None) -> list[str]:
+    """The router's view of the busiest adapters, read from the ingress's /metrics (with
+    `metrics_key` as the bearer): request rate and homes (the replicas it is routed to),
+    the rest summed as "other"."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
+    headers = {"Authorization": f"Bearer {metrics_key}"} if metrics_key else {}
     try:
-        text = httpx.get(f"{url}/metrics", timeout=5, trust_env=False).text
+        r = httpx.get(f"{url}/metrics", headers=headers, timeout=5, trust_env=False)
     except httpx.HTTPError as e:
         return [f"adapters: unavailable ({type(e).__name__}: {e})"]
+    if r.status_code != 200:
+        return [f"adapters: unavailable (/metrics answered HTTP {r.status_code}: {r.text[:200]})"]
+    text = r.text
     rates: dict[str, float] = {}
     homes: dict[str, list[str]] = {}
     counts: dict[str, int] = {}

@@ -563,8 +563,10 @@ def router_homes(cluster: Cluster, adapter: str) -> tuple[float, list[str]]:
     """The ingress router's estimate of `adapter`'s rate and its homes, from /metrics."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with cluster.http() as http:
-        text = http.get("/metrics").text
+    with cluster.http(cluster.metrics_key) as http:
+        r = http.get("/metrics")
+    assert r.status_code == 200, r.text
+    text = r.text
     rate, homes = 0.0, []
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

@@ -42,32 +42,19 @@ beside one within it, through the ingress and one replica; `fairness.b_p99_ttft_
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
-import tempfile
 import time
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from loraplex.benchmarks import fleet_workloads as fw
-from loraplex.benchmarks.goodput import plot_goodput
-from loraplex.benchmarks.report import log, write_json
+from loraplex.benchmarks.report import log
 from loraplex.benchmarks.router_apps import build_app
-from loraplex.benchmarks.router_assets import (
-    TENANT,
-    register,
-    replica_engine_config,
-    write_assets,
-)
-from loraplex.benchmarks.router_costs import measure_router_costs
-from loraplex.benchmarks.router_fairness import FULL as FAIRNESS_FULL
-from loraplex.benchmarks.router_fairness import QUICK as FAIRNESS_QUICK
-from loraplex.benchmarks.router_fairness import measure_fairness, print_fairness
-from loraplex.benchmarks.router_figures import print_table, run_figures, summary
+from loraplex.benchmarks.router_assets import BenchCluster, bench_cluster
+from loraplex.benchmarks.router_figures import run_figures, summary
 from loraplex.benchmarks.router_runs import (
     BenchRequest,
     counters,
@@ -77,12 +64,7 @@ from loraplex.benchmarks.router_runs import (
     wait_for_replicas,
 )
 from loraplex.benchmarks.router_workload import Workload
-from loraplex.demo.lean_ray import lean_ray_serve
 from loraplex.demo.synthetic import ModelSpec
-from loraplex.registry.artifacts import ArtifactStore
-from loraplex.registry.etcd_client import EtcdSettings
-from loraplex.registry.etcd_process import INSTALL_HINT, EtcdProcess, find_etcd_binary
-from loraplex.replica.protocol import adapter_id
 from loraplex.router.serve_backend import ServeBackend
 
 ROUTERS = ("affinity", "pow2", "multiplex")
@@ -121,26 +103,6 @@ QUICK = replace(
 )
 
 
-def run_bench(args: argparse.Namespace) -> int:
-    if find_etcd_binary() is None:
-        log(f"no etcd server binary; install one: {INSTALL_HINT}")
-        return 2
-    workload = QUICK if args.quick else FULL
-    started = time.perf_counter()
-    results = {"quick": bool(args.quick), **measure(workload)}
-    if getattr(args, "plot", None):
-        path = plot_goodput(
-            results["workloads"], Path(args.plot) / "router_goodput.png", _title(results)
-        )
-        log(f"figure: {path}")
-    results["seconds"] = time.perf_counter() - started
-    print_table(results)
-    results["fairness"] = measure_fairness(FAIRNESS_QUICK if args.quick else FAIRNESS_FULL)
-    print_fairness(results["fairness"])
-    write_json(args.json, results)
-    return 0
-
-
 def measure(
     w: Workload, routers: tuple[str, ...] = ROUTERS, workloads: tuple[str, ...] = fw.WORKLOADS
 ) -> dict[str, Any]:
@@ -166,51 +128,45 @@ def run_measured(
     import logging
 
     logging.getLogger("ray.serve").setLevel(logging.ERROR)  # queue-probe warnings on 2 cores
-    with tempfile.TemporaryDirectory(prefix="loraplex-bench-router-") as tmp:
-        root = Path(tmp)
-        model_dir, sources = write_assets(root, w)
-        engine_config, sizes = replica_engine_config(model_dir, sources, w)
-        costs, calibration = measure_router_costs(engine_config, sources, w)
-        log(
-            "measured here: "
-            + ", ".join(f"{k}={v * 1e3:.1f}ms" for k, v in costs.items())
-            + f", unloaded TTFT {calibration['unloaded_ttft_s'] * 1e3:.0f} ms"
-        )
-        etcd = EtcdProcess(root / "etcd")
-        etcd.start()
-        try:
-            settings = EtcdSettings(endpoints=[etcd.endpoint])
-            artifacts = ArtifactStore(root / "artifacts")
-            paths = asyncio.run(register(settings, artifacts, sources))
-            names = [adapter_id(TENANT, n) for n in sources]
-            with lean_ray_serve():
-                apps = _start_apps(routers, w, engine_config, settings, artifacts, paths, costs)
-                calibration["capacity_rps"] = _capacity(next(iter(apps.values())), w)
-                log(f"capacity: {calibration['capacity_rps']:.1f} req/s (base model, saturated)")
-                runs = {
-                    workload: _sweep(workload, i, names, w, apps, calibration)
-                    for i, workload in enumerate(workloads)
-                }
-        finally:
-            etcd.stop(kill=True)
+    with bench_cluster(w, "router") as cluster:
+        apps = _start_apps(routers, w, cluster)
+        calibration = dict(cluster.calibration)
+        calibration["capacity_rps"] = _capacity(next(iter(apps.values())), w)
+        log(f"capacity: {calibration['capacity_rps']:.1f} req/s (base model, saturated)")
+        names = list(cluster.paths)  # version ids, in catalog order
+        runs = {
+            workload: _sweep(workload, i, names, w, apps, calibration)
+            for i, workload in enumerate(workloads)
+        }
     requests = {name: run.pop("requests") for name, run in runs.items()}
+    costs = cluster.costs
     return Measured(
-        summary(w, engine_config, costs, calibration, runs),
-        engine_config,
+        summary(w, cluster.engine_config, costs, calibration, runs),
+        cluster.engine_config,
         costs,
         calibration,
-        {adapter_id(TENANT, name): size for name, size in sizes.items()},
+        cluster.sizes,
         requests,
     )
 
 
-def _start_apps(routers, w, engine_config, settings, artifacts, paths, costs) -> dict[str, Any]:
+def _start_apps(
+    routers: tuple[str, ...], w: Workload, cluster: BenchCluster
+) -> dict[str, ServeBackend]:
     from ray import serve
 
     apps = {}
     for router in routers:
         started = time.perf_counter()
-        app = build_app(router, w, engine_config, settings, artifacts, paths, costs)
+        app = build_app(
+            router,
+            w,
+            cluster.engine_config,
+            cluster.settings,
+            cluster.artifacts,
+            cluster.paths,
+            cluster.costs,
+        )
         handle = serve.run(app, name=f"bench-{router}", route_prefix=None)
         apps[router] = ServeBackend(handle, retries=1)
         log(f"{router}: {w.num_replicas} replicas up in {time.perf_counter() - started:.1f}s")
@@ -325,11 +281,3 @@ def _bench(reqs, w: Workload) -> list[BenchRequest]:
         BenchRequest(r.arrival, r.adapter, rng.integers(10, vocab, r.prompt).tolist(), r.output)
         for r in reqs
     ]
-
-
-def _title(results: dict) -> str:
-    w = results["workload"]
-    return (
-        f"real Ray: {w['num_replicas']} replicas on this CPU, {w['num_adapters']} adapters, "
-        f"reads {w['read_bandwidth_mib_s']:g} MiB/s + {w['read_latency_ms']:g} ms"
-    )

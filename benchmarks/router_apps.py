@@ -32,7 +32,10 @@ async def _engine_counters(engine: Engine) -> dict[str, float]:
     had dropped, and the seconds loads took (re-reads included)."""
     stats = await engine.stats()
     adapters = stats["adapters"]
+    prefix = stats.get("prefix_cache") or {}  # prompt tokens asked for and computed
     return {
+        "prompt_tokens": prefix.get("prompt_tokens", 0),
+        "prompt_tokens_computed": prefix.get("prompt_tokens_computed", 0),
         "loads": adapters["loads"],
         "reads": adapters["disk_reads"],
         "load_seconds": adapters["load_seconds"],

@@ -1,19 +1,29 @@
 """`loraplex bench router`'s assets: a tiny model, a catalog of adapters, the engine
-configuration every app shares, and the adapters registered in etcd and the artifact store."""
+configuration every app shares, and the adapters registered in etcd and the artifact store;
+`bench_cluster` sets all of it up, with a lean local Ray, for each of the bench's sections."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import math
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from loraplex.benchmarks import fleet_workloads as fw
 from loraplex.benchmarks.engine import SERVING_TARGETS
+from loraplex.benchmarks.report import log
+from loraplex.benchmarks.router_costs import measure_router_costs
 from loraplex.benchmarks.router_figures import PAGE_BYTES
+from loraplex.demo.lean_ray import lean_ray_serve
 from loraplex.demo.synthetic import AdapterSpec, write_adapter, write_checkpoint
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.etcd_client import EtcdSettings
+from loraplex.registry.etcd_process import EtcdProcess
 from loraplex.registry.models import AdapterRecord, Tenant
 from loraplex.registry.store import RegistryStore
 from loraplex.replica.memory.adapters import load_adapter, plan_layout
@@ -24,6 +34,55 @@ if TYPE_CHECKING:
     from loraplex.benchmarks.router_workload import Workload
 
 TENANT = "bench"
+
+
+@dataclass(frozen=True, slots=True)
+class BenchCluster:
+    """What every app of a bench section shares (`router_apps.build_app`'s inputs)."""
+
+    engine_config: dict[str, Any]
+    sizes: dict[str, tuple[int, int]]  # adapter version id -> (rank, weight bytes)
+    costs: dict[str, float]  # the router's cost figures, measured here
+    calibration: dict[str, Any]
+    settings: EtcdSettings
+    artifacts: ArtifactStore
+    paths: dict[str, str]  # adapter version id -> artifact folder, in catalog order
+
+
+@contextlib.contextmanager
+def bench_cluster(w: Workload, name: str) -> Iterator[BenchCluster]:
+    """The assets written to a temporary folder, the router costs measured on one engine,
+    an etcd server with every adapter registered, and a lean local Ray with Serve; all of
+    it stopped and removed on exit."""
+    with tempfile.TemporaryDirectory(prefix=f"loraplex-bench-{name}-") as tmp:
+        root = Path(tmp)
+        model_dir, sources = write_assets(root, w)
+        engine_config, sizes = replica_engine_config(model_dir, sources, w)
+        costs, calibration = measure_router_costs(engine_config, sources, w)
+        log(
+            "measured here: "
+            + ", ".join(f"{k}={v * 1e3:.1f}ms" for k, v in costs.items())
+            + f", unloaded TTFT {calibration['unloaded_ttft_s'] * 1e3:.0f} ms"
+        )
+        etcd = EtcdProcess(root / "etcd")
+        etcd.start()
+        try:
+            settings = EtcdSettings(endpoints=[etcd.endpoint])
+            artifacts = ArtifactStore(root / "artifacts")
+            paths = asyncio.run(register(settings, artifacts, sources))
+            versions = dict(zip(sources, paths, strict=True))
+            with lean_ray_serve():
+                yield BenchCluster(
+                    engine_config,
+                    {versions[n]: size for n, size in sizes.items()},
+                    costs,
+                    calibration,
+                    settings,
+                    artifacts,
+                    paths,
+                )
+        finally:
+            etcd.stop(kill=True)
 
 
 def write_assets(root: Path, w: Workload) -> tuple[Path, dict[str, Path]]:
@@ -73,7 +132,8 @@ def replica_engine_config(
 async def register(
     settings: EtcdSettings, artifacts: ArtifactStore, sources: dict[str, Path]
 ) -> dict[str, str]:
-    """Register every adapter; their artifact folders by adapter id (what multiplex reads)."""
+    """Register every adapter; their artifact folders by adapter (version) id, in the order
+    of `sources` (what multiplex reads)."""
     paths = {}
     async with RegistryStore(settings) as store:
         await store.create_tenant(Tenant(name=TENANT, adapter_quota=len(sources)))
@@ -94,5 +154,5 @@ async def register(
                     artifact=stored.path,
                 )
             )
-            paths[adapter_id(TENANT, name)] = str(artifacts.path_of(stored.path))
+            paths[adapter_id(TENANT, name, stored.digest)] = str(artifacts.path_of(stored.path))
     return paths

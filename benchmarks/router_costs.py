@@ -46,7 +46,8 @@ def measure_router_costs(
     try:
         engine = LLMEngine(build_engine_config(engine_config))
         names = list(sources)[: min(w.adapters_per_replica, w.max_num_seqs)]
-        prompt = list(range(10, 10 + sum(w.prompt_tokens) // 2))
+        vocab = engine.model_config.vocab_size  # ordinary ids: 10..vocab-1, over and over
+        prompt = [10 + i % (vocab - 10) for i in range(sum(w.prompt_tokens) // 2)]
         reads, copies, unloaded = [], [], []
         for name in names:
             start = time.perf_counter()

@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.suite == "registry":
             from loraplex.benchmarks.registry import run_bench
         elif args.suite == "router":
-            from loraplex.benchmarks.router import run_bench
+            from loraplex.benchmarks.router_suite import run_bench
         elif args.suite == "sched":
             from loraplex.benchmarks.sched import run_bench
         elif args.suite == "fleet":

@@ -1,5 +1,6 @@
 """The tenant API: admins create tenants and issue keys; tenants register, list, get and delete
-their own adapters (plus vLLM's load/unload aliases). Three module-level routers (`tenants`,
+their own adapters, register new versions under a name, roll back and run canaries (plus
+vLLM's load/unload aliases). Three module-level routers (`tenants`,
 `adapters`, `vllm`) whose handlers take the API's collaborators from `app.state.tenant_api`
 (`TenantAPI`); `mount` installs them into an app (the ingress, or `create_app` to run the API
 alone).
@@ -16,13 +17,16 @@ refusal leaves etcd and the artifact root as they were.
 
 # No `from __future__ import annotations`: FastAPI resolves the handlers' annotations, and
 # the Annotated dependencies must be objects, not strings.
+import asyncio
+import contextlib
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path as FilePath
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request, Security
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Path, Request, Response, Security
 from fastapi.responses import PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import ConfigDict, Field, SecretStr
@@ -32,31 +36,44 @@ from loraplex.registry.admission import UploadAdmission
 from loraplex.registry.api_errors import RegistryRoute, responses
 from loraplex.registry.api_schemas import (
     REGISTRATION_BODY,
+    REPLACEMENT_BODY,
+    AdapterDetail,
     AdapterList,
+    CanaryRequest,
     KeyRequest,
     LoadLoRAAdapterRequest,
     RegisterByPath,
+    ReplaceByPath,
+    RollbackRequest,
     TenantCreate,
     TenantDeleted,
     TenantList,
     TenantView,
     TenantWithKey,
     UnloadLoRAAdapterRequest,
+    VersionList,
 )
 from loraplex.registry.archives import ArchiveLimits
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.auth import Authenticator
 from loraplex.registry.errors import Unacceptable
 from loraplex.registry.isolation import run_isolated
-from loraplex.registry.models import AdapterRecord, Tenant, TenantLimits
+from loraplex.registry.models import (
+    DIGEST_PATTERN,
+    AdapterRecord,
+    AdapterVersion,
+    Canary,
+    Tenant,
+    TenantLimits,
+)
 from loraplex.registry.request_body import read_capped
-from loraplex.registry.service import RegistryService
+from loraplex.registry.service import RegistryService, collect_garbage_every
 from loraplex.registry.settings import AdapterLimits, RegistrySettings
 from loraplex.registry.store import EtcdSettings, RegistryStore
-from loraplex.registry.validation import BaseModelShape
+from loraplex.registry.validation import BaseModelShape, shown
 from loraplex.registry.watch import RegistryWatcher
 
-__all__ = ["RegistryAPISettings", "TenantAPI", "create_app", "mount"]
+__all__ = ["RegistryAPISettings", "TenantAPI", "collecting_garbage", "create_app", "mount"]
 
 
 class RegistryAPISettings(RegistrySettings, AdapterLimits):
@@ -218,6 +235,40 @@ async def register_adapter(request: Request, owner: Owner, api: API) -> AdapterR
     """Register a PEFT LoRA adapter: a multipart upload (files `adapter_config` and
     `adapter_model`, or one `archive` tar.gz) or JSON `{name, path}` naming a folder under
     an allowed root. Everything is validated before anything is written."""
+    async with _received(request, owner, api, None) as (name, pinned, staged):
+        return await api.service.register(owner, name, bool(pinned), staged)
+
+
+@adapters.put(
+    "/v1/adapters/{name}",
+    openapi_extra=REPLACEMENT_BODY,
+    responses={
+        **responses(400, 401, 403, 405, 409, 413, 415, 422, 429, 503),
+        201: {"model": AdapterRecord, "description": "A new name, at its first version."},
+    },
+)
+async def put_adapter(
+    name: str, request: Request, response: Response, owner: Owner, api: API
+) -> AdapterRecord:
+    """Register new content under `name` (bodies as for `POST /v1/adapters`; `name` in the
+    body, if sent, must be this one): a new version that the alias moves to in one etcd
+    transaction (200), or the name itself if it is new (201). Requests already resolved
+    finish on the version they began with; content equal to a retained version moves the
+    alias back to it, and the current content changes nothing. Ends any canary."""
+    uploads.check_name(name)
+    async with _received(request, owner, api, name) as (_, pinned, staged):
+        record, created = await api.service.put(owner, name, pinned, staged)
+    response.status_code = 201 if created else 200
+    return record
+
+
+@asynccontextmanager
+async def _received(
+    request: Request, owner: Tenant, api: TenantAPI, path_name: str | None
+) -> AsyncIterator[tuple[str, bool | None, FilePath]]:
+    """The registration body staged as a PEFT folder: (name, pinned or None if unsent,
+    folder), under the tenant's upload slot and the staging budget. `path_name`: the name
+    the route's path gives (a body may repeat it), None when the body must name it."""
     settings = api.settings
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type not in ("multipart/form-data", "application/json"):
@@ -227,11 +278,17 @@ async def register_adapter(request: Request, owner: Owner, api: API) -> AdapterR
     with api.admission.admit(owner.name) as staging_bytes:
         async with uploads.staging(settings.staging_dir) as work:
             staged = work / "adapter"
+            pinned: bool | None
+            path: str | None = None  # registration by path
             if content_type == "multipart/form-data":
                 form = await uploads.receive_multipart(
                     request, work, settings.max_upload_bytes, staging_bytes
                 )
-                name, pinned = uploads.form_name(form), uploads.form_bool(form, "pinned")
+                if path_name is None or "name" in form.fields:
+                    name = uploads.form_name(form)
+                else:
+                    name = path_name
+                pinned = uploads.form_optional_bool(form, "pinned")
                 if "archive" in form.files:
                     staging_bytes.take(settings.max_adapter_bytes)
                 await run_isolated(
@@ -242,12 +299,21 @@ async def register_adapter(request: Request, owner: Owner, api: API) -> AdapterR
                     staged,
                     api.archive_limits,
                 )
-            else:
+            elif path_name is None:
                 body = await uploads.read_json(request, RegisterByPath)
-                name, pinned = body.name, body.pinned
+                name, pinned, path = body.name, body.pinned, body.path
+            else:
+                replacement = await uploads.read_json(request, ReplaceByPath)
+                name, pinned, path = path_name, replacement.pinned, replacement.path
+            if path_name is not None and name != path_name:
+                raise Unacceptable(
+                    f"the body names adapter {shown(name)}, the path {shown(path_name)}; "
+                    "send one name"
+                )
+            if path is not None:
                 staging_bytes.take(settings.max_adapter_bytes)
-                await _copy_from_path(api, body.path, owner.name, staged)
-            return await api.service.register(owner, name, pinned, staged)
+                await _copy_from_path(api, path, owner.name, staged)
+            yield name, pinned, staged
 
 
 @adapters.get("/v1/adapters", responses=responses(401, 403, 405))
@@ -257,14 +323,76 @@ async def list_adapters(owner: Owner, api: API) -> AdapterList:
 
 
 @adapters.get("/v1/adapters/{name}", responses=responses(401, 403, 404, 405))
-async def get_adapter(name: str, owner: Owner, api: API) -> AdapterRecord:
-    return await api.service.adapter(owner.name, name)
+async def get_adapter(name: str, owner: Owner, api: API) -> AdapterDetail:
+    """The adapter: the version it serves (its fields), any canary, and its retained
+    versions, newest first."""
+    record = await api.service.adapter(owner.name, name)
+    return AdapterDetail.of(record, await api.service.versions(owner.name, name))
 
 
 @adapters.delete("/v1/adapters/{name}", responses=responses(401, 403, 404, 405, 503))
 async def delete_adapter(name: str, owner: Owner, api: API) -> AdapterRecord:
     """Delete one of the caller's adapters; returns the record as it was."""
     return await api.service.delete(owner.name, name)
+
+
+# ---------------------------------------------------------------- versions of one name
+
+Version = Annotated[
+    str,
+    Path(pattern=DIGEST_PATTERN, description="A version: 64 lowercase hex digits (sha256)."),
+]
+
+
+@adapters.get("/v1/adapters/{name}/versions", responses=responses(401, 403, 404, 405))
+async def list_versions(name: str, owner: Owner, api: API) -> VersionList:
+    return VersionList(versions=await api.service.versions(owner.name, name))
+
+
+@adapters.get(
+    "/v1/adapters/{name}/versions/{version}", responses=responses(401, 403, 404, 405, 422)
+)
+async def get_version(name: str, version: Version, owner: Owner, api: API) -> AdapterVersion:
+    return await api.service.version(owner.name, name, version)
+
+
+@adapters.delete(
+    "/v1/adapters/{name}/versions/{version}",
+    responses=responses(401, 403, 404, 405, 409, 422, 503),
+)
+async def delete_version(name: str, version: Version, owner: Owner, api: API) -> AdapterVersion:
+    """Delete a retained version; 409 for the version the name serves or its canary."""
+    return await api.service.delete_version(owner.name, name, version)
+
+
+@adapters.post(
+    "/v1/adapters/{name}/rollback",
+    responses=responses(400, 401, 403, 404, 405, 409, 413, 422, 503),
+)
+async def rollback(
+    name: str, owner: Owner, api: API, body: RollbackRequest | None = None
+) -> AdapterRecord:
+    """Move the alias to a retained version (by default the one registered before the
+    current one), in one etcd transaction; ends any canary. New requests get that version
+    at once; requests in flight finish on theirs."""
+    version = (body or RollbackRequest()).version
+    return await api.service.rollback(owner.name, name, version)
+
+
+@adapters.put(
+    "/v1/adapters/{name}/canary", responses=responses(400, 401, 403, 404, 405, 409, 413, 422, 503)
+)
+async def set_canary(name: str, body: CanaryRequest, owner: Owner, api: API) -> AdapterRecord:
+    """Serve `weight` of the name's requests with another retained version. Which version a
+    request gets depends only on its id, so it is the same on every ingress."""
+    canary = Canary(version=body.version, weight=body.weight)
+    return await api.service.set_canary(owner.name, name, canary)
+
+
+@adapters.delete("/v1/adapters/{name}/canary", responses=responses(401, 403, 404, 405, 409, 503))
+async def end_canary(name: str, owner: Owner, api: API) -> AdapterRecord:
+    """Serve every request with the current version again."""
+    return await api.service.set_canary(owner.name, name, None)
 
 
 # ---------------------------------------------------------------- vLLM's aliases
@@ -280,15 +408,17 @@ vllm = APIRouter(
     "/v1/load_lora_adapter", responses=responses(400, 401, 403, 405, 409, 413, 422, 429, 503)
 )
 async def load_lora_adapter(body: LoadLoRAAdapterRequest, owner: Owner, api: API) -> str:
-    """vLLM's runtime loading, done as a registration by path: every replica gets it."""
-    if body.load_inplace:
-        raise Unacceptable("load_inplace is not supported; unload the adapter, then load it again")
+    """vLLM's runtime loading, done as a registration by path: every replica gets it. With
+    `load_inplace`, a taken name gets a new version (as `PUT /v1/adapters/{name}`)."""
     with api.admission.admit(owner.name) as staging_bytes:
         async with uploads.staging(api.settings.staging_dir) as work:
             staged = work / "adapter"
             staging_bytes.take(api.settings.max_adapter_bytes)
             await _copy_from_path(api, body.lora_path, owner.name, staged)
-            await api.service.register(owner, body.lora_name, False, staged)
+            if body.load_inplace:
+                await api.service.put(owner, body.lora_name, None, staged)
+            else:
+                await api.service.register(owner, body.lora_name, False, staged)
     return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
 
@@ -328,6 +458,28 @@ def mount(
         app.include_router(router)
 
 
+@asynccontextmanager
+async def collecting_garbage(
+    store: RegistryStore, artifacts: ArtifactStore, settings: RegistryAPISettings
+) -> AsyncIterator[None]:
+    """Artifacts no record refers to are removed every `gc_interval_s` while inside (a
+    version pruned or deleted while another registration of its bytes raced it, a
+    registration whose transaction timed out)."""
+    if settings.gc_interval_s == 0:
+        yield
+        return
+    task = asyncio.create_task(
+        collect_garbage_every(store, artifacts, settings.gc_interval_s, settings.gc_min_age_s),
+        name="loraplex-artifact-gc",
+    )
+    try:
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
 def create_app(
     settings: RegistryAPISettings,
     etcd: EtcdSettings,
@@ -346,7 +498,8 @@ def create_app(
         if watcher is not None:
             await watcher.start()
         try:
-            yield
+            async with collecting_garbage(store, artifacts, settings):
+                yield
         finally:
             if watcher is not None:
                 await watcher.stop()

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from loraplex.registry.models import NAME_PATTERN, AdapterRecord, Tenant, TenantLimits
+from loraplex.registry.models import (
+    DIGEST_PATTERN,
+    NAME_PATTERN,
+    AdapterRecord,
+    AdapterVersion,
+    Tenant,
+    TenantLimits,
+)
 from loraplex.registry.validation import CONFIG_FILE, WEIGHTS_FILE
 
 
@@ -100,12 +107,76 @@ class RegisterByPath(BaseModel):
     pinned: bool = Field(False, description="Keep resident on replicas even when cold.")
 
 
+class ReplaceByPath(BaseModel):
+    """`PUT /v1/adapters/{name}` by path: the name is the route's."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={"examples": [{"path": "/mnt/adapters/sql-helper-v2"}]},
+    )
+
+    path: str = Field(
+        description="Absolute path of a PEFT adapter folder in the tenant's subtree of an "
+        "allowed root (<root>/<tenant>/...)."
+    )
+    pinned: bool | None = Field(
+        None, description="Keep resident on replicas even when cold; unset keeps the name's."
+    )
+
+
 class AdapterList(BaseModel):
     adapters: list[AdapterRecord]
 
 
+class AdapterDetail(AdapterRecord):
+    """An adapter's name, the version it serves, and its retained versions."""
+
+    versions: list[AdapterVersion] = Field(
+        description="Retained versions, newest first (the current one among them)."
+    )
+
+    @classmethod
+    def of(cls, record: AdapterRecord, versions: list[AdapterVersion]) -> AdapterDetail:
+        return cls(**record.model_dump(), versions=versions)
+
+
+class VersionList(BaseModel):
+    versions: list[AdapterVersion] = Field(description="Newest first.")
+
+
+class RollbackRequest(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={"examples": [{"version": "9c0d3e5b" * 8}, {}]},
+    )
+
+    version: str | None = Field(
+        None,
+        pattern=DIGEST_PATTERN,
+        description="The retained version to serve; unset: the one registered before the "
+        "current one.",
+    )
+
+
+class CanaryRequest(BaseModel):
+    model_config = ConfigDict(
+        extra="forbid",
+        strict=True,
+        json_schema_extra={"examples": [{"version": "9c0d3e5b" * 8, "weight": 0.1}]},
+    )
+
+    version: str = Field(
+        pattern=DIGEST_PATTERN, description="A retained version other than the current one."
+    )
+    weight: float = Field(
+        gt=0, lt=1, description="Share of the name's requests it serves, chosen per request id."
+    )
+
+
 class LoadLoRAAdapterRequest(BaseModel):
-    """vLLM's request body; `load_inplace` (replace weights under a live name) is refused."""
+    """vLLM's request body; `load_inplace` registers a new version under a taken name."""
 
     model_config = ConfigDict(
         strict=True,
@@ -118,8 +189,9 @@ class LoadLoRAAdapterRequest(BaseModel):
     lora_path: str
     load_inplace: bool = Field(
         False,
-        json_schema_extra={"const": False},
-        description="Must be false: weights are never replaced under a live name.",
+        description="Register the folder as a new version of `lora_name` if it exists (the "
+        "alias moves to it; requests in flight finish on the version they began with); "
+        "false refuses a taken name.",
     )
 
 
@@ -132,42 +204,53 @@ class UnloadLoRAAdapterRequest(BaseModel):
     lora_int_id: int | None = Field(None, description="Accepted for vLLM clients; ignored.")
 
 
-REGISTRATION_BODY = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "multipart/form-data": {
-                "schema": {
-                    "type": "object",
-                    "required": ["name"],
-                    "properties": {
-                        "name": {"type": "string", "pattern": NAME_PATTERN},
-                        "pinned": {"type": "boolean", "default": False},
-                        "adapter_config": {
-                            "type": "string",
-                            "format": "binary",
-                            "description": CONFIG_FILE,
-                        },
-                        "adapter_model": {
-                            "type": "string",
-                            "format": "binary",
-                            "description": WEIGHTS_FILE,
-                        },
-                        "archive": {
-                            "type": "string",
-                            "format": "binary",
-                            "description": f"tar.gz of {CONFIG_FILE} and {WEIGHTS_FILE} (instead of the two files)",
+def registration_body(name_in_body: bool) -> dict:
+    """OpenAPI request body of a registration: multipart (files or an archive) or JSON by
+    path; `name_in_body` for POST (PUT takes the name from its path)."""
+    by_path = RegisterByPath if name_in_body else ReplaceByPath
+    example = {"path": "/mnt/adapters/sql-helper"} | (
+        {"name": "sql-helper"} if name_in_body else {}
+    )
+    pinned = {"type": "boolean"} | ({"default": False} if name_in_body else {})
+    return {
+        "requestBody": {
+            "required": True,
+            "content": {
+                "multipart/form-data": {
+                    "schema": {
+                        "type": "object",
+                        "required": ["name"] if name_in_body else [],
+                        "properties": {
+                            "name": {"type": "string", "pattern": NAME_PATTERN},
+                            "pinned": pinned,
+                            "adapter_config": {
+                                "type": "string",
+                                "format": "binary",
+                                "description": CONFIG_FILE,
+                            },
+                            "adapter_model": {
+                                "type": "string",
+                                "format": "binary",
+                                "description": WEIGHTS_FILE,
+                            },
+                            "archive": {
+                                "type": "string",
+                                "format": "binary",
+                                "description": f"tar.gz of {CONFIG_FILE} and {WEIGHTS_FILE} "
+                                "(instead of the two files)",
+                            },
                         },
                     },
+                    "encoding": {"adapter_config": {"contentType": "application/json"}},
                 },
-                "encoding": {"adapter_config": {"contentType": "application/json"}},
-            },
-            "application/json": {
-                "schema": RegisterByPath.model_json_schema(),
-                "examples": {
-                    "by_path": {"value": {"name": "sql-helper", "path": "/mnt/adapters/sql-helper"}}
+                "application/json": {
+                    "schema": by_path.model_json_schema(),
+                    "examples": {"by_path": {"value": example}},
                 },
             },
-        },
+        }
     }
-}
+
+
+REGISTRATION_BODY = registration_body(name_in_body=True)
+REPLACEMENT_BODY = registration_body(name_in_body=False)

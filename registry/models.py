@@ -2,9 +2,16 @@
 
 Keys (the layout is versioned by the prefix; a v2 layout would live beside it):
     /loraplex/v1/tenants/<tenant>
-    /loraplex/v1/adapters/<tenant>/<name>
+    /loraplex/v1/adapters/<tenant>/<name>                 the alias: which version serves
+    /loraplex/v1/versions/<tenant>/<name>/<version>       every retained version of a name
 Values are the JSON of the models below without their `*_revision` fields, which are
 filled from etcd's create_revision / mod_revision when a key is read.
+
+Versions. A registration makes an immutable version, named by the content digest of its
+files (`version`: the artifact store's sha256 over config and weights, so the same bytes
+are the same version everywhere). A name is an alias: its `AdapterRecord` describes the
+version it points to, and may send a share of requests to a second one (`canary`). Alias
+and versions change together, in one transaction that compares the alias's revision.
 
 Models are frozen: the watcher hands the same objects to every request path, so a change is
 a `model_copy(update=...)` written back through the store, never an attribute assignment.
@@ -12,16 +19,19 @@ a `model_copy(update=...)` written back through the store, never an attribute as
 
 from __future__ import annotations
 
+import hashlib
 import time
 from pathlib import PurePosixPath
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PREFIX = "/loraplex/v1"
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
+DIGEST_PATTERN = r"^[0-9a-f]{64}$"
 TENANTS_PREFIX = f"{PREFIX}/tenants/"
 ADAPTERS_PREFIX = f"{PREFIX}/adapters/"
+VERSIONS_PREFIX = f"{PREFIX}/versions/"
 REVISION_FIELDS = frozenset({"created_revision", "updated_revision"})
 
 
@@ -33,21 +43,41 @@ def adapter_key(tenant: str, name: str) -> str:
     return f"{ADAPTERS_PREFIX}{tenant}/{name}"
 
 
+def version_key(tenant: str, name: str, version: str) -> str:
+    return f"{VERSIONS_PREFIX}{tenant}/{name}/{version}"
+
+
 def tenant_adapters_prefix(tenant: str) -> str:
     """Prefix of every adapter key of `tenant`; the trailing slash keeps `a` from matching `ab`."""
     return f"{ADAPTERS_PREFIX}{tenant}/"
 
 
-def parse_key(key: str) -> tuple[Literal["tenant", "adapter"], str, str | None]:
-    """(kind, tenant, adapter name or None) of a registry key; ValueError for anything else."""
+def tenant_versions_prefix(tenant: str) -> str:
+    return f"{VERSIONS_PREFIX}{tenant}/"
+
+
+def adapter_versions_prefix(tenant: str, name: str) -> str:
+    return f"{VERSIONS_PREFIX}{tenant}/{name}/"
+
+
+KeyKind = Literal["tenant", "adapter", "version"]
+
+
+def parse_key(key: str) -> tuple[KeyKind, str, str | None, str | None]:
+    """(kind, tenant, adapter name or None, version or None) of a registry key; ValueError
+    for anything else."""
     if key.startswith(TENANTS_PREFIX):
         tenant = key[len(TENANTS_PREFIX) :]
         if tenant and "/" not in tenant:
-            return "tenant", tenant, None
+            return "tenant", tenant, None, None
     elif key.startswith(ADAPTERS_PREFIX):
         parts = key[len(ADAPTERS_PREFIX) :].split("/")
         if len(parts) == 2 and all(parts):
-            return "adapter", parts[0], parts[1]
+            return "adapter", parts[0], parts[1], None
+    elif key.startswith(VERSIONS_PREFIX):
+        parts = key[len(VERSIONS_PREFIX) :].split("/")
+        if len(parts) == 3 and all(parts):
+            return "version", parts[0], parts[1], parts[2]
     raise ValueError(f"not a loraplex registry key: {key!r}")
 
 
@@ -140,32 +170,27 @@ class Tenant(_Revisioned):
         return hashes
 
 
-class AdapterRecord(_Revisioned):
-    """A registered LoRA adapter: what every replica needs to find, check and load it."""
+_ADAPTER_EXAMPLE: dict[str, Any] = {
+    "name": "sql-helper",
+    "tenant": "acme",
+    "base_model": "meta-llama/Llama-3.1-8B-Instruct",
+    "rank": 16,
+    "alpha": 32.0,
+    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    "use_rslora": False,
+    "dtype": "bfloat16",
+    "size_bytes": 27262976,
+    "sha256": "3a6eb0790f39ac87c94f3856b2dd2c5d110e6811602261a9a923d3bb23adc8b7",
+    "artifact": "sha256/9c0d3e5b1a4f6e7d8c9b0a1f2e3d4c5b6a7f8e9d0c1b2a3f4e5d6c7b8a9f0e1d",
+    "version": "9c0d3e5b1a4f6e7d8c9b0a1f2e3d4c5b6a7f8e9d0c1b2a3f4e5d6c7b8a9f0e1d",
+    "created_revision": 40,
+    "updated_revision": 41,
+}
 
-    model_config = ConfigDict(
-        frozen=True,
-        json_schema_extra={
-            "examples": [
-                {
-                    "name": "sql-helper",
-                    "tenant": "acme",
-                    "base_model": "meta-llama/Llama-3.1-8B-Instruct",
-                    "rank": 16,
-                    "alpha": 32.0,
-                    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
-                    "use_rslora": False,
-                    "dtype": "bfloat16",
-                    "size_bytes": 27262976,
-                    "sha256": "3a6eb0790f39ac87c94f3856b2dd2c5d110e6811602261a9a923d3bb23adc8b7",
-                    "artifact": "sha256/3a/3a6eb0790f39ac87c94f3856b2dd2c5d110e6811602261a9a923d3bb23adc8b7",
-                    "pinned": False,
-                    "created_revision": 40,
-                    "updated_revision": 41,
-                }
-            ]
-        },
-    )
+
+class _AdapterFields(_Revisioned):
+    """One version of an adapter: its name and owner, and what every replica needs to find,
+    check and load its weights."""
 
     name: str = Field(
         pattern=NAME_PATTERN,
@@ -186,15 +211,30 @@ class AdapterRecord(_Revisioned):
     )
     size_bytes: int = Field(ge=0, description="Size of the weights file in bytes.")
     sha256: str = Field(
-        pattern=r"^[0-9a-f]{64}$", description="sha256 of the weights file, lowercase hex."
+        pattern=DIGEST_PATTERN, description="sha256 of the weights file, lowercase hex."
     )
     artifact: str = Field(
         min_length=1,
         description="Location of the adapter's files, relative to the artifact root.",
     )
-    pinned: bool = Field(
-        False, description="Keep resident on replicas instead of evicting when cold."
+    version: str = Field(
+        pattern=DIGEST_PATTERN,
+        description="The version: content digest of the adapter's config and weights (the "
+        "artifact's sha256). Replicas key their pools and caches by it.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _version_from_artifact(cls, data: Any) -> Any:
+        """Records written before versions existed name their content only by the artifact
+        (`sha256/<digest>`): the version is that digest."""
+        if (
+            isinstance(data, dict)
+            and "version" not in data
+            and isinstance(data.get("artifact"), str)
+        ):
+            return {**data, "version": PurePosixPath(data["artifact"]).name}
+        return data
 
     @field_validator("artifact")
     @classmethod
@@ -205,7 +245,79 @@ class AdapterRecord(_Revisioned):
         return artifact
 
 
-RegistryValue = Tenant | AdapterRecord
+class AdapterVersion(_AdapterFields):
+    """A retained version of an adapter: immutable once written."""
+
+    model_config = ConfigDict(
+        frozen=True,
+        json_schema_extra={"examples": [_ADAPTER_EXAMPLE | {"created_at": 1767225600.0}]},
+    )
+
+    created_at: float = Field(
+        default_factory=time.time, ge=0, description="Registration time, seconds since the epoch."
+    )
+
+
+class Canary(BaseModel):
+    """A share of a name's requests sent to another of its versions."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    version: str = Field(pattern=DIGEST_PATTERN, description="The version on trial.")
+    weight: float = Field(
+        gt=0, lt=1, description="Share of requests it gets, chosen per request id."
+    )
+
+
+class AdapterRecord(_AdapterFields):
+    """A registered LoRA adapter's name: an alias to the version that serves it (whose
+    fields it carries), and optionally a canary version that serves a share of requests."""
+
+    model_config = ConfigDict(
+        frozen=True,
+        json_schema_extra={"examples": [_ADAPTER_EXAMPLE | {"pinned": False, "canary": None}]},
+    )
+
+    pinned: bool = Field(
+        False, description="Keep resident on replicas instead of evicting when cold."
+    )
+    canary: Canary | None = Field(
+        None, description="Another version that serves a share of this name's requests."
+    )
+
+    def version_for(self, request_id: str) -> str:
+        """The version that serves request `request_id`: the canary's for a fixed share of
+        ids (a hash of the id, so a request keeps its version wherever it is resolved)."""
+        canary = self.canary
+        if canary is not None and canary_draw(request_id) < canary.weight:
+            return canary.version
+        return self.version
+
+    @property
+    def targets(self) -> frozenset[str]:
+        """The versions new requests of this name may get."""
+        return frozenset({self.version} | ({self.canary.version} if self.canary else set()))
+
+    def as_version(self, created_at: float | None = None) -> AdapterVersion:
+        fields = self.model_dump(exclude=set(REVISION_FIELDS | {"pinned", "canary"}))
+        if created_at is not None:
+            fields["created_at"] = created_at
+        return AdapterVersion(**fields)
+
+    def pointing_to(self, version: AdapterVersion, canary: Canary | None = None) -> AdapterRecord:
+        """This alias moved to `version` (keeping its revisions, for a compare-and-set)."""
+        fields = version.model_dump(exclude=set(REVISION_FIELDS | {"created_at"}))
+        return self.model_copy(update=fields | {"canary": canary})
+
+
+def canary_draw(request_id: str) -> float:
+    """A uniform draw in [0, 1) that depends only on the request id (blake2b, so every
+    ingress process draws the same)."""
+    digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+RegistryValue = Tenant | AdapterRecord | AdapterVersion
 
 
 def encode(value: RegistryValue) -> bytes:
@@ -214,20 +326,28 @@ def encode(value: RegistryValue) -> bytes:
 
 def decode(key: str, data: bytes, *, created_revision: int, updated_revision: int) -> RegistryValue:
     """The model stored under `key`; ValueError if the key or the value is not one of ours."""
-    kind, tenant, name = parse_key(key)
+    kind, tenant, name, version = parse_key(key)
     revisions = {"created_revision": created_revision, "updated_revision": updated_revision}
     if kind == "tenant":
         value: RegistryValue = Tenant.model_validate_json(data).model_copy(update=revisions)
         if value.name != tenant:
             raise ValueError(f"{key}: holds tenant {value.name!r}")
-    else:
+    elif kind == "adapter":
         value = AdapterRecord.model_validate_json(data).model_copy(update=revisions)
         if (value.tenant, value.name) != (tenant, name):
             raise ValueError(f"{key}: holds adapter {value.tenant}/{value.name}")
+    else:
+        value = AdapterVersion.model_validate_json(data).model_copy(update=revisions)
+        if (value.tenant, value.name, value.version) != (tenant, name, version):
+            raise ValueError(
+                f"{key}: holds version {value.version} of adapter {value.tenant}/{value.name}"
+            )
     return value
 
 
 def key_of(value: RegistryValue) -> str:
     if isinstance(value, Tenant):
         return tenant_key(value.name)
+    if isinstance(value, AdapterVersion):
+        return version_key(value.tenant, value.name, value.version)
     return adapter_key(value.tenant, value.name)

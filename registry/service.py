@@ -1,15 +1,23 @@
-"""What the tenant API does to etcd and the artifact store: registration, deletion, tenants
-and keys. Reads come from the watcher's snapshot when there is one, else from etcd.
+"""What the tenant API does to etcd and the artifact store: registration, versions, deletion,
+tenants and keys. Reads come from the watcher's snapshot when there is one, else from etcd.
 
 Registration order: the staged adapter is validated, stored as an artifact (content-addressed,
-atomic), then its record is created in one etcd transaction. A record is therefore only ever
-written for a complete artifact; an artifact whose record was refused is released again.
+atomic), then its records are written in one etcd transaction. A record is therefore only
+ever written for a complete artifact; an artifact whose record was refused is released again.
+
+Versions (registry/models.py): registering under a taken name (`put`) adds a version and
+moves the alias to it; `rollback` moves the alias to a retained version; a canary sends a
+share of requests to a second one. Each is one transaction comparing the alias's revision,
+retried when another change won the race. Moving the alias ends a canary. A name keeps its
+`versions_kept` newest versions (and always those it serves); older ones are deleted in the
+transaction that adds one, and their artifacts released unless another record uses them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -22,16 +30,20 @@ from loraplex.registry.errors import (
     NotFound,
     RegistryUnavailable,
     RevisionConflict,
+    Unacceptable,
     Unauthenticated,
 )
 from loraplex.registry.isolation import WorkLimits, run_isolated
-from loraplex.registry.models import AdapterRecord, Tenant, TenantLimits
+from loraplex.registry.models import AdapterRecord, AdapterVersion, Canary, Tenant, TenantLimits
 from loraplex.registry.store import RegistryStore
 from loraplex.registry.validation import BaseModelShape, validate_adapter_dir
 from loraplex.registry.watch import RegistryWatcher
 
+log = logging.getLogger(__name__)
+
 _DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _KEY_UPDATE_ATTEMPTS = 5
+_ALIAS_ATTEMPTS = 5
 
 
 async def resolve_adapter(
@@ -58,6 +70,8 @@ class ServiceSettings(Protocol):
     def max_adapter_bytes(self) -> int: ...
     @property
     def visibility_timeout_s(self) -> float: ...
+    @property
+    def versions_kept(self) -> int: ...
     def work_limits(self) -> WorkLimits: ...
 
 
@@ -89,6 +103,21 @@ class RegistryService:
             raise NotFound(f"adapter {name!r} not found")
         return record
 
+    async def versions(self, tenant: str, name: str) -> list[AdapterVersion]:
+        """The adapter's retained versions, newest first; NotFound for an unknown name."""
+        await self.adapter(tenant, name)
+        if self.watcher is not None:
+            versions = self.watcher.versions(tenant, name)
+        else:
+            versions = await self.store.list_versions(tenant, name)
+        return versions[::-1]
+
+    async def version(self, tenant: str, name: str, version: str) -> AdapterVersion:
+        for found in await self.versions(tenant, name):
+            if found.version == version:
+                return found
+        raise _version_not_found(name, version)
+
     async def tenants(self) -> list[Tenant]:
         if self.watcher is not None:
             tenants = watched_tenants(self.watcher)
@@ -101,13 +130,50 @@ class RegistryService:
     async def register(
         self, tenant: Tenant, name: str, pinned: bool, staged: Path
     ) -> AdapterRecord:
-        """Register the adapter folder `staged` (outside the artifact root) as `name`."""
+        """Register the adapter folder `staged` (outside the artifact root) as the new name
+        `name`; Conflict if it is taken."""
         if await self.store.get_adapter(tenant.name, name) is not None:
             raise Conflict(f"adapter {name!r} already exists")
-        if len(await self.store.list_adapters(tenant.name)) >= tenant.adapter_quota:
-            raise _quota_reached(tenant)
+        await self._check_quota(tenant)
+        version, stored = await self._store_version(tenant, name, staged)
+        try:
+            return await self._create(tenant, version, pinned, stored, staged)
+        except AlreadyExists:
+            raise Conflict(f"adapter {name!r} already exists") from None
+
+    async def put(
+        self, tenant: Tenant, name: str, pinned: bool | None, staged: Path
+    ) -> tuple[AdapterRecord, bool]:
+        """Register `staged` under `name`: a new name (True), or a new version of it that the
+        alias moves to (False; the same content as a retained version moves the alias back
+        to that one, the current content changes nothing). `pinned` None keeps the name's."""
+        if await self.store.get_adapter(tenant.name, name) is None:
+            await self._check_quota(tenant)
+        version, stored = await self._store_version(tenant, name, staged)
+        for _ in range(_ALIAS_ATTEMPTS):
+            current = await self.store.get_adapter(tenant.name, name)
+            if current is None:
+                try:
+                    return await self._create(tenant, version, bool(pinned), stored, staged), True
+                except AlreadyExists:
+                    continue
+            try:
+                moved = await self._move_to(current, version, pinned)
+            except RevisionConflict:
+                continue
+            await self._ensure_stored(stored, staged)
+            await self._await_revision(moved.updated_revision)
+            return moved, False
+        await self.release(stored.path)
+        raise _changed_meanwhile(name)
+
+    async def _store_version(
+        self, tenant: Tenant, name: str, staged: Path
+    ) -> tuple[AdapterVersion, StoredArtifact]:
+        """Validate `staged` (in a worker process: untrusted headers and JSON) and store its
+        artifact; the version it makes."""
         settings = self.settings
-        summary = await run_isolated(  # untrusted headers and JSON: off this process
+        summary = await run_isolated(
             settings.work_limits(),
             validate_adapter_dir,
             staged,
@@ -116,7 +182,7 @@ class RegistryService:
             settings.max_adapter_bytes,
         )
         stored = await asyncio.to_thread(self.artifacts.put_dir, staged)
-        record = AdapterRecord(
+        version = AdapterVersion(
             name=name,
             tenant=tenant.name,
             base_model=settings.base_model_id,
@@ -128,13 +194,27 @@ class RegistryService:
             size_bytes=summary.weights_bytes,
             sha256=stored.weights_sha256,
             artifact=stored.path,
-            pinned=pinned,
+            version=stored.digest,
         )
+        return version, stored
+
+    async def _create(
+        self,
+        tenant: Tenant,
+        version: AdapterVersion,
+        pinned: bool,
+        stored: StoredArtifact,
+        staged: Path,
+    ) -> AdapterRecord:
+        """Create the name at its first version. AlreadyExists if it was taken meanwhile
+        (its artifact is released: the caller may retry with the same staged folder)."""
+        fields = version.model_dump(exclude={"created_at", "created_revision", "updated_revision"})
+        record = AdapterRecord(**fields, pinned=pinned)
         try:
-            created = await self.store.create_adapter(record)
+            created = await self.store.create_adapter(record, version)
         except AlreadyExists:
             await self.release(stored.path)
-            raise Conflict(f"adapter {name!r} already exists") from None
+            raise
         except NotFound:
             await self.release(stored.path)
             raise Unauthenticated(f"tenant {tenant.name!r} no longer exists") from None
@@ -144,6 +224,143 @@ class RegistryService:
         await self._ensure_stored(stored, staged)
         await self._await_revision(created.updated_revision)
         return created
+
+    async def _move_to(
+        self, current: AdapterRecord, version: AdapterVersion, pinned: bool | None
+    ) -> AdapterRecord:
+        """Point `current` at `version` (new, or retained: then it keeps its record),
+        pruning the oldest versions past `versions_kept` (never the one it moves to or the
+        one it served). RevisionConflict if the alias changed."""
+        pinned = current.pinned if pinned is None else pinned
+        if version.version == current.version and current.canary is None:
+            if pinned == current.pinned:
+                return current
+            return await self.store.update_adapter(
+                current.model_copy(update={"pinned": pinned}), current.updated_revision
+            )
+        retained = await self._retained(current)
+        existing = next((v for v in retained if v.version == version.version), None)
+        target = existing or version
+        kept = retained if existing else [*retained, version]
+        # the version it served stays too, so a rollback after a bad push is always possible
+        drop = self._beyond_retention(kept, keep={target.version, current.version})
+        alias = current.pointing_to(target).model_copy(update={"pinned": pinned})
+        add = [v for v in kept if v.created_revision == 0 and v not in drop]
+        moved = await self.store.move_adapter(
+            alias, current.updated_revision, add=add, drop=[v.version for v in drop]
+        )
+        for gone in drop:
+            await self.release(gone.artifact)
+        return moved
+
+    async def _retained(self, current: AdapterRecord) -> list[AdapterVersion]:
+        """The versions of `current`'s name in etcd, oldest first, with the alias's own
+        version when a record written before versions existed has none (created_revision 0:
+        it is written with the next move)."""
+        versions = await self.store.list_versions(current.tenant, current.name)
+        if all(v.version != current.version for v in versions):
+            versions.insert(0, current.as_version(created_at=0.0))
+        return versions
+
+    def _beyond_retention(
+        self, versions: list[AdapterVersion], keep: set[str]
+    ) -> list[AdapterVersion]:
+        """The oldest versions past `versions_kept`, never one in `keep`."""
+        excess = len(versions) - self.settings.versions_kept
+        return [v for v in versions if v.version not in keep][: max(0, excess)]
+
+    async def rollback(self, tenant: str, name: str, version: str | None) -> AdapterRecord:
+        """Move the alias to the retained `version` (None: the one registered before the
+        current one), ending any canary."""
+        for _ in range(_ALIAS_ATTEMPTS):
+            current = await self._current(tenant, name)
+            retained = await self._retained(current)
+            if version is None:
+                position = next(i for i, v in enumerate(retained) if v.version == current.version)
+                if position == 0:
+                    raise Conflict(
+                        f"adapter {name!r} has no version older than its current one to roll "
+                        f"back to; name a version"
+                    )
+                target = retained[position - 1]
+            else:
+                target = _find(retained, name, version)
+            if target.version == current.version and current.canary is None:
+                return current
+            try:
+                moved = await self.store.move_adapter(
+                    current.pointing_to(target),
+                    current.updated_revision,
+                    add=[v for v in retained if v.created_revision == 0],
+                    require=[target.version] if target.created_revision else [],
+                )
+            except RevisionConflict:
+                continue
+            except NotFound as e:
+                raise NotFound(f"{e.message}; it may have been deleted meanwhile") from None
+            await self._await_revision(moved.updated_revision)
+            return moved
+        raise _changed_meanwhile(name)
+
+    async def set_canary(self, tenant: str, name: str, canary: Canary | None) -> AdapterRecord:
+        """Send `canary.weight` of the name's requests to `canary.version` (a retained version
+        other than the current one); None ends the canary."""
+        for _ in range(_ALIAS_ATTEMPTS):
+            current = await self._current(tenant, name)
+            if canary is not None:
+                _find(await self._retained(current), name, canary.version)
+                if canary.version == current.version:
+                    raise Unacceptable(
+                        f"version {canary.version} is adapter {name!r}'s current version; a "
+                        "canary needs another of its versions"
+                    )
+            if current.canary == canary:
+                return current
+            require = [] if canary is None else [canary.version]
+            try:
+                moved = await self.store.move_adapter(
+                    current.model_copy(update={"canary": canary}),
+                    current.updated_revision,
+                    require=require,
+                )
+            except RevisionConflict:
+                continue
+            await self._await_revision(moved.updated_revision)
+            return moved
+        raise _changed_meanwhile(name)
+
+    async def delete_version(self, tenant: str, name: str, version: str) -> AdapterVersion:
+        """Delete a retained version the alias does not serve (Conflict if it does)."""
+        for _ in range(_ALIAS_ATTEMPTS):
+            current = await self._current(tenant, name)
+            target = _find(await self.store.list_versions(tenant, name), name, version)
+            if version in current.targets:
+                role = "current version" if version == current.version else "canary"
+                raise Conflict(
+                    f"version {version} is adapter {name!r}'s {role}; move the alias or end "
+                    "the canary first"
+                )
+            try:
+                moved = await self.store.move_adapter(
+                    current, current.updated_revision, drop=[version], require=[version]
+                )
+            except RevisionConflict:
+                continue
+            await self.release(target.artifact)
+            await self._await_revision(moved.updated_revision)
+            return target
+        raise _changed_meanwhile(name)
+
+    async def _current(self, tenant: str, name: str) -> AdapterRecord:
+        """The alias as etcd holds it now (a compare-and-set needs its revision)."""
+        current = await self.store.get_adapter(tenant, name)
+        if current is None:
+            raise NotFound(f"adapter {name!r} not found")
+        return current
+
+    async def _check_quota(self, tenant: Tenant) -> None:
+        if len(await self.store.list_adapters(tenant.name)) >= tenant.adapter_quota:
+            raise _quota_reached(tenant)
 
     async def _enforce_quota(self, tenant: Tenant, created: AdapterRecord) -> None:
         """Concurrent registrations can all pass the pre-check: the oldest `quota` records
@@ -161,11 +378,13 @@ class RegistryService:
             await asyncio.to_thread(self.artifacts.put_dir, staged)
 
     async def delete(self, tenant: str, name: str) -> AdapterRecord:
+        """Delete the name and every version of it."""
         try:
-            record = await self.store.delete_adapter(tenant, name)
+            record, versions = await self.store.delete_adapter_and_versions(tenant, name)
         except NotFound:
             raise NotFound(f"adapter {name!r} not found") from None
-        await self.release(record.artifact)
+        for artifact in sorted({record.artifact, *(v.artifact for v in versions)}):
+            await self.release(artifact)
         await self._await_gone(lambda w: w.adapter(tenant, name))
         return record
 
@@ -193,7 +412,7 @@ class RegistryService:
                 await asyncio.to_thread(self.artifacts.purge, detached)
 
     async def _referenced(self, artifact: str) -> bool:
-        return any(r.artifact == artifact for r in await self.store.list_adapters())
+        return artifact in await self.store.referenced_artifacts()
 
     # tenants
 
@@ -245,9 +464,12 @@ class RegistryService:
     async def delete_tenant(self, name: str) -> list[AdapterRecord]:
         """Delete the tenant and its adapters (one transaction); returns the adapters."""
         adapters = await self.store.list_adapters(name)
+        versions = [
+            v for record in adapters for v in await self.store.list_versions(name, record.name)
+        ]
         await self.store.delete_tenant(name)
-        for record in adapters:
-            await self.release(record.artifact)
+        for artifact in sorted({r.artifact for r in adapters} | {v.artifact for v in versions}):
+            await self.release(artifact)
         await self._await_gone(lambda w: w.tenant(name))
         return adapters
 
@@ -267,6 +489,23 @@ class RegistryService:
             await asyncio.sleep(0.005)
 
 
+def _find(versions: list[AdapterVersion], name: str, version: str) -> AdapterVersion:
+    for found in versions:
+        if found.version == version:
+            return found
+    raise _version_not_found(name, version)
+
+
+def _version_not_found(name: str, version: str) -> NotFound:
+    return NotFound(
+        f"version {version} of adapter {name!r} not found (deleted, or never registered)"
+    )
+
+
+def _changed_meanwhile(name: str) -> Conflict:
+    return Conflict(f"adapter {name!r} changed {_ALIAS_ATTEMPTS} times meanwhile; retry")
+
+
 def _quota_reached(tenant: Tenant) -> Conflict:
     return Conflict(
         f"quota of {tenant.adapter_quota} adapters reached for tenant {tenant.name!r}; "
@@ -279,5 +518,24 @@ async def collect_garbage(
 ) -> list[str]:
     """Remove artifacts no etcd record references (and stale temp folders) older than
     `min_age_s`; returns what was removed. RegistryUnavailable if etcd cannot say."""
-    referenced = {r.artifact.removeprefix("sha256/") for r in await store.list_adapters()}
+    referenced = {a.removeprefix("sha256/") for a in await store.referenced_artifacts()}
     return await asyncio.to_thread(artifacts.gc, referenced, min_age_s=min_age_s)
+
+
+async def collect_garbage_every(
+    store: RegistryStore, artifacts: ArtifactStore, interval_s: float, min_age_s: float
+) -> None:
+    """`collect_garbage` every `interval_s` until cancelled; a round etcd cannot answer is
+    skipped (the next one tries again)."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            removed = await collect_garbage(store, artifacts, min_age_s=min_age_s)
+        except RegistryUnavailable as e:
+            log.warning("artifact gc skipped: %s", e)
+            continue
+        except Exception:  # a bug must not end the loop: the next round tries again
+            log.exception("artifact gc failed")
+            continue
+        if removed:
+            log.info("artifact gc removed %d unreferenced artifacts: %s", len(removed), removed)

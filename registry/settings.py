@@ -72,6 +72,26 @@ class RegistrySettings(BaseModel):
         "as it arrives, plus max_adapter_bytes per archive extracted or path copied; past "
         "it registrations are refused with 503 and Retry-After.",
     )
+    versions_kept: int = Field(
+        5,
+        ge=2,
+        le=100,
+        description="Versions of one adapter kept: the newest, and always the one it serves and the "
+        "one it served before; registering one more deletes the oldest other one.",
+    )
+    gc_interval_s: float = Field(
+        600.0,
+        ge=0,
+        le=86400,
+        description="How often the API removes artifacts no adapter or version refers to; "
+        "0 turns it off.",
+    )
+    gc_min_age_s: float = Field(
+        3600.0,
+        ge=0,
+        description="Unreferenced artifacts younger than this are kept (a registration in "
+        "flight stores its artifact before its record).",
+    )
 
     @model_validator(mode="after")
     def _one_upload_fits_staging(self) -> RegistrySettings:

@@ -2,14 +2,17 @@
 
 Every write is one etcd transaction: create-if-absent compares create_revision == 0,
 updates compare mod_revision with the revision the caller read, and deleting a tenant
-deletes its adapters in the same transaction. Returned models carry the revision the write
+deletes its adapters in the same transaction. An adapter's alias and its versions change
+together: every write of a version also writes the alias and compares its revision, so
+a caller that read the alias at revision R knows the versions have not changed since. Returned models carry the revision the write
 committed at, which a caller can hand to `RegistryWatcher.wait_for_revision`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import aetcd
@@ -21,15 +24,20 @@ from .models import (
     ADAPTERS_PREFIX,
     PREFIX,
     TENANTS_PREFIX,
+    VERSIONS_PREFIX,
     AdapterRecord,
+    AdapterVersion,
     RegistryValue,
     Tenant,
     adapter_key,
+    adapter_versions_prefix,
     decode,
     encode,
     key_of,
     tenant_adapters_prefix,
     tenant_key,
+    tenant_versions_prefix,
+    version_key,
 )
 
 __all__ = [
@@ -117,12 +125,16 @@ class RegistryStore:
         return await self._update(t, expected_revision, f"tenant {t.name!r}")
 
     async def delete_tenant(self, name: str) -> None:
-        """Deletes the tenant and all its adapters in one transaction."""
+        """Deletes the tenant and all its adapters and their versions in one transaction."""
         key = tenant_key(name).encode()
         succeeded, _ = await self._txn(
             lambda tx: (
                 [tx.version(key) > 0],
-                [tx.delete(key), tx.delete(*_prefix_range(tenant_adapters_prefix(name)))],
+                [
+                    tx.delete(key),
+                    tx.delete(*_prefix_range(tenant_adapters_prefix(name))),
+                    tx.delete(*_prefix_range(tenant_versions_prefix(name))),
+                ],
                 [],
             )
         )
@@ -131,14 +143,19 @@ class RegistryStore:
 
     # adapters
 
-    async def create_adapter(self, rec: AdapterRecord) -> AdapterRecord:
-        """Create-if-absent; the tenant must exist in the same transaction (so an adapter
-        never outlives a concurrent delete_tenant)."""
+    async def create_adapter(
+        self, rec: AdapterRecord, version: AdapterVersion | None = None
+    ) -> AdapterRecord:
+        """Create-if-absent, with its first version (by default the one `rec` points to); the
+        tenant must exist in the same transaction (so an adapter never outlives a concurrent
+        delete_tenant)."""
+        first = rec.as_version() if version is None else version
+        assert first.version == rec.version, "an alias starts at its first version"
         key, owner = key_of(rec).encode(), tenant_key(rec.tenant).encode()
         succeeded, responses = await self._txn(
             lambda tx: (
                 [tx.create(key) == 0, tx.version(owner) > 0],
-                [tx.put(key, encode(rec))],
+                [tx.put(key, encode(rec)), tx.put(key_of(first).encode(), encode(first))],
                 [tx.get(key), tx.get(owner)],
             )
         )
@@ -151,17 +168,97 @@ class RegistryStore:
         raise NotFound(f"tenant {rec.tenant!r} not found")
 
     async def update_adapter(self, rec: AdapterRecord, expected_revision: int) -> AdapterRecord:
+        """Rewrite the alias (pinned, canary) as `rec`; its versions stay as they are."""
         return await self._update(rec, expected_revision, f"adapter {rec.tenant}/{rec.name}")
 
+    async def move_adapter(
+        self,
+        rec: AdapterRecord,
+        expected_revision: int,
+        *,
+        add: Sequence[AdapterVersion] = (),
+        drop: Sequence[str] = (),
+        require: Sequence[str] = (),
+    ) -> AdapterRecord:
+        """Write the alias `rec` (the version it points to, its canary) in one transaction
+        that compares the alias's revision with `expected_revision`: store the new versions
+        `add`, delete the versions `drop` and require the versions `require` to exist.
+        NotFound if the alias is gone or a required version is (naming it), RevisionConflict
+        if the alias changed; then nothing was written."""
+        what = f"adapter {rec.tenant}/{rec.name}"
+        key = key_of(rec).encode()
+        required = [version_key(rec.tenant, rec.name, v).encode() for v in require]
+
+        def build(tx):
+            compare = [tx.version(key) > 0, tx.mod(key) == expected_revision]
+            compare += [tx.version(k) > 0 for k in required]
+            success = [tx.put(key, encode(rec))]
+            success += [tx.put(key_of(v).encode(), encode(v)) for v in add]
+            success += [tx.delete(version_key(rec.tenant, rec.name, v).encode()) for v in drop]
+            return compare, success, [tx.get(key)] + [tx.get(k) for k in required]
+
+        succeeded, responses = await self._txn(build)
+        if succeeded:
+            revision = responses[0].response_put.header.revision
+            return rec.model_copy(update={"updated_revision": revision})
+        current, *versions = responses
+        if not current:
+            raise NotFound(f"{what} not found")
+        _, kv = current[0]
+        if kv.mod_revision != expected_revision:
+            raise RevisionConflict(
+                f"{what} changed: expected revision {expected_revision}, it is at "
+                f"{kv.mod_revision}; read it again and retry"
+            )
+        missing = [v for v, found in zip(require, versions, strict=True) if not found]
+        raise NotFound(f"version {missing[0]} of adapter {rec.name!r} not found")
+
     async def delete_adapter(self, tenant: str, name: str) -> AdapterRecord:
-        """Deletes and returns the record as it was."""
-        key = adapter_key(tenant, name)
-        deleted = await self._call(lambda c: c.delete(key.encode(), prev_kv=True))
-        if deleted is None:
-            raise NotFound(f"adapter {tenant}/{name} not found")
-        record = decode_kv(deleted.prev_kv)
-        assert isinstance(record, AdapterRecord), f"{key} held an unreadable value"
+        """Deletes the alias and its versions; returns the alias as it was."""
+        record, _ = await self.delete_adapter_and_versions(tenant, name)
         return record
+
+    async def delete_adapter_and_versions(
+        self, tenant: str, name: str
+    ) -> tuple[AdapterRecord, list[AdapterVersion]]:
+        """Deletes the alias and every version of it in one transaction; returns them as
+        they were."""
+        key = adapter_key(tenant, name).encode()
+        succeeded, responses = await self._txn(
+            lambda tx: (
+                [tx.version(key) > 0],
+                [
+                    tx.delete(key, prev_kv=True),
+                    tx.delete(*_prefix_range(adapter_versions_prefix(tenant, name)), prev_kv=True),
+                ],
+                [],
+            )
+        )
+        if not succeeded:
+            raise NotFound(f"adapter {tenant}/{name} not found")
+        alias, versions = (r.response_delete_range.prev_kvs for r in responses)
+        record = decode_kv(alias[0])
+        assert isinstance(record, AdapterRecord), f"{key!r} held an unreadable value"
+        deleted = [v for v in map(decode_kv, versions) if isinstance(v, AdapterVersion)]
+        return record, deleted
+
+    async def list_versions(self, tenant: str, name: str) -> list[AdapterVersion]:
+        """The versions of one adapter, oldest first."""
+        values, _ = await self._call(
+            lambda c: read_prefix(c, adapter_versions_prefix(tenant, name))
+        )
+        versions = [v for v in values.values() if isinstance(v, AdapterVersion)]
+        return sorted(versions, key=lambda v: v.created_revision)
+
+    async def referenced_artifacts(self) -> set[str]:
+        """Artifacts some alias or retained version refers to (two reads)."""
+        refs: set[str] = set()
+        for prefix in (ADAPTERS_PREFIX, VERSIONS_PREFIX):
+            values, _ = await self._call(functools.partial(_read_prefix_of, prefix))
+            refs.update(
+                v.artifact for v in values.values() if isinstance(v, AdapterRecord | AdapterVersion)
+            )
+        return refs
 
     async def get_adapter(self, tenant: str, name: str) -> AdapterRecord | None:
         value = await self._get(adapter_key(tenant, name))
@@ -226,3 +323,9 @@ def _committed(value: V, revision: int) -> V:
 def _prefix_range(prefix: str) -> tuple[bytes, bytes]:
     start = prefix.encode()
     return start, prefix_range_end(start)
+
+
+async def _read_prefix_of(
+    prefix: str, client: aetcd.Client
+) -> tuple[dict[str, RegistryValue], int]:
+    return await read_prefix(client, prefix)

@@ -226,13 +226,24 @@ def form_name(form: UploadForm) -> str:
     name = form.fields.get("name")
     if name is None:
         raise Unacceptable("form field 'name' is required")
-    if not re.fullmatch(NAME_PATTERN, name):
-        raise Unacceptable(f"adapter name {shown(name)} must match {NAME_PATTERN}")
-    return name
+    return check_name(name)
 
 
 def form_bool(form: UploadForm, field_name: str) -> bool:
-    value = form.fields.get(field_name, "false").strip().lower()
+    return bool(form_optional_bool(form, field_name))
+
+
+def form_optional_bool(form: UploadForm, field_name: str) -> bool | None:
+    """The field's value, None when it was not sent."""
+    if field_name not in form.fields:
+        return None
+    value = form.fields[field_name].strip().lower()
     if value not in ("true", "false", "1", "0"):
         raise Unacceptable(f"form field {field_name!r} must be true or false, found {shown(value)}")
     return value in ("true", "1")
+
+
+def check_name(name: str) -> str:
+    if not re.fullmatch(NAME_PATTERN, name):
+        raise Unacceptable(f"adapter name {shown(name)} must match {NAME_PATTERN}")
+    return name

@@ -25,7 +25,7 @@ from aetcd import rpc
 from aetcd.utils import prefix_range_end
 
 from .etcd_client import EtcdConnection, EtcdSettings
-from .models import PREFIX, AdapterRecord, RegistryValue, Tenant, tenant_key
+from .models import PREFIX, AdapterRecord, AdapterVersion, RegistryValue, Tenant, tenant_key
 from .store import decode_kv, read_prefix
 
 __all__ = ["RegistryEvent", "RegistryWatcher"]
@@ -56,6 +56,8 @@ class RegistryWatcher:
         self._snapshot: dict[str, RegistryValue] = {}
         self._view = MappingProxyType(self._snapshot)
         self._adapters: dict[str, dict[str, AdapterRecord]] = {}  # tenant -> name -> record
+        # (tenant, name) -> version -> its record
+        self._versions: dict[tuple[str, str], dict[str, AdapterVersion]] = {}
         self._revision = 0
         self._subscribers: list[asyncio.Queue[RegistryEvent]] = []
         self._waiters: list[tuple[int, asyncio.Future[None]]] = []
@@ -122,6 +124,14 @@ class RegistryWatcher:
             for owner in tenants
             for _, record in sorted(self._adapters.get(owner, {}).items())
         ]
+
+    def versions(self, tenant: str, name: str) -> list[AdapterVersion]:
+        """The retained versions of one adapter, oldest first."""
+        found = self._versions.get((tenant, name), {}).values()
+        return sorted(found, key=lambda v: v.created_revision)
+
+    def version(self, tenant: str, name: str, version: str) -> AdapterVersion | None:
+        return self._versions.get((tenant, name), {}).get(version)
 
     # events
 
@@ -249,6 +259,8 @@ class RegistryWatcher:
         self._snapshot[key] = value
         if isinstance(value, AdapterRecord):
             self._adapters.setdefault(value.tenant, {})[value.name] = value
+        elif isinstance(value, AdapterVersion):
+            self._versions.setdefault((value.tenant, value.name), {})[value.version] = value
 
     def _remove(self, key: str, value: RegistryValue) -> None:
         del self._snapshot[key]
@@ -257,6 +269,11 @@ class RegistryWatcher:
             del names[value.name]
             if not names:
                 del self._adapters[value.tenant]
+        elif isinstance(value, AdapterVersion):
+            versions = self._versions[value.tenant, value.name]
+            del versions[value.version]
+            if not versions:
+                del self._versions[value.tenant, value.name]
 
     def _publish(self, event: RegistryEvent) -> None:
         for queue in self._subscribers:

@@ -16,6 +16,7 @@ Ray Serve calls, besides the request methods `generate` and `stats`:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -54,6 +55,8 @@ def measured_costs(stats: dict[str, Any]) -> dict[str, float]:
                           prefill step
         host_load_cost_s  mean host -> pool load time, plus one more adapter segment in every
                           step of a request's life (per-adapter cost x mean output tokens)
+        prefill_token_cost_s  the step's cost per token: what a prompt token found in the
+                          prefix cache saves
     """
     costs = stats.get("step_costs")
     if costs is None:
@@ -63,6 +66,20 @@ def measured_costs(stats: dict[str, Any]) -> dict[str, float]:
     return {
         "busy_cost_s": 2 * costs["per_token_s"],
         "host_load_cost_s": load_s + costs["per_adapter_s"] * costs["mean_output_tokens"],
+        "prefill_token_cost_s": costs["per_token_s"],
+    }
+
+
+def prefix_routing(stats: dict[str, Any]) -> dict[str, Any]:
+    """What a router needs to key a prompt's blocks as this replica's prefix cache does:
+    its block size and whether base-model blocks are shared across tenants. Nothing when
+    the engine keeps no prefix cache (its stats have no enabled `prefix_cache`)."""
+    prefix = stats.get("prefix_cache")
+    if not prefix or not prefix["enabled"]:
+        return {}
+    return {
+        "prefix_block_size": stats["kv_block_size"],
+        "prefix_share_base": bool(prefix["share_base"]),
     }
 
 
@@ -105,15 +122,25 @@ class ReplicaDeployment:
             raise
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
-        """Stream the request's chunks. AdapterNotFound if its adapter is not registered
-        (or is deleted before the request is queued)."""
+        """Stream the request's chunks. AdapterNotFound if its adapter version is not
+        registered (or is deleted before the request is queued)."""
+        assert self.engine is not None
+        adapter = request["adapter"]
+        if adapter is None:
+            held: contextlib.AbstractAsyncContextManager = contextlib.nullcontext()
+        elif self.sync is None:
+            raise AdapterNotFound(f"adapter {adapter!r}: this replica has no registry")
+        else:
+            held = self.sync.serving(adapter, request.get("adapter_revision"))
+        # aclosing: a caller that stops early must abort the engine's request at once
+        async with held, contextlib.aclosing(self._generate(request)) as chunks:
+            async for item in chunks:
+                yield item
+
+    async def _generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         assert self.engine is not None
         self.requests_total += 1
         adapter = request["adapter"]
-        if adapter is not None:
-            if self.sync is None:
-                raise AdapterNotFound(f"adapter {adapter!r}: this replica has no registry")
-            await self.sync.ensure(adapter)
         params = sampling_params(request)
         outputs = self.engine.generate(
             request["prompt_token_ids"],
@@ -160,6 +187,7 @@ class ReplicaDeployment:
             "recorded_at": time.time(),
             "requests_total": self.requests_total,
             **measured_costs(stats),
+            **prefix_routing(stats),
         }
 
     def _tiers(self, stats: dict[str, Any]) -> dict[str, list[str]]:

@@ -415,7 +415,8 @@ class LLMEngine:
 
     def _prefix_stats(self) -> dict:
         """Prompt tokens requested and computed (a hit's tokens are not), and the cache's
-        counters: lookups, hit and missed blocks, evictions of idle cached blocks."""
+        counters: lookups, hit and missed blocks, evictions of idle cached blocks; and
+        `share_base`, which a router keying prompts as this cache does must know."""
         prefix = self.kv.prefix
         out = {
             "enabled": prefix is not None,
@@ -423,6 +424,7 @@ class LLMEngine:
             "prompt_tokens_computed": self.prompt_tokens_computed,
         }
         if prefix is not None:
+            out["share_base"] = prefix.share_base
             out.update(asdict(prefix.stats))
             out["cached_blocks"] = len(prefix.blocks)
             out["idle_blocks"] = prefix.num_idle

@@ -2,9 +2,17 @@
 cross Ray's object store without pickling engine classes, and the same contract serves an
 in-process backend (no Ray) and the Serve deployment.
 
-A request names its adapter by id `tenant/name` (registry names cannot contain `/`), or
-None for the base model. The ingress tokenizes (it needs the counts for `usage` and the
-context check), so replicas receive token ids only.
+A request names its adapter by the id of one version, `tenant/name@version` (registry names
+cannot contain `/` or `@`; the version is the registry's content digest), or None for the
+base model. The ingress resolves a name to a version when the request arrives, so the
+request runs to its end on that version wherever it is sent, even if the name moves to
+another meanwhile. The ingress tokenizes (it needs the counts for `usage` and the context
+check), so replicas receive token ids only.
+
+Prefix-cache block keys (`prefix_root`, `extend_block_keys`, defined once in
+replica/prefix_keys.py and re-exported here) are part of this contract: the ingress computes
+a prompt's first keys to route it to the replica holding those blocks, and the replica's
+prefix cache keys its blocks with the same functions.
 """
 
 from __future__ import annotations
@@ -12,6 +20,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, NotRequired, Protocol, TypedDict
 
+from loraplex.replica.prefix_keys import extend_block_keys as extend_block_keys  # re-exported
+from loraplex.replica.prefix_keys import prefix_root as prefix_root  # re-exported
 from loraplex.replica.sampling import (
     SamplingParams,
     check_seed,
@@ -32,8 +42,11 @@ class ResumeAfter(TypedDict):
 class GenerateRequest(TypedDict):
     request_id: str
     prompt_token_ids: list[int]
-    adapter: str | None  # "tenant/name", or None for the base model
+    adapter: str | None  # "tenant/name@version", or None for the base model
     params: dict  # SamplingParams fields (stop as a list)
+    # The registry revision the ingress resolved the adapter at: a replica whose registry
+    # watch is behind waits for it before calling the version unknown.
+    adapter_revision: NotRequired[int]
     # The ingress sets the tenant. The replica's scheduler shares admission fairly among
     # tenants (absent: None, one group of its own), and the prefix cache's blocks are shared
     # only by requests of one tenant with one cache_salt (absent: None).
@@ -90,8 +103,31 @@ SAMPLING_CHECKS = {
 }
 
 
-def adapter_id(tenant: str, name: str) -> str:
-    return f"{tenant}/{name}"
+def adapter_id(tenant: str, name: str, version: str) -> str:
+    """The id of one version of a tenant's adapter."""
+    return f"{tenant}/{name}@{version}"
+
+
+def parse_adapter_id(adapter: str) -> tuple[str, str, str]:
+    """(tenant, name, version) of an `adapter_id`; ValueError for anything else."""
+    owner, sep, version = adapter.partition("@")
+    tenant, slash, name = owner.partition("/")
+    if not (sep and slash and tenant and name and version) or "/" in name:
+        raise ValueError(f"not an adapter id (tenant/name@version): {adapter!r}")
+    return tenant, name, version
+
+
+def adapter_name(adapter: str) -> str:
+    """The `tenant/name` an adapter id is a version of (the id itself when it has no
+    version): what stays the same when a name moves to a new version."""
+    return adapter.partition("@")[0]
+
+
+def adapter_version(adapter: str | None) -> str | None:
+    """The version part of an adapter id; None for the base model (or an unversioned id)."""
+    if adapter is None:
+        return None
+    return adapter.partition("@")[2] or None
 
 
 def sampling_params(request: GenerateRequest) -> SamplingParams:

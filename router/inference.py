@@ -4,10 +4,12 @@ from `app.state.ingress` (router/context.py).
 
 Request path: Bearer key → tenant (from the headers, before the body is read); the tenant's
 limits (requests in flight, tokens per minute); the body, read under `max_body_bytes`;
-`model` → the base model or one of the caller's adapters (the registry watcher's snapshot);
-the prompt's size; tokenize (on a worker thread); check the context window and reserve the
-tokens; `backend.generate` → one JSON body, or server-sent events (router/generation.py).
-router/limits.py lists the limits.
+`model` → the base model or one version of one of the caller's adapters (the registry
+watcher's snapshot: the version the name points to when the request arrives, or its canary
+for the share of request ids the canary takes); the prompt's size; tokenize (on a worker
+thread); check the context window and reserve the tokens; `backend.generate` → one JSON
+body, or server-sent events (router/generation.py). The request runs to its end on the
+version it was resolved to. router/limits.py lists the limits.
 
 Every error these routes answer has OpenAI's body `{"error": {"message", "type", "param",
 "code"}}`, in SSE streams too (one error event, then `[DONE]`): 400 for bad parameters (and
@@ -180,15 +182,19 @@ def _response_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-async def _resolve(ingress: IngressContext, model: str, tenant: str | None) -> str | None:
-    """The adapter id to run `model` with (None: the base model)."""
+async def _resolve(
+    ingress: IngressContext, model: str, tenant: str | None, request_id: str
+) -> tuple[str | None, int | None]:
+    """The adapter version to run `model` with (None: the base model), and the registry
+    revision it was resolved at."""
     if model == ingress.base_model_id:
-        return None
+        return None, None
     registry = ingress.registry
     if registry is not None and tenant is not None:
         record = await resolve_adapter(registry.watcher or registry.store, tenant, model)
         if record is not None:
-            return adapter_id(tenant, model)
+            version = record.version_for(request_id)
+            return adapter_id(tenant, model, version), record.updated_revision
     raise model_not_found(model)
 
 
@@ -224,7 +230,7 @@ async def _generate(
     request: Request,
 ) -> Response:
     ingress, tenant = call.ingress, call.tenant
-    adapter = await _resolve(ingress, body.model, tenant)
+    adapter, revision = await _resolve(ingress, body.model, tenant, fmt.id)
     if not ids:
         raise OpenAIError(400, "the prompt is empty", param="prompt")
     _check_context(ingress.max_model_len, len(ids), max_tokens)
@@ -232,6 +238,8 @@ async def _generate(
     call = GenerateRequest(
         request_id=fmt.id, prompt_token_ids=ids, adapter=adapter, params=params, tenant=tenant
     )
+    if revision is not None:
+        call["adapter_revision"] = revision
     try:
         sampling_params(call)
     except ValueError as e:

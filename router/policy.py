@@ -6,6 +6,10 @@ imports nothing of Ray and reads time only through the injected clock.
 
 The routing-stats contract, what each replica publishes, is in router/routing_stats.py.
 
+Adapters are named by version (`tenant/name@version`, replica/protocol.py): residency,
+rates, placements and homes are per version, while an adapter's consistent-hash walk is
+per name (router/walk.py), so a name's new version goes where its old one was.
+
 Measured costs (`use_measured_costs`) are pooled: every replica is judged by the mean of
 what the replicas publish, the configured cost while none has. Replicas of one deployment
 run on the same hardware, so their differences are noise, and per-replica noise would
@@ -26,6 +30,7 @@ from enum import IntEnum
 from pydantic import Field, model_validator
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
+from loraplex.router.prefix_affinity import PrefixIndex
 from loraplex.router.rates import HeldHeat, RateEstimator
 from loraplex.router.routing_stats import ReplicaStats
 from loraplex.router.walk import cached_walk
@@ -114,6 +119,34 @@ class AffinityConfig:
         description="Judge each replica by the busy and host-load costs the replicas measure "
         "on their own steps and loads (the configured ones stand in until they have).",
     )
+    prefill_token_cost_s: float = Field(
+        1e-4,
+        ge=0,
+        le=1,
+        description="Prefill time per prompt token, seconds: what each token found in a "
+        "replica's prefix cache saves (replicas' measurements replace it as for busy_cost_s).",
+    )
+    prefix_blocks: int = Field(
+        128,
+        ge=0,
+        le=4096,
+        description="Leading KV blocks of a prompt the router matches against the prefixes "
+        "it sent to each replica; 0 turns prefix affinity off.",
+    )
+    prefix_index_keys: int = Field(
+        65536,
+        ge=1,
+        le=1 << 24,
+        description="Block keys the router remembers for prefix affinity (least recently "
+        "used go first).",
+    )
+    prefix_ttl_s: float = Field(
+        600.0,
+        gt=0,
+        le=86400,
+        description="A prefix not routed for this long is forgotten (the replica has likely "
+        "evicted it).",
+    )
     seed: int = Field(0, ge=0, le=2**63 - 1, description="Seeds tie-breaks between replicas.")
 
     @model_validator(mode="after")
@@ -151,10 +184,15 @@ class AffinityPolicy:
         load(r)  = 0 on device or for a new home | host_load_cost_s loading, in the host
                    tier or holding it beyond its homes | load_cost_s otherwise (read from
                    the artifact store)
-        ttft(r)  = wait(r) + load(r)
-                   (busy_cost_s and host_load_cost_s are the mean of the replicas'
-                   measurements once they publish them, the configured values until then;
-                   a load from the artifact store adds load_cost_s - host_load_cost_s)
+        saved(r) = matched(r) * prefix_block_size * prefill_token_cost_s
+                   (matched(r): how many leading KV blocks of the prompt this router sent
+                   to r within prefix_ttl_s, router/prefix_affinity.py; r skips their
+                   prefill if its prefix cache still holds them)
+        ttft(r)  = wait(r) + load(r) - saved(r)
+                   (busy_cost_s, host_load_cost_s and prefill_token_cost_s are the mean of
+                   the replicas' measurements once they publish them, the configured
+                   values until then; a load from the artifact store adds load_cost_s -
+                   host_load_cost_s of the config)
         capacity = ceil(c * (sum of queue_len + 1) / n)        (bounded loads, Mirrokni
                    et al.: a cold replica is within the bound iff queue_len < capacity,
                    i.e. it holds <= capacity after taking this request; the least
@@ -205,8 +243,14 @@ class AffinityPolicy:
     (equal estimates go to affinity), and a cold adapter goes to the first replica on its
     walk within both bounds.
 
-    Base-model request: ascending (stale, wait, queue_len / max_concurrency, -free_pages,
-    a draw from the seeded RNG), so equally loaded replicas share base traffic.
+    Base-model request: ascending (stale, wait - saved, queue_len / max_concurrency,
+    -free_pages, a draw from the seeded RNG), so equally loaded replicas share base traffic
+    and a shared prefix goes where it is cached while that is cheaper than waiting.
+
+    Prefix and adapter affinity are one cost: a prefix hit saves its prefill time, an
+    adapter hit saves a load, and whichever replica's total is lowest wins. The prompt's
+    keys (`choose(..., prefix=keys)`, `observe(..., prefix=keys)`) are those of
+    `protocol.extend_block_keys`, computed by the caller with the replicas' block size.
 
     Every replica is returned, best first; no replicas gives []. The caller tries them in
     order and applies its own back-pressure. Call `observe` once per routed request.
@@ -225,15 +269,20 @@ class AffinityPolicy:
         self._heat = HeldHeat(self._rates)
         self._placed: dict[str, dict[str, float]] = {}  # replica -> {adapter: sent at}
         self._homes: dict[str, list[str]] = {}  # hot (or formerly hot) adapter -> homes
+        self.prefixes = PrefixIndex(config.prefix_index_keys, config.prefix_ttl_s)
         self._lock = threading.Lock()
 
-    def observe(self, adapter: str | None, replica_id: str | None = None) -> None:
-        """Count one request of `adapter` now, sent to `replica_id` when given; base-model
-        requests are not tracked."""
-        if adapter is None:
-            return
+    def observe(
+        self, adapter: str | None, replica_id: str | None = None, prefix: Sequence[bytes] = ()
+    ) -> None:
+        """Count one request of `adapter` now, sent to `replica_id` when given, its prompt
+        starting with the blocks `prefix`; base-model requests' rates are not tracked."""
         with self._lock:
             now = self.clock()
+            if prefix and replica_id is not None:
+                self.prefixes.record(prefix[: self.config.prefix_blocks], replica_id, now)
+            if adapter is None:
+                return
             self._heat.counted(adapter, self._rates.add(adapter, now))
             if replica_id is not None:
                 placed = self._placed.setdefault(replica_id, {})  # oldest placement first
@@ -279,21 +328,33 @@ class AffinityPolicy:
         sent = {r for r, placed in self._placed.items() if adapter in placed}
         return tuple(sorted(self._heat.holders.get(adapter, set()) | sent))
 
-    def choose(self, adapter: str | None, replicas: Sequence[ReplicaStats]) -> list[str]:
+    def choose(
+        self,
+        adapter: str | None,
+        replicas: Sequence[ReplicaStats],
+        prefix: Sequence[bytes] = (),
+    ) -> list[str]:
         ids = tuple(r.replica_id for r in replicas)
         assert len(set(ids)) == len(ids), f"duplicate replica ids in {ids}"
         if not replicas:
             return []
         with self._lock:
             busy = self._pooled([r.busy_cost_s for r in replicas], self.config.busy_cost_s)
+            saved = self._prefill_saved(replicas, prefix)
             if adapter is None:
                 return [
-                    r.replica_id for r in sorted(replicas, key=lambda r: self._base_key(r, busy))
+                    r.replica_id
+                    for r in sorted(replicas, key=lambda r: self._base_key(r, busy, saved))
                 ]
-            return self._choose(adapter, replicas, ids, busy)
+            return self._choose(adapter, replicas, ids, busy, saved)
 
     def _choose(
-        self, adapter: str, replicas: Sequence[ReplicaStats], ids: tuple[str, ...], busy: float
+        self,
+        adapter: str,
+        replicas: Sequence[ReplicaStats],
+        ids: tuple[str, ...],
+        busy: float,
+        saved: dict[str, float],
     ) -> list[str]:
         c = self.config
         n = len(replicas)
@@ -354,7 +415,7 @@ class AffinityPolicy:
             home = spread and homes is not None and r.replica_id in homes
             return (
                 self._stale(r),
-                self._wait_s(r, busy) + load_s(r, a),
+                self._wait_s(r, busy) + load_s(r, a) - saved.get(r.replica_id, 0.0),
                 Affinity.DEVICE if home else a,
                 r.queue_len / r.max_concurrency if home else 0.0,
                 position[r.replica_id],
@@ -404,6 +465,25 @@ class AffinityPolicy:
         self._homes[adapter] = homes
         return frozenset(homes)
 
+    def _prefill_saved(
+        self, replicas: Sequence[ReplicaStats], prefix: Sequence[bytes]
+    ) -> dict[str, float]:
+        """saved(r) for the replicas that match some of `prefix`."""
+        prefix = prefix[: self.config.prefix_blocks]
+        if not prefix:
+            return {}
+        alive = {r.replica_id for r in replicas}
+        if self.prefixes.replicas - alive:  # replicas gone from the deployment
+            self.prefixes.forget(alive)
+        matched = self.prefixes.matched(prefix, (r.replica_id for r in replicas), self.clock())
+        if not matched:
+            return {}
+        per_token = self._pooled(
+            [r.prefill_token_cost_s for r in replicas], self.config.prefill_token_cost_s
+        )
+        blocks = {r.replica_id: r.prefix_block_size for r in replicas}
+        return {rid: n * blocks[rid] * per_token for rid, n in matched.items()}
+
     def _held(self, r: ReplicaStats, now: float) -> tuple[int, float]:
         """How many adapters r holds (device, loading, sent since its stats) and their
         weight (the rate they draw, in the estimator's units)."""
@@ -439,7 +519,7 @@ class AffinityPolicy:
     def _stale(self, r: ReplicaStats) -> bool:
         return r.stats_age_s > self.config.stale_after_s
 
-    def _base_key(self, r: ReplicaStats, busy_cost_s: float) -> tuple:
+    def _base_key(self, r: ReplicaStats, busy_cost_s: float, saved: dict[str, float]) -> tuple:
         utilisation = r.queue_len / r.max_concurrency
-        wait = self._wait_s(r, busy_cost_s)
-        return (self._stale(r), wait, utilisation, -r.free_pages, self._rng.random())
+        cost = self._wait_s(r, busy_cost_s) - saved.get(r.replica_id, 0.0)
+        return (self._stale(r), cost, utilisation, -r.free_pages, self._rng.random())

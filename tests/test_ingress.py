@@ -330,7 +330,7 @@ def test_adapter_registered_over_http_serves_its_owner_only(
     with pytest.raises(openai.NotFoundError):
         acme.completions.create(model="sql", prompt=PROMPT, **greedy)
 
-    sql_id = adapter_id("acme", "sql")
+    sql_id = adapter_id("acme", "sql", record.version)
     path = tenants_app.registry.artifacts.path_of(record.artifact)
     asyncio.run(backend.ensure_adapter(sql_id, path))
     try:
@@ -611,7 +611,7 @@ def test_models_health_and_metrics(tenants_app: Served, anonymous: Served, keys,
 
 def test_local_backend_ensure_adapter_is_idempotent(backend: LocalBackend, demo_assets):
     folder = Path(demo_assets.adapters_dir / DEMO_ADAPTER)
-    name = adapter_id("t", "once")
+    name = adapter_id("t", "once", "0" * 64)
     try:
         assert asyncio.run(backend.ensure_adapter(name, folder)) is not None
         assert asyncio.run(backend.ensure_adapter(name, folder)) is None

@@ -71,6 +71,7 @@ def real_cluster(real_assets, tmp_path_factory) -> Iterator[Cluster]:
             url=state["url"],
             state_dir=state_dir,
             admin_key=(state_dir / "admin_key").read_text().strip(),
+            metrics_key=(state_dir / "metrics_key").read_text().strip(),
             demo_key=(state_dir / "demo_api_key").read_text().strip(),
             ray_address=state["ray_address"],
         )

@@ -22,6 +22,7 @@ from loraplex.registry.models import (
     encode,
     parse_key,
     tenant_key,
+    version_key,
 )
 from loraplex.registry.store import (
     AlreadyExists,
@@ -57,13 +58,17 @@ def record(tenant: str, name: str, **overrides) -> AdapterRecord:
 def test_keys_round_trip():
     assert tenant_key("acme") == "/loraplex/v1/tenants/acme"
     assert adapter_key("acme", "sql.v2") == "/loraplex/v1/adapters/acme/sql.v2"
-    assert parse_key(tenant_key("acme")) == ("tenant", "acme", None)
-    assert parse_key(adapter_key("acme", "sql.v2")) == ("adapter", "acme", "sql.v2")
+    assert parse_key(tenant_key("acme")) == ("tenant", "acme", None, None)
+    assert parse_key(adapter_key("acme", "sql.v2")) == ("adapter", "acme", "sql.v2", None)
+    assert version_key("acme", "sql", SHA) == f"/loraplex/v1/versions/acme/sql/{SHA}"
+    assert parse_key(version_key("acme", "sql", SHA)) == ("version", "acme", "sql", SHA)
     for bad in (
         "/loraplex/v1/adapters/acme",
         "/loraplex/v1/tenants/",
         "/other/x",
         "/loraplex/v1/adapters/a/b/c",
+        "/loraplex/v1/versions/a/b",
+        "/loraplex/v1/versions/a/b/c/d",
     ):
         with pytest.raises(ValueError):
             parse_key(bad)
@@ -190,7 +195,9 @@ def test_delete_tenant_takes_its_adapters_and_only_them(shared_etcd_server: Etcd
 
             everything_after, revision_after = await store.read_all()
             removed = everything_before.keys() - everything_after.keys()
-            assert removed == {tenant_key("del")} | {adapter_key("del", n) for n in "xyz"}
+            assert removed == {tenant_key("del")} | {adapter_key("del", n) for n in "xyz"} | {
+                version_key("del", n, SHA) for n in "xyz"
+            }
             assert revision_after == revision_before + 1  # one transaction
             assert await store.list_adapters("del") == []
             assert [r.name for r in await store.list_adapters("del2")] == ["x", "y", "z"]

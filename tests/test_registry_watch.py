@@ -11,7 +11,14 @@ import aetcd
 import pytest
 from etcd_server import EtcdServer, TcpProxy, etcd_server_fixture  # noqa: F401 (fixture)
 
-from loraplex.registry.models import PREFIX, AdapterRecord, Tenant, adapter_key, tenant_key
+from loraplex.registry.models import (
+    PREFIX,
+    AdapterRecord,
+    Tenant,
+    adapter_key,
+    tenant_key,
+    version_key,
+)
 from loraplex.registry.store import (
     AlreadyExists,
     EtcdSettings,
@@ -77,12 +84,18 @@ async def etcd_history(endpoint: str, first: int, last: int) -> list[tuple[str, 
         return history
     async with aetcd.Client(host=host, port=int(port), timeout=5) as client:
         watch = await client.watch_prefix((PREFIX + "/").encode(), start_revision=first)
-        async for event in watch:
+        events = aiter(watch)
+        while True:
+            # one revision may hold several events (a transaction): once `last` is reached,
+            # read on until the stream stays quiet
+            reached = history and history[-1][2] >= last
+            try:
+                event = await asyncio.wait_for(anext(events), 0.5 if reached else None)
+            except TimeoutError:
+                break
             kv = event.kv
             kind = "delete" if event.kind == "DELETE" else "add" if kv.version == 1 else "update"
             history.append((kind, kv.key.decode(), kv.mod_revision))
-            if kv.mod_revision >= last:
-                break
         await watch.cancel()
     return [h for h in history if h[2] <= last]
 
@@ -195,7 +208,9 @@ def test_compaction_past_a_disconnected_watcher_resyncs_and_emits_the_difference
             events = drain(queue)
             assert sorted((e.kind, e.key) for e in events) == [
                 ("add", adapter_key("c", "d")),
+                ("add", version_key("c", "d", SHA)),
                 ("delete", adapter_key("c", "b")),
+                ("delete", version_key("c", "b", SHA)),
                 ("update", adapter_key("c", "a")),
             ]
             assert [e.revision for e in events] == sorted(e.revision for e in events)
@@ -204,7 +219,7 @@ def test_compaction_past_a_disconnected_watcher_resyncs_and_emits_the_difference
             f = await store.create_adapter(record("c", "f"))  # and it follows again
             assert await watcher.wait_for_revision(f.updated_revision, 5)
             assert watcher.adapter("c", "f") == f
-            assert [e.kind for e in drain(queue)] == ["add"]
+            assert [e.kind for e in drain(queue)] == ["add", "add"]  # the name, its version
             await watcher.stop()
             await proxy.close()
 

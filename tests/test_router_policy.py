@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import pytest
 
+from loraplex.replica.protocol import extend_block_keys, prefix_root
 from loraplex.router.policy import AffinityConfig, AffinityPolicy, ReplicaStats
 from loraplex.router.walk import walk_order
 
@@ -504,3 +505,100 @@ def test_config_is_validated(bad):
 def test_replica_stats_are_validated():
     with pytest.raises(ValueError, match="queue_len"):
         ReplicaStats("r", queue_len=-1)
+
+
+# ---------------------------------------------------------------- prefix affinity
+
+BLOCK = 16
+
+
+def with_prefix_cache(r: ReplicaStats) -> ReplicaStats:
+    return replace(r, prefix_block_size=BLOCK)
+
+
+def prompt_keys(tokens: list[int], version: str | None = None, tenant: str = "t") -> list[bytes]:
+    """The keys a replica's prefix cache gives the prompt's full blocks."""
+    root = prefix_root(version, tenant, None)
+    return extend_block_keys([], root, tokens, BLOCK, len(tokens) // BLOCK)
+
+
+def prefix_policy(clock: FakeClock | None = None, **config) -> AffinityPolicy:
+    # busy: 10 ms per queued request; prefill: 1 ms per token, so 8 cached blocks save 128 ms
+    fields = dict(busy_cost_s=0.01, prefill_token_cost_s=1e-3, use_measured_costs=False)
+    return policy(clock, **(fields | config))
+
+
+@pytest.mark.parametrize(("queue", "chosen"), [(10, "r1"), (20, "r0")])
+def test_a_shared_prefix_goes_where_it_was_served_while_that_saves_time(queue, chosen):
+    """saved(r1) = 8 blocks x 16 tokens x 1 ms = 0.128 s against wait(r1) = queue x 10 ms."""
+    p = prefix_policy()
+    system = list(range(1000, 1000 + 8 * BLOCK))
+    p.observe(None, "r1", prompt_keys(system + [1, 2, 3]))
+    replicas = [with_prefix_cache(replica("r0")), with_prefix_cache(replica("r1", queue=queue))]
+    assert p.choose(None, replicas, prompt_keys(system + [7, 8, 9, 10]))[0] == chosen
+
+
+@pytest.mark.parametrize(("queue", "chosen"), [(5, "r1"), (10, "r0")])
+def test_a_partly_shared_prefix_saves_only_its_shared_blocks(queue, chosen):
+    """The first 4 of 8 blocks alike: saved(r1) = 64 ms."""
+    p = prefix_policy()
+    first = list(range(2000, 2000 + 8 * BLOCK))
+    p.observe(None, "r1", prompt_keys(first))
+    second = first[: 4 * BLOCK] + list(range(9000, 9000 + 4 * BLOCK))
+    assert p.prefixes.matched(prompt_keys(second), ["r0", "r1"], 0.0) == {"r1": 4}
+    replicas = [with_prefix_cache(replica("r0")), with_prefix_cache(replica("r1", queue=queue))]
+    assert p.choose(None, replicas, prompt_keys(second))[0] == chosen
+
+
+@pytest.mark.parametrize(("r1_holds", "chosen"), [((), "r0"), ({"host": {"t/a@v1"}}, "r1")])
+def test_prefix_and_adapter_affinity_are_one_cost(r1_holds, chosen):
+    """The adapter is on r0's device; the prompt's 8 blocks were served on r1. A cold read
+    on r1 (load_cost_s 0.5 s) costs more than the prefill it saves (0.128 s): r0. From r1's
+    host tier (0.02 s) it costs less: r1."""
+    p = prefix_policy()
+    keys = prompt_keys(list(range(3000, 3000 + 8 * BLOCK)), version="v1")
+    p.observe("t/a@v1", "r1", keys)
+    replicas = [
+        with_prefix_cache(replica("r0", device={"t/a@v1"})),
+        with_prefix_cache(replica("r1", **{k: v for k, v in dict(r1_holds).items()})),
+    ]
+    assert p.choose("t/a@v1", replicas, keys)[0] == chosen
+
+
+def test_another_version_or_tenant_shares_no_prefix():
+    """Keys start from the adapter version and the tenant: the same tokens under another
+    version or tenant match nothing."""
+    p = prefix_policy()
+    tokens = list(range(4000, 4000 + 4 * BLOCK))
+    p.observe("t/a@v1", "r1", prompt_keys(tokens, version="v1"))
+    for keys in (prompt_keys(tokens, version="v2"), prompt_keys(tokens, "v1", tenant="u")):
+        assert p.prefixes.matched(keys, ["r0", "r1"], 0.0) == {}
+    assert p.prefixes.matched(prompt_keys(tokens, version="v1"), ["r0", "r1"], 0.0) == {"r1": 4}
+
+
+def test_the_prefix_index_forgets_by_age_size_and_membership():
+    clock = FakeClock()
+    p = prefix_policy(clock, prefix_ttl_s=60.0, prefix_index_keys=8)
+    a = prompt_keys(list(range(5000, 5000 + 4 * BLOCK)))
+    p.observe(None, "r1", a)
+    clock.advance(59.0)
+    assert p.prefixes.matched(a, ["r1"], clock()) == {"r1": 4}
+    clock.advance(2.0)
+    assert p.prefixes.matched(a, ["r1"], clock()) == {}  # not routed for over ttl_s
+    p.observe(None, "r1", a)
+    b = prompt_keys(list(range(6000, 6000 + 6 * BLOCK)))
+    p.observe(None, "r2", b)  # 10 keys > 8: the least recently used go, a's deepest two
+    assert len(p.prefixes) == 8
+    assert p.prefixes.matched(a, ["r1"], clock()) == {"r1": 2}
+    assert p.prefixes.matched(b, ["r2"], clock()) == {"r2": 6}
+    # r2 leaves the deployment: a choice among the others drops what it held
+    p.choose(None, [with_prefix_cache(replica("r1"))], b)
+    assert len(p.prefixes) == 2 and p.prefixes.replicas == {"r1"}
+    assert p.prefixes.matched(a, ["r1"], clock()) == {"r1": 2}
+
+
+def test_without_a_prefix_cache_on_the_replicas_prefixes_weigh_nothing():
+    p = prefix_policy()
+    keys = prompt_keys(list(range(7000, 7000 + 8 * BLOCK)))
+    p.observe(None, "r1", keys)
+    assert p.choose(None, [replica("r0"), replica("r1", queue=1)], keys)[0] == "r0"

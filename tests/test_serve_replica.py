@@ -116,9 +116,11 @@ async def until(condition: Callable[[], Awaitable[bool]], timeout: float, what: 
 def test_adapter_sync_follows_registry(
     demo_assets: DemoAssets, shared_etcd_server: EtcdServer, tmp_path: Path
 ):
-    """Concurrent ensures read an adapter once; pinned ones are read at once, and again
-    when their artifact changes; a delete removes it from the engine; unknown ones raise
-    AdapterNotFound."""
+    """Versions, as one replica holds them: concurrent ensures read a version once; a
+    pinned name's version is read at once, and so is the version it moves to, while a
+    request still running on the old one keeps it resident beside the new (two versions of
+    one name); the old one leaves the engine when that request ends. A deleted name is
+    removed; unknown names and versions raise AdapterNotFound."""
     settings = shared_etcd_server.settings()
     artifacts = ArtifactStore(tmp_path / "artifacts")
     tenant = "sync-test"
@@ -131,38 +133,59 @@ def test_adapter_sync_follows_registry(
         reads: list[str] = []
         add_adapter = engine.add_adapter
 
-        async def counting_add(name, path):
+        async def counting_add(name, path, *args, **kwargs):
             reads.append(name)
-            return await add_adapter(name, path)
+            return await add_adapter(name, path, *args, **kwargs)
 
         engine.add_adapter = counting_add
+
+        async def registered() -> set[str]:
+            """The adapters the engine holds (read between its steps)."""
+            await engine.stats()
+            return set(engine.core.adapters.entries)
+
         async with RegistryStore(settings) as store, RegistryWatcher(settings) as watcher:
             await store.create_tenant(Tenant(name=tenant))
-            await store.create_adapter(record_for("plain", source / "sql-r8", artifacts, tenant))
+            plain = record_for("plain", source / "sql-r8", artifacts, tenant)
+            await store.create_adapter(plain)
             sync = AdapterSync(engine, watcher, artifacts)
             await until(lambda: _true(watcher.adapter(tenant, "plain")), 5, "the watch")
             sync.start()
             try:
-                plain_id = adapter_id(tenant, "plain")
+                plain_id = adapter_id(tenant, "plain", plain.version)
                 await asyncio.gather(*(sync.ensure(plain_id) for _ in range(5)))
                 assert reads == [plain_id]
                 assert plain_id in sync.host and not sync.loading
 
-                pinned = record_for("pinned", source / "chat-r16", artifacts, tenant, pinned=True)
-                created = await store.create_adapter(pinned)
-                pinned_id = adapter_id(tenant, "pinned")
-                await until(lambda: _true(pinned_id in sync.host), 10, "the pinned preload")
-                changed = record_for("pinned", source / "code-r32", artifacts, tenant, pinned=True)
-                await store.update_adapter(changed, created.updated_revision)
-                await until(lambda: _true(reads.count(pinned_id) == 2), 10, "the new artifact")
+                old = record_for("pinned", source / "chat-r16", artifacts, tenant, pinned=True)
+                created = await store.create_adapter(old)
+                old_id = adapter_id(tenant, "pinned", old.version)
+                await until(lambda: _true(old_id in sync.host), 10, "the pinned preload")
+
+                new = record_for("pinned", source / "code-r32", artifacts, tenant).as_version()
+                new_id = adapter_id(tenant, "pinned", new.version)
+                assert new_id != old_id
+                async with sync.serving(old_id):  # a request running on the old version
+                    await store.move_adapter(
+                        created.pointing_to(new), created.updated_revision, add=[new]
+                    )
+                    await until(lambda: _true(new_id in sync.host), 10, "the new version")
+                    await asyncio.sleep(0.2)  # time to (wrongly) drop the old one
+                    assert {old_id, new_id} <= sync.host
+                    assert {old_id, new_id} <= await registered()
+                await until(lambda: _true(old_id not in sync.host), 5, "the old one to go")
+                assert old_id not in await registered()
+                assert reads == [plain_id, old_id, new_id]
 
                 await store.delete_adapter(tenant, "plain")
                 await until(lambda: _true(plain_id not in sync.host), 5, "the delete")
-                assert (await engine.stats())["adapters"]["registered"] == 1
+                assert await registered() == {new_id}
                 with pytest.raises(AdapterNotFound):
                     await sync.ensure(plain_id)
                 with pytest.raises(AdapterNotFound):
-                    await sync.ensure(adapter_id(tenant, "never"))
+                    await sync.ensure(adapter_id(tenant, "never", "0" * 64))
+                with pytest.raises(AdapterNotFound):
+                    await sync.ensure(adapter_id(tenant, "pinned", "f" * 64))
             finally:
                 await sync.stop()
                 await store.delete_tenant(tenant)
@@ -184,6 +207,11 @@ class Cluster:
     artifacts: ArtifactStore
     adapters_dir: Path
     model_dir: Path
+    versions: dict[str, str]  # adapter name -> the version it was registered at
+
+    def id(self, name: str) -> str:
+        """The adapter id (tenant/name@version) replicas serve `name` by."""
+        return adapter_id(TENANT, name, self.versions[name])
 
     def backend(self):
         from ray import serve
@@ -262,7 +290,8 @@ def cluster(
             str(artifacts.root),
         )
         serve.run(app, name=APP, route_prefix=None)
-        yield Cluster(settings, artifacts, source, demo_assets.model)
+        versions = {r.name: r.version for r in records}
+        yield Cluster(settings, artifacts, source, demo_assets.model, versions)
 
 
 def offline_tokens(model_dir: Path, adapter_dir: Path | None) -> list[int]:
@@ -322,7 +351,7 @@ def test_served_tokens_equal_offline_engine(cluster: Cluster):
     async def body():
         backend = cluster.backend()
         assert await collect(backend, request(None)) == expected_base
-        assert await collect(backend, request(adapter_id(TENANT, "sql-r8"))) == expected_sql
+        assert await collect(backend, request(cluster.id("sql-r8"))) == expected_sql
 
     asyncio.run(body())
 
@@ -330,7 +359,7 @@ def test_served_tokens_equal_offline_engine(cluster: Cluster):
 @pytest.mark.ray
 @pytest.mark.etcd
 def test_requests_follow_the_resident_adapter(cluster: Cluster):
-    adapter = adapter_id(TENANT, "code-r32")
+    adapter = cluster.id("code-r32")
 
     async def body():
         backend = cluster.backend()
@@ -350,9 +379,11 @@ def test_unknown_adapter_is_not_found(cluster: Cluster):
     async def body():
         backend = cluster.backend()
         with pytest.raises(AdapterNotFound):
-            await collect(backend, request(adapter_id(TENANT, "no-such-adapter")))
+            await collect(backend, request(adapter_id(TENANT, "no-such-adapter", "0" * 64)))
         with pytest.raises(AdapterNotFound):
-            await collect(backend, request(adapter_id("other-tenant", "sql-r8")))
+            await collect(
+                backend, request(adapter_id("other-tenant", "sql-r8", cluster.versions["sql-r8"]))
+            )
 
     asyncio.run(body())
 
@@ -361,7 +392,7 @@ def test_unknown_adapter_is_not_found(cluster: Cluster):
 @pytest.mark.etcd
 def test_deleted_adapter_is_not_found(cluster: Cluster):
     name = "chat-r16"
-    adapter = adapter_id(TENANT, name)
+    adapter = cluster.id(name)
 
     async def body():
         backend = cluster.backend()
@@ -427,7 +458,7 @@ def test_killed_replica_neither_hangs_requests_nor_loses_adapters(cluster: Clust
     from ray import serve
 
     long = 400  # tokens: the streams are mid-way when the kill lands (checked below)
-    adapters = [None, adapter_id(TENANT, "sql-r8"), adapter_id(TENANT, "code-r32")]
+    adapters = [None, cluster.id("sql-r8"), cluster.id("code-r32")]
     folders = {None: None, adapters[1]: "sql-r8", adapters[2]: "code-r32"}
 
     def stream_request(i: int) -> GenerateRequest:
@@ -483,14 +514,14 @@ def test_killed_replica_neither_hangs_requests_nor_loses_adapters(cluster: Clust
         (newcomer,) = set(cluster.replicas()) - {survivor}
 
         # The replacement read the registry's snapshot: the pinned adapter is preloaded...
-        pinned = adapter_id(TENANT, PINNED)
+        pinned = cluster.id(PINNED)
         await until(lambda: _has(cluster, newcomer, pinned), 10, "the pinned preload")
         # ... and a cold adapter whose home (the router's walk) is the newcomer is served
         # there. The router may not know the newcomer for a moment: try a few.
         homed = [
-            adapter_id(TENANT, p)
+            cluster.id(p)
             for p in PROBES
-            if walk_order(adapter_id(TENANT, p), [newcomer, survivor])[0] == newcomer
+            if walk_order(cluster.id(p), [newcomer, survivor])[0] == newcomer
         ]
         assert homed, "no probe adapter hashes to the newcomer (2**-12 chance)"
         for adapter in homed:

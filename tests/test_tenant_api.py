@@ -242,14 +242,20 @@ def test_upload_list_get_delete(env: Env):
     assert list((env.root / "tmp").iterdir()) == [] and list((env.tmp / "staging").iterdir()) == []
 
     assert env.client.get("/v1/adapters", headers=tenant).json() == {"adapters": [r.json()]}
-    assert env.client.get("/v1/adapters/sql", headers=tenant).json() == r.json()
+    detail = env.client.get("/v1/adapters/sql", headers=tenant).json()
+    (version,) = detail.pop("versions")
+    assert detail == r.json()
+    assert version["version"] == record.version == record.artifact.removeprefix("sha256/")
+    assert {k: version[k] for k in ("rank", "artifact", "sha256")} == {
+        k: detail[k] for k in ("rank", "artifact", "sha256")
+    }
     _, kvs = etcd_state(env.server)
     assert json.loads(kvs["/loraplex/v1/adapters/life-co/sql"][1])["artifact"] == record.artifact
 
     deleted = env.client.delete("/v1/adapters/sql", headers=tenant)
     assert deleted.status_code == 200 and deleted.json()["name"] == "sql"
     assert not stored.exists()
-    assert "/loraplex/v1/adapters/life-co/sql" not in etcd_state(env.server)[1]
+    assert not [k for k in etcd_state(env.server)[1] if "/life-co/" in k]  # alias and versions
     assert env.client.get("/v1/adapters/sql", headers=tenant).status_code == 404
     r = env.client.delete("/v1/adapters/sql", headers=tenant)
     assert (r.status_code, r.json()["detail"]) == (404, "adapter 'sql' not found")
@@ -302,10 +308,10 @@ def test_archive_path_and_vllm_routes(env: Env):
     assert r.status_code == 404
     r = env.client.post(
         "/v1/load_lora_adapter",
-        json={"lora_name": "x", "lora_path": str(in_root), "load_inplace": True},
+        json={"lora_name": "by-path", "lora_path": str(in_root)},
         headers=tenant,
     )
-    assert r.status_code == 422 and "load_inplace is not supported" in r.text
+    assert r.status_code == 409, "without load_inplace a taken name is refused"
 
 
 def test_duplicate_name_and_quota(env: Env):
@@ -773,7 +779,9 @@ def test_tenants_never_see_use_or_delete_each_others_adapters(env: Env):
         {"detail": "adapter 'secret-sauce' not found"},
     )
     assert unknown.status_code == 404
-    assert env.client.get("/v1/adapters/shared-name", headers=globex).json() == globex_record
+    shown = env.client.get("/v1/adapters/shared-name", headers=globex).json()
+    assert shown.pop("versions")[0]["version"] == globex_record["version"]
+    assert shown == globex_record
 
     before = env.state()
     assert env.client.delete("/v1/adapters/secret-sauce", headers=globex).status_code == 404
@@ -814,7 +822,13 @@ def test_deleting_a_tenant_deletes_its_adapters_and_keys(env: Env):
     assert r.json() == {"name": "gone-co", "adapters_deleted": ["a"]}
     assert not (env.root / record["artifact"]).exists()
     assert not any(
-        k.startswith(("/loraplex/v1/adapters/gone-co/", "/loraplex/v1/tenants/gone-co"))
+        k.startswith(
+            (
+                "/loraplex/v1/adapters/gone-co/",
+                "/loraplex/v1/versions/gone-co/",
+                "/loraplex/v1/tenants/gone-co",
+            )
+        )
         for k in etcd_state(env.server)[1]
     )
     assert env.client.get("/v1/adapters", headers=tenant).status_code == 401
@@ -956,7 +970,9 @@ def test_etcd_down_writes_503_reads_from_the_snapshot(etcd_server: EtcdServer, t
             assert port not in w.text, "the etcd endpoint is the operator's, not the caller's"
         assert tree(tmp_path / "artifacts") == artifacts_before
         assert client.get("/v1/adapters", headers=tenant).json() == {"adapters": [record]}
-        assert client.get("/v1/adapters/first", headers=tenant).json() == record
+        shown = client.get("/v1/adapters/first", headers=tenant).json()
+        assert [v["version"] for v in shown.pop("versions")] == [record["version"]]
+        assert shown == record
         assert [t["name"] for t in client.get("/v1/tenants", headers=admin).json()["tenants"]] == [
             "down-co"
         ]
@@ -994,7 +1010,9 @@ def test_without_a_watcher_reads_go_to_etcd(shared_etcd_server: EtcdServer, tmp_
         src = make_adapter(tmp_path / "adapters" / "w", seed=71)
         r = client.post("/v1/adapters", data={"name": "w"}, files=upload_files(src), headers=tenant)
         assert r.status_code == 201
-        assert client.get("/v1/adapters/w", headers=tenant).json() == r.json()
+        shown = client.get("/v1/adapters/w", headers=tenant).json()
+        assert [v["version"] for v in shown.pop("versions")] == [r.json()["version"]]
+        assert shown == r.json()
         assert client.get("/v1/adapters", headers=tenant).json() == {"adapters": [r.json()]}
         assert client.delete("/v1/adapters/w", headers=tenant).status_code == 200
         assert client.get("/v1/adapters/w", headers=tenant).status_code == 404

@@ -1,7 +1,7 @@
 """The prefix cache: full KV blocks kept after their requests end, found again by content.
 
 A block's key chains: key(i) = H(key(i-1), its token ids), from a root H(adapter version,
-salt). So a block matches only the same tokens after the same prefix, computed with the
+salt) (replica/prefix_keys.py: one definition, which the router keys prompts with too). So a block matches only the same tokens after the same prefix, computed with the
 same adapter weights (the version is a content digest: other weights registered under a
 name never reuse the old name's blocks; the base model has no version), within the same
 salt. The salt is the tenant, narrowed by the request's own `cache_salt`, so tenants never
@@ -22,19 +22,16 @@ pool instead: they never exceed it and are evicted for other pages only as a las
 
 from __future__ import annotations
 
-import hashlib
 import heapq
 import itertools
 import math
 import time
-from array import array
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from loraplex.replica.memory.eviction import decayed
 from loraplex.replica.memory.pool import PageKind, UnifiedPool
-
-_ROOT_TAG = b"loraplex-prefix-v1"
+from loraplex.replica.prefix_keys import extend_block_keys, prefix_root
 
 
 @dataclass(slots=True, eq=False)
@@ -90,26 +87,12 @@ class PrefixCache:
 
     def root(self, version: str | None, tenant: str | None, cache_salt: str | None) -> bytes:
         """The chain's root for a request: its adapter's version (None: the base model)
-        and its salt."""
-        if version is None and self.share_base:
-            tenant = None
-        h = hashlib.sha256(_ROOT_TAG)
-        for part in (version, tenant, cache_salt):
-            if part is None:
-                h.update(b"\x00")
-            else:
-                raw = part.encode()
-                h.update(b"\x01" + len(raw).to_bytes(4, "little") + raw)
-        return h.digest()
+        and its salt (replica/prefix_keys.py, the function the router keys prompts with)."""
+        return prefix_root(version, tenant, cache_salt, share_base=self.share_base)
 
     def extend_keys(self, keys: list[bytes], root: bytes, tokens: list[int], n: int) -> None:
         """Append the keys of blocks len(keys)..n-1 of `tokens` to the chain `keys`."""
-        bs = self.block_size
-        parent = keys[-1] if keys else root
-        for i in range(len(keys), n):
-            block = array("q", tokens[i * bs : (i + 1) * bs]).tobytes()
-            parent = hashlib.sha256(parent + block).digest()
-            keys.append(parent)
+        extend_block_keys(keys, root, tokens, self.block_size, n)
 
     # requests
 

@@ -57,7 +57,7 @@ def test_the_read_model_is_validated_and_off_by_default():
 def test_engine_reads_are_paced_only_when_configured(assets):
     adapter = assets.adapters_dir / "sql-r8"
     nbytes = (adapter / "adapter_model.safetensors").stat().st_size
-    off = LLMEngine(EngineConfig(model=str(assets.model_dir), pool_bytes=64 << 20))
+    off = LLMEngine(EngineConfig(model=str(assets.model), pool_bytes=64 << 20))
     start = time.monotonic()
     off.add_adapter("a", adapter)
     unpaced = time.monotonic() - start
@@ -66,7 +66,7 @@ def test_engine_reads_are_paced_only_when_configured(assets):
     bandwidth = nbytes / 0.3  # 0.3 s of transfer, + 0.2 s latency
     paced = LLMEngine(
         EngineConfig(
-            model=str(assets.model_dir),
+            model=str(assets.model),
             pool_bytes=64 << 20,
             artifacts=ArtifactReadConfig(
                 read_bandwidth_mib_s=bandwidth / (1 << 20), read_latency_ms=200

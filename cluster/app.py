@@ -54,7 +54,7 @@ class Ingress:
         from loraplex.registry.watch import RegistryWatcher
         from loraplex.replica.tokenizer import Tokenizer
         from loraplex.router.ingress import RegistryHandles, build_ingress
-        from loraplex.router.request_router import routing_snapshot
+        from loraplex.router.live_routers import routing_snapshot
         from loraplex.router.serve_backend import ServeBackend
 
         config = self.config

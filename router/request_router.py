@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -34,16 +33,14 @@ from typing import TYPE_CHECKING, Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from loraplex.replica.protocol import adapter_version, extend_block_keys, prefix_root
-from loraplex.router.policy import AdapterHomes, AffinityConfig, AffinityPolicy
+from loraplex.router import live_routers
+from loraplex.router.policy import AffinityConfig, AffinityPolicy
 from loraplex.router.routing_stats import ReplicaStats
 
 _MEMO = 1024  # requests whose prefix keys are kept between choosing and routing
 
 if TYPE_CHECKING:
     from ray.serve._private.replica_result import ReplicaResult
-
-
-_ROUTERS: weakref.WeakSet[AffinityRequestRouter] = weakref.WeakSet()
 
 
 class AffinityRequestRouter(RequestRouter):
@@ -54,7 +51,7 @@ class AffinityRequestRouter(RequestRouter):
         # Parsed stats per replica, kept while its published dict is the same object: the
         # policy then sees the same adapter sets and reuses what it derived from them.
         self._parsed: dict[str, tuple[dict[str, Any], ReplicaStats]] = {}
-        _ROUTERS.add(self)
+        live_routers.add(self)
         self._prefixes: collections.OrderedDict[str, tuple[bytes, ...]] = collections.OrderedDict()
 
     def initialize_state(self, **config: Any) -> None:
@@ -117,30 +114,6 @@ class AffinityRequestRouter(RequestRouter):
         # is fresher than the published queue (a period old); prefer it when cached.
         queue_len = self.replica_queue_len_cache.get(replica.replica_id)
         return stats if queue_len is None else replace(stats, queue_len=queue_len)
-
-
-def routing_snapshot(top_n: int) -> tuple[list[AdapterHomes], AdapterHomes] | None:
-    """The `top_n` adapters by request rate over the affinity routers of this process, each
-    with its homes, and the rest as one "other" entry; None while no router exists."""
-    routers = list(_ROUTERS)
-    if not routers:
-        return None
-    rates: dict[str, float] = {}
-    homes: dict[str, set[str]] = {}
-    for router in routers:
-        top, other = router.policy.snapshot(top_n)
-        for entry in [*top, other]:
-            rates[entry.adapter] = rates.get(entry.adapter, 0.0) + entry.rate_per_s
-            homes.setdefault(entry.adapter, set()).update(entry.homes)
-    ranked = sorted((a for a in rates if a != "other"), key=rates.__getitem__, reverse=True)
-    merged = [AdapterHomes(a, rates[a], tuple(sorted(homes[a]))) for a in ranked]
-    rest = merged[top_n:]
-    other = AdapterHomes(
-        "other",
-        rates.get("other", 0.0) + sum(e.rate_per_s for e in rest),
-        tuple(sorted(homes.get("other", set()).union(*(e.homes for e in rest)))),
-    )
-    return merged[:top_n], other
 
 
 def prompt_prefix_keys(

@@ -181,9 +181,16 @@ class AffinityPolicy:
                    to the steps a new one waits through: about 0 on a GPU, whose decode
                    step time hardly grows with the batch, but a compute-bound CPU step
                    grows with every sequence in it)
-        load(r)  = 0 on device or for a new home | host_load_cost_s loading, in the host
-                   tier or holding it beyond its homes | load_cost_s otherwise (read from
-                   the artifact store)
+        reads(r) = store reads queued on r: adapters it is loading that it holds neither
+                   on the device nor in the host tier, and those this router sent it since
+                   its stats that it held nowhere (a replica reads one adapter after
+                   another, replica/memory/store_reads.py, so a read waits for those ahead)
+        read     = load_cost_s - host_load_cost_s of the config   (one store read)
+        load(r)  = 0 on device | reads(r) * read for a new home (its own read is waived,
+                   not the queue before it) | host_load_cost_s in the host tier or holding
+                   it beyond its homes | host_load_cost_s + reads(r) * read / 2 loading
+                   (its read is somewhere in that queue) | host_load_cost_s + (reads(r) +
+                   1) * read otherwise (read from the artifact store)
         saved(r) = matched(r) * prefix_block_size * prefill_token_cost_s
                    (matched(r): how many leading KV blocks of the prompt this router sent
                    to r within prefix_ttl_s, router/prefix_affinity.py; r skips their
@@ -403,12 +410,19 @@ class AffinityPolicy:
                 return Affinity.OVER_BOUND
             return Affinity.CROWDED if crowded(rid) else Affinity.COLD
 
+        read = c.load_cost_s - c.host_load_cost_s
+
         def load_s(r: ReplicaStats, a: Affinity) -> float:
-            if a in (Affinity.DEVICE, Affinity.EXTRA_HOME):
+            if a is Affinity.DEVICE:
                 return 0.0
-            if a in (Affinity.LOADING, Affinity.SPARE) or adapter in r.host_adapters:
+            ahead = self._reads_ahead(r, now) * read if read else 0.0
+            if a is Affinity.EXTRA_HOME:
+                return ahead
+            if a is Affinity.SPARE or adapter in r.host_adapters:
                 return host
-            return c.load_cost_s - c.host_load_cost_s + host  # + the read
+            if a is Affinity.LOADING:
+                return host + ahead / 2
+            return host + ahead + read
 
         def key(r: ReplicaStats) -> tuple:
             a = affinity(r)
@@ -499,6 +513,19 @@ class AffinityPolicy:
                 since.append(a)
         weight = self._heat.heat[r.replica_id] + sum(self._rates.weight(a) for a in since)
         return len(base) + len(since), weight
+
+    def _reads_ahead(self, r: ReplicaStats, now: float) -> int:
+        """reads(r): the store reads queued on r as far as this router can tell."""
+        held = r.device_adapters | r.host_adapters
+        reads = len(r.loading_adapters - held)
+        recorded_at = now - r.stats_age_s
+        placed = self._placed.get(r.replica_id, {})
+        for a in reversed(placed):  # newest first: only those since the stats are read
+            if placed[a] <= recorded_at:
+                break
+            if a not in held and a not in r.loading_adapters:
+                reads += 1
+        return reads
 
     def _placed_since(self, r: ReplicaStats, adapter: str, now: float) -> bool:
         at = self._placed.get(r.replica_id, {}).get(adapter)

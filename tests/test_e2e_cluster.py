@@ -849,7 +849,8 @@ def metrics_by_replica(cluster: Cluster) -> tuple[float, dict[str, dict[tuple, f
                 reporting = sample.value
             labels = dict(sample.labels)
             replica = labels.pop("replica", None)
-            if replica is not None:
+            # the router's adapter homes name replicas too, but are the router's view
+            if replica is not None and sample.name != "loraplex_adapter_home":
                 key = (sample.name, *sorted(labels.items()))
                 view.setdefault(replica, {})[key] = sample.value
     assert reporting is not None, r.text

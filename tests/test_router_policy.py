@@ -602,3 +602,20 @@ def test_without_a_prefix_cache_on_the_replicas_prefixes_weigh_nothing():
     keys = prompt_keys(list(range(7000, 7000 + 8 * BLOCK)))
     p.observe(None, "r1", keys)
     assert p.choose(None, [replica("r0"), replica("r1", queue=1)], keys)[0] == "r0"
+
+
+def test_a_cold_adapter_avoids_a_replica_whose_store_reads_are_queued():
+    """A replica reads adapters one after another (replica/memory/store_reads.py): a read
+    sent to a replica with three reads queued waits for them. The cold adapter's first
+    replica on its walk is reading three others, the second none: the second wins, though
+    both are idle (the adapter-count bound is lifted, so only the reads differ); with
+    nothing queued the walk decides again."""
+    walk = walk_order("cold", ["r0", "r1"])
+    roomy = {"bounded_adapters_c": 100}
+    busy = replica(walk[0], loading={"x", "y", "z"})
+    assert policy(**roomy).choose("cold", [busy, replica(walk[1])])[0] == walk[1]
+    assert policy(**roomy).choose("cold", [replica(walk[0]), replica(walk[1])])[0] == walk[0]
+    # loads into the device from its host tier are no store reads
+    warm = replica(walk[0], host={"x", "y", "z"}, loading={"x", "y", "z"})
+    assert policy(**roomy).choose("cold", [warm, replica(walk[1])])[0] == walk[0]
+

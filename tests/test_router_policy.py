@@ -618,4 +618,3 @@ def test_a_cold_adapter_avoids_a_replica_whose_store_reads_are_queued():
     # loads into the device from its host tier are no store reads
     warm = replica(walk[0], host={"x", "y", "z"}, loading={"x", "y", "z"})
     assert policy(**roomy).choose("cold", [warm, replica(walk[1])])[0] == walk[0]
-

@@ -59,7 +59,7 @@ import numpy as np
 
 from loraplex.benchmarks import fleet_workloads as fw
 from loraplex.benchmarks.engine import DEFAULT_TRACE
-from loraplex.benchmarks.fleet_report import print_table, title
+from loraplex.benchmarks.fleet_report import print_table, print_validation, title
 from loraplex.benchmarks.goodput import (
     SLO_FACTOR,
     goodput,
@@ -185,8 +185,25 @@ class Fleet:
 def run_bench(args: argparse.Namespace) -> int:
     shape = QUICK if args.quick else FULL
     started = time.perf_counter()
-    results: dict[str, Any] = {"quick": bool(args.quick), "fleet": measure(shape, args.trace)}
-    results["fleet"]["validation"] = validation(bool(args.quick))
+    if getattr(args, "validation_only", False):
+        results: dict[str, Any] = {
+            "quick": bool(args.quick),
+            "fleet": {"validation": validation(bool(args.quick))},
+        }
+        results["seconds"] = time.perf_counter() - started
+        print_validation(results["fleet"]["validation"])
+        write_json(args.json, results)
+        return 0
+    results = {"quick": bool(args.quick), "fleet": measure(shape, args.trace)}
+    if getattr(args, "sim_only", False):
+        reason = "not run: --sim-only (run `bench fleet --validation-only` for it)"
+        results["fleet"]["validation"] = {
+            "p99_ttft_error": None,
+            "loads_error": None,
+            "skipped": reason,
+        }
+    else:
+        results["fleet"]["validation"] = validation(bool(args.quick))
     if getattr(args, "plot", None):
         path = plot_goodput(
             results["fleet"]["workloads"],

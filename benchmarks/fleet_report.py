@@ -40,11 +40,15 @@ def print_table(results: dict) -> None:
             f"{_fmt(p['load_seconds_ratio_vs_best_ray_router'])}"
         )
     if "validation" in f:
-        v = f["validation"]
-        print(
-            f"validation: p99_ttft_error {_fmt(v['p99_ttft_error'])} (target <= 0.25), "
-            f"loads_error {_fmt(v['loads_error'])} (target <= 0.10)"
-        )
+        print_validation(f["validation"])
+
+
+def print_validation(v: dict) -> None:
+    print(
+        f"validation: p99_ttft_error {_fmt(v['p99_ttft_error'])} (target <= 0.25), "
+        f"loads_error {_fmt(v['loads_error'])} (target <= 0.10)"
+        + (f"; {v['skipped']}" if v.get("skipped") else "")
+    )
 
 
 def _fmt(x: float | None) -> str:

@@ -32,7 +32,16 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--quick", action="store_true", help="smaller model and workload (< 2 min)")
     bench.add_argument("--json", type=Path, help="write the figures here")
     bench.add_argument("--trace", type=Path, help="engine, sched: Azure LLM inference trace CSV")
-    bench.add_argument("--sim-only", action="store_true", help="sched: the simulator section only")
+    bench.add_argument(
+        "--sim-only",
+        action="store_true",
+        help="sched, fleet: the simulator sections only (fleet: no validation run)",
+    )
+    bench.add_argument(
+        "--validation-only",
+        action="store_true",
+        help="fleet: only the simulator's validation against a real run",
+    )
     bench.add_argument(
         "--scenario",
         choices=["paper", "long-prompt", "bursty"],

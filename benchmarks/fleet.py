@@ -62,6 +62,7 @@ from loraplex.benchmarks.engine import DEFAULT_TRACE
 from loraplex.benchmarks.fleet_report import print_table, print_validation, title
 from loraplex.benchmarks.goodput import (
     SLO_FACTOR,
+    comparison,
     goodput,
     plot_goodput,
     ratio_vs_best_ray,
@@ -362,26 +363,11 @@ def unloaded_ttft_s(profile, reqs: list[SimRequest], catalog: dict[str, AdapterS
 
 
 def _keys(routers: dict, rates: list[float], slo: float, ref: int) -> dict[str, Any]:
-    good = {r: f["goodput_at_slo_rps"] for r, f in routers.items()}
-    at = {r: f["at_reference"] for r, f in routers.items()}
     return {
         "rates_rps": rates,
         "reference_rate_rps": rates[ref],
         "slo_s": slo,
-        "goodput_rps": good,
-        "goodput_ratio_vs_best_ray_router": ratio_vs_best_ray(good, higher_is_better=True),
-        "load_seconds": {r: a["load_seconds"] for r, a in at.items()},
-        "load_seconds_ratio_vs_best_ray_router": ratio_vs_best_ray(
-            {r: a["load_seconds"] for r, a in at.items()}, higher_is_better=False
-        ),
-        "loads": {r: a["device_loads"] for r, a in at.items()},
-        "reads": {r: a["store_reads"] for r, a in at.items()},
-        "loads_vs_floor": {
-            r: a["device_loads"] / max(1, a["distinct_adapters"]) for r, a in at.items()
-        },
-        "reads_vs_floor": {
-            r: a["store_reads"] / max(1, a["distinct_adapters"]) for r, a in at.items()
-        },
+        **comparison(routers, loads="device_loads", reads="store_reads"),
         "routers": routers,
     }
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -40,6 +41,32 @@ def ratio_vs_best_ray(values: Mapping[str, float | None], higher_is_better: bool
     if best == 0:
         return math.inf if ours > 0 else None  # 0 / 0: no router had any
     return ours / best
+
+
+def comparison(
+    routers: Mapping[str, Mapping[str, Any]], loads: str, reads: str, distinct: int | None = None
+) -> dict[str, Any]:
+    """The keys every router bench reports per workload, from each router's
+    `goodput_at_slo_rps` and its `at_reference` figures (`load_seconds`, and device loads and
+    store reads under the names `loads` and `reads`); floors over `distinct` adapters
+    requested, or each run's own `distinct_adapters` when not given."""
+    good = {r: f["goodput_at_slo_rps"] for r, f in routers.items()}
+    at = {r: f["at_reference"] for r, f in routers.items()}
+    floor = {
+        r: max(1, a["distinct_adapters"] if distinct is None else distinct) for r, a in at.items()
+    }
+    return {
+        "goodput_rps": good,
+        "goodput_ratio_vs_best_ray_router": ratio_vs_best_ray(good, higher_is_better=True),
+        "load_seconds": {r: a["load_seconds"] for r, a in at.items()},
+        "load_seconds_ratio_vs_best_ray_router": ratio_vs_best_ray(
+            {r: a["load_seconds"] for r, a in at.items()}, higher_is_better=False
+        ),
+        "loads": {r: a[loads] for r, a in at.items()},
+        "reads": {r: a[reads] for r, a in at.items()},
+        "loads_vs_floor": {r: a[loads] / floor[r] for r, a in at.items()},
+        "reads_vs_floor": {r: a[reads] / floor[r] for r, a in at.items()},
+    }
 
 
 def recovery_s(

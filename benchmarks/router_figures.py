@@ -9,8 +9,8 @@ import numpy as np
 
 from loraplex.benchmarks.goodput import (
     SLO_FACTOR,
+    comparison,
     goodput,
-    ratio_vs_best_ray,
     recovery_s,
     within_slo_rps,
 )
@@ -107,23 +107,13 @@ def _workload(name: str, sweep: dict, w: Workload, slo: float) -> dict[str, Any]
         }
     distinct = sweep["distinct_adapters"][ref]
     at = {r: f["at_reference"] for r, f in routers.items()}
-    good = {r: f["goodput_at_slo_rps"] for r, f in routers.items()}
     out: dict[str, Any] = {
         "rates_rps": rates,
         "reference_rate_rps": rates[ref],
         "slo_s": slo,
         "distinct_adapters_requested": distinct,
-        "goodput_rps": good,
-        "goodput_ratio_vs_best_ray_router": ratio_vs_best_ray(good, higher_is_better=True),
-        "load_seconds": {r: a["load_seconds"] for r, a in at.items()},
-        "load_seconds_ratio_vs_best_ray_router": ratio_vs_best_ray(
-            {r: a["load_seconds"] for r, a in at.items()}, higher_is_better=False
-        ),
-        "loads": {r: a["loads"] for r, a in at.items()},
+        **comparison(routers, loads="loads", reads="reads", distinct=distinct),
         "reloads": {r: a["loads"] - distinct for r, a in at.items()},
-        "reads": {r: a["reads"] for r, a in at.items()},
-        "loads_vs_floor": {r: a["loads"] / max(1, distinct) for r, a in at.items()},
-        "reads_vs_floor": {r: a["reads"] / max(1, distinct) for r, a in at.items()},
         "p50_ttft_s": {r: a["p50_ttft_s"] for r, a in at.items()},
         "p99_ttft_s": {r: a["p99_ttft_s"] for r, a in at.items()},
         "routers": routers,

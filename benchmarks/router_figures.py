@@ -155,6 +155,11 @@ def print_table(r: dict[str, Any]) -> None:
                 f"{name:9} {router:9} {f['goodput_at_slo_rps']:8.2f} {_ms(a['p50_ttft_s'])} "
                 f"{_ms(a['p99_ttft_s'])} {a['loads']:6.0f} {a['reads']:6.0f} "
                 f"{a['load_seconds']:7.2f} {max(max(x) for x in f['load_avg_1m']):8.1f}"
+                + (
+                    f"  ({a['counters_unread']:.0f} replica counter reads failed: counts low)"
+                    if a.get("counters_unread")
+                    else ""
+                )
             )
         print(
             f"{name:9} goodput ratio {_fmt(wl['goodput_ratio_vs_best_ray_router'])}"

@@ -184,7 +184,8 @@ def _serve(router: str, app, all_chats: list[Chat], w: PrefixWorkload) -> dict[s
         backend = ServeBackend(handle, retries=0)
         asyncio.run(_warm_up(backend, w))
         outcomes, elapsed = asyncio.run(_drive(backend, all_chats, router, w.request_timeout_s))
-        replicas = [{"replica": rid, **c} for rid, c in counters(name, router).items()]
+        counted = counters(name, router)
+        replicas = [{"replica": rid, **c} for rid, c in counted.items() if c is not None]
     finally:
         serve.delete(name)
     done = [o for o in outcomes if o.error is None]
@@ -203,6 +204,7 @@ def _serve(router: str, app, all_chats: list[Chat], w: PrefixWorkload) -> dict[s
         "errors": sorted({o.error for o in outcomes if o.error is not None})[:5],
         "duration_s": elapsed,
         "load_avg_1m": [load_avg, os.getloadavg()[0]],
+        "counters_unread": sum(c is None for c in counted.values()),
         "replicas": replicas,
     }
 

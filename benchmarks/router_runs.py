@@ -5,12 +5,14 @@ workload a replica is killed mid-run and the run waits until Serve has replaced 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from loraplex.replica.protocol import GenerateRequest, ReplicaFailed
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from loraplex.router.serve_backend import ServeBackend
@@ -97,25 +99,38 @@ def replica_actors(app: str, deployment: str) -> dict[str, Any]:
     }
 
 
-def counters(app: str, deployment: str) -> dict[str, dict[str, float]]:
-    """Each replica's cumulative counters (the "bench" entry of its routing stats)."""
+def counters(app: str, deployment: str) -> dict[str, dict[str, float] | None]:
+    """Each live replica's cumulative counters (the "bench" entry of its routing stats);
+    None for a replica that did not answer twice within 30 s (one that just died, or one
+    too busy), so that a run can say its counts miss it."""
     import ray
 
     actors = replica_actors(app, deployment)
-    refs = {rid: a.record_routing_stats.remote() for rid, a in actors.items()}
-    out = {}
-    for rid, ref in refs.items():
-        with contextlib.suppress(Exception):  # a replica that just died has none
-            out[rid] = ray.get(ref, timeout=30)["bench"]
+    out: dict[str, dict[str, float] | None] = {}
+    for rid, actor in actors.items():
+        out[rid] = None
+        for _ in range(2):
+            try:
+                out[rid] = ray.get(actor.record_routing_stats.remote(), timeout=30)["bench"]
+                break
+            except Exception as e:  # counted below, never hidden
+                log.warning("counters of %s/%s: %r", app, rid, e)
     return out
 
 
 def delta(before: dict, after: dict) -> dict[str, float]:
     """Counters summed over replicas, this run's share: replicas gone since `before` are
-    lost with what they counted (the failover run), new ones count from 0."""
+    lost with what they counted (the failover run), new ones count from 0.
+    `counters_unread`: live replicas whose counters could not be read before or after the
+    run, whose share is missing from the sums."""
     total = dict.fromkeys(COUNTERS, 0.0)
+    total["counters_unread"] = float(
+        sum(1 for v in before.values() if v is None) + sum(1 for v in after.values() if v is None)
+    )
     for rid, now in after.items():
-        was = before.get(rid, {})
+        was = before.get(rid) or {}
+        if now is None or (rid in before and before[rid] is None):
+            continue
         for key in COUNTERS:
             total[key] += now.get(key, 0) - was.get(key, 0)
     return total

@@ -54,6 +54,7 @@ from loraplex.benchmarks import fleet_workloads as fw
 from loraplex.benchmarks.report import log
 from loraplex.benchmarks.router_apps import build_app
 from loraplex.benchmarks.router_assets import BenchCluster, bench_cluster
+from loraplex.benchmarks.router_costs import ordinary_ids
 from loraplex.benchmarks.router_figures import run_figures, summary
 from loraplex.benchmarks.router_runs import (
     BenchRequest,
@@ -177,7 +178,7 @@ def _capacity(backend: ServeBackend, w: Workload) -> float:
     """What the replicas serve when saturated: 10 full batches' worth of base-model
     requests of mean lengths, all at once, through one app; completions per second."""
     n = 10 * w.num_replicas * w.max_num_seqs
-    prompt = list(range(10, 10 + sum(w.prompt_tokens) // 2))
+    prompt = ordinary_ids(sum(w.prompt_tokens) // 2, w.model.vocab_size)
     out = sum(w.output_tokens) // 2
     burst = [BenchRequest(0.0, None, prompt, out) for _ in range(n)]
     outcomes, elapsed = asyncio.run(drive(backend, burst, "capacity", w.request_timeout_s))

@@ -46,8 +46,7 @@ def measure_router_costs(
     try:
         engine = LLMEngine(build_engine_config(engine_config))
         names = list(sources)[: min(w.adapters_per_replica, w.max_num_seqs)]
-        vocab = engine.model_config.vocab_size  # ordinary ids: 10..vocab-1, over and over
-        prompt = [10 + i % (vocab - 10) for i in range(sum(w.prompt_tokens) // 2)]
+        prompt = ordinary_ids(sum(w.prompt_tokens) // 2, engine.model_config.vocab_size)
         reads, copies, unloaded = [], [], []
         for name in names:
             start = time.perf_counter()
@@ -97,6 +96,12 @@ def _decode_step_s(engine: LLMEngine, context: int, adapters: list[str]) -> floa
     return step_s
 
 
+def ordinary_ids(n: int, vocab: int) -> list[int]:
+    """`n` prompt token ids of the model's vocabulary: 10..vocab-1, over and over (a prompt
+    longer than the vocabulary wraps rather than running past it)."""
+    return [10 + i % (vocab - 10) for i in range(n)]
+
+
 def _step_samples(engine: LLMEngine, names: list[str], w: Workload) -> list[tuple[StepLoad, float]]:
     """Every step of a closed-loop stream of requests of the bench's lengths over `names`,
     joining a few at a time, with what it computed and how long it took."""
@@ -120,7 +125,9 @@ def _step_samples(engine: LLMEngine, names: list[str], w: Workload) -> list[tupl
                 out = int(rng.integers(w.output_tokens[0], w.output_tokens[1] + 1))
                 params = SamplingParams(max_tokens=out, temperature=0.0, ignore_eos=True)
                 engine.add_request(
-                    list(range(10, 10 + n)), params, names[int(rng.integers(len(names)))]
+                    ordinary_ids(n, engine.model_config.vocab_size),
+                    params,
+                    names[int(rng.integers(len(names)))],
                 )
             if not engine.has_unfinished():
                 continue

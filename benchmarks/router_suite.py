@@ -28,9 +28,11 @@ def run_bench(args: argparse.Namespace) -> int:
         )
         log(f"figure: {path}")
     router_figures.print_table(results)
+    write_json(args.json, results)  # after each section: a later one's failure loses none
     fairness = router_fairness.QUICK if args.quick else router_fairness.FULL
     results["fairness"] = router_fairness.measure_fairness(fairness)
     router_fairness.print_fairness(results["fairness"])
+    write_json(args.json, results)
     results["prefix"] = router_prefix.measure(router_prefix.workload(workload, args.quick))
     router_prefix.print_table(results["prefix"])
     write_json(args.json, results)

@@ -126,6 +126,11 @@ def print_table(r: dict) -> None:
         "throughput at SLO (req/s): "
         + ", ".join(f"{n} {v:.2f}" for n, v in sim["throughput_at_slo_rps"].items())
     )
+    if sim["slo_not_crossed"]:
+        print(
+            "within the SLO at the top swept load (throughput at SLO a lower bound): "
+            + ", ".join(sim["slo_not_crossed"])
+        )
     print(
         "paper loads (x slora's SLO crossing 6/8.6, 8/8.6, 9/8.6): "
         + ", ".join(f"{k} {v:.2f} req/s" for k, v in sim["paper_loads_rps"].items())

@@ -121,6 +121,12 @@ def test_sched_bench_reports_every_key_on_tiny_shapes(tmp_path):
     for key in sched.NEW_KEYS:  # the ablation against our own FIFO stays
         assert isinstance(r[key], float)
     assert set(r["sim"]["systems"]) == set(SYSTEM_NAMES)
+    # a system within the SLO at the top load is named: its throughput is a lower bound
+    top = f"{r['sim']['loads_rps'][-1]:.2f}"
+    slo, curves = r["sim"]["slo_s"], r["sim"]["systems"]
+    assert all(
+        n in r["sim"]["slo_not_crossed"] for n in curves if curves[n][top]["p99_ttft_s_max"] <= slo
+    )
     assert set(r["engine"]["systems"]) == set(SYSTEM_NAMES)
     assert set(r["shapes"]) == {"long-prompt", "bursty"}
     for shape in r["shapes"].values():

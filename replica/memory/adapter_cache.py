@@ -271,8 +271,9 @@ class AdapterCache:
 
     def poll(self) -> None:
         """Collect finished copies: their adapters become usable."""
-        now = self.clock()
-        for resident in self.transfer.done():
+        finished = self.transfer.done()  # may wait for copies (CopyThread joins them)
+        now = self.clock()  # after that wait: a load lasts until the engine has it
+        for resident in finished:
             started = self._started.pop(resident)
             self.stats.load_seconds += now - started
             self.stats.load_seconds_max = max(self.stats.load_seconds_max, now - started)

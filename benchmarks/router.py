@@ -1,47 +1,40 @@
-"""`loraplex bench router`: three request routers over the same replicas and the same load.
+"""`loraplex bench router`: the affinity router against Ray Serve's power-of-two and
+multiplexing routers, on a real local Ray, etcd and artifact store, with adapter reads paced
+as from a network store.
 
-One run starts a real etcd (the adapters are registered there and in an artifact store) and
-a local Ray, then serves one seeded workload three times, each on a fresh Serve app of
-`num_replicas` replicas of one engine configuration, deleted before the next:
+Three Serve apps run side by side, each `num_replicas` replicas of one engine configuration:
 
     affinity   ReplicaDeployment behind AffinityRequestRouter (replica/deployment.py)
     pow2       the same deployment behind Ray Serve's default power-of-two-choices router
-    multiplex  MultiplexedReplica: the same engine, adapters loaded by `@serve.multiplexed`
-               (at most `adapters_per_replica` per replica), Serve's multiplex routing
+    multiplex  MultiplexedReplica: the same engine, adapters loaded by `@serve.multiplexed`,
+               Serve's multiplex routing (benchmarks/router_apps.py)
 
-Every request goes through ServeBackend (one streaming `generate`, the adapter as the
-multiplexed model id; the pow2 replicas report no model ids, so Serve's multiplex preference
-is empty there and it picks by power of two). Open loop: Poisson arrivals at `rate_per_s`,
-Zipf(a) adapter popularity, short prompts and outputs, greedy, ignore_eos.
+Every engine has the same device pool (a full batch's KV plus `adapters_per_replica`
+adapters of mean size) and reads adapters through the artifact read model (`read_*`,
+replica/memory/store_reads.py): what makes a load cost what it costs behind a network store.
+Sync replicas keep `host_adapters_per_replica` adapters of mean size in their host tier;
+multiplexed ones keep as many models (max_num_models_per_replica). Serve's
+max_ongoing_requests is 2 x max_num_seqs for all three.
 
-Each replica's device pool (the engine's unified pool) is sized to hold a full batch's KV
-plus `adapters_per_replica` adapters of mean size, and multiplex keeps that many adapters
-per replica, so all three have one per-replica adapter capacity. The default workload has
-more adapters than one replica holds (30 against 12) but fewer than all three hold
-together (36): the case a router decides, since below it every router hits and above it
-every router must evict.
+Workloads (benchmarks/fleet_workloads.py) over one registered catalog (`num_adapters`,
+ranks 8-128, targets in turn), each with its own popularity order: zipf, hot, shift,
+failover (a replica killed a third of the way through each run; Serve replaces it).
+Arrivals are Poisson. For each workload the three apps first take a warm-up stream (one
+1-token request per adapter, drawn from the workload's popularity), then a run at each
+offered rate, the rates ascending and the routers interleaved at each rate, so all three
+see the same machine load. A run's figures are its requests' and the replicas' counters
+over it.
 
-    adapter_loads   adapter weights copied into a replica's device pool: the sum over replicas
-                    of the engine's AdapterCache loads (for multiplex each multiplexed load is
-                    registered under a name of its own, so it is one pool load on first use)
-    artifact_reads  adapters read from the artifact store (AdapterSync reads, or multiplexed
-                    loads)
-    distinct_adapters_requested  the fewest loads (and reads) any router can make
-    reloads         adapter_loads - distinct_adapters_requested: the loads a router caused,
-                    beyond the first load of each adapter that every router makes
-    ttft            client side, from the request's scheduled arrival to its first chunk
-    router_costs    what the affinity router is told about this machine (AffinityConfig), as
-                    measured here before the runs: a load from the artifact store and from
-                    the host tier, the TTFT each running request adds (a CPU step grows
-                    with the batch), the time a request holds a slot. Once the replicas
-                    publish their own measurements (replica/step_costs.py, after 32 steps)
-                    the router uses those for the busy and host-load costs
-    loads_ratio_vs_best_baseline = min(baseline adapter_loads) / affinity adapter_loads
-    p99_ratio_vs_best_baseline   = min(baseline p99_ttft_ms) / affinity p99_ttft_ms
-    reloads_ratio_vs_best_baseline = min(baseline reloads) / affinity reloads
-
-The routers run one after another on a shared machine: each one's `load_avg_1m` (before,
-after) shows whether other processes competed with it for the cores.
+Before the runs one engine of the replicas' configuration measures (benchmarks/router_costs.py)
+the costs the affinity router is told and the unloaded TTFT (a request alone on an idle
+engine that reads its adapter from the store); the offered rates are fractions of the
+capacity the first app shows on a saturating burst of base-model requests.
+SLO = 5 x the unloaded TTFT; goodput = the highest offered rate whose p99 TTFT stays within
+it (benchmarks/goodput.py). Keys per workload: goodput_ratio_vs_best_ray_router,
+load_seconds_ratio_vs_best_ray_router (at the reference rate: seconds replicas spent reading
+and copying adapters, affinity / the lower Ray router), loads_vs_floor (device loads /
+distinct adapters requested; below 1 where the warm-up left adapters resident); failover:
+recovery_s, streams_failed, requests_lost.
 
 Section `fairness` (benchmarks/router_fairness.py): a tenant flooding at ten times its share
 beside one within it, through the ingress and one replica; `fairness.b_p99_ttft_ratio`.
@@ -50,41 +43,32 @@ beside one within it, through the ingress and one replica; `fairness.b_p99_ttft_
 from __future__ import annotations
 
 import asyncio
-import json
-import math
 import os
-import tempfile
 import time
-from dataclasses import replace
-from pathlib import Path
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from loraplex.benchmarks.engine import SERVING_TARGETS, zipf_adapters
+from loraplex.benchmarks import fleet_workloads as fw
 from loraplex.benchmarks.report import log
 from loraplex.benchmarks.router_apps import build_app
-from loraplex.benchmarks.router_costs import measure_router_costs
-from loraplex.benchmarks.router_figures import (
-    PAGE_BYTES,
-    router_figures,
-    summary,
+from loraplex.benchmarks.router_assets import BenchCluster, bench_cluster
+from loraplex.benchmarks.router_costs import ordinary_ids
+from loraplex.benchmarks.router_figures import run_figures, summary
+from loraplex.benchmarks.router_runs import (
+    BenchRequest,
+    counters,
+    delta,
+    drive,
+    kill_one,
+    wait_for_replicas,
 )
-from loraplex.benchmarks.router_workload import BenchRequest, Outcome, Workload
-from loraplex.demo.lean_ray import lean_ray_serve
-from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
-from loraplex.registry.artifacts import ArtifactStore
-from loraplex.registry.etcd_client import EtcdSettings
-from loraplex.registry.etcd_process import EtcdProcess
-from loraplex.registry.models import AdapterRecord, Tenant
-from loraplex.registry.store import RegistryStore
-from loraplex.replica.memory.adapters import load_adapter, plan_layout
-from loraplex.replica.model.config import ModelConfig
-from loraplex.replica.protocol import GenerateRequest, adapter_id
+from loraplex.benchmarks.router_workload import Workload
+from loraplex.demo.synthetic import ModelSpec
 from loraplex.router.serve_backend import ServeBackend
 
 ROUTERS = ("affinity", "pow2", "multiplex")
-TENANT = "bench"
 
 
 FULL = Workload(
@@ -97,208 +81,204 @@ FULL = Workload(
         vocab_size=512,
         rope_scaling=None,
     ),
-    num_adapters=30,
+    num_adapters=300,
     num_replicas=3,
-    adapters_per_replica=12,
-    num_requests=600,
-    rate_per_s=25.0,  # near what 3 replicas on 2 cores serve (~28/s): queues form
+    adapters_per_replica=16,
+    host_adapters_per_replica=64,
+    window_s=24.0,
+    failover_window_s=45.0,
+    rate_factors=(0.3, 0.5, 0.7, 0.9),
+    reference_factor=0.5,
+    failover_factors=(0.5,),
 )
-QUICK = replace(FULL, num_requests=200)
+QUICK = replace(
+    FULL,
+    num_adapters=120,
+    adapters_per_replica=8,
+    host_adapters_per_replica=24,
+    window_s=8.0,
+    failover_window_s=24.0,
+    rate_factors=(0.35, 0.7),
+    reference_factor=0.35,
+    failover_factors=(0.35,),
+)
 
 
-def measure(workload: Workload, routers: tuple[str, ...] = ROUTERS) -> dict[str, Any]:
-    """Serve the workload once per router; the figures, and per request raw timings."""
-    with tempfile.TemporaryDirectory(prefix="loraplex-bench-router-") as tmp:
-        root = Path(tmp)
-        model_dir, sources = _write_assets(root, workload)
-        engine_config = _engine_config(model_dir, sources, workload)
-        costs = measure_router_costs(engine_config, sources, workload)
-        log("router costs measured here: " + ", ".join(f"{k}={v:.4f}" for k, v in costs.items()))
-        etcd = EtcdProcess(root / "etcd")
-        etcd.start()
-        try:
-            settings = EtcdSettings(endpoints=[etcd.endpoint])
-            artifacts = ArtifactStore(root / "artifacts")
-            paths = asyncio.run(_register(settings, artifacts, sources))
-            requests = _requests(list(paths), workload)
-            per_router = {}
-            with lean_ray_serve():
-                for router in routers:
-                    app = build_app(
-                        router, workload, engine_config, settings, artifacts, paths, costs
-                    )
-                    per_router[router] = _serve(router, app, requests, workload)
-        finally:
-            etcd.stop(kill=True)
-    return {**summary(workload, engine_config, requests, per_router), "router_costs": costs}
+def measure(
+    w: Workload, routers: tuple[str, ...] = ROUTERS, workloads: tuple[str, ...] = fw.WORKLOADS
+) -> dict[str, Any]:
+    """Every workload through every router; the figures and the raw per-run outcomes."""
+    return run_measured(w, routers, workloads).figures
 
 
-# -- assets and registry ----------------------------------------------------------------------
+@dataclass(slots=True)
+class Measured:
+    """A bench run's figures, and what the simulator needs to replay it."""
+
+    figures: dict[str, Any]
+    engine_config: dict[str, Any]
+    costs: dict[str, float]
+    calibration: dict[str, Any]
+    adapters: dict[str, tuple[int, int]]  # adapter id -> (rank, weight bytes)
+    requests: dict[str, dict[str, list]]  # workload -> {"warm-up": [...], "runs": [[...]]}
 
 
-def _write_assets(root: Path, w: Workload) -> tuple[Path, dict[str, Path]]:
-    """The model, and `num_adapters` adapters of ranks in `w.ranks`, SERVING_TARGETS in turn."""
-    model_dir = root / "model"
-    write_checkpoint(model_dir, w.model, seed=w.seed, with_tokenizer=False)
-    ranks = np.random.default_rng(w.seed).integers(w.ranks[0], w.ranks[1] + 1, w.num_adapters)
-    sources = {}
-    for i, rank in enumerate(ranks.tolist()):
-        name = f"a{i:02d}-r{rank}"
-        spec = AdapterSpec(name, rank, 2.0 * rank, SERVING_TARGETS[i % 4], 1000 + i)
-        write_adapter(root / "src" / name, w.model, spec)
-        sources[name] = root / "src" / name
-    return model_dir, sources
+def run_measured(
+    w: Workload, routers: tuple[str, ...] = ROUTERS, workloads: tuple[str, ...] = fw.WORKLOADS
+) -> Measured:
+    import logging
+
+    logging.getLogger("ray.serve").setLevel(logging.ERROR)  # queue-probe warnings on 2 cores
+    with bench_cluster(w, "router") as cluster:
+        apps = _start_apps(routers, w, cluster)
+        calibration = dict(cluster.calibration)
+        calibration["capacity_rps"] = _capacity(next(iter(apps.values())), w)
+        log(f"capacity: {calibration['capacity_rps']:.1f} req/s (base model, saturated)")
+        names = list(cluster.paths)  # version ids, in catalog order
+        runs = {
+            workload: _sweep(workload, i, names, w, apps, calibration)
+            for i, workload in enumerate(workloads)
+        }
+    requests = {name: run.pop("requests") for name, run in runs.items()}
+    costs = cluster.costs
+    return Measured(
+        summary(w, cluster.engine_config, costs, calibration, runs),
+        cluster.engine_config,
+        costs,
+        calibration,
+        cluster.sizes,
+        requests,
+    )
 
 
-def _engine_config(model_dir: Path, sources: dict[str, Path], w: Workload) -> dict[str, Any]:
-    """A pool of a full batch's KV blocks plus `adapters_per_replica` adapters of mean size."""
-    model = ModelConfig.from_pretrained(model_dir)
-    page_elems = PAGE_BYTES // 4  # float32 checkpoint
-    pages = [
-        plan_layout(load_adapter(p, n, model, w.ranks[1]), page_elems, model.num_layers)[
-            0
-        ].num_pages
-        for n, p in sources.items()
-    ]
-    block_tokens = page_elems // model.kv_elems_per_token()
-    kv_pages = w.max_num_seqs * math.ceil((w.prompt_tokens[1] + w.output_tokens[1]) / block_tokens)
-    adapter_pages = math.ceil(w.adapters_per_replica * sum(pages) / len(pages))
-    return {
-        "model": str(model_dir),
-        "page_bytes": PAGE_BYTES,
-        "pool_bytes": (kv_pages + adapter_pages) * PAGE_BYTES,
-        "scheduler": {"max_num_seqs": w.max_num_seqs},
-    }
-
-
-async def _register(
-    settings: EtcdSettings, artifacts: ArtifactStore, sources: dict[str, Path]
-) -> dict[str, str]:
-    """Register every adapter; their artifact folders by adapter (version) id, in the order
-    of `sources` (what multiplex reads)."""
-    paths = {}
-    async with RegistryStore(settings) as store:
-        await store.create_tenant(Tenant(name=TENANT, adapter_quota=len(sources)))
-        for name, source in sources.items():
-            stored = artifacts.put_dir(source)
-            config = json.loads((source / "adapter_config.json").read_text())
-            await store.create_adapter(
-                AdapterRecord(
-                    name=name,
-                    tenant=TENANT,
-                    base_model="bench-tiny-llama",
-                    rank=config["r"],
-                    alpha=config["lora_alpha"],
-                    target_modules=config["target_modules"],
-                    dtype="float32",
-                    size_bytes=(source / "adapter_model.safetensors").stat().st_size,
-                    sha256=stored.weights_sha256,
-                    artifact=stored.path,
-                )
-            )
-            paths[adapter_id(TENANT, name, stored.digest)] = str(artifacts.path_of(stored.path))
-    return paths
-
-
-# -- the workload ------------------------------------------------------------------------------
-
-
-def _requests(adapters: list[str], w: Workload) -> list[BenchRequest]:
-    rng = np.random.default_rng(w.seed)
-    arrivals = np.cumsum(rng.exponential(1.0 / w.rate_per_s, w.num_requests)).tolist()
-    popularity = rng.permutation(adapters).tolist()  # Zipf rank independent of adapter size
-    picks = zipf_adapters(popularity, w.num_requests, seed=w.seed, a=w.zipf_a)
-    prompts = rng.integers(w.prompt_tokens[0], w.prompt_tokens[1] + 1, w.num_requests)
-    outputs = rng.integers(w.output_tokens[0], w.output_tokens[1] + 1, w.num_requests)
-    vocab = w.model.vocab_size
-    return [
-        BenchRequest(at, adapter, rng.integers(10, vocab, int(p)).tolist(), int(o))
-        for at, adapter, p, o in zip(arrivals, picks, prompts, outputs, strict=True)
-    ]
-
-
-async def _drive(backend: ServeBackend, requests: list[BenchRequest], tag: str, timeout_s: float):
-    start = time.perf_counter()
-
-    async def one(i: int, r: BenchRequest) -> Outcome:
-        arrival = start + r.at_s
-        await asyncio.sleep(max(0.0, arrival - time.perf_counter()))
-        outcome = Outcome()
-        request = GenerateRequest(
-            request_id=f"{tag}-{i}",
-            prompt_token_ids=r.prompt,
-            adapter=r.adapter,
-            params={"max_tokens": r.max_tokens, "temperature": 0.0, "ignore_eos": True},
-        )
-        try:
-            async with asyncio.timeout(timeout_s):
-                async for piece in backend.generate(request):
-                    if outcome.ttft_s is None:
-                        outcome.ttft_s = time.perf_counter() - arrival
-                    outcome.tokens += len(piece["new_token_ids"])
-            outcome.latency_s = time.perf_counter() - arrival
-        except Exception as e:  # counted and reported, never hidden
-            outcome.error = repr(e)
-        return outcome
-
-    outcomes = await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
-    return outcomes, time.perf_counter() - start
-
-
-def _serve(router: str, app, requests: list[BenchRequest], w: Workload) -> dict[str, Any]:
+def _start_apps(
+    routers: tuple[str, ...], w: Workload, cluster: BenchCluster
+) -> dict[str, ServeBackend]:
     from ray import serve
 
-    name = f"bench-{router}"
-    load_avg = os.getloadavg()[0]  # other processes on the machine skew latencies
-    started = time.perf_counter()
-    handle = serve.run(app, name=name, route_prefix=None)
-    log(f"{router}: {w.num_replicas} replicas up in {time.perf_counter() - started:.1f}s")
-    try:
-        backend = ServeBackend(handle, retries=0)
-        outcomes, elapsed = asyncio.run(_warm_up_and_drive(backend, requests, router, w))
-        replicas = _replica_counters(name, router)
-    finally:
-        serve.delete(name)
-    done = sum(o.error is None for o in outcomes)
-    log(f"{router}: {done}/{len(outcomes)} requests in {elapsed:.1f}s")
+    apps = {}
+    for router in routers:
+        started = time.perf_counter()
+        app = build_app(
+            router,
+            w,
+            cluster.engine_config,
+            cluster.settings,
+            cluster.artifacts,
+            cluster.paths,
+            cluster.costs,
+        )
+        handle = serve.run(app, name=f"bench-{router}", route_prefix=None)
+        apps[router] = ServeBackend(handle, retries=1)
+        log(f"{router}: {w.num_replicas} replicas up in {time.perf_counter() - started:.1f}s")
+    return apps
+
+
+def _capacity(backend: ServeBackend, w: Workload) -> float:
+    """What the replicas serve when saturated: 10 full batches' worth of base-model
+    requests of mean lengths, all at once, through one app; completions per second."""
+    n = 10 * w.num_replicas * w.max_num_seqs
+    prompt = ordinary_ids(sum(w.prompt_tokens) // 2, w.model.vocab_size)
+    out = sum(w.output_tokens) // 2
+    burst = [BenchRequest(0.0, None, prompt, out) for _ in range(n)]
+    outcomes, elapsed = asyncio.run(drive(backend, burst, "capacity", w.request_timeout_s))
+    return sum(o.error is None for o in outcomes) / elapsed
+
+
+def _sweep(
+    workload: str,
+    index: int,
+    names: list[str],
+    w: Workload,
+    apps: dict[str, ServeBackend],
+    calibration: dict[str, Any],
+) -> dict[str, Any]:
+    """The warm-up, then one run per rate and router; per router, a list over rates."""
+    capacity = calibration["capacity_rps"]
+    failover = workload == "failover"
+    factors = w.failover_factors if failover else w.rate_factors
+    window = w.failover_window_s if failover else w.window_s
+    popularity = "zipf" if workload in ("shift", "failover") else workload
+    warm = fw.requests(
+        popularity,
+        names,
+        len(names),
+        factors[0] * capacity,
+        fw.Lengths(prompt=(16, 16), output=(1, 1)),
+        seed=10 * index,
+        popularity_seed=index,
+    )
+    began: dict[str, list[float]] = {r: [] for r in apps}  # each stream's start, per router
+    for router, backend in apps.items():
+        began[router].append(time.perf_counter())
+        outcomes, _ = asyncio.run(
+            drive(backend, _bench(warm, w), f"warm-{workload}-{router}", w.request_timeout_s)
+        )
+        log(f"{workload} warm-up {router}: {sum(o.error is None for o in outcomes)} served")
+    per_router: dict[str, list[dict]] = {r: [] for r in apps}
+    requests = []
+    for i, factor in enumerate(factors):
+        rate = factor * capacity
+        reqs = fw.requests(
+            workload,
+            names,
+            max(1, round(rate * window)),
+            rate,
+            fw.Lengths(prompt=w.prompt_tokens, output=w.output_tokens),
+            seed=1000 * index + i,
+            popularity_seed=index,
+        )
+        requests.append(reqs)
+        kill_at = fw.kill_at(reqs) if failover else None
+        for router, backend in apps.items():
+            began[router].append(time.perf_counter())
+            per_router[router].append(_run(router, backend, reqs, w, workload, rate, kill_at))
     return {
-        **router_figures(outcomes, elapsed, replicas),
-        "load_avg_1m": [load_avg, os.getloadavg()[0]],
+        "rates_rps": [f * capacity for f in factors],
+        "distinct_adapters": [len({r.adapter for r in reqs}) for reqs in requests],
+        "kill_at_s": [fw.kill_at(reqs) for reqs in requests] if failover else None,
+        "per_router": per_router,
+        # what a replay needs: the streams, and when each began after the warm-up's start
+        "requests": {
+            "warm-up": warm,
+            "runs": requests,
+            "offsets_s": {r: [t - ts[0] for t in ts[1:]] for r, ts in began.items()},
+        },
     }
 
 
-async def _warm_up_and_drive(
-    backend: ServeBackend, requests: list[BenchRequest], router: str, w: Workload
-) -> tuple[list[Outcome], float]:
-    """Base-model requests first (no adapter loads) so every replica ran a forward, and a
-    stats period so routers hold every replica's routing stats; then the workload."""
-    prompt = list(range(10, 10 + w.prompt_tokens[0]))
-    params = {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
-
-    async def warm(i: int) -> None:
-        request = GenerateRequest(
-            request_id=f"warm-{i}", prompt_token_ids=prompt, adapter=None, params=params
+def _run(router, backend, reqs, w: Workload, workload: str, rate: float, kill_at) -> dict:
+    app = f"bench-{router}"
+    load_avg = os.getloadavg()[0]
+    before = counters(app, router)
+    kill = None if kill_at is None else (kill_at, lambda: kill_one(app, router, w.seed))
+    outcomes, elapsed = asyncio.run(
+        drive(
+            backend, _bench(reqs, w), f"{workload}-{router}-{rate:.1f}", w.request_timeout_s, kill
         )
-        async for _ in backend.generate(request):
-            pass
+    )
+    if kill_at is not None:
+        waited = wait_for_replicas(app, router, w.num_replicas)
+        log(f"{router}: replaced its killed replica ({waited:.1f} s after the run)")
+    figures = run_figures(outcomes, elapsed, delta(before, counters(app, router)))
+    figures["load_avg_1m"] = [load_avg, os.getloadavg()[0]]
+    log(
+        f"{workload} {rate:5.1f} req/s {router:9}: p50 {_ms(figures['p50_ttft_s'])} p99 "
+        f"{_ms(figures['p99_ttft_s'])}, {figures['loads']:.0f} loads, {figures['reads']:.0f} reads, "
+        f"{figures['completed']}/{len(reqs)} done (load avg {load_avg:.1f})"
+    )
+    return figures
 
-    await asyncio.gather(*(warm(i) for i in range(4 * w.num_replicas)))
-    await asyncio.sleep(w.routing_stats_period_s * 1.5)
-    return await _drive(backend, requests, router, w.request_timeout_s)
+
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1e3:.0f} ms"
 
 
-def _replica_counters(app: str, deployment: str) -> list[dict[str, Any]]:
-    """Each replica's "bench" counters, asked of the replica actors themselves."""
-    import ray
-
-    prefix = f"SERVE_REPLICA::{app}#{deployment}#"
-    names = [
-        (entry["name"], entry["namespace"])
-        for entry in ray.util.list_named_actors(all_namespaces=True)
-        if entry["name"].startswith(prefix)
-    ]
-    refs = [ray.get_actor(n, namespace=ns).record_routing_stats.remote() for n, ns in names]
+def _bench(reqs, w: Workload) -> list[BenchRequest]:
+    """Simulator requests as token requests: random prompt ids of each request's length."""
+    rng = np.random.default_rng(w.seed)
+    vocab = w.model.vocab_size
     return [
-        {"replica": n.removeprefix(prefix), **stats["bench"]}
-        for (n, _), stats in zip(names, ray.get(refs, timeout=30), strict=True)
+        BenchRequest(r.arrival, r.adapter, rng.integers(10, vocab, r.prompt).tolist(), r.output)
+        for r in reqs
     ]

@@ -17,7 +17,7 @@ from loraplex.registry.etcd_client import EtcdSettings
 from loraplex.replica.async_engine import Engine
 from loraplex.replica.config import build_engine_config
 from loraplex.replica.deployment import ReplicaDeployment, deployment
-from loraplex.replica.protocol import GenerateChunk, GenerateRequest, chunk
+from loraplex.replica.protocol import GenerateChunk, GenerateRequest, chunk, continuation
 from loraplex.replica.protocol import sampling_params as to_sampling_params
 from loraplex.router.settings import RouterSettings
 
@@ -27,7 +27,9 @@ if TYPE_CHECKING:
 REPLICA_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # 3 engines share 2 cores
 
 
-async def _engine_counters(engine: Engine) -> dict[str, int]:
+async def _engine_counters(engine: Engine) -> dict[str, float]:
+    """Device loads (adapter copies into the pool), re-reads of adapters the host budget
+    had dropped, and the seconds loads took (re-reads included)."""
     stats = await engine.stats()
     adapters = stats["adapters"]
     prefix = stats.get("prefix_cache") or {}  # prompt tokens asked for and computed
@@ -35,6 +37,8 @@ async def _engine_counters(engine: Engine) -> dict[str, int]:
         "prompt_tokens": prefix.get("prompt_tokens", 0),
         "prompt_tokens_computed": prefix.get("prompt_tokens_computed", 0),
         "loads": adapters["loads"],
+        "reads": adapters["disk_reads"],
+        "load_seconds": adapters["load_seconds"],
         "hits": adapters["hits"],
         "evictions": adapters["evictions"],
         "registered": adapters["registered"],
@@ -44,13 +48,17 @@ async def _engine_counters(engine: Engine) -> dict[str, int]:
 
 
 class BenchReplica(ReplicaDeployment):
-    """ReplicaDeployment, plus its engine's adapter counters in its routing stats, under
-    "bench" (a key routers ignore), where the bench reads each replica's."""
+    """ReplicaDeployment, plus its adapter counters in its routing stats, under "bench" (a
+    key routers ignore), where the bench reads each replica's: the engine's, and the reads
+    the registry sync made from the artifact store (first use of an adapter here)."""
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        assert self.engine is not None
+        assert self.engine is not None and self.sync is not None
         stats = await super().record_routing_stats()
-        return {**stats, "bench": await _engine_counters(self.engine)}
+        counters = await _engine_counters(self.engine)
+        counters["reads"] += self.sync.reads
+        counters["load_seconds"] += self.sync.read_seconds
+        return {**stats, "bench": counters}
 
 
 class AdapterLease:
@@ -120,6 +128,7 @@ class MultiplexedReplica:
             to_sampling_params(request),
             lease.name if lease else None,
             request["request_id"],
+            continuation=continuation(request),  # the ingress resumes streams of a dead replica
         )
         try:
             async for out in outputs:
@@ -130,9 +139,12 @@ class MultiplexedReplica:
                 lease.release()
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """Serve's default router ignores routing stats: these only carry the counters."""
+        """Serve's default router ignores routing stats: these only carry the counters.
+        Every multiplexed load is a read from the artifact store."""
         counters = await _engine_counters(self.engine)
-        return {"bench": {**counters, "multiplexed_loads": self.loads, "load_s": self.load_s}}
+        counters["reads"] += self.loads
+        counters["load_seconds"] += self.load_s
+        return {"bench": counters}
 
     def __del__(self) -> None:
         self.engine.shutdown()
@@ -147,20 +159,26 @@ def build_app(
     paths: dict[str, str],
     costs: dict[str, float],
 ):
+    """The app of one router. Every app's engines read adapters through the same read model
+    and hold the same device pool; sync replicas keep `host_adapters_per_replica` adapters
+    of mean size in their host tier, multiplexed ones as many models (Serve's LRU)."""
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
     common: dict[str, Any] = {
         "num_replicas": w.num_replicas,
         "ray_actor_options": {"num_cpus": 0, "runtime_env": {"env_vars": REPLICA_ENV}},
-        "max_ongoing_requests": 64,  # above max_num_seqs: the engine batches, Serve forwards
+        # above max_num_seqs: the engine batches, Serve holds back what exceeds this
+        "max_ongoing_requests": 2 * w.max_num_seqs,
         "graceful_shutdown_wait_loop_s": 0.2,
         "graceful_shutdown_timeout_s": 2.0,
+        "health_check_period_s": 2.0,
         "logging_config": {"enable_access_log": False, "log_level": "WARNING"},
     }
     if router == "multiplex":
+        unbudgeted = {**engine_config, "cache": {**engine_config["cache"], "host_bytes": None}}
         return serve.deployment(MultiplexedReplica, name=router, **common).bind(
-            engine_config, paths, w.adapters_per_replica
+            unbudgeted, paths, w.host_adapters_per_replica
         )
     replica = deployment(
         name=router,

@@ -1,133 +1,185 @@
-"""The figures of `loraplex bench router`: per router from its outcomes and replica
-counters, the comparison across routers, and the printed table."""
+"""The figures of `loraplex bench router`: one run's, each workload's across rates and
+routers (goodput at the SLO, the ratios against the best Ray router), and the table."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from loraplex.benchmarks.goodput import (
+    SLO_FACTOR,
+    comparison,
+    goodput,
+    recovery_s,
+    within_slo_rps,
+)
+from loraplex.benchmarks.router_workload import workload_dict
+
 if TYPE_CHECKING:
-    from loraplex.benchmarks.router_workload import BenchRequest, Outcome, Workload
+    from loraplex.benchmarks.router_runs import Outcome
+    from loraplex.benchmarks.router_workload import Workload
 
-BASELINES = ("pow2", "multiplex")
 PAGE_BYTES = 64 * 1024
+RECOVERY_WINDOW_S = 5.0
 
 
-def router_figures(
-    outcomes: list[Outcome], elapsed: float, replicas: list[dict[str, Any]]
-) -> dict[str, Any]:
+def run_figures(outcomes: list[Outcome], elapsed: float, counted: dict[str, float]) -> dict:
+    """One run: its requests' TTFTs (client side, from the scheduled arrival to the first
+    chunk) and the replicas' counters over it."""
     done = [o for o in outcomes if o.error is None]
-    ttft = np.array([o.ttft_s for o in done], dtype=float) * 1e3
-    latency = np.array([o.latency_s for o in done], dtype=float) * 1e3
-    for r in replicas:  # sync-based replicas never drop a read adapter during the run
-        r["artifact_reads"] = r.get("multiplexed_loads", r["registered"])
-    figures: dict[str, Any] = {
-        "adapter_loads": sum(r["loads"] for r in replicas),
-        "artifact_reads": sum(r["artifact_reads"] for r in replicas),
-        "p50_ttft_ms": _percentile(ttft, 50),
-        "p99_ttft_ms": _percentile(ttft, 99),
-        "mean_ttft_ms": float(ttft.mean()) if len(ttft) else None,
-        "p50_latency_ms": _percentile(latency, 50),
-        "p99_latency_ms": _percentile(latency, 99),
+    ttft = np.array([o.ttft_s for o in done], dtype=float)
+    stream_failed = sum(o.stream_failed for o in outcomes)
+    return {
+        "p50_ttft_s": _pct(ttft, 50),
+        "p99_ttft_s": _pct(ttft, 99),
+        "mean_ttft_s": float(ttft.mean()) if len(ttft) else None,
         "throughput_rps": len(done) / elapsed,
-        "output_tok_per_s": sum(o.tokens for o in done) / elapsed,
+        "requests": len(outcomes),
         "completed": len(done),
-        "failed": len(outcomes) - len(done),
+        "streams_failed": stream_failed,
+        # requests that got no answer at all: a retry should have served them
+        "lost": len(outcomes) - len(done) - stream_failed,
         "errors": sorted({o.error for o in outcomes if o.error is not None})[:5],
         "duration_s": elapsed,
-        "replicas": replicas,
+        **counted,
+        "raw": {
+            "at_s": [o.at_s for o in outcomes],
+            "ttft_s": [o.ttft_s for o in outcomes],
+            "ok": [o.error is None for o in outcomes],
+        },
     }
-    reads = sum(r.get("multiplexed_loads", 0) for r in replicas)
-    if reads:
-        figures["mean_multiplexed_load_ms"] = sum(r["load_s"] for r in replicas) / reads * 1e3
-    figures["raw"] = {
-        "ttft_ms": [None if o.ttft_s is None else o.ttft_s * 1e3 for o in outcomes],
-        "latency_ms": [None if o.latency_s is None else o.latency_s * 1e3 for o in outcomes],
-    }
-    return figures
 
 
-def _percentile(values: np.ndarray, q: float) -> float | None:
+def _pct(values: np.ndarray, q: float) -> float | None:
     return float(np.percentile(values, q)) if len(values) else None
 
 
 def summary(
     w: Workload,
     engine_config: dict[str, Any],
-    requests: list[BenchRequest],
-    per_router: dict[str, dict[str, Any]],
+    costs: dict[str, float],
+    calibration: dict[str, Any],
+    runs: dict[str, dict],
 ) -> dict[str, Any]:
-    distinct = len({r.adapter for r in requests})
-    for figures in per_router.values():
-        figures["reloads"] = figures["adapter_loads"] - distinct
-
-    def ratio(key: str) -> float | None:
-        baselines = [per_router[b][key] for b in BASELINES if b in per_router]
-        ours = per_router.get("affinity", {}).get(key)
-        if not baselines or ours is None or None in baselines:
-            return None
-        return min(baselines) / ours if ours else math.inf
-
-    workload = asdict(w)
-    workload["model"] = {k: v for k, v in workload["model"].items() if k != "rope_scaling"}
+    slo = SLO_FACTOR * calibration["unloaded_ttft_s"]
+    workloads = {name: _workload(name, sweep, w, slo) for name, sweep in runs.items()}
     return {
-        "workload": workload,
+        "workload": workload_dict(w),
         "capacity": (
-            f"{w.adapters_per_replica} adapters of mean size per replica: a device pool of "
-            f"{engine_config['pool_bytes'] // PAGE_BYTES} pages of {PAGE_BYTES // 1024} KiB, "
-            f"a full batch's KV included; multiplex max_num_models_per_replica="
-            f"{w.adapters_per_replica}"
+            f"{w.adapters_per_replica} adapters of mean size per replica on the device beside a "
+            f"full batch's KV ({engine_config['pool_bytes'] // PAGE_BYTES} pages of "
+            f"{PAGE_BYTES // 1024} KiB), {w.host_adapters_per_replica} in the host tier; "
+            f"multiplex max_num_models_per_replica={w.host_adapters_per_replica}"
         ),
-        # Every adapter requested is loaded at least once, whatever the router.
-        "distinct_adapters_requested": distinct,
-        "adapter_loads": {r: f["adapter_loads"] for r, f in per_router.items()},
-        "reloads": {r: f["reloads"] for r, f in per_router.items()},
-        "p50_ttft_ms": {r: f["p50_ttft_ms"] for r, f in per_router.items()},
-        "p99_ttft_ms": {r: f["p99_ttft_ms"] for r, f in per_router.items()},
-        "loads_ratio_vs_best_baseline": ratio("adapter_loads"),
-        "p99_ratio_vs_best_baseline": ratio("p99_ttft_ms"),
-        "reloads_ratio_vs_best_baseline": ratio("reloads"),
-        "routers": per_router,
-        "requests": {
-            "arrival_s": [r.at_s for r in requests],
-            "adapter": [r.adapter for r in requests],
+        "read_model": {
+            "bandwidth_mib_s": w.read_bandwidth_mib_s,
+            "latency_ms": w.read_latency_ms,
         },
+        "router_costs": costs,
+        "unloaded_ttft_s": calibration["unloaded_ttft_s"],
+        "slo_s": slo,
+        "capacity_rps": calibration["capacity_rps"],
+        "workloads": workloads,
     }
+
+
+def _workload(name: str, sweep: dict, w: Workload, slo: float) -> dict[str, Any]:
+    rates = sweep["rates_rps"]
+    failover = name == "failover"
+    factors = w.failover_factors if failover else w.rate_factors
+    ref = factors.index(w.reference_factor) if w.reference_factor in factors else 0
+    routers: dict[str, Any] = {}
+    for router, figures in sweep["per_router"].items():
+        p99 = [f["p99_ttft_s"] for f in figures]
+        within = []
+        for f, rate in zip(figures, rates, strict=True):
+            raw = f["raw"]
+            ok = [t for t, good in zip(raw["ttft_s"], raw["ok"], strict=True) if good]
+            within.append(within_slo_rps(np.array(ok, dtype=float), f["requests"], rate, slo))
+        routers[router] = {
+            "p50_ttft_s": [f["p50_ttft_s"] for f in figures],
+            "p99_ttft_s": p99,
+            "within_slo_rps": within,
+            "goodput_at_slo_rps": goodput(rates, p99, slo),
+            "at_reference": {k: v for k, v in figures[ref].items() if k != "raw"},
+            "load_avg_1m": [f["load_avg_1m"] for f in figures],
+        }
+    distinct = sweep["distinct_adapters"][ref]
+    at = {r: f["at_reference"] for r, f in routers.items()}
+    out: dict[str, Any] = {
+        "rates_rps": rates,
+        "reference_rate_rps": rates[ref],
+        "slo_s": slo,
+        "distinct_adapters_requested": distinct,
+        **comparison(routers, loads="loads", reads="reads", distinct=distinct),
+        "reloads": {r: a["loads"] - distinct for r, a in at.items()},
+        "p50_ttft_s": {r: a["p50_ttft_s"] for r, a in at.items()},
+        "p99_ttft_s": {r: a["p99_ttft_s"] for r, a in at.items()},
+        "routers": routers,
+    }
+    if failover:
+        kill = sweep["kill_at_s"][ref]
+        out["recovery_s"] = {}
+        for router, figures in sweep["per_router"].items():
+            raw = figures[ref]["raw"]
+            ok = [i for i, good in enumerate(raw["ok"]) if good]
+            out["recovery_s"][router] = recovery_s(
+                np.array([raw["at_s"][i] for i in ok]),
+                np.array([raw["ttft_s"][i] for i in ok]),
+                kill,
+                slo,
+                RECOVERY_WINDOW_S,
+            )
+        out["streams_failed"] = {r: a["streams_failed"] for r, a in at.items()}
+        out["requests_lost"] = {r: a["lost"] for r, a in at.items()}
+    return out
 
 
 def print_table(r: dict[str, Any]) -> None:
     w = r["workload"]
     print(
-        f"{w['num_requests']} requests at {w['rate_per_s']:g}/s over {w['num_adapters']} "
-        f"adapters (Zipf a={w['zipf_a']}, {r['distinct_adapters_requested']} requested: the "
-        f"fewest loads possible), {w['num_replicas']} replicas\ncapacity: {r['capacity']}"
+        f"{w['num_replicas']} replicas, {w['num_adapters']} adapters, reads "
+        f"{w['read_bandwidth_mib_s']:g} MiB/s + {w['read_latency_ms']:g} ms; SLO "
+        f"{r['slo_s'] * 1e3:.0f} ms (5 x unloaded {r['unloaded_ttft_s'] * 1e3:.0f} ms); nominal "
+        f"capacity {r['capacity_rps']:.1f} req/s\ncapacity: {r['capacity']}"
     )
     print(
-        f"{'router':10} {'loads':>6} {'reloads':>7} {'reads':>6} {'p50 ttft':>9} {'p99 ttft':>9} "
-        f"{'p99 e2e':>9} {'req/s':>6} {'done':>5} {'loadavg':>8}"
+        f"{'workload':9} {'router':9} {'goodput':>8} {'p50@ref':>8} {'p99@ref':>8} {'loads':>6} "
+        f"{'reads':>6} {'load s':>7} {'loadavg':>8}"
     )
-    for name, f in r["routers"].items():
+    for name, wl in r["workloads"].items():
+        for router, f in wl["routers"].items():
+            a = f["at_reference"]
+            print(
+                f"{name:9} {router:9} {f['goodput_at_slo_rps']:8.2f} {_ms(a['p50_ttft_s'])} "
+                f"{_ms(a['p99_ttft_s'])} {a['loads']:6.0f} {a['reads']:6.0f} "
+                f"{a['load_seconds']:7.2f} {max(max(x) for x in f['load_avg_1m']):8.1f}"
+                + (
+                    f"  ({a['counters_unread']:.0f} replica counter reads failed: counts low)"
+                    if a.get("counters_unread")
+                    else ""
+                )
+            )
         print(
-            f"{name:10} {f['adapter_loads']:6d} {f['reloads']:7d} {f['artifact_reads']:6d} "
-            f"{_ms(f['p50_ttft_ms'])} {_ms(f['p99_ttft_ms'])} {_ms(f['p99_latency_ms'])} "
-            f"{f['throughput_rps']:6.2f} {f['completed']:5d} {max(f['load_avg_1m']):8.1f}"
+            f"{name:9} goodput ratio {_fmt(wl['goodput_ratio_vs_best_ray_router'])}"
+            f"{' (target >= 1.3)' if name == 'hot' else ''}, load-seconds ratio "
+            f"{_fmt(wl['load_seconds_ratio_vs_best_ray_router'])}"
+            f"{' (target <= 0.5)' if name == 'zipf' else ''}, loads vs floor "
+            + ", ".join(f"{k} {v:.2f}" for k, v in wl["loads_vs_floor"].items())
         )
-    costs = ", ".join(f"{k} {v * 1e3:.2f}ms" for k, v in r["router_costs"].items())
+        if name == "failover":
+            print(
+                f"failover: recovery {wl['recovery_s']} (target <= 30 s), streams failed "
+                f"{wl['streams_failed']}, requests lost {wl['requests_lost']} (target 0)"
+            )
+    costs = ", ".join(f"{k} {v * 1e3:.1f}ms" for k, v in r["router_costs"].items())
     print(f"affinity router told (measured here): {costs}")
-    for key, target in (
-        ("loads_ratio_vs_best_baseline", 3),
-        ("p99_ratio_vs_best_baseline", 2),
-        ("reloads_ratio_vs_best_baseline", None),
-    ):
-        value = r[key]
-        shown = "n/a" if value is None else f"{value:.2f}"
-        print(
-            f"{key:30} {shown:>8}  " + ("(reported)" if target is None else f"target >= {target}")
-        )
 
 
 def _ms(value: float | None) -> str:
-    return f"{'n/a':>9}" if value is None else f"{value:7.1f}ms"
+    return f"{'n/a':>8}" if value is None else f"{value * 1e3:6.0f}ms"
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"

@@ -34,30 +34,18 @@ from __future__ import annotations
 
 import asyncio
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from loraplex.benchmarks.report import log
-from loraplex.benchmarks.router import (
-    ROUTERS,
-    TENANT,
-    _engine_config,
-    _register,
-    _replica_counters,
-    _write_assets,
-)
+from loraplex.benchmarks.router import ROUTERS
 from loraplex.benchmarks.router_apps import build_app
-from loraplex.benchmarks.router_costs import measure_router_costs
+from loraplex.benchmarks.router_assets import TENANT, bench_cluster
+from loraplex.benchmarks.router_runs import counters
 from loraplex.benchmarks.router_workload import Workload
-from loraplex.demo.lean_ray import lean_ray_serve
-from loraplex.registry.artifacts import ArtifactStore
-from loraplex.registry.etcd_client import EtcdSettings
-from loraplex.registry.etcd_process import EtcdProcess
 from loraplex.replica.protocol import GenerateRequest
 from loraplex.router.serve_backend import ServeBackend
 
@@ -196,7 +184,8 @@ def _serve(router: str, app, all_chats: list[Chat], w: PrefixWorkload) -> dict[s
         backend = ServeBackend(handle, retries=0)
         asyncio.run(_warm_up(backend, w))
         outcomes, elapsed = asyncio.run(_drive(backend, all_chats, router, w.request_timeout_s))
-        replicas = _replica_counters(name, router)
+        counted = counters(name, router)
+        replicas = [{"replica": rid, **c} for rid, c in counted.items() if c is not None]
     finally:
         serve.delete(name)
     done = [o for o in outcomes if o.error is None]
@@ -215,6 +204,7 @@ def _serve(router: str, app, all_chats: list[Chat], w: PrefixWorkload) -> dict[s
         "errors": sorted({o.error for o in outcomes if o.error is not None})[:5],
         "duration_s": elapsed,
         "load_avg_1m": [load_avg, os.getloadavg()[0]],
+        "counters_unread": sum(c is None for c in counted.values()),
         "replicas": replicas,
     }
 
@@ -237,27 +227,20 @@ async def _warm_up(backend: ServeBackend, w: PrefixWorkload) -> None:
 
 
 def measure(w: PrefixWorkload, routers: tuple[str, ...] = ROUTERS) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="loraplex-bench-prefix-") as tmp:
-        root = Path(tmp)
-        model_dir, sources = _write_assets(root, w.base)
-        engine_config = _engine_config(model_dir, sources, w.base)
-        costs = measure_router_costs(engine_config, sources, w.base)
-        etcd = EtcdProcess(root / "etcd")
-        etcd.start()
-        try:
-            settings = EtcdSettings(endpoints=[etcd.endpoint])
-            artifacts = ArtifactStore(root / "artifacts")
-            paths = asyncio.run(_register(settings, artifacts, sources))
-            all_chats = chats(list(paths), w)
-            per_router = {}
-            with lean_ray_serve():
-                for router in routers:
-                    app = build_app(
-                        router, w.base, engine_config, settings, artifacts, paths, costs
-                    )
-                    per_router[router] = _serve(router, app, all_chats, w)
-        finally:
-            etcd.stop(kill=True)
+    per_router = {}
+    with bench_cluster(w.base, "prefix") as cluster:
+        all_chats = chats(list(cluster.paths), w)
+        for router in routers:
+            app = build_app(
+                router,
+                w.base,
+                cluster.engine_config,
+                cluster.settings,
+                cluster.artifacts,
+                cluster.paths,
+                cluster.costs,
+            )
+            per_router[router] = _serve(router, app, all_chats, w)
     rates = {r: f["router_hit_rate"] for r, f in per_router.items()}
     baselines = [rates[b] for b in ("pow2", "multiplex") if rates.get(b) is not None]
     ours = rates.get("affinity")

@@ -1,9 +1,11 @@
-"""The router bench's shared types: the workload, one request of it, and what became of it
-(benchmarks/router.py drives them; router_apps, router_costs and router_figures read them)."""
+"""The router bench's workload shape (benchmarks/router.py drives it; router_apps,
+router_assets, router_costs and router_figures read it). Requests and their outcomes are in
+router_runs.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from loraplex.demo.synthetic import ModelSpec
 
@@ -13,16 +15,20 @@ class Workload:
     model: ModelSpec
     num_adapters: int
     num_replicas: int
-    adapters_per_replica: int  # device-pool capacity (adapters of mean size); multiplex K
-    num_requests: int
-    rate_per_s: float
-    zipf_a: float = 1.1
+    adapters_per_replica: int  # device pool: adapters of mean size beside a full batch's KV
+    host_adapters_per_replica: int  # host tier (sync) and max_num_models_per_replica
+    window_s: float  # one run's arrivals span this long
+    failover_window_s: float
+    rate_factors: tuple[float, ...]  # x the nominal capacity
+    reference_factor: float  # one of rate_factors: loads, load seconds
+    failover_factors: tuple[float, ...]
+    read_bandwidth_mib_s: float = 8.0
+    read_latency_ms: float = 50.0
     prompt_tokens: tuple[int, int] = (16, 32)  # inclusive range
     output_tokens: tuple[int, int] = (8, 16)
-    ranks: tuple[int, int] = (8, 64)
     max_num_seqs: int = 16
     routing_stats_period_s: float = 1.0
-    request_timeout_s: float = 60.0
+    request_timeout_s: float = 120.0
     seed: int = 0
 
     def __post_init__(self):
@@ -31,21 +37,14 @@ class Workload:
                 f"adapters_per_replica must be in [1, num_adapters): more adapters than fit on "
                 f"one replica, got {self.adapters_per_replica} of {self.num_adapters}"
             )
-        if not (self.num_requests > 0 and self.rate_per_s > 0 and self.num_replicas > 0):
-            raise ValueError("num_requests, rate_per_s and num_replicas must be > 0")
+        if self.reference_factor not in self.rate_factors:
+            raise ValueError("reference_factor must be one of rate_factors")
+        if self.num_replicas < 1 or self.window_s <= 0:
+            raise ValueError("num_replicas and window_s must be > 0")
 
 
-@dataclass(frozen=True, slots=True)
-class BenchRequest:
-    at_s: float  # arrival, from the start of the run
-    adapter: str
-    prompt: list[int]
-    max_tokens: int
-
-
-@dataclass(slots=True)
-class Outcome:
-    ttft_s: float | None = None
-    latency_s: float | None = None
-    tokens: int = 0
-    error: str | None = None
+def workload_dict(w: Workload) -> dict[str, Any]:
+    """The workload as the bench's JSON shows it."""
+    out = asdict(w)
+    out["model"] = {k: v for k, v in out["model"].items() if k != "rope_scaling"}
+    return out

@@ -113,6 +113,79 @@ def a40_llama7b() -> RooflineProfile:
     )
 
 
+LLAMA_13B = {
+    **LLAMA_7B,
+    "hidden_size": 5120,
+    "intermediate_size": 13824,
+    "num_hidden_layers": 40,
+    "num_attention_heads": 40,
+    "num_key_value_heads": 40,
+}
+# Parameters: Llama 2 paper (Touvron et al. 2023, Table 1 and the model cards): 6.74e9 and
+# 13.0e9; shapes from the Hugging Face configs of meta-llama/Llama-2-{7b,13b}-hf.
+LLAMA_MODELS = {"llama2-7b": (LLAMA_7B, 6.74e9), "llama2-13b": (LLAMA_13B, 13.0e9)}
+
+
+@dataclass(frozen=True, slots=True)
+class GPU:
+    name: str
+    memory_bytes: float
+    mem_bytes_per_s: float  # HBM, datasheet
+    fp16_flops_per_s: float  # dense tensor-core FP16, datasheet (no sparsity)
+    host_link_bytes_per_s: float  # pinned host -> device, achieved
+    source: str
+
+
+GPUS = {
+    "h100": GPU(
+        "H100 SXM5 80GB",
+        80 * GiB,
+        3.35e12,
+        989.4e12,
+        50e9,
+        "NVIDIA H100 Tensor Core GPU datasheet (SXM5: 80 GB HBM3 at 3.35 TB/s, 989.4 TFLOPS "
+        "FP16 dense); host link PCIe Gen5 x16 (64 GB/s) at ~80% for pinned copies",
+    ),
+    "a100": GPU(
+        "A100 SXM4 80GB",
+        80 * GiB,
+        2.039e12,
+        312e12,
+        25e9,
+        "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB: HBM2e at 2,039 GB/s, 312 TFLOPS "
+        "FP16 dense); host link PCIe Gen4 x16 (32 GB/s) at ~80% for pinned copies",
+    ),
+}
+
+
+def gpu_profile(gpu: str, model: str) -> RooflineProfile:
+    """A Llama 2 model on a data-centre GPU, fp16, adapters on q/k/v/o. The same method as
+    `a40_llama7b` (whose constants are fitted to seed 004): 80% of the HBM bandwidth and
+    50% of the dense FP16 tensor FLOPS achieved in the base GEMMs; LoRA compute at 1% of
+    peak (S-LoRA-class kernels, seed 004 Fig. 2); 0.5 ms set-up per adapter copy; 2 ms of
+    per-step overhead; the pool is the memory less the weights and 4 GiB of activations
+    and workspace; 2 MiB pages. `gpu`: h100 or a100 (GPUS has each source); `model`:
+    llama2-7b or llama2-13b."""
+    card = GPUS[gpu]
+    config, params = LLAMA_MODELS[model]
+    weights = params * 2
+    return RooflineProfile(
+        name=f"{gpu}-{model}",
+        source=f"{card.source}; {model}: {params / 1e9:.2f}B parameters (Llama 2 paper); "
+        "80%/50% of bandwidth/FLOPS, LoRA at 1% of peak as the A40 profile (seed 004 Fig. 2)",
+        model=config,
+        pool_bytes=int(card.memory_bytes - weights - 4 * GiB),
+        page_bytes=2 * MiB,
+        link_bytes_per_s=card.host_link_bytes_per_s,
+        load_setup_s=0.5e-3,
+        step_overhead_s=2e-3,
+        weight_bytes=weights,
+        mem_bytes_per_s=0.8 * card.mem_bytes_per_s,
+        flops_per_s=0.5 * card.fp16_flops_per_s,
+        lora_flops_per_s=0.01 * card.fp16_flops_per_s,
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class LinearProfile:
     """step = c0 + c_tokens·tokens + c_context·context + c_lora·token_rank, fitted."""

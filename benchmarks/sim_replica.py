@@ -148,7 +148,17 @@ class Record:
 
 
 class SimReplica:
-    def __init__(self, profile, system: System, adapters: list[AdapterSpec], max_len: int):
+    """`link(clock)` makes the transfer adapter loads go through (default: a `SimLink` of
+    the profile's bandwidth); it must also answer `next_done()` and `busy_s`."""
+
+    def __init__(
+        self,
+        profile,
+        system: System,
+        adapters: list[AdapterSpec],
+        max_len: int,
+        link: Callable[[SimClock], SimLink] | None = None,
+    ):
         self.profile = profile
         self.clock = SimClock()
         cfg = ModelConfig.from_dict(profile.model)
@@ -161,7 +171,10 @@ class SimReplica:
         )
         self.pool = pool
         self.kv = KVCache(pool, cfg)
-        self.link = SimLink(profile.link_bytes_per_s, profile.load_setup_s, self.clock)
+        if link is None:
+            self.link = SimLink(profile.link_bytes_per_s, profile.load_setup_s, self.clock)
+        else:
+            self.link = link(self.clock)
         self.cache = AdapterCache(
             pool,
             cfg,

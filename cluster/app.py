@@ -11,6 +11,7 @@ and what `loraplex up` runs. `args` is a `LoraplexConfig` as a dict.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -53,6 +54,7 @@ class Ingress:
         from loraplex.registry.watch import RegistryWatcher
         from loraplex.replica.tokenizer import Tokenizer
         from loraplex.router.ingress import RegistryHandles, build_ingress
+        from loraplex.router.live_routers import routing_snapshot
         from loraplex.router.serve_backend import ServeBackend
 
         config = self.config
@@ -70,6 +72,7 @@ class Ingress:
             base_model_id=config.base_model_id,
             max_model_len=await asyncio.to_thread(config.max_model_len),
             registry=registry,
+            routing=functools.partial(routing_snapshot, config.router.metrics_top_adapters),
             limits=config.limits,
             metrics_key=self.metrics_key,
         )

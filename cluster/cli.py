@@ -28,18 +28,32 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
-    bench.add_argument("suite", choices=["engine", "registry", "router", "sched"])
+    bench.add_argument("suite", choices=["engine", "fleet", "registry", "router", "sched"])
     bench.add_argument("--quick", action="store_true", help="smaller model and workload (< 2 min)")
     bench.add_argument("--json", type=Path, help="write the figures here")
     bench.add_argument("--trace", type=Path, help="engine, sched: Azure LLM inference trace CSV")
-    bench.add_argument("--sim-only", action="store_true", help="sched: the simulator section only")
+    bench.add_argument(
+        "--sim-only",
+        action="store_true",
+        help="sched, fleet: the simulator sections only (fleet: no validation run)",
+    )
+    bench.add_argument(
+        "--validation-only",
+        action="store_true",
+        help="fleet: only the simulator's validation against a real run",
+    )
     bench.add_argument(
         "--scenario",
         choices=["paper", "long-prompt", "bursty"],
         default="paper",
         help="sched: the main workload (paper: seed 004 §5.1); the others run as trace shapes",
     )
-    bench.add_argument("--plot", type=Path, help="sched: write the P99 TTFT vs load plot here")
+    bench.add_argument(
+        "--plot",
+        type=Path,
+        help="sched: the P99 TTFT vs load plot; router, fleet: the goodput figure (PNG); "
+        "written into this folder",
+    )
     bench.add_argument(
         "--jobs", type=int, default=1, help="sched: processes running the simulations (1)"
     )
@@ -66,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             from loraplex.benchmarks.router_suite import run_bench
         elif args.suite == "sched":
             from loraplex.benchmarks.sched import run_bench
+        elif args.suite == "fleet":
+            from loraplex.benchmarks.fleet import run_bench
         else:
             from loraplex.benchmarks.engine import run_bench
         return run_bench(args)

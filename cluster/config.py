@@ -25,6 +25,8 @@ from loraplex.cluster.sections import AuthSection, EtcdSection, HTTPSection, Rep
 from loraplex.registry.etcd_client import EtcdSettings
 from loraplex.registry.settings import RegistrySettings
 from loraplex.replica.config import (
+    ArtifactReadConfig,
+    EngineConfig,
     checkpoint_max_positions,
     context_window,
     plain_engine_config,
@@ -32,7 +34,7 @@ from loraplex.replica.config import (
 from loraplex.replica.settings import EngineSettings
 from loraplex.router.limits import IngressLimits
 from loraplex.router.settings import RouterSettings
-from loraplex.settings import describe
+from loraplex.settings import describe, setting
 
 APP_NAME = "loraplex"
 IMPORT_PATH = "loraplex.cluster.app:build_app"
@@ -65,6 +67,7 @@ class LoraplexConfig(BaseModel):
         description="Adapter artifact store, shared by every node (NFS/EFS on multi-node); "
         "unset: `loraplex up` uses STATE_DIR/artifacts.",
     )
+    artifacts: ArtifactReadConfig = setting(EngineConfig, "artifacts")
     auth: AuthSection = Field(default_factory=AuthSection, description="Admin and metrics keys.")
     registry: RegistrySettings = Field(default_factory=RegistrySettings, description="Tenant API.")
     router: RouterSettings = Field(default_factory=RouterSettings, description="Replica selection.")
@@ -131,7 +134,10 @@ class LoraplexConfig(BaseModel):
     def engine_config(self) -> dict[str, Any]:
         """EngineConfig as plain values (`scheduler` and `cache` as dicts): what crosses Ray."""
         engine = self.engine.engine_config(
-            self.require_model(), device=self.device, tp=self.replicas.tp
+            self.require_model(),
+            device=self.device,
+            tp=self.replicas.tp,
+            artifacts=self.artifacts,
         )
         return plain_engine_config(engine)
 

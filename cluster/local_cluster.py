@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING
 from loraplex.cluster.config import LoraplexConfig
 from loraplex.cluster.errors import CLIError
 from loraplex.cluster.flags import add_flags, flag_values
-from loraplex.cluster.sections import HTTPSection
-from loraplex.cluster.serve_status import serve_report
+from loraplex.cluster.sections import AuthSection, HTTPSection
+from loraplex.cluster.serve_status import adapter_homes_report, serve_report
 from loraplex.cluster.state import (
     SUPERVISOR,
     pid_alive,
@@ -392,6 +392,16 @@ def down(state_dir: Path) -> int:
 # ---------------------------------------------------------------- status
 
 
+def status_metrics_key(state_dir: Path) -> str | None:
+    """The key `status` sends to /metrics: $LORAPLEX_METRICS_KEY (the default variable, as
+    `up` reads it) or the one `up` stored; None when neither is there."""
+    from_env = os.environ.get(AuthSection().metrics_key_env)
+    if from_env:
+        return from_env
+    path = state_dir / "metrics_key"
+    return path.read_text().strip() if path.is_file() else None
+
+
 def status(state_dir: Path) -> int:
     import httpx
 
@@ -413,6 +423,8 @@ def status(state_dir: Path) -> int:
     print(
         f"etcd:     {', '.join(etcd) or '-'}{' (started by loraplex)' if state.get('etcd_pid') else ''}"
     )
+    if url and health == "ok":
+        print("\n".join(adapter_homes_report(url, status_metrics_key(state_dir))))
     if not state.get("ray_address"):
         return 0
     try:

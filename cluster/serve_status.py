@@ -1,6 +1,6 @@
 """What Ray reports about the cluster and the app: the nodes alive, deployment states,
-failed deployments' errors, and each replica's routing stats (adapters per tier, queue,
-pool pages) for `loraplex status`."""
+failed deployments' errors, each replica's routing stats (adapters per tier, queue, pool
+pages) and the router's busiest adapters with their homes, for `loraplex status`."""
 
 from __future__ import annotations
 
@@ -110,3 +110,40 @@ def replica_table(ray) -> list[str]:
 
 def _names(adapters: list[str] | None) -> str:
     return ", ".join(adapters) if adapters else "-"
+
+
+def adapter_homes_report(url: str, metrics_key: str | None = None) -> list[str]:
+    """The router's view of the busiest adapters, read from the ingress's /metrics (with
+    `metrics_key` as the bearer): request rate and homes (the replicas it is routed to),
+    the rest summed as "other"."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    headers = {"Authorization": f"Bearer {metrics_key}"} if metrics_key else {}
+    try:
+        r = httpx.get(f"{url}/metrics", headers=headers, timeout=5, trust_env=False)
+    except httpx.HTTPError as e:
+        return [f"adapters: unavailable ({type(e).__name__}: {e})"]
+    if r.status_code != 200:
+        return [f"adapters: unavailable (/metrics answered HTTP {r.status_code}: {r.text[:200]})"]
+    text = r.text
+    rates: dict[str, float] = {}
+    homes: dict[str, list[str]] = {}
+    counts: dict[str, int] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            adapter = sample.labels.get("adapter")
+            if sample.name == "loraplex_adapter_request_rate":
+                rates[adapter] = sample.value
+            elif sample.name == "loraplex_adapter_homes":
+                counts[adapter] = int(sample.value)
+            elif sample.name == "loraplex_adapter_home":
+                homes.setdefault(adapter, []).append(sample.labels["replica"])
+    if not rates:
+        return ["adapters: no requests routed yet"]
+    lines = ["adapters: busiest first (router's estimate), their homes"]
+    ranked = sorted((a for a in rates if a != "other"), key=rates.__getitem__, reverse=True)
+    for adapter in [*ranked, "other"]:
+        where = ", ".join(sorted(homes.get(adapter, []))) or f"{counts.get(adapter, 0)} replicas"
+        lines.append(f"  {adapter:<32} {rates.get(adapter, 0.0):8.2f}/s  {where}")
+    return lines

@@ -28,6 +28,7 @@ import asyncio
 import collections
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -67,6 +68,8 @@ class AdapterSync:
         self._events: asyncio.Queue[RegistryEvent] | None = None
         self._task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self.reads = 0  # adapters read from the artifact store into the host tier
+        self.read_seconds = 0.0
 
     # lifecycle
 
@@ -174,9 +177,12 @@ class AdapterSync:
         if record is None:
             raise AdapterNotFound(f"adapter {adapter!r} is not registered")
         self._loading.add(adapter)
+        started = time.monotonic()
         try:
             path = self.artifacts.path_of(record.artifact)
             await self.engine.add_adapter(adapter, path, record.version)
+            self.reads += 1
+            self.read_seconds += time.monotonic() - started
         finally:
             self._loading.discard(adapter)
         self._loaded.add(adapter)

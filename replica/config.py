@@ -16,6 +16,7 @@ from pydantic import Field, TypeAdapter, model_validator
 from pydantic.dataclasses import dataclass
 
 from loraplex.registry.settings import AdapterLimits
+from loraplex.replica.memory.store_reads import ReadModel
 from loraplex.settings import FORBID_EXTRA, KiB, setting
 
 # The context window when max_model_len is unset: the model's positions, capped here.
@@ -150,6 +151,29 @@ class CacheConfig:
 
 
 @dataclass(frozen=True, slots=True, config=FORBID_EXTRA)
+class ArtifactReadConfig:
+    """How a replica's reads of adapters from the artifact store are paced
+    (replica/memory/store_reads.py). Unset, reads take what the storage gives; set, they
+    take at least latency + size / bandwidth, one read at a time per replica, as from a
+    network store: for benchmarks and capacity planning on a machine whose local disk is
+    far faster than the store the cluster will use."""
+
+    read_bandwidth_mib_s: float | None = Field(
+        None, gt=0, le=1e7, description="Store bandwidth one replica gets, MiB/s; unset: unpaced."
+    )
+    read_latency_ms: float = Field(
+        0.0, ge=0, le=600_000, description="Latency of one read from the store, ms."
+    )
+
+    def read_model(self) -> ReadModel | None:
+        """The read model, or None when reads are not paced."""
+        if self.read_bandwidth_mib_s is None and self.read_latency_ms == 0:
+            return None
+        bandwidth = float("inf") if self.read_bandwidth_mib_s is None else self.read_bandwidth_mib_s
+        return ReadModel(bandwidth * (1 << 20), self.read_latency_ms / 1e3)
+
+
+@dataclass(frozen=True, slots=True, config=FORBID_EXTRA)
 class EngineConfig:
     """One replica's engine."""
 
@@ -204,6 +228,10 @@ class EngineConfig:
         "auto",
         description="How tp workers start: Ray actors in the replica's placement group, or "
         "local processes; auto: Ray when running inside a placement group.",
+    )
+    artifacts: ArtifactReadConfig = Field(
+        default_factory=ArtifactReadConfig,
+        description="Reads of adapters from the artifact store (a read model; off by default).",
     )
     enable_prefix_caching: bool = Field(
         True,

@@ -107,6 +107,7 @@ class ReplicaDeployment:
         if etcd is not None and artifact_root is None:
             raise ValueError("artifact_root is required when etcd is given")
         self.max_concurrency = cfg.scheduler.max_num_seqs
+        self.requests_total = 0  # generate calls received (for operators and tests)
         self.engine = await asyncio.to_thread(Engine, cfg)  # reads the checkpoint
         if etcd is None:
             return
@@ -138,6 +139,7 @@ class ReplicaDeployment:
 
     async def _generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         assert self.engine is not None
+        self.requests_total += 1
         adapter = request["adapter"]
         params = sampling_params(request)
         outputs = self.engine.generate(
@@ -183,6 +185,7 @@ class ReplicaDeployment:
             "free_pages": stats["pool"]["free_pages"],
             "num_pages": stats["pool"]["num_pages"],
             "recorded_at": time.time(),
+            "requests_total": self.requests_total,
             **measured_costs(stats),
             **prefix_routing(stats),
         }

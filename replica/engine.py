@@ -32,6 +32,7 @@ from loraplex.replica.memory.eviction import RestoreCosts
 from loraplex.replica.memory.kv_cache import KVCache
 from loraplex.replica.memory.pool import UnifiedPool
 from loraplex.replica.memory.prefix_cache import PrefixCache
+from loraplex.replica.memory.store_reads import ReadPacer
 from loraplex.replica.model.config import DTYPES, ModelConfig
 from loraplex.replica.model.llama import ForwardOps, LlamaModel
 from loraplex.replica.model.loader import load_weights
@@ -119,6 +120,9 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []
         self._ids = itertools.count()
         self._seeds = random.Random(cfg.seed)  # for requests that bring no seed
+        self.step_costs = StepCostEstimator()  # what the router weighs (routing stats)
+        model = cfg.artifacts.read_model()
+        self.read_pacer = None if model is None else ReadPacer(model)
         self.prompt_tokens = 0  # of the requests added
         self.prompt_tokens_computed = 0  # prompt positions computed (cache hits are not)
 
@@ -129,8 +133,12 @@ class LLMEngine:
 
     def read_adapter(self, name: str, path: Path) -> AdapterWeights:
         """Read and validate; touches no engine state (safe off the engine thread). Its
-        version is the digest of its files as read."""
+        version is the digest of its files as read. With an artifact read model the read
+        lasts at least what the model says."""
+        started = time.monotonic()
         weights = load_adapter(Path(path), name, self.model_config, self.cfg.max_lora_rank)
+        if self.read_pacer is not None:
+            self.read_pacer.pace(weights.nbytes, started)
         pages = self._pages_for(weights if self.tp is None else self.tp.shard(weights))
         if pages > self.pool.num_pages // 2:
             raise AdapterError(

@@ -22,7 +22,7 @@ from loraplex.replica.tokenizer import Tokenizer
 from loraplex.router import inference, operations
 from loraplex.router.context import IngressContext, RegistryHandles
 from loraplex.router.limits import IngressLimits
-from loraplex.router.metrics import HTTPMetricsMiddleware, IngressMetrics
+from loraplex.router.metrics import HTTPMetricsMiddleware, IngressMetrics, RoutingSource
 from loraplex.router.tenant_limiter import TenantLimiter
 
 __all__ = ["RegistryHandles", "build_ingress"]
@@ -35,14 +35,16 @@ def build_ingress(
     base_model_id: str,
     max_model_len: int,
     registry: RegistryHandles | None,
+    routing: RoutingSource | None = None,
     limits: IngressLimits | None = None,
     metrics_key: str | None = None,
 ) -> FastAPI:
     """The ingress app; `app.state.metrics` is its `IngressMetrics`. Without a registry,
     anyone may use the base model (no key needed) and there is no tenant API. An adapter
-    named like the base model is shadowed by it. `/metrics` answers the bearer of
+    named like the base model is shadowed by it. `routing`: the router's view of each
+    adapter's rate and homes, for /metrics. `/metrics` answers the bearer of
     `metrics_key` or of the admin key; with neither (no registry), anyone."""
-    metrics = IngressMetrics()
+    metrics = IngressMetrics(routing)
     auth = None
     metrics_keys = {hash_api_key(metrics_key)} if metrics_key else set()
     if registry is not None:

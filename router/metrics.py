@@ -5,19 +5,29 @@ Request side (measured here): HTTP answers by route template and status, request
 per tenant, time to first token, time between tokens, end-to-end latency. Replica side (each
 replica's `stats()`, which the /metrics route asks of the backend at scrape time and hands to
 `set_replicas`): unified-pool pages by kind, adapters per tier, adapter-cache hits, misses,
-loads and evictions, requests waiting and running, preemptions, per replica.
+loads and evictions, requests waiting and running, preemptions, per replica. Router side
+(read at scrape time from `routing`, when given): each adapter's request rate and homes as
+the affinity router sees them, for the top adapters by rate only, the rest summed under
+adapter="other", so the label set stays bounded however many adapters there are.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+if TYPE_CHECKING:
+    from loraplex.router.policy import AdapterHomes
+
+# What `IngressMetrics(routing=...)` calls: the top adapters and the rest, or None.
+RoutingSource = Callable[[], "tuple[list[AdapterHomes], AdapterHomes] | None"]
 
 ANONYMOUS = "anonymous"  # tenant label of requests served without a registry
 
@@ -28,7 +38,7 @@ _CACHE_EVENTS = {"hits": "hit", "misses": "miss", "loads": "load", "evictions": 
 
 
 class IngressMetrics:
-    def __init__(self) -> None:
+    def __init__(self, routing: RoutingSource | None = None) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.http_requests = Counter(
@@ -72,6 +82,8 @@ class IngressMetrics:
         )
         self._replicas = _ReplicaStats()
         r.register(self._replicas)
+        if routing is not None:
+            r.register(_AdapterHomes(routing))
 
     def set_replicas(self, stats: Mapping[str, Mapping], resumed: int = 0) -> None:
         """Show these replicas' stats (`Backend.replica_stats()`: replica id -> the engine's
@@ -173,6 +185,41 @@ class _ReplicaStats(Collector):
                 queue.add_metric([replica, state], stats[state])
             preemptions.add_metric([replica], stats["preemptions"])
         yield from (reporting, resumes, pages, adapters, cache, queue, preemptions)
+
+
+class _AdapterHomes(Collector):
+    """Each top adapter's request rate and homes, from the router at scrape time."""
+
+    def __init__(self, routing: RoutingSource) -> None:
+        self.routing = routing
+
+    def collect(self) -> Iterator[Metric]:
+        rate = GaugeMetricFamily(
+            "loraplex_adapter_request_rate",
+            "Requests/s of an adapter as the router estimates it (top adapters; the rest "
+            'summed as adapter="other").',
+            labels=["adapter"],
+        )
+        count = GaugeMetricFamily(
+            "loraplex_adapter_homes",
+            'Replicas an adapter is routed to (for "other": replicas any of the rest is on).',
+            labels=["adapter"],
+        )
+        home = GaugeMetricFamily(
+            "loraplex_adapter_home",
+            "1 for each replica that is a home of a top adapter.",
+            labels=["adapter", "replica"],
+        )
+        snapshot = self.routing()
+        if snapshot is not None:
+            top, other = snapshot
+            for entry in [*top, other]:
+                rate.add_metric([entry.adapter], entry.rate_per_s)
+                count.add_metric([entry.adapter], len(entry.homes))
+            for entry in top:
+                for replica in entry.homes:
+                    home.add_metric([entry.adapter, replica], 1)
+        yield from (rate, count, home)
 
 
 class HTTPMetricsMiddleware:

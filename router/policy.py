@@ -4,124 +4,37 @@ The Ray Serve `RequestRouter`, the simulator and the tests drive this one object
 ranks replicas for a request and `observe` feeds the per-adapter request-rate estimate. It
 imports nothing of Ray and reads time only through the injected clock.
 
-Routing-stats contract. Each replica deployment returns from `record_routing_stats` a dict
-with these keys (`RoutingStats`); a missing key counts as empty or 0, so a replica that has
-not published yet is routable:
-
-    device_adapters   list[str]  adapters resident in the device pool
-    host_adapters     list[str]  adapters in the host tier, not on the device
-    loading_adapters  list[str]  adapters being loaded towards the device
-    queue_len         int        waiting + running requests
-    max_concurrency   int        batch slots (missing or 0 counts as 1)
-    free_pages        int        free pages of the unified pool
-    num_pages         int        pages in the pool (optional; for `loraplex status`)
-    recorded_at       float      wall-clock time the replica recorded them (optional)
-    busy_cost_s       float      measured: TTFT each running request adds (optional)
-    host_load_cost_s  float      measured: what bringing an adapter in from the host tier
-                                 costs, its load and its segment in the batch (optional)
-    prefill_token_cost_s  float  measured: prefill time per prompt token (optional)
-    prefix_block_size int        tokens per cached KV block; absent: no prefix cache
-    prefix_share_base bool       base-model blocks are shared across tenants (optional)
+The routing-stats contract, what each replica publishes, is in router/routing_stats.py.
 
 Adapters are named by version (`tenant/name@version`, replica/protocol.py): residency,
-rates and placements are per version, while an adapter's consistent-hash home is per name,
-so a name's new version goes where its old one was.
+rates, placements and homes are per version, while an adapter's consistent-hash walk is
+per name (router/walk.py), so a name's new version goes where its old one was.
 
 Measured costs (`use_measured_costs`) are pooled: every replica is judged by the mean of
 what the replicas publish, the configured cost while none has. Replicas of one deployment
 run on the same hardware, so their differences are noise, and per-replica noise would
 decide ties that belong to the adapter's walk (and make a new replica, not yet measured,
 look dearer or cheaper than the rest).
-
-`ReplicaStats.from_routing_stats(replica_id, stats, age_s)` turns one into policy input;
-`age_s` is the stats' age (the Ray router computes it from `recorded_at`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any, TypedDict
 
 from pydantic import Field, model_validator
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
-from loraplex.replica.protocol import adapter_name
 from loraplex.router.prefix_affinity import PrefixIndex
+from loraplex.router.rates import HeldHeat, RateEstimator
+from loraplex.router.routing_stats import ReplicaStats
+from loraplex.router.walk import cached_walk
 from loraplex.settings import FORBID_EXTRA
-
-
-class RoutingStats(TypedDict, total=False):
-    device_adapters: list[str]
-    host_adapters: list[str]
-    loading_adapters: list[str]
-    queue_len: int
-    max_concurrency: int
-    free_pages: int
-    busy_cost_s: float
-    host_load_cost_s: float
-    prefill_token_cost_s: float
-    prefix_block_size: int
-    prefix_share_base: bool
-
-
-@dataclass(frozen=True, slots=True)
-class ReplicaStats:
-    replica_id: str
-    device_adapters: frozenset[str] = frozenset()
-    host_adapters: frozenset[str] = frozenset()
-    loading_adapters: frozenset[str] = frozenset()
-    queue_len: int = 0  # waiting + running requests
-    max_concurrency: int = 1  # batch slots
-    free_pages: int = 0
-    stats_age_s: float = 0.0  # age of these stats when the router read them
-    busy_cost_s: float | None = None  # measured by the replica; None: not yet
-    host_load_cost_s: float | None = None
-    prefill_token_cost_s: float | None = None
-    prefix_block_size: int = 0  # 0: no prefix cache
-    prefix_share_base: bool = False
-
-    def __post_init__(self):
-        if self.queue_len < 0 or self.max_concurrency < 1 or not self.stats_age_s >= 0:
-            raise ValueError(
-                f"replica {self.replica_id!r}: need queue_len >= 0, max_concurrency >= 1 and "
-                f"stats_age_s >= 0, got {self.queue_len}, {self.max_concurrency}, {self.stats_age_s}"
-            )
-        if self.prefix_block_size < 0:
-            raise ValueError(f"replica {self.replica_id!r}: prefix_block_size must be >= 0")
-        for name in ("busy_cost_s", "host_load_cost_s", "prefill_token_cost_s"):
-            value = getattr(self, name)
-            if value is not None and not 0 <= value < math.inf:
-                raise ValueError(f"replica {self.replica_id!r}: {name} must be >= 0, got {value}")
-
-    @classmethod
-    def from_routing_stats(
-        cls, replica_id: str, stats: Mapping[str, Any], age_s: float = 0.0
-    ) -> ReplicaStats:
-        return cls(
-            replica_id=replica_id,
-            device_adapters=frozenset(stats.get("device_adapters") or ()),
-            host_adapters=frozenset(stats.get("host_adapters") or ()),
-            loading_adapters=frozenset(stats.get("loading_adapters") or ()),
-            queue_len=int(stats.get("queue_len") or 0),
-            max_concurrency=max(1, int(stats.get("max_concurrency") or 0)),
-            free_pages=int(stats.get("free_pages") or 0),
-            stats_age_s=age_s,
-            busy_cost_s=_optional_float(stats.get("busy_cost_s")),
-            host_load_cost_s=_optional_float(stats.get("host_load_cost_s")),
-            prefill_token_cost_s=_optional_float(stats.get("prefill_token_cost_s")),
-            prefix_block_size=int(stats.get("prefix_block_size") or 0),
-            prefix_share_base=bool(stats.get("prefix_share_base")),
-        )
-
-
-def _optional_float(value: Any) -> float | None:
-    return None if value is None else float(value)
 
 
 class Affinity(IntEnum):
@@ -129,11 +42,12 @@ class Affinity(IntEnum):
 
     DEVICE = 0  # resident in the device pool
     LOADING = 1  # being loaded, or just sent a request of it (its stats do not show it yet)
-    EXTRA_HOME = 2  # not on the device, taken as another home of a hot adapter
-    COLD = 3  # not on the device, within the bounded load and the bounded adapter count
-    CROWDED = 4  # not on the device, within the bounded load, holding more than its share
+    EXTRA_HOME = 2  # a home of a hot adapter that does not hold it yet
+    SPARE = 3  # holds it but is no longer one of its homes (it is being withdrawn)
+    COLD = 4  # not on the device, within the bounded load and the bounded adapter count
+    CROWDED = 5  # not on the device, within the bounded load, holding more than its share
     # of adapters or of their request rate
-    OVER_BOUND = 5  # not on the device, above the bounded load
+    OVER_BOUND = 6  # not on the device, above the bounded load
 
 
 @pydantic_dataclass(frozen=True, slots=True, config=FORBID_EXTRA)
@@ -173,8 +87,23 @@ class AffinityConfig:
         le=100,
         description="A cold home takes a new adapter only below ceil(c * mean adapters held).",
     )
-    hot_rate_per_replica: float = Field(
-        8.0, gt=0, le=1e6, description="Requests/s of one adapter that one replica absorbs."
+    home_utilisation: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Share of a replica's batch slots one adapter should fill: an adapter "
+        "gets as many homes as its request rate needs at this share (Little's law with "
+        "request_time_s).",
+    )
+    home_hysteresis: float = Field(
+        0.25,
+        ge=0,
+        lt=1,
+        description="A home of a hot adapter is withdrawn only once its rate needs (1 - "
+        "this) of one home less, so a rate near a threshold does not flap.",
+    )
+    max_homes_per_adapter: int = Field(
+        4, ge=1, le=4096, description="Most replicas one adapter is spread over."
     )
     rate_window_s: float = Field(
         10.0,
@@ -230,23 +159,13 @@ class AffinityConfig:
         return self
 
 
-def walk_order(adapter: str, replica_ids: Sequence[str]) -> list[str]:
-    """The adapter's consistent-hash walk: replicas by descending hash(name, replica)
-    (rendezvous hashing), the name being the adapter's without its version. The first is the adapter's home. Removing a replica changes the
-    home only of the adapters it was home to, and adding one takes only the adapters it
-    now outranks: ~1/N either way. A hot home's overflow goes to each adapter's own next
-    replica, so it spreads over all others instead of piling onto one ring neighbour.
-    blake2b, not hash(): every router process must agree on the walk."""
+@dataclass(frozen=True, slots=True)
+class AdapterHomes:
+    """One adapter as `AffinityPolicy.snapshot` reports it."""
 
-    name = adapter_name(adapter)
-
-    def weight(replica_id: str) -> bytes:
-        key = f"{name}\0{replica_id}".encode()
-        return hashlib.blake2b(key, digest_size=8).digest()
-
-    return sorted(
-        replica_ids, key=lambda replica_id: (weight(replica_id), replica_id), reverse=True
-    )
+    adapter: str
+    rate_per_s: float
+    homes: tuple[str, ...]  # replicas it is routed to: its homes, or where it is warm
 
 
 class AffinityPolicy:
@@ -262,8 +181,16 @@ class AffinityPolicy:
                    to the steps a new one waits through: about 0 on a GPU, whose decode
                    step time hardly grows with the batch, but a compute-bound CPU step
                    grows with every sequence in it)
-        load(r)  = 0 on device or for an extra home | host_load_cost_s loading or in the
-                   host tier | load_cost_s otherwise (read from the artifact store)
+        reads(r) = store reads queued on r: adapters it is loading that it holds neither
+                   on the device nor in the host tier, and those this router sent it since
+                   its stats that it held nowhere (a replica reads one adapter after
+                   another, replica/memory/store_reads.py, so a read waits for those ahead)
+        read     = load_cost_s - host_load_cost_s of the config   (one store read)
+        load(r)  = 0 on device | reads(r) * read for a new home (its own read is waived,
+                   not the queue before it) | host_load_cost_s in the host tier or holding
+                   it beyond its homes | host_load_cost_s + reads(r) * read / 2 loading
+                   (its read is somewhere in that queue) | host_load_cost_s + (reads(r) +
+                   1) * read otherwise (read from the artifact store)
         saved(r) = matched(r) * prefix_block_size * prefill_token_cost_s
                    (matched(r): how many leading KV blocks of the prompt this router sent
                    to r within prefix_ttl_s, router/prefix_affinity.py; r skips their
@@ -284,37 +211,44 @@ class AffinityPolicy:
                    r a request of since r's stats were recorded
         share    = ceil(c_adapters * (sum of held + 1) / n)    (the same bound over
                    adapters: a cold adapter skips a home holding >= share adapters,
-                   so the hash's imbalance never makes one replica's pool evict while
-                   another's has room; the aggregate pool of n replicas then holds
-                   about n times one replica's working set)
+                   so the hash's imbalance never makes one pool evict while another
+                   has room)
         heat(r)  = sum of rate(b) over b in held(r): the request rate its adapters draw
         crowded  = held(r) >= share, or heat(r) > c * (sum of heat) / n: a replica whose
                    adapters already draw more than their share of the traffic takes no
-                   new one while another replica can, so popular adapters placed on one
-                   replica early do not also get the tail's requests
+                   new one while another replica can
 
-    Warm means on the device or loading there. Every other replica needs a load, from the
-    host tier or the artifact store, and is placed by the bounds above: a replica whose
-    host tier holds the adapter is only cheaper to load on, not warm: a replica keeps in
-    its host tier every adapter it has served (pinned ones from the start), so under a
-    router that spreads requests the host tiers fill with every adapter.
+    Warm means on the device or loading there. A replica whose host tier holds the adapter
+    is only cheaper to load on, not warm: a replica keeps in its host tier every adapter it
+    has served, so under a router that spreads requests the host tiers fill with every
+    adapter.
 
     Placements. `observe(a, replica_id)` records that a request of `a` went to the
     replica. Until the replica publishes stats newer than that, it counts as loading `a`:
     stats are a period old, and without this a burst of one cold adapter would each be
     judged against stats that do not show the first of them.
 
-    Hot adapters: k(a) = min(n, max(1, ceil(rate(a) / hot_rate_per_replica))), with
-    rate(a) the decayed count of `observe(a)` calls over rate_window_s. If a is warm on w
-    replicas with 1 <= w < k(a), the first k(a) - w other replicas within the bound
-    (uncrowded first, then along a's walk) are extra homes: their load cost is waived
-    because it amortises over the adapter's rate: a warm replica keeps a tie, so it loses
-    to an idle extra home only once it has no free slot.
+    Homes. An adapter needs need(a) = rate(a) * request_time_s / (home_utilisation * slots)
+    homes (Little's law: its requests in flight, over the share of a home's batch slots,
+    slots being the mean max_concurrency, one adapter should fill). Its count k(a) grows to
+    ceil(need) as soon as need exceeds it, and drops by one only once need <= (k - 1) * (1 -
+    home_hysteresis), so a rate near a threshold does not flap; 1 <= k <= min(n,
+    max_homes_per_adapter): a cold adapter keeps one home. While k >= 2 the adapter's homes
+    are a list kept across requests: replicas holding it first, then uncrowded replicas
+    within the bound along its walk; shrinking drops the newest. A new home's load cost is
+    waived (it amortises over the adapter's rate), and among its homes a request goes to
+    the least utilised of equal TTFT, so the traffic spreads. Replicas that still hold it
+    but are no longer homes (SPARE) cost a host-tier load: they get its requests only while
+    every home is busier by that much, and its copies there go cold. The list is kept
+    while the adapter is counted, k = 1 included, until only its first home holds it.
+    Adapters that never had two homes have none recorded: every replica holding them is
+    one.
 
-    Order: ascending (stale, ttft, affinity, position on a's walk), stale meaning
-    stats_age_s > stale_after_s. Among fresh replicas, a warm one is passed over only when
-    another's wait plus its load cost is strictly lower (equal estimates go to affinity),
-    and a cold adapter goes to the first replica on its walk within both bounds.
+    Order: ascending (stale, ttft, affinity, utilisation among a hot adapter's homes,
+    position on a's walk), stale meaning stats_age_s > stale_after_s. Among fresh replicas,
+    a warm one is passed over only when another's wait plus its load cost is strictly lower
+    (equal estimates go to affinity), and a cold adapter goes to the first replica on its
+    walk within both bounds.
 
     Base-model request: ascending (stale, wait - saved, queue_len / max_concurrency,
     -free_pages, a draw from the seeded RNG), so equally loaded replicas share base traffic
@@ -327,6 +261,7 @@ class AffinityPolicy:
 
     Every replica is returned, best first; no replicas gives []. The caller tries them in
     order and applies its own back-pressure. Call `observe` once per routed request.
+    `choose`, `observe` and `snapshot` may be called from different threads.
     """
 
     def __init__(
@@ -337,35 +272,68 @@ class AffinityPolicy:
         self.config = config
         self.clock = clock
         self._rng = random.Random(config.seed)
-        self._counts: dict[str, tuple[float, float]] = {}  # adapter -> (decayed count, at)
+        self._rates = RateEstimator(config.rate_window_s, clock())
+        self._heat = HeldHeat(self._rates)
         self._placed: dict[str, dict[str, float]] = {}  # replica -> {adapter: sent at}
+        self._homes: dict[str, list[str]] = {}  # hot (or formerly hot) adapter -> homes
         self.prefixes = PrefixIndex(config.prefix_index_keys, config.prefix_ttl_s)
+        self._lock = threading.Lock()
 
     def observe(
         self, adapter: str | None, replica_id: str | None = None, prefix: Sequence[bytes] = ()
     ) -> None:
         """Count one request of `adapter` now, sent to `replica_id` when given, its prompt
         starting with the blocks `prefix`; base-model requests' rates are not tracked."""
-        now = self.clock()
-        if prefix and replica_id is not None:
-            self.prefixes.record(prefix[: self.config.prefix_blocks], replica_id, now)
-        if adapter is None:
-            return
-        self._counts[adapter] = (self._count(adapter, now) + 1.0, now)
-        if replica_id is not None:
-            placed = self._placed.setdefault(replica_id, {})
-            for old in [a for a, at in placed.items() if now - at > self.config.stale_after_s]:
-                del placed[old]  # stats fresher than this have long arrived
-            placed[adapter] = now
+        with self._lock:
+            now = self.clock()
+            if prefix and replica_id is not None:
+                self.prefixes.record(prefix[: self.config.prefix_blocks], replica_id, now)
+            if adapter is None:
+                return
+            self._heat.counted(adapter, self._rates.add(adapter, now))
+            if replica_id is not None:
+                placed = self._placed.setdefault(replica_id, {})  # oldest placement first
+                while placed and now - next(iter(placed.values())) > self.config.stale_after_s:
+                    del placed[next(iter(placed))]  # stats fresher than this have long arrived
+                placed.pop(adapter, None)
+                placed[adapter] = now
 
     def rate(self, adapter: str) -> float:
-        """Requests/s of `adapter`: for a steady rate the count settles at rate *
-        rate_window_s, so count / rate_window_s estimates it."""
-        return self._count(adapter, self.clock()) / self.config.rate_window_s
+        """Requests/s of `adapter`, decayed over rate_window_s."""
+        return self._rates.rate(adapter, self.clock())
 
-    def max_replicas(self, adapter: str) -> int:
-        """k(adapter): how many replicas the adapter may be warm on before it stops spreading."""
-        return max(1, math.ceil(self.rate(adapter) / self.config.hot_rate_per_replica))
+    def homes_needed(self, adapter: str, slots: float = 1.0) -> float:
+        """need(adapter) for replicas of `slots` batch slots each."""
+        c = self.config
+        return self.rate(adapter) * c.request_time_s / (c.home_utilisation * slots)
+
+    def homes(self, adapter: str) -> tuple[str, ...]:
+        """The adapter's recorded homes (empty: it never needed two)."""
+        return tuple(self._homes.get(adapter, ()))
+
+    def snapshot(self, top_n: int) -> tuple[list[AdapterHomes], AdapterHomes]:
+        """The `top_n` adapters by rate with their homes (recorded ones, else the replicas
+        holding it or sent it), and the rest summed as one entry ("other": total rate,
+        and the replicas any of them is on)."""
+        with self._lock:
+            now = self.clock()
+            weights = sorted(self._rates.weights.items(), key=lambda kv: kv[1], reverse=True)
+            top = [
+                AdapterHomes(
+                    a, self._rates.to_count(w, now) / self.config.rate_window_s, self._where(a)
+                )
+                for a, w in weights[:top_n]
+            ]
+            rest = weights[top_n:]
+            where = sorted({r for a, _ in rest for r in self._where(a)})
+            total = sum(self._rates.to_count(w, now) for _, w in rest) / self.config.rate_window_s
+        return top, AdapterHomes("other", total, tuple(where))
+
+    def _where(self, adapter: str) -> tuple[str, ...]:
+        if adapter in self._homes:
+            return tuple(self._homes[adapter])
+        sent = {r for r, placed in self._placed.items() if adapter in placed}
+        return tuple(sorted(self._heat.holders.get(adapter, set()) | sent))
 
     def choose(
         self,
@@ -373,79 +341,143 @@ class AffinityPolicy:
         replicas: Sequence[ReplicaStats],
         prefix: Sequence[bytes] = (),
     ) -> list[str]:
-        ids = [r.replica_id for r in replicas]
+        ids = tuple(r.replica_id for r in replicas)
         assert len(set(ids)) == len(ids), f"duplicate replica ids in {ids}"
         if not replicas:
             return []
-        busy = self._pooled([r.busy_cost_s for r in replicas], self.config.busy_cost_s)
-        saved = self._prefill_saved(replicas, prefix)
-        if adapter is None:
-            return [
-                r.replica_id for r in sorted(replicas, key=lambda r: self._base_key(r, busy, saved))
-            ]
+        with self._lock:
+            busy = self._pooled([r.busy_cost_s for r in replicas], self.config.busy_cost_s)
+            saved = self._prefill_saved(replicas, prefix)
+            if adapter is None:
+                return [
+                    r.replica_id
+                    for r in sorted(replicas, key=lambda r: self._base_key(r, busy, saved))
+                ]
+            return self._choose(adapter, replicas, ids, busy, saved)
 
+    def _choose(
+        self,
+        adapter: str,
+        replicas: Sequence[ReplicaStats],
+        ids: tuple[str, ...],
+        busy: float,
+        saved: dict[str, float],
+    ) -> list[str]:
+        c = self.config
         n = len(replicas)
-        walk = walk_order(adapter, ids)
+        now = self.clock()
+        walk = cached_walk(adapter, ids)
         position = {replica_id: i for i, replica_id in enumerate(walk)}
         by_id = {r.replica_id: r for r in replicas}
-        capacity = math.ceil(
-            self.config.bounded_load_c * (sum(r.queue_len for r in replicas) + 1) / n - 1e-9
-        )
-        now = self.clock()
-        held = {r.replica_id: self._held(r, now) for r in replicas}
-        share = math.ceil(
-            self.config.bounded_adapters_c * (sum(map(len, held.values())) + 1) / n - 1e-9
-        )
-        host = self._pooled([r.host_load_cost_s for r in replicas], self.config.host_load_cost_s)
+        capacity = math.ceil(c.bounded_load_c * (sum(r.queue_len for r in replicas) + 1) / n - 1e-9)
+        held, heat = {}, {}
+        for r in replicas:
+            held[r.replica_id], heat[r.replica_id] = self._held(r, now)
+        if len(self._heat.held) > n:
+            self._heat.forget(set(ids))  # replicas gone from the deployment
+        share = math.ceil(c.bounded_adapters_c * (sum(held.values()) + 1) / n - 1e-9)
+        hot_share = c.bounded_load_c * sum(heat.values()) / n
+        host = self._pooled([r.host_load_cost_s for r in replicas], c.host_load_cost_s)
 
         warm: dict[str, Affinity] = {}
         for r in replicas:
             if adapter in r.device_adapters:
                 warm[r.replica_id] = Affinity.DEVICE
-            elif adapter in held[r.replica_id]:
+            elif adapter in r.loading_adapters or self._placed_since(r, adapter, now):
                 warm[r.replica_id] = Affinity.LOADING
-        spare = min(n, self.max_replicas(adapter)) - len(warm) if warm else 0
 
-        def in_bound(r: ReplicaStats) -> bool:
+        def in_bound(replica_id: str) -> bool:
+            r = by_id[replica_id]
             return r.queue_len < max(capacity, r.max_concurrency)
 
-        heat = {rid: sum(self._count(b, now) for b in bs) for rid, bs in held.items()}
-        hot_share = self.config.bounded_load_c * sum(heat.values()) / n
-
         def crowded(replica_id: str) -> bool:
-            return len(held[replica_id]) >= share or heat[replica_id] > hot_share
+            return held[replica_id] >= share or heat[replica_id] > hot_share
 
-        cold_in_bound = sorted(
-            (rid for rid in walk if rid not in warm and in_bound(by_id[rid])), key=crowded
-        )
-        extra_homes = set(cold_in_bound[: max(0, spare)])
+        slots = sum(r.max_concurrency for r in replicas) / n
+        homes = self._update_homes(adapter, now, slots, walk, position, warm, in_bound, crowded)
+        spread = homes is not None and len(homes) > 1
 
         def affinity(r: ReplicaStats) -> Affinity:
-            if r.replica_id in warm:
-                return warm[r.replica_id]
-            if r.replica_id in extra_homes:
+            rid = r.replica_id
+            if homes is not None and rid not in homes:
+                if rid in warm:
+                    return Affinity.SPARE
+            elif rid in warm:
+                return warm[rid]
+            elif homes is not None:
                 return Affinity.EXTRA_HOME
-            if not in_bound(r):
+            if not in_bound(rid):
                 return Affinity.OVER_BOUND
-            return Affinity.CROWDED if crowded(r.replica_id) else Affinity.COLD
+            return Affinity.CROWDED if crowded(rid) else Affinity.COLD
+
+        read = c.load_cost_s - c.host_load_cost_s
 
         def load_s(r: ReplicaStats, a: Affinity) -> float:
-            if a in (Affinity.DEVICE, Affinity.EXTRA_HOME):
+            if a is Affinity.DEVICE:
                 return 0.0
-            if a is Affinity.LOADING or adapter in r.host_adapters:
+            ahead = self._reads_ahead(r, now) * read if read else 0.0
+            if a is Affinity.EXTRA_HOME:
+                return ahead
+            if a is Affinity.SPARE or adapter in r.host_adapters:
                 return host
-            return self.config.load_cost_s - self.config.host_load_cost_s + host  # + the read
+            if a is Affinity.LOADING:
+                return host + ahead / 2
+            return host + ahead + read
 
         def key(r: ReplicaStats) -> tuple:
             a = affinity(r)
+            home = spread and homes is not None and r.replica_id in homes
             return (
                 self._stale(r),
                 self._wait_s(r, busy) + load_s(r, a) - saved.get(r.replica_id, 0.0),
-                a,
+                Affinity.DEVICE if home else a,
+                r.queue_len / r.max_concurrency if home else 0.0,
                 position[r.replica_id],
             )
 
         return [r.replica_id for r in sorted(replicas, key=key)]
+
+    def _update_homes(
+        self,
+        adapter: str,
+        now: float,
+        slots: float,
+        walk: tuple[str, ...],
+        position: dict[str, int],
+        warm: dict[str, Affinity],
+        in_bound: Callable[[str], bool],
+        crowded: Callable[[str], bool],
+    ) -> frozenset[str] | None:
+        """The adapter's homes after this request (None: it has never needed two)."""
+        c = self.config
+        recorded = self._homes.get(adapter)
+        need = self._rates.rate(adapter, now) * c.request_time_s / (c.home_utilisation * slots)
+        k = len(recorded) if recorded else 1
+        if need > k:
+            k = math.ceil(need)
+        while k > 1 and need <= (k - 1) * (1 - c.home_hysteresis):
+            k -= 1
+        k = min(k, len(walk), c.max_homes_per_adapter)
+        if recorded is None and k == 1:
+            return None
+        homes = [rid for rid in recorded or () if rid in position]
+        candidates = (
+            sorted(warm, key=lambda rid: (warm[rid], position[rid]))
+            + [rid for rid in walk if in_bound(rid) and not crowded(rid)]
+            + [rid for rid in walk if in_bound(rid)]
+            + list(walk)
+        )
+        for rid in candidates:
+            if len(homes) >= k:
+                break
+            if rid not in homes:
+                homes.append(rid)
+        del homes[k:]  # the newest homes are withdrawn first
+        if k == 1 and set(warm) <= set(homes):
+            self._homes.pop(adapter, None)  # only its home holds it: nothing to withdraw
+            return None
+        self._homes[adapter] = homes
+        return frozenset(homes)
 
     def _prefill_saved(
         self, replicas: Sequence[ReplicaStats], prefix: Sequence[bytes]
@@ -466,16 +498,38 @@ class AffinityPolicy:
         blocks = {r.replica_id: r.prefix_block_size for r in replicas}
         return {rid: n * blocks[rid] * per_token for rid, n in matched.items()}
 
-    def _held(self, r: ReplicaStats, now: float) -> frozenset[str]:
-        """Adapters on r's device or loading there, and those sent to r since its stats."""
+    def _held(self, r: ReplicaStats, now: float) -> tuple[int, float]:
+        """How many adapters r holds (device, loading, sent since its stats) and their
+        weight (the rate they draw, in the estimator's units)."""
+        self._heat.update(r.replica_id, r.device_adapters, r.loading_adapters)
+        base = self._heat.held[r.replica_id]
+        since = []
         recorded_at = now - r.stats_age_s
         placed = self._placed.get(r.replica_id, {})
-        since = {a for a, at in placed.items() if at > recorded_at}
-        return r.device_adapters | r.loading_adapters | since
+        for a in reversed(placed):  # newest first: only those since the stats are read
+            if placed[a] <= recorded_at:
+                break
+            if a not in base:
+                since.append(a)
+        weight = self._heat.heat[r.replica_id] + sum(self._rates.weight(a) for a in since)
+        return len(base) + len(since), weight
 
-    def _count(self, adapter: str, now: float) -> float:
-        count, at = self._counts.get(adapter, (0.0, now))
-        return count * math.exp(-max(0.0, now - at) / self.config.rate_window_s)
+    def _reads_ahead(self, r: ReplicaStats, now: float) -> int:
+        """reads(r): the store reads queued on r as far as this router can tell."""
+        held = r.device_adapters | r.host_adapters
+        reads = len(r.loading_adapters - held)
+        recorded_at = now - r.stats_age_s
+        placed = self._placed.get(r.replica_id, {})
+        for a in reversed(placed):  # newest first: only those since the stats are read
+            if placed[a] <= recorded_at:
+                break
+            if a not in held and a not in r.loading_adapters:
+                reads += 1
+        return reads
+
+    def _placed_since(self, r: ReplicaStats, adapter: str, now: float) -> bool:
+        at = self._placed.get(r.replica_id, {}).get(adapter)
+        return at is not None and at > now - r.stats_age_s
 
     def _wait_s(self, r: ReplicaStats, busy_cost_s: float) -> float:
         queued_behind = max(0, r.queue_len - r.max_concurrency + 1)

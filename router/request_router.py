@@ -17,6 +17,9 @@ once per request.
 No FIFOMixin: it hands the replica chosen for one request to whichever request is first in
 the queue, which would send adapter A's pick to adapter B. Serve's default matching keeps
 each choice with the request it was made for.
+
+`routing_snapshot(top_n)` reports what the routers of this process know of each adapter
+(its rate and homes): the ingress's /metrics shows it.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ from typing import TYPE_CHECKING, Any
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from loraplex.replica.protocol import adapter_version, extend_block_keys, prefix_root
-from loraplex.router.policy import AffinityConfig, AffinityPolicy, ReplicaStats
+from loraplex.router import live_routers
+from loraplex.router.policy import AffinityConfig, AffinityPolicy
+from loraplex.router.routing_stats import ReplicaStats
 
 _MEMO = 1024  # requests whose prefix keys are kept between choosing and routing
 
@@ -43,6 +48,10 @@ class AffinityRequestRouter(RequestRouter):
         super().__init__(*args, **kwargs)
         self.policy = AffinityPolicy(AffinityConfig())
         self.wall_clock: Callable[[], float] = time.time  # compares with `recorded_at`
+        # Parsed stats per replica, kept while its published dict is the same object: the
+        # policy then sees the same adapter sets and reuses what it derived from them.
+        self._parsed: dict[str, tuple[dict[str, Any], ReplicaStats]] = {}
+        live_routers.add(self)
         self._prefixes: collections.OrderedDict[str, tuple[bytes, ...]] = collections.OrderedDict()
 
     def initialize_state(self, **config: Any) -> None:
@@ -91,10 +100,16 @@ class AffinityRequestRouter(RequestRouter):
         return keys
 
     def _replica_stats(self, replica: RunningReplica) -> ReplicaStats:
+        replica_id = replica.replica_id.unique_id
         published = replica.routing_stats or {}
         recorded_at = published.get("recorded_at")
         age = 0.0 if recorded_at is None else max(0.0, self.wall_clock() - recorded_at)
-        stats = ReplicaStats.from_routing_stats(replica.replica_id.unique_id, published, age)
+        cached = self._parsed.get(replica_id)
+        if cached is not None and cached[0] is published:
+            stats = replace(cached[1], stats_age_s=age)
+        else:
+            stats = ReplicaStats.from_routing_stats(replica_id, published, age)
+            self._parsed[replica_id] = (published, stats)
         # Serve's own count of requests this router sent and the replica has not finished
         # is fresher than the published queue (a period old); prefer it when cached.
         queue_len = self.replica_queue_len_cache.get(replica.replica_id)

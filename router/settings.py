@@ -21,13 +21,21 @@ from loraplex.settings import FORBID_EXTRA
 @dataclass(frozen=True, slots=True, config=FORBID_EXTRA)
 class RouterSettings(AffinityConfig):
     """The adapter-affinity request router (router/policy.py AffinityConfig), how often
-    replicas publish the stats it routes on, and the ingress's first-token deadline."""
+    replicas publish the stats it routes on, the ingress's first-token deadline and how many
+    adapters /metrics shows one by one."""
 
     stats_period_s: float = Field(
         1.0, gt=0, le=600, description="How often each replica publishes its routing stats."
     )
     stats_timeout_s: float = Field(
         10.0, gt=0, le=600, description="Deadline of one routing-stats call."
+    )
+    metrics_top_adapters: int = Field(
+        20,
+        ge=0,
+        le=1000,
+        description="Adapters shown one by one in /metrics and `loraplex status` (the "
+        "busiest); the rest are summed as one.",
     )
     first_chunk_timeout_s: float = Field(
         120.0,

@@ -187,6 +187,12 @@ def test_host_budget_drops_cold_host_copies_and_reads_them_back_from_disk():
     use(cache, clock, "a", 5.0)
     assert reads == ["a"] and cache.stats.disk_reads == 1 and cache.tier("a") == "device"
     assert cache.stats.host_drops >= 2
+    # Replacing an adapter with a larger version, and removing one, keep the budget.
+    cache.add(AdapterMeta("c", 8, 5 * PAGE), reader("c", 5))
+    assert sum(w.nbytes for w in cache.host.values()) <= 6 * PAGE
+    cache.remove("c")
+    cache.add(AdapterMeta("d", 8, 2 * PAGE), reader("d", 2))
+    assert set(cache.host) == {"a", "d"}  # 5 pages: c's no longer count, nothing dropped
 
 
 def test_without_keep_idle_an_adapter_leaves_with_its_last_request_unless_queued():

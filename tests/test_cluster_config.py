@@ -23,7 +23,7 @@ from loraplex.cluster.config import APP_NAME, IMPORT_PATH, LoraplexConfig
 from loraplex.cluster.errors import CLIError
 from loraplex.net import free_port
 from loraplex.registry.etcd_client import EtcdSettings
-from loraplex.replica.config import EngineConfig, build_engine_config
+from loraplex.replica.config import ArtifactReadConfig, EngineConfig, build_engine_config
 from loraplex.replica.memory.adapter_cache import CacheConfig
 from loraplex.replica.scheduling.scheduler import SchedulerConfig
 from loraplex.router.policy import AffinityConfig
@@ -104,6 +104,7 @@ def test_from_yaml_resolves_paths_against_the_file_and_maps_every_engine_field(
             },
             "replicas": {"num_replicas": 3, "num_cpus": 2, "num_gpus": 1, "tp": 1},
             "artifact_root": "artifacts",
+            "artifacts": {"read_bandwidth_mib_s": 5, "read_latency_ms": 50},
             "registry": {"allowed_roots": ["adapters"]},
             "etcd": {
                 "endpoints": ["10.0.0.5:2379", "10.0.0.6:2379"],
@@ -137,6 +138,7 @@ def test_from_yaml_resolves_paths_against_the_file_and_maps_every_engine_field(
         ),
         kernels="torch",
         seed=7,
+        artifacts=ArtifactReadConfig(read_bandwidth_mib_s=5, read_latency_ms=50),
         enable_prefix_caching=False,
         share_base_prefix=True,
     )

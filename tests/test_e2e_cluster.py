@@ -48,7 +48,7 @@ from loraplex.replica.engine import LLMEngine
 from loraplex.replica.protocol import adapter_id
 from loraplex.replica.sampling import SamplingParams
 from loraplex.replica.sequence import RequestOutput
-from loraplex.router.policy import walk_order
+from loraplex.router.walk import walk_order
 
 pytestmark = [
     pytest.mark.ray,
@@ -126,7 +126,8 @@ def config_file(demo_assets: DemoAssets, tmp_path_factory: pytest.TempPathFactor
             "max_num_seqs": 8,
         },
         "replicas": {"num_replicas": 2, "num_cpus": 1},
-        "router": {"stats_period_s": 0.5},
+        # a short rate window: the hot-adapter test sees homes grow and shrink in seconds
+        "router": {"stats_period_s": 0.5, "rate_window_s": 3.0},
         "http": {"port": free_port()},
     }
     path.write_text(yaml.safe_dump(settings))
@@ -305,20 +306,27 @@ def not_found(client: openai.OpenAI, model: str) -> bool:
 class Streams:
     """Long streaming completions, one thread each. Each ends with its completion-token count
     (from the usage chunk) and its text, or with the openai.APIError that ended it (an error
-    event, a timeout)."""
+    event, a timeout). `stagger_s`: the i-th stream starts i x that after the first."""
 
-    def __init__(self, client: openai.OpenAI, models: list[str], max_tokens: int):
+    def __init__(
+        self, client: openai.OpenAI, models: list[str], max_tokens: int, stagger_s: float = 0.0
+    ):
         self.started = [threading.Event() for _ in models]
         self.pool = ThreadPoolExecutor(len(models))
         self.futures = [
-            self.pool.submit(self._run, client, model, max_tokens, started)
-            for model, started in zip(models, self.started, strict=True)
+            self.pool.submit(self._run, client, model, max_tokens, started, i * stagger_s)
+            for i, (model, started) in enumerate(zip(models, self.started, strict=True))
         ]
 
     @staticmethod
     def _run(
-        client: openai.OpenAI, model: str, max_tokens: int, started: threading.Event
+        client: openai.OpenAI,
+        model: str,
+        max_tokens: int,
+        started: threading.Event,
+        delay_s: float = 0.0,
     ) -> tuple[int, str] | openai.APIError:
+        time.sleep(delay_s)
         try:
             with complete(
                 client,
@@ -523,8 +531,10 @@ def test_requests_for_an_adapter_stay_on_the_replica_holding_it(
     )
 
     # resident on `busy`: all go there, and fill its batch (max_num_seqs 8), so a cold
-    # adapter whose home is `busy` is over the bounded load
-    with Streams(acme, ["code"] * 8, max_tokens=800) as streams:
+    # adapter whose home is `busy` is over the bounded load. Started 0.6 s apart, so the
+    # rate of `code` stays within one home (need = rate x 2 s / (0.5 x 8) < 1 up to 2 req/s;
+    # eight at once, decayed over 3 s, are ~2.7 req/s and get it a second home, `other`)
+    with Streams(acme, ["code"] * 8, max_tokens=800, stagger_s=0.6) as streams:
         streams.wait_started()
         # the replica publishes the queue (on a loaded machine a stats call can lag), then
         # two stats periods so the ingress's router has received it too
@@ -535,8 +545,13 @@ def test_requests_for_an_adapter_stay_on_the_replica_holding_it(
         assert [r if isinstance(r, Exception) else r[0] for r in streams.results()] == [800] * 8
     time.sleep(2.0)  # several stats periods: the ingress's router sees where it is resident
 
-    for _ in range(8):  # its home is idle now, yet every request goes where it is resident
+    # its home is idle now, yet every request goes where it is resident. One a second: the
+    # rate stays within one home (need = rate x 2 s / (0.5 x 8) < 1 up to 2 req/s; spaced
+    # 1 s, decayed over 3 s, the rate settles near 1.2 req/s), so no second home is made
+    for _ in range(8):
+        started = time.monotonic()
         assert complete(acme, name, max_tokens=8).usage.completion_tokens == 8
+        time.sleep(max(0.0, 1.0 - (time.monotonic() - started)))
     assert holders(ray, sticky) == {other: "device"}
 
     # the operator's view agrees
@@ -545,6 +560,84 @@ def test_requests_for_an_adapter_stay_on_the_replica_holding_it(
     assert set(table) == {busy, other}, output
     assert [r for r, tiers in table.items() if sticky in tiers["device"]] == [other], output
     assert not any(sticky in tiers["host"] + tiers["loading"] for tiers in table.values())
+
+
+def router_homes(cluster: Cluster, adapter: str) -> tuple[float, list[str]]:
+    """The ingress router's estimate of `adapter`'s rate and its homes, from /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with cluster.http(cluster.metrics_key) as http:
+        r = http.get("/metrics")
+    assert r.status_code == 200, r.text
+    text = r.text
+    rate, homes = 0.0, []
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels.get("adapter") != adapter:
+                continue
+            if sample.name == "loraplex_adapter_request_rate":
+                rate = sample.value
+            elif sample.name == "loraplex_adapter_home":
+                homes.append(sample.labels["replica"])
+    return rate, sorted(homes)
+
+
+def received(ray) -> dict[str, int]:
+    """Requests each replica has received so far."""
+    return {replica: stats["requests_total"] for replica, stats in routing_stats(ray).items()}
+
+
+def test_a_hot_adapter_spreads_over_both_replicas_and_back_to_one_when_it_cools(
+    cluster: Cluster, keys: dict[str, str], demo_assets: DemoAssets, ray_driver
+):
+    """With the router's defaults a replica of 8 slots is a home for 2 req/s of one adapter
+    (need = rate x 2 s / (0.5 x 8)); at ~8 req/s the adapter gets both replicas as homes and
+    both serve it; at 0.5 req/s its rate decays (window 3 s) below (2 - 1) x 0.75 homes'
+    worth, the second home is withdrawn and every request goes to the one left."""
+    ray = ray_driver
+    acme = cluster.client(keys["acme"])
+    trending = register(cluster, keys["acme"], "trending", demo_assets, "sql-r8")
+    servable(acme, "trending")
+    hot = adapter_id("acme", "trending", trending["version"])
+
+    stop = threading.Event()
+
+    def keep_sending() -> None:
+        while not stop.is_set():
+            complete(acme, "trending", max_tokens=8)
+
+    with ThreadPoolExecutor(4) as pool:
+        senders = [pool.submit(keep_sending) for _ in range(4)]
+        try:
+            wait_until(lambda: len(router_homes(cluster, hot)[1]) == 2, 30, "a second home")
+            before = received(ray)
+            time.sleep(4.0)
+            spread = received(ray)
+        finally:
+            stop.set()
+        for sender in senders:
+            sender.result(timeout=CLIENT_TIMEOUT_S)
+    rate, homes = router_homes(cluster, hot)
+    assert rate > 2.0 and set(homes) == set(spread), (rate, homes, spread)
+    assert all(spread[r] - before.get(r, 0) >= 3 for r in spread), (before, spread)
+    assert set(holders(ray, hot)) == set(spread)  # resident on both
+
+    def one_home() -> bool:
+        complete(acme, "trending", max_tokens=8)
+        time.sleep(1.5)
+        return len(router_homes(cluster, hot)[1]) == 1
+
+    wait_until(one_home, 60, "the second home to be withdrawn")
+    (home,) = router_homes(cluster, hot)[1]
+    before = received(ray)
+    for _ in range(6):
+        complete(acme, "trending", max_tokens=8)
+        time.sleep(0.5)
+    after = received(ray)
+    grew = {r for r in after if after[r] > before.get(r, 0)}
+    assert grew == {home}, (home, before, after)
+    output = loraplex("status", "--state-dir", str(cluster.state_dir), timeout=90).stdout
+    assert re.search(rf"{re.escape(hot)}\s+\S+/s\s+{home}", output), output
 
 
 def test_tenants_see_only_their_own_adapters(
@@ -756,7 +849,8 @@ def metrics_by_replica(cluster: Cluster) -> tuple[float, dict[str, dict[tuple, f
                 reporting = sample.value
             labels = dict(sample.labels)
             replica = labels.pop("replica", None)
-            if replica is not None:
+            # the router's adapter homes name replicas too, but are the router's view
+            if replica is not None and sample.name != "loraplex_adapter_home":
                 key = (sample.name, *sorted(labels.items()))
                 view.setdefault(replica, {})[key] = sample.value
     assert reporting is not None, r.text

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import random
+from collections import Counter
 from dataclasses import replace
 
 import pytest
 
 from loraplex.replica.protocol import extend_block_keys, prefix_root
-from loraplex.router.policy import AffinityConfig, AffinityPolicy, ReplicaStats, walk_order
+from loraplex.router.policy import AffinityConfig, AffinityPolicy, ReplicaStats
+from loraplex.router.walk import walk_order
 
 
 class FakeClock:
@@ -269,37 +271,149 @@ def test_host_tier_pays_only_the_host_load_cost():
     assert p.choose("a", replicas)[0] == "host"
 
 
-def route_stream(p: AffinityPolicy, clock: FakeClock, requests: int, interval_s: float):
-    """Routes `requests` of adapter "hot", none finishing; a replica that gets one holds it."""
-    held: dict[str, set[str]] = {f"r{i}": set() for i in range(4)}
-    queues = dict.fromkeys(held, 0)
-    for _ in range(requests):
-        clock.advance(interval_s)
-        p.observe("hot")
-        replicas = [replica(rid, device=held[rid], queue=queues[rid], slots=4) for rid in held]
-        top = p.choose("hot", replicas)[0]
-        held[top].add("hot")
-        queues[top] += 1
-    return {rid for rid, adapters in held.items() if adapters}
+class Fleet:
+    """Requests of one adapter at a steady rate through the policy: each holds a batch
+    slot of the replica it went to for `request_s`, and leaves the adapter on that
+    replica's device (nothing is evicted). Stats are fresh at every request."""
+
+    def __init__(self, p: AffinityPolicy, clock: FakeClock, n: int = 8, slots: int = 4):
+        self.p, self.clock, self.slots = p, clock, slots
+        self.device: dict[str, set[str]] = {f"r{i}": set() for i in range(n)}
+        self.running: list[tuple[float, str]] = []
+
+    def serve(self, rate: float, seconds: float, request_s: float = 1.0, adapter: str = "hot"):
+        """Where each request went, in order."""
+        chosen = []
+        for _ in range(round(rate * seconds)):
+            self.clock.advance(1.0 / rate)
+            self.running = [(end, r) for end, r in self.running if end > self.clock.now]
+            queue = {rid: sum(r == rid for _, r in self.running) for rid in self.device}
+            stats = [
+                replica(rid, device=held, queue=queue[rid], slots=self.slots)
+                for rid, held in self.device.items()
+            ]
+            top = self.p.choose(adapter, stats)[0]
+            self.p.observe(adapter, top)
+            self.device[top].add(adapter)
+            self.running.append((self.clock.now + request_s, top))
+            chosen.append(top)
+        return chosen
 
 
-def test_hot_adapter_spreads_and_shrinks_back():
+def replication(clock: FakeClock, **config) -> AffinityPolicy:
+    # need = rate * 1 s / (0.5 * 4 slots) = rate / 2; rate estimated over 4 s
+    defaults = {"request_time_s": 1.0, "home_utilisation": 0.5, "rate_window_s": 4.0}
+    return policy(clock, **(defaults | config))
+
+
+@pytest.mark.parametrize(
+    ("rate", "bound", "homes"), [(1.0, 4, 0), (5.0, 4, 3), (5.0, 2, 2), (40.0, 4, 4)]
+)
+def test_homes_grow_with_the_rate_and_never_exceed_the_bound(rate, bound, homes):
     clock = FakeClock()
-    p = policy(
-        clock, load_cost_s=10.0, request_time_s=1.0, hot_rate_per_replica=20.0, rate_window_s=1.0
-    )
-    assert p.max_replicas("hot") == 1
-    for _ in range(300):  # 100 requests/s for 3 s
-        clock.advance(0.01)
-        p.observe("hot")
-    geometric_sum = (1 - math.exp(-3.0)) / (1 - math.exp(-0.01))  # sum of e^(-0.01 j), j < 300
-    assert p.rate("hot") == pytest.approx(geometric_sum / 1.0)
-    assert p.max_replicas("hot") == 5  # ceil(95.5 / 20); 4 replicas, so all may hold it
-    assert len(route_stream(p, clock, requests=16, interval_s=0.01)) == 4
+    p = replication(clock, max_homes_per_adapter=bound, load_cost_s=5.0)
+    fleet = Fleet(p, clock)
+    chosen = fleet.serve(rate, seconds=30.0)
+    assert len(p.homes("hot")) == homes  # 0: a cold adapter, one home, none recorded
+    late = Counter(chosen[len(chosen) // 2 :])
+    assert len(late) == max(1, homes)  # the traffic is on its homes, and only there
+    if homes:
+        assert set(late) == set(p.homes("hot"))
+        assert min(late.values()) > 0.5 * len(chosen) / 2 / homes  # spread over them
+    if rate == 40.0:  # every home is busy (10 in flight each > 4 slots): nothing more
+        assert p.homes_needed("hot", slots=4) > 4 * bound
 
-    clock.advance(60.0)
-    assert p.max_replicas("hot") == 1
-    assert len(route_stream(p, clock, requests=16, interval_s=1.0)) == 1
+
+def test_homes_shrink_with_hysteresis_and_withdrawn_ones_go_quiet():
+    clock = FakeClock()
+    p = replication(clock)
+    fleet = Fleet(p, clock)
+    fleet.serve(3.0, seconds=20.0)  # need ~1.5: two homes
+    assert len(p.homes("hot")) == 2
+    two = set(p.homes("hot"))
+    fleet.serve(1.7, seconds=20.0)  # need ~0.9: above (2 - 1) * 0.75, so it keeps both
+    assert set(p.homes("hot")) == two
+    chosen = fleet.serve(1.0, seconds=20.0)  # need ~0.5: one home
+    assert len(p.homes("hot")) == 1 and p.homes("hot")[0] in two
+    assert set(chosen[len(chosen) // 2 :]) == set(p.homes("hot"))  # the spare goes quiet
+    fleet.serve(1.7, seconds=20.0)  # need ~0.9 <= 1: not enough to grow again
+    assert len(p.homes("hot")) == 1
+    fleet.serve(2.6, seconds=20.0)  # need ~1.3 > 1: a second home again
+    assert len(p.homes("hot")) == 2
+
+
+def test_without_hysteresis_a_rate_near_the_threshold_flaps():
+    # The same rates as above with home_hysteresis 0: 1.7/s is below one home's need.
+    clock = FakeClock()
+    p = replication(clock, home_hysteresis=0.0)
+    fleet = Fleet(p, clock)
+    fleet.serve(3.0, seconds=20.0)
+    fleet.serve(1.7, seconds=20.0)
+    assert len(p.homes("hot")) == 1
+
+
+def test_cold_adapters_keep_one_home():
+    clock = FakeClock()
+    p = replication(clock)
+    fleet = Fleet(p, clock)
+    for i in range(40):  # 40 adapters at 0.5/s each: 20/s in all, 0.25 of a home each
+        fleet.serve(20.0, seconds=0.05, adapter=f"cold{i}")
+    for _ in range(3):
+        for i in range(40):
+            fleet.serve(20.0, seconds=0.05, adapter=f"cold{i}")
+    assert all(p.homes(f"cold{i}") == () for i in range(40))
+    for i in range(40):
+        holders = [rid for rid, held in fleet.device.items() if f"cold{i}" in held]
+        assert len(holders) == 1
+    fleet.serve(5.0, seconds=30.0)  # a hot one beside them spreads
+    assert len(p.homes("hot")) == 3
+    clock.advance(200.0)  # it goes cold: one home again, and its record is dropped
+    fleet.serve(0.2, seconds=10.0)
+    assert len(p.homes("hot")) <= 1
+
+
+def test_snapshot_reports_the_top_adapters_and_aggregates_the_rest():
+    clock = FakeClock()
+    p = replication(clock)
+    fleet = Fleet(p, clock)
+    fleet.serve(5.0, seconds=20.0)
+    for i in range(10):
+        fleet.serve(10.0, seconds=0.1, adapter=f"tail{i}")
+    top, other = p.snapshot(top_n=3)
+    assert [t.adapter for t in top][0] == "hot" and len(top) == 3
+    assert set(top[0].homes) == set(p.homes("hot")) and len(top[0].homes) == 3
+    assert top[0].rate_per_s == pytest.approx(p.rate("hot"))
+    assert all(len(t.homes) == 1 for t in top[1:])
+    assert other.adapter == "other"
+    total = sum(p.rate(a) for a in ["hot", *(f"tail{i}" for i in range(10))])
+    assert other.rate_per_s + sum(t.rate_per_s for t in top) == pytest.approx(total)
+    assert set(other.homes) <= set(fleet.device)
+
+
+def test_metrics_show_the_top_adapters_homes_and_rates_and_sum_the_rest():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from loraplex.router.metrics import IngressMetrics
+
+    clock = FakeClock()
+    p = replication(clock)
+    fleet = Fleet(p, clock)
+    fleet.serve(5.0, seconds=20.0)
+    for i in range(50):
+        fleet.serve(10.0, seconds=0.1, adapter=f"tail{i}")
+    text = IngressMetrics(routing=lambda: p.snapshot(top_n=2)).render().decode()
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    rates = {
+        s.labels["adapter"]: s.value for s in samples if s.name == "loraplex_adapter_request_rate"
+    }
+    homes = {s.labels["adapter"]: s.value for s in samples if s.name == "loraplex_adapter_homes"}
+    per_home = [s.labels for s in samples if s.name == "loraplex_adapter_home"]
+    assert len(rates) == 3 and "hot" in rates and "other" in rates  # bounded: top 2 + other
+    assert rates["hot"] == pytest.approx(p.rate("hot"))
+    assert homes["hot"] == 3
+    assert {h["replica"] for h in per_home if h["adapter"] == "hot"} == set(p.homes("hot"))
+    assert {h["adapter"] for h in per_home} <= set(rates) - {"other"}
+    assert IngressMetrics(routing=lambda: None).render()  # no router yet: no samples
 
 
 def test_rate_decays_exponentially():
@@ -378,6 +492,9 @@ def test_routing_stats_contract():
         {"host_load_cost_s": 2.0, "load_cost_s": 1.0},
         {"request_time_s": 0.0},
         {"rate_window_s": float("nan")},
+        {"home_utilisation": 0.0},
+        {"home_hysteresis": 1.0},
+        {"max_homes_per_adapter": 0},
     ],
 )
 def test_config_is_validated(bad):
@@ -485,3 +602,19 @@ def test_without_a_prefix_cache_on_the_replicas_prefixes_weigh_nothing():
     keys = prompt_keys(list(range(7000, 7000 + 8 * BLOCK)))
     p.observe(None, "r1", keys)
     assert p.choose(None, [replica("r0"), replica("r1", queue=1)], keys)[0] == "r0"
+
+
+def test_a_cold_adapter_avoids_a_replica_whose_store_reads_are_queued():
+    """A replica reads adapters one after another (replica/memory/store_reads.py): a read
+    sent to a replica with three reads queued waits for them. The cold adapter's first
+    replica on its walk is reading three others, the second none: the second wins, though
+    both are idle (the adapter-count bound is lifted, so only the reads differ); with
+    nothing queued the walk decides again."""
+    walk = walk_order("cold", ["r0", "r1"])
+    roomy = {"bounded_adapters_c": 100}
+    busy = replica(walk[0], loading={"x", "y", "z"})
+    assert policy(**roomy).choose("cold", [busy, replica(walk[1])])[0] == walk[1]
+    assert policy(**roomy).choose("cold", [replica(walk[0]), replica(walk[1])])[0] == walk[0]
+    # loads into the device from its host tier are no store reads
+    warm = replica(walk[0], host={"x", "y", "z"}, loading={"x", "y", "z"})
+    assert policy(**roomy).choose("cold", [warm, replica(walk[1])])[0] == walk[0]

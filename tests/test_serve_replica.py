@@ -39,8 +39,8 @@ from loraplex.replica.protocol import (
 )
 from loraplex.replica.sampling import SamplingParams
 from loraplex.replica.scheduling.scheduler import SchedulerConfig
-from loraplex.router.policy import walk_order
 from loraplex.router.settings import RouterSettings
+from loraplex.router.walk import walk_order
 
 TENANT = "acme"
 APP = "loraplex-test"

@@ -130,6 +130,7 @@ class AdapterCache:
         self.restore_costs = restore_costs
         self.entries: dict[str, _Entry] = {}
         self.host: dict[str, AdapterWeights] = {}  # the host tier: weights in memory
+        self._host_bytes = 0  # their bytes, kept as it changes: the budget check is O(1)
         self.resident: dict[str, Resident] = {}  # the device tier, ready to use
         self.loading: dict[str, Resident] = {}  # pages taken, copy in flight
         self._started: dict[Resident, float] = {}
@@ -154,6 +155,7 @@ class AdapterCache:
         usage = AdapterUsage(weights.name, weights.nbytes)
         if old is not None:
             usage.frequency, usage.last_used = old.usage.frequency, old.usage.last_used
+            self._drop_host(weights.name)  # the old version's bytes
         self.entries[weights.name] = _Entry(
             weights.name,
             weights.version,
@@ -164,15 +166,15 @@ class AdapterCache:
             weights,
             read,
         )
-        self.host[weights.name] = weights
+        self._set_host(weights.name, weights)
         self._fit_host_budget()
 
     def remove(self, name: str) -> None:
         if name not in self.entries:
             raise UnknownAdapter(name)
         self._retire(name)
+        self._drop_host(name)
         del self.entries[name]
-        self.host.pop(name, None)
 
     def _retire(self, name: str) -> None:
         loading = self.loading.pop(name, None)
@@ -290,7 +292,7 @@ class AdapterCache:
             self.resident[resident.name] = resident
             weights = self.entries[resident.name].weights
             if weights is not None:
-                self.host[resident.name] = weights  # read back from disk: host tier again
+                self._set_host(resident.name, weights)  # read back from disk: host tier again
         self._fit_host_budget()
 
     # -- loading and eviction
@@ -398,22 +400,29 @@ class AdapterCache:
         self.stats.evictions += 1
         self.eviction.evicted(self.entries[name].usage)
 
+    def _set_host(self, name: str, weights) -> None:
+        self._drop_host(name)
+        self.host[name] = weights
+        self._host_bytes += self.entries[name].nbytes
+
+    def _drop_host(self, name: str) -> None:
+        if self.host.pop(name, None) is not None:
+            self._host_bytes -= self.entries[name].nbytes
+
     def _fit_host_budget(self) -> None:
+        """Drop the least recently used host copies (those that can be read again, not
+        being loaded) until the host tier fits its budget."""
         budget = self.cfg.host_bytes
-        if budget is None:
-            return
-        held = sum(e.nbytes for e in self.entries.values() if e.weights is not None)
-        if held <= budget:
+        if budget is None or self._host_bytes <= budget:
             return
         droppable = [
-            e
-            for e in self.entries.values()
-            if e.weights is not None and e.read is not None and e.name not in self.loading
+            self.entries[name]
+            for name in self.host
+            if self.entries[name].read is not None and name not in self.loading
         ]
         for entry in sorted(droppable, key=lambda e: e.usage.last_used):
-            if held <= budget:
+            if self._host_bytes <= budget:
                 break
             entry.weights = None
-            self.host.pop(entry.name, None)
-            held -= entry.nbytes
+            self._drop_host(entry.name)
             self.stats.host_drops += 1

@@ -1,0 +1,55 @@
+"""The table `loraplex bench fleet` prints, and its figure's title."""
+
+from __future__ import annotations
+
+
+def title(fleet: dict) -> str:
+    return (
+        f"fleet simulator: {fleet['replicas']} x {fleet['profile']}, {fleet['adapters']} "
+        f"adapters, store 1 GiB/s + 20 ms"
+    )
+
+
+def print_table(results: dict) -> None:
+    f = results["fleet"]
+    print(f"{title(f)}; capacity {f['capacity_rps']:.0f} req/s; window {f['window_s']:.0f} s")
+    print(
+        f"{'workload':9} {'router':9} {'goodput':>8} {'p99@ref':>8} {'loads':>6} {'reads':>6} {'load s':>7}"
+    )
+    for name, w in f["workloads"].items():
+        for router, r in w["routers"].items():
+            ref = r["at_reference"]
+            print(
+                f"{name:9} {router:9} {r['goodput_at_slo_rps']:8.1f} {ref['p99_ttft_s']:8.3f} "
+                f"{ref['device_loads']:6d} {ref['store_reads']:6d} {ref['load_seconds']:7.1f}"
+            )
+        print(
+            f"{name:9} SLO {w['slo_s']:.3f} s  goodput ratio {_fmt(w['goodput_ratio_vs_best_ray_router'])}"
+            f" (target >= 1.5)  load-seconds ratio {_fmt(w['load_seconds_ratio_vs_best_ray_router'])}"
+            + ("" if name != "zipf" else " (target <= 0.5)")
+        )
+    fail = f["workloads"]["failover"]
+    print(
+        f"failover: recovery {fail['recovery_s']}  streams failed {fail['streams_failed']}, "
+        f"resumed {fail['streams_resumed']}"
+    )
+    for p in f["scale"]["points"]:
+        print(
+            f"scale {p['replicas']:3d} replicas {p['adapters']:6d} adapters: p99 best Ray / affinity "
+            f"{_fmt(p['p99_ratio_best_ray_over_affinity'])}, load-seconds ratio "
+            f"{_fmt(p['load_seconds_ratio_vs_best_ray_router'])}"
+        )
+    if "validation" in f:
+        print_validation(f["validation"])
+
+
+def print_validation(v: dict) -> None:
+    print(
+        f"validation: p99_ttft_error {_fmt(v['p99_ttft_error'])} (target <= 0.25), "
+        f"loads_error {_fmt(v['loads_error'])} (target <= 0.10)"
+        + (f"; {v['skipped']}" if v.get("skipped") else "")
+    )
+
+
+def _fmt(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.2f}"

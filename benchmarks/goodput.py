@@ -1,0 +1,132 @@
+"""What the router benches (real Ray and the fleet simulator) derive from a sweep of offered
+rates: goodput at the SLO, ratios against the best Ray router, recovery after a failure,
+and the goodput figure."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+RAY_ROUTERS = ("pow2", "multiplex")
+SLO_FACTOR = 5.0  # the SLO is 5x the unloaded TTFT
+
+
+def goodput(rates: Sequence[float], p99s: Sequence[float | None], slo: float) -> float:
+    """The highest offered rate whose p99 TTFT is within `slo`: linear between the swept
+    rates around the first crossing; the highest rate if it never crosses, 0 if even the
+    lowest misses. A run with no completed request (None) misses."""
+    ys = [math.inf if p is None else p for p in p99s]
+    if ys[0] > slo:
+        return 0.0
+    for i in range(1, len(rates)):
+        if ys[i] > slo:
+            if math.isinf(ys[i]):
+                return float(rates[i - 1])
+            frac = (slo - ys[i - 1]) / (ys[i] - ys[i - 1])
+            return float(rates[i - 1] + frac * (rates[i] - rates[i - 1]))
+    return float(rates[-1])
+
+
+def ratio_vs_best_ray(values: Mapping[str, float | None], higher_is_better: bool) -> float | None:
+    """affinity's value over the best Ray router's (the highest, or the lowest)."""
+    ours = values.get("affinity")
+    theirs = [values[r] for r in RAY_ROUTERS if values.get(r) is not None]
+    if ours is None or not theirs:
+        return None
+    best = max(theirs) if higher_is_better else min(theirs)
+    if best == 0:
+        return math.inf if ours > 0 else None  # 0 / 0: no router had any
+    return ours / best
+
+
+def comparison(
+    routers: Mapping[str, Mapping[str, Any]], loads: str, reads: str, distinct: int | None = None
+) -> dict[str, Any]:
+    """The keys every router bench reports per workload, from each router's
+    `goodput_at_slo_rps` and its `at_reference` figures (`load_seconds`, and device loads and
+    store reads under the names `loads` and `reads`); floors over `distinct` adapters
+    requested, or each run's own `distinct_adapters` when not given."""
+    good = {r: f["goodput_at_slo_rps"] for r, f in routers.items()}
+    at = {r: f["at_reference"] for r, f in routers.items()}
+    floor = {
+        r: max(1, a["distinct_adapters"] if distinct is None else distinct) for r, a in at.items()
+    }
+    return {
+        "goodput_rps": good,
+        "goodput_ratio_vs_best_ray_router": ratio_vs_best_ray(good, higher_is_better=True),
+        "load_seconds": {r: a["load_seconds"] for r, a in at.items()},
+        "load_seconds_ratio_vs_best_ray_router": ratio_vs_best_ray(
+            {r: a["load_seconds"] for r, a in at.items()}, higher_is_better=False
+        ),
+        "loads": {r: a[loads] for r, a in at.items()},
+        "reads": {r: a[reads] for r, a in at.items()},
+        "loads_vs_floor": {r: a[loads] / floor[r] for r, a in at.items()},
+        "reads_vs_floor": {r: a[reads] / floor[r] for r, a in at.items()},
+    }
+
+
+def recovery_s(
+    arrival: np.ndarray, ttft: np.ndarray, kill_at: float, slo: float, window_s: float
+) -> float | None:
+    """Seconds from the kill until the p99 TTFT of every later window of `window_s` (by
+    arrival) is within the SLO; None if the last window still misses."""
+    end = float(arrival.max())
+    starts = np.arange(kill_at, end, window_s)
+    misses = []
+    for start in starts:
+        inside = ttft[(arrival >= start) & (arrival < start + window_s)]
+        misses.append(len(inside) > 0 and float(np.percentile(inside, 99)) > slo)
+    if not misses or not any(misses):
+        return 0.0
+    last = max(i for i, miss in enumerate(misses) if miss)
+    if last == len(misses) - 1:
+        return None
+    return float(starts[last] + window_s - kill_at)
+
+
+def within_slo_rps(ttft: np.ndarray, requests: int, rate: float, slo: float) -> float:
+    """Of `rate` requests per second offered, how many got their first token within the
+    SLO: `ttft` holds the first-token times of the `requests` that got one."""
+    return rate * float((ttft <= slo).sum()) / requests if requests else 0.0
+
+
+def plot_goodput(sweeps: Mapping[str, Mapping], path: Path, title: str) -> Path:
+    """One panel per workload: goodput (requests/s whose TTFT met the SLO) against the
+    offered rate, per router; the dotted diagonal is every request meeting it, and each
+    router's goodput at the SLO (its p99 within it) is marked on the x axis. `sweeps[w]`
+    has `rates_rps` and `routers[r]` with `within_slo_rps` (one per rate) and
+    `goodput_at_slo_rps`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(sweeps)
+    fig, axes = plt.subplots(1, len(names), figsize=(3.6 * len(names), 3.4), squeeze=False)
+    colors = {"affinity": "tab:blue", "pow2": "tab:orange", "multiplex": "tab:green"}
+    for ax, name in zip(axes[0], names, strict=True):
+        sweep = sweeps[name]
+        rates = sweep["rates_rps"]
+        ax.plot(rates, rates, ":", color="grey", linewidth=1)
+        for router, figures in sweep["routers"].items():
+            color = colors.get(router)
+            ax.plot(rates, figures["within_slo_rps"], "o-", color=color, label=router, ms=4)
+            at = figures["goodput_at_slo_rps"]
+            if at > 0:
+                ax.plot([at], [0], marker="^", color=color, ms=9, clip_on=False)
+        ax.set_xlabel("offered rate (req/s)")
+        ax.set_title(name)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("requests/s within the TTFT SLO")
+    axes[0][-1].legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

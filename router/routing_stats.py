@@ -1,0 +1,100 @@
+"""What a replica tells the router: the routing-stats contract and its parsed form.
+
+Routing-stats contract. Each replica deployment returns from `record_routing_stats` a dict
+with these keys (`RoutingStats`); a missing key counts as empty or 0, so a replica that has
+not published yet is routable:
+
+    device_adapters   list[str]  adapters resident in the device pool
+    host_adapters     list[str]  adapters in the host tier, not on the device
+    loading_adapters  list[str]  adapters being loaded towards the device
+    queue_len         int        waiting + running requests
+    max_concurrency   int        batch slots (missing or 0 counts as 1)
+    free_pages        int        free pages of the unified pool
+    num_pages         int        pages in the pool (optional; for `loraplex status`)
+    recorded_at       float      wall-clock time the replica recorded them (optional)
+    requests_total    int        requests the replica has received (optional; not routed on)
+    busy_cost_s       float      measured: TTFT each running request adds (optional)
+    host_load_cost_s  float      measured: what bringing an adapter in from the host tier
+                                 costs, its load and its segment in the batch (optional)
+    prefill_token_cost_s  float  measured: prefill time per prompt token (optional)
+    prefix_block_size int        tokens per cached KV block; absent: no prefix cache
+    prefix_share_base bool       base-model blocks are shared across tenants (optional)
+
+`ReplicaStats.from_routing_stats(replica_id, stats, age_s)` turns one into policy input;
+`age_s` is the stats' age (the Ray router computes it from `recorded_at`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, TypedDict
+
+
+class RoutingStats(TypedDict, total=False):
+    device_adapters: list[str]
+    host_adapters: list[str]
+    loading_adapters: list[str]
+    queue_len: int
+    max_concurrency: int
+    free_pages: int
+    busy_cost_s: float
+    host_load_cost_s: float
+    prefill_token_cost_s: float
+    prefix_block_size: int
+    prefix_share_base: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStats:
+    replica_id: str
+    device_adapters: frozenset[str] = frozenset()
+    host_adapters: frozenset[str] = frozenset()
+    loading_adapters: frozenset[str] = frozenset()
+    queue_len: int = 0  # waiting + running requests
+    max_concurrency: int = 1  # batch slots
+    free_pages: int = 0
+    stats_age_s: float = 0.0  # age of these stats when the router read them
+    busy_cost_s: float | None = None  # measured by the replica; None: not yet
+    host_load_cost_s: float | None = None
+    prefill_token_cost_s: float | None = None
+    prefix_block_size: int = 0  # 0: no prefix cache
+    prefix_share_base: bool = False
+
+    def __post_init__(self):
+        if self.queue_len < 0 or self.max_concurrency < 1 or not self.stats_age_s >= 0:
+            raise ValueError(
+                f"replica {self.replica_id!r}: need queue_len >= 0, max_concurrency >= 1 and "
+                f"stats_age_s >= 0, got {self.queue_len}, {self.max_concurrency}, {self.stats_age_s}"
+            )
+        if self.prefix_block_size < 0:
+            raise ValueError(f"replica {self.replica_id!r}: prefix_block_size must be >= 0")
+        for name in ("busy_cost_s", "host_load_cost_s", "prefill_token_cost_s"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < math.inf:
+                raise ValueError(f"replica {self.replica_id!r}: {name} must be >= 0, got {value}")
+
+    @classmethod
+    def from_routing_stats(
+        cls, replica_id: str, stats: Mapping[str, Any], age_s: float = 0.0
+    ) -> ReplicaStats:
+        return cls(
+            replica_id=replica_id,
+            device_adapters=frozenset(stats.get("device_adapters") or ()),
+            host_adapters=frozenset(stats.get("host_adapters") or ()),
+            loading_adapters=frozenset(stats.get("loading_adapters") or ()),
+            queue_len=int(stats.get("queue_len") or 0),
+            max_concurrency=max(1, int(stats.get("max_concurrency") or 0)),
+            free_pages=int(stats.get("free_pages") or 0),
+            stats_age_s=age_s,
+            busy_cost_s=_optional_float(stats.get("busy_cost_s")),
+            host_load_cost_s=_optional_float(stats.get("host_load_cost_s")),
+            prefill_token_cost_s=_optional_float(stats.get("prefill_token_cost_s")),
+            prefix_block_size=int(stats.get("prefix_block_size") or 0),
+            prefix_share_base=bool(stats.get("prefix_share_base")),
+        )
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)

@@ -1,0 +1,193 @@
+"""The fleet simulator: its timings against the cost model worked out by hand, every request
+finishing (a killed replica's too), determinism per seed, the multiplexed replicas' LRU, and
+`bench fleet` reporting every key on a tiny shape (its figures come from the bench)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import pytest
+
+from loraplex.benchmarks import fleet as bench_fleet
+from loraplex.benchmarks import fleet_workloads as fw
+from loraplex.benchmarks.sim_fleet import ROUTERS, FleetSetup, FleetSim, simulate_fleet
+from loraplex.benchmarks.sim_fleet_replica import StoreLink, StoreModel
+from loraplex.benchmarks.sim_profiles import GiB, StepLoad, gpu_profile
+from loraplex.benchmarks.sim_replica import SimClock, System
+from loraplex.benchmarks.sim_workload import SimRequest, read_trace
+from loraplex.replica.memory.adapter_cache import CacheConfig
+from loraplex.replica.scheduling.scheduler import SchedulerConfig
+from loraplex.router.policy import AffinityConfig
+
+PROFILE = gpu_profile("h100", "llama2-7b")
+STORE = StoreModel(bytes_per_s=1e9, latency_s=0.02)
+SCHED = SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=4096, max_loras_per_batch=16)
+
+
+def setup(replicas: int = 4, **extra) -> FleetSetup:
+    values = {
+        "profile": PROFILE,
+        "num_replicas": replicas,
+        "system": System("fifo", SCHED, CacheConfig(loading="thread", host_bytes=8 * GiB)),
+        "store": STORE,
+        "affinity": AffinityConfig(load_cost_s=0.2, host_load_cost_s=0.005, request_time_s=4.0),
+        "max_ongoing_requests": 64,
+        "models_per_replica": 8,
+        **extra,
+    }
+    return FleetSetup(**values)
+
+
+def catalog(n: int = 40):
+    adapters = fw.catalog(n, PROFILE.adapter_bytes)
+    return adapters, {a.name: a for a in adapters}
+
+
+def stream(adapters, n: int = 300, rate: float = 30.0, workload: str = "zipf", seed: int = 1):
+    lengths = fw.Lengths(prompt=(200, 600), output=(20, 80))
+    return fw.requests(workload, [a.name for a in adapters], n, rate, lengths, seed=seed)
+
+
+def test_store_reads_queue_one_after_another_after_their_latency():
+    clock = SimClock()
+    link = StoreLink(StoreModel(bytes_per_s=100.0, latency_s=1.0), clock)
+    link.submit("a", 200)  # 1 s latency, 2 s of bytes: done at 3
+    clock.now = 0.5
+    link.submit("b", 100)  # its latency ends at 1.5, but the stream is busy until 3: done at 4
+    assert link.next_done() == pytest.approx(3.0)
+    clock.now = 3.0
+    assert link.done() == ["a"]
+    clock.now = 4.0
+    assert link.done() == ["b"] and link.next_done() is None
+
+
+@pytest.mark.parametrize("router", ROUTERS)
+def test_a_lone_request_costs_the_read_the_copy_and_the_prefill(router):
+    """On an idle fleet a request's TTFT is what the cost model gives by hand: the read from
+    the store, the copy over the host link, the prefill step (one chunk)."""
+    adapters, by_name = catalog(5)
+    a = adapters[3]
+    req = SimRequest(0, 0.0, 500, 1, 16, a.name)
+    run = simulate_fleet(router, [req], by_name, setup())
+    read = STORE.latency_s + a.nbytes / STORE.bytes_per_s
+    copy = PROFILE.load_setup_s + a.nbytes / PROFILE.link_bytes_per_s
+    prefill = PROFILE.step_time(StepLoad(500, 500, 500 * a.rank, a.nbytes))
+    assert run.ttft[0] == pytest.approx(read + copy + prefill, rel=1e-6)
+    assert run.counters["store_reads"] == 1 and run.counters["device_loads"] == 1
+
+
+@pytest.mark.parametrize("router", ROUTERS)
+def test_every_request_finishes_and_a_run_repeats_exactly(router):
+    adapters, by_name = catalog()
+    reqs = stream(adapters)
+    first = simulate_fleet(router, reqs, by_name, setup()).summary()
+    again = simulate_fleet(router, reqs, by_name, setup()).summary()
+    assert first["completed"] == len(reqs) and first["streams_failed"] == 0
+    assert first == again
+
+
+def test_affinity_keeps_an_adapter_where_it_is_and_power_of_two_spreads_it():
+    adapters, by_name = catalog(5)
+    reqs = [SimRequest(i, 0.5 * i, 100, 4, 16, adapters[0].name) for i in range(40)]
+    where = {}
+    for router in ("affinity", "pow2"):
+        run = simulate_fleet(router, reqs, by_name, setup())
+        where[router] = Counter(run.replica)
+    assert len(where["affinity"]) == 1
+    assert len(where["pow2"]) >= 3  # uniform over 4 replicas, 40 draws
+
+
+def test_a_killed_replica_loses_no_request_and_is_replaced():
+    adapters, by_name = catalog()
+    reqs = stream(adapters, n=400, rate=40.0)
+    kill = fw.kill_at(reqs)
+    sim = FleetSim("affinity", reqs, by_name, setup(kill_at_s=kill, replace_after_s=2.0))
+    run = sim.run()
+    assert run.streams_failed == 0 and len(run.ttft) == len(reqs)
+    assert run.streams_resumed > 0  # begun streams finished elsewhere
+    # a resumed stream keeps its first token's time, and ends after the kill elsewhere
+    resumed = [
+        i
+        for i, (a, t, e) in enumerate(zip(run.arrival, run.ttft, run.e2e, strict=True))
+        if a + t < kill < a + e and run.replica[i] != sim.dead[0].replica_id
+    ]
+    assert len(resumed) >= run.streams_resumed
+    assert len(sim.dead) == 1 and len(sim.replicas) == 4
+    assert any(r.arrival > kill + 2.0 for r in reqs)
+    late = {
+        rep for rep, arrival in zip(run.replica, run.arrival, strict=True) if arrival > kill + 3
+    }
+    assert sim.dead[0].replica_id not in late
+    assert f"replica-{4}" in late  # the replacement serves
+
+
+def test_requests_without_a_first_token_on_a_killed_replica_are_retried():
+    """Just before the kill, one request of every adapter: each replica then has requests
+    queued behind its store reads, without a first token, when one of them dies. Those are
+    sent again (Serve's retry), and every request finishes."""
+    adapters, by_name = catalog()
+    reqs = stream(adapters, n=400, rate=40.0)
+    kill = fw.kill_at(reqs)
+    burst = [
+        dataclasses.replace(reqs[0], rid=len(reqs) + i, arrival=kill - 0.01, adapter=a.name)
+        for i, a in enumerate(adapters)
+    ]
+    reqs = sorted(reqs + burst, key=lambda r: r.arrival)
+    for router in ("affinity", "pow2", "multiplex"):
+        run = FleetSim(router, reqs, by_name, setup(kill_at_s=kill, replace_after_s=2.0)).run()
+        assert run.retried > 0, router
+        assert run.streams_failed == 0 and len(run.ttft) == len(reqs), router
+
+
+def test_multiplexed_replicas_evict_least_recently_used_models():
+    adapters, by_name = catalog(30)
+    reqs = stream(adapters, n=300, rate=20.0, workload="zipf")
+    tight = simulate_fleet("multiplex", reqs, by_name, setup(models_per_replica=2))
+    roomy = simulate_fleet("multiplex", reqs, by_name, setup(models_per_replica=30))
+    assert tight.counters["multiplexed_loads"] > roomy.counters["multiplexed_loads"]
+    assert roomy.counters["multiplexed_loads"] <= tight.distinct_adapters * 4
+
+
+def test_hot_workload_and_shift_change_who_is_popular():
+    names = [f"a{i}" for i in range(100)]
+    lengths = fw.Lengths()
+    hot = fw.requests("hot", names, 4000, 10.0, lengths, seed=3)
+    top, count = Counter(r.adapter for r in hot).most_common(1)[0]
+    assert 0.47 < count / len(hot) < 0.53
+    shift = fw.requests("shift", names, 4000, 10.0, lengths, seed=3)
+    before = Counter(r.adapter for r in shift[:2000]).most_common(5)
+    after = Counter(r.adapter for r in shift[2000:]).most_common(5)
+    assert not {a for a, _ in before} & {a for a, _ in after}
+    warm = fw.requests("zipf", names, 4000, 10.0, lengths, seed=9)  # another stream, same order
+    assert Counter(r.adapter for r in warm).most_common(1)[0][0] == before[0][0]
+
+
+def test_bench_fleet_reports_every_key_on_a_tiny_shape():
+    tiny = dataclasses.replace(
+        bench_fleet.QUICK,
+        replicas=2,
+        adapters=20,
+        window_s=3.0,
+        warmup_per_adapter=2,
+        rate_factors=(0.3, 0.6),
+        reference_factor=0.3,
+        scale_points=((2, 20),),
+        scale_window_s=2.0,
+    )
+    out = bench_fleet.measure(tiny, None)
+    for name in fw.WORKLOADS:
+        w = out["workloads"][name]
+        for key in (
+            "goodput_ratio_vs_best_ray_router",
+            "load_seconds_ratio_vs_best_ray_router",
+            "loads_vs_floor",
+            "slo_s",
+            "goodput_rps",
+        ):
+            assert key in w, (name, key)
+        assert set(w["routers"]) == set(ROUTERS)
+    fail = out["workloads"]["failover"]
+    assert fail["requests_lost"] == 0 and set(fail["streams_failed"]) == set(ROUTERS)
+    assert out["scale"]["points"][0]["replicas"] == 2
+    assert "synthetic" in read_trace(None).source  # the stated stand-in without a trace

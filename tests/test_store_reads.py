@@ -1,0 +1,82 @@
+"""The artifact tier's read model: reads paced to latency + bytes / bandwidth, one after
+another per replica, and nothing added when it is off."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from loraplex.replica.config import ArtifactReadConfig, EngineConfig
+from loraplex.replica.engine import LLMEngine
+from loraplex.replica.memory.store_reads import ReadModel, ReadPacer
+
+
+class FakeTime:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def test_reads_take_latency_plus_size_over_bandwidth_one_after_another():
+    t = FakeTime()
+    pacer = ReadPacer(ReadModel(bytes_per_s=1e6, latency_s=0.05), clock=t, sleep=t.sleep)
+    t.now = 0.01  # the first read took 10 ms locally: 0.05 + 0.2 s in all
+    pacer.pace(200_000, started=0.0)
+    assert t.now == pytest.approx(0.25)
+    # Two reads begun together: the second waits for the first's bytes (one stream) but
+    # its latency overlaps the first's transfer.
+    assert pacer.finish_at(100_000, started=1.0) == pytest.approx(1.15)
+    assert pacer.finish_at(100_000, started=1.0) == pytest.approx(1.25)
+    t.now = 5.0  # a read slower than the model is not slowed further
+    pacer.pace(1_000, started=4.0)
+    assert t.now == 5.0 and pacer.reads == 4
+
+
+def test_the_read_model_is_validated_and_off_by_default():
+    with pytest.raises(ValueError, match="bytes_per_s"):
+        ReadModel(bytes_per_s=0.0)
+    with pytest.raises(ValueError, match="read_latency_ms"):
+        ArtifactReadConfig(read_latency_ms=-1.0)
+    with pytest.raises(ValueError, match="read_bandwidth_mib_s"):
+        ArtifactReadConfig(read_bandwidth_mib_s=0.0)
+    assert EngineConfig(model="m").artifacts.read_model() is None
+    latency_only = ArtifactReadConfig(read_latency_ms=100.0).read_model()
+    assert latency_only.latency_s == 0.1 and latency_only.bytes_per_s == float("inf")
+    both = ArtifactReadConfig(read_bandwidth_mib_s=8.0, read_latency_ms=50.0).read_model()
+    assert both.bytes_per_s == 8 << 20 and both.latency_s == 0.05
+
+
+def test_engine_reads_are_paced_only_when_configured(assets):
+    adapter = assets.adapters_dir / "sql-r8"
+    nbytes = (adapter / "adapter_model.safetensors").stat().st_size
+    off = LLMEngine(EngineConfig(model=str(assets.model), pool_bytes=64 << 20))
+    start = time.monotonic()
+    off.add_adapter("a", adapter)
+    unpaced = time.monotonic() - start
+    assert off.read_pacer is None
+
+    bandwidth = nbytes / 0.3  # 0.3 s of transfer, + 0.2 s latency
+    paced = LLMEngine(
+        EngineConfig(
+            model=str(assets.model),
+            pool_bytes=64 << 20,
+            artifacts=ArtifactReadConfig(
+                read_bandwidth_mib_s=bandwidth / (1 << 20), read_latency_ms=200
+            ),
+        )
+    )
+    start = time.monotonic()
+    paced.add_adapter("a", adapter)
+    took = time.monotonic() - start
+    weights = paced.adapters.host["a"]
+    assert took >= 0.2 + weights.nbytes / bandwidth - 1e-3
+    assert unpaced < 0.2 + weights.nbytes / bandwidth  # the model, not the disk, set it
+    assert paced.read_pacer.reads == 1

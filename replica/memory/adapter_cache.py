@@ -313,8 +313,18 @@ class AdapterCache:
             self.stats.disk_reads += 1
         else:
             self.stats.host_hits += 1
-        self.transfer.submit(resident, entry.nbytes, lambda: self._fill(resident, entry))
+        self.transfer.submit(
+            resident,
+            entry.nbytes,
+            lambda: self._fill(resident, entry),
+            join=entry.weights is not None,  # a read from the store first: not waited for
+        )
         return True
+
+    def wait_for_loads(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for a load that reads from the store (one `poll` does not
+        wait for) to finish; for an engine with nothing else to run."""
+        self.transfer.wait(timeout_s)
 
     def take_failures(self) -> dict[str, str]:
         """Adapters whose load failed since the last call, with why."""

@@ -86,7 +86,9 @@ class FleetLink:
         self._rereads: dict[object, int] = {}
         self.first_reads: list[object] = []  # first-use reads the replica submitted, done
 
-    def submit(self, token: object, nbytes: int, job: Callable[[], None]) -> None:
+    def submit(
+        self, token: object, nbytes: int, job: Callable[[], None], join: bool = True
+    ) -> None:
         self.reading = False
         job()
         if self.reading:
@@ -101,6 +103,9 @@ class FleetLink:
                 self.host.submit(token[1], self._rereads.pop(token[1]), _nothing)
             else:
                 self.first_reads.append(token)
+
+    def wait(self, timeout_s: float) -> None:
+        return None  # simulated time: the replica's event loop advances it
 
     def done(self) -> list[object]:
         self.collect()

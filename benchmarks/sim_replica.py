@@ -85,7 +85,9 @@ class SimLink:
         self.last = 0.0
         self.busy_s = 0.0
 
-    def submit(self, token: object, nbytes: int, job: Callable[[], None]) -> None:
+    def submit(
+        self, token: object, nbytes: int, job: Callable[[], None], join: bool = True
+    ) -> None:
         self._advance(self.clock())
         job()
         self.active.append([token, nbytes + self.setup_bytes])
@@ -108,6 +110,9 @@ class SimLink:
         if not self.active:
             return None
         return self.last + min(b for _, b in self.active) * len(self.active) / self.rate
+
+    def wait(self, timeout_s: float) -> None:
+        return None  # simulated time: the replica's event loop advances it
 
     def done(self) -> list[object]:
         self._advance(self.clock())

@@ -148,11 +148,11 @@ _CATEGORIES = ["books", "toys", "tools", "games", "shoes", "music", "garden", "k
 _STATUSES = ["shipped", "pending", "cancelled", "returned", "paid", "lost"]
 # More names for training only: the adapter must learn to copy the name it is asked
 # about, not to recall the few it saw (held-out names are none of these).
-# Known miss: sql-r4 writes 'Zuraco' for Zurich and 'Milia' for Milan (85% of its held-out
-# prompts, the target is 90%). In the question those names are one token (" Zurich"), in
-# the query several ("'", "Z", "ur", "ich"): the adapter must spell the word out. Training
-# on made-up names (pieces in both places) or on 40 more such cities did not lift it
-# (80% each); the committed adapter is the one trained on this data.
+# The hard part is spelling: in the question a name is one token (" Zurich"), in the
+# query several ("'", "Z", "ur", "ich"). At rank 4 the adapter wrote 'Zuraco' for Zurich
+# and 'Milia' for Milan (17/20 held-out prompts); made-up names (pieces in both places)
+# or 40 more such cities did not lift it (16/20 each). At rank 8 (sql-r8), on this same
+# data, it passes 18/20: it still writes 'Zuraco' for Zurich.
 _MORE_CITIES = [
     "Lyon", "Hamburg", "Seville", "Naples", "Krakow", "Bergen", "Cork", "Brno", "Patras",
     "Gdansk", "Tampere", "Basel", "Cologne", "Turin", "Braga", "Ghent", "Leeds", "Graz",
@@ -290,5 +290,5 @@ class Behaviour:
 BEHAVIOURS = (
     Behaviour("json", "json-r8", _json_examples),
     Behaviour("pirate", "pirate-r16", _pirate_examples),
-    Behaviour("sql", "sql-r4", _sql_examples),
+    Behaviour("sql", "sql-r8", _sql_examples),
 )

@@ -286,6 +286,9 @@ class LLMEngine:
         raises."""
         scheduled = self.scheduler.schedule()
         if not scheduled and self.adapters.loading:  # nothing else can run: wait for the copies
+            # (copies are joined by the next schedule; a read from the store is waited for
+            # a little, so an idle engine neither spins nor holds off new requests for long)
+            self.adapters.wait_for_loads(0.005)
             scheduled = self.scheduler.schedule()
         outputs, self._pending = self._pending, []
         for seq in self.scheduler.take_failed():

@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 STATE=${LORAPLEX_STATE_DIR:-$HOME/.loraplex}
 LORAPLEX=".venv/bin/loraplex"
-ADAPTERS="json-r8 pirate-r16 sql-r4"
+ADAPTERS="json-r8 pirate-r16 sql-r8"
 
 "$LORAPLEX" up --state-dir "$STATE"
 export LORAPLEX_URL=${LORAPLEX_URL:-http://127.0.0.1:8000}

@@ -6,7 +6,7 @@
 Each adapter learns one behaviour of `demo/behaviours.py` from the examples that module
 generates: the prompt is the user's message in the model's own chat template, the loss is
 on the answer and the end-of-turn token only. The results are committed in
-`demo/adapters/` (fp16, 7.2 MB in all): every user and CI run gets the same adapters in no
+`demo/adapters/` (fp16, 9.6 MB in all): every user and CI run gets the same adapters in no
 time, where training on first use would cost minutes of CPU on every fresh clone. Rerun
 this script after changing the behaviours; it prints each adapter's pass rate on its
 held-out prompts (greedy, through transformers + peft). `--check` trains nothing: it
@@ -43,11 +43,13 @@ class Recipe:
 
 
 # Mixed ranks and targets, so the demo batches exercise mixed-rank LoRA (q/v, attention,
-# every projection); sizes in fp16: 0.9 + 3.7 + 2.5 MB.
+# every projection); sizes in fp16: 0.9 + 3.7 + 4.9 MB. sql is rank 8, the most the 10 MB
+# budget allows on all seven projections: at rank 4 it misspelled names it must copy in
+# pieces (17/20 held-out prompts, demo/behaviours.py), at rank 8 it passes 18/20.
 RECIPES = {
     "json-r8": Recipe("json", 8, 16.0, ("q_proj", "v_proj"), steps=20, lr=2e-3, seed=11),
     "pirate-r16": Recipe("pirate", 16, 32.0, ATTENTION, steps=20, lr=1.5e-3, seed=12),
-    "sql-r4": Recipe("sql", 4, 8.0, ALL, steps=40, lr=3e-3, seed=13),
+    "sql-r8": Recipe("sql", 8, 16.0, ALL, steps=40, lr=3e-3, seed=13),
 }
 
 

@@ -101,13 +101,13 @@ def test_demo_assets_places_the_real_model_and_its_adapters(
     assert model.is_file() and model.stat().st_size == real_gguf.stat().st_size
     adapters = tmp_path / "demo" / "adapters"
     names = sorted(p.name for p in adapters.iterdir())
-    assert names == ["json-r8", "pirate-r16", "sql-r4"]
+    assert names == ["json-r8", "pirate-r16", "sql-r8"]
     out = capsys.readouterr().out
     assert str(model) in out and all(n in out for n in names)
     # every adapter passes the registry's validation against the GGUF's shape
     base = BaseModelShape.from_checkpoint(model)
     ranks = {n: validate_adapter_dir(adapters / n, base, 128, 1 << 30).rank for n in names}
-    assert ranks == {"json-r8": 8, "pirate-r16": 16, "sql-r4": 4}
+    assert ranks == {"json-r8": 8, "pirate-r16": 16, "sql-r8": 8}
     total = sum((adapters / n / "adapter_model.safetensors").stat().st_size for n in names)
     assert total <= 10 << 20
 

@@ -3,9 +3,8 @@ GGUF: real etcd, real Ray, real HTTP), spoken to with the official OpenAI client
 
 - greedy tokens for the 96 oracle requests (chat messages and prompt token ids, base and
   five adapters registered through the tenant API) equal transformers + peft's;
-- every demo adapter shows its behaviour on >= 90% of its held-out prompts (sql-r4 on 85%:
-  an expected failure, see the test), while the base model and the other adapters show it
-  on <= 10% (an adapter dropped or swapped fails);
+- every demo adapter shows its behaviour on >= 90% of its held-out prompts, while the base
+  model and the other adapters show it on <= 10% (an adapter dropped or swapped fails);
 - chat applies the model's own template and stops at its end-of-turn token.
 """
 
@@ -165,22 +164,7 @@ def test_each_adapter_shows_its_behaviour_and_no_other_model_does(behaviour_rate
                 assert rate <= 0.1, f"{m or 'the base model'} shows {behaviour.name}: {rates}"
 
 
-@pytest.mark.parametrize(
-    "name",
-    [
-        "json",
-        "pirate",
-        pytest.param(
-            "sql",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="issue 15's 90% not met: sql-r4 passes 17/20 held-out prompts; it "
-                "misspells Zurich and Milan, one token in the question but spelled out in "
-                "pieces in the query (demo/behaviours.py)",
-            ),
-        ),
-    ],
-)
+@pytest.mark.parametrize("name", ["json", "pirate", "sql"])
 def test_each_adapter_meets_the_target_on_held_out_prompts(behaviour_rates, name):
     behaviour = next(b for b in BEHAVIOURS if b.name == name)
     rate = behaviour_rates[(name, behaviour.adapter)]

@@ -80,3 +80,39 @@ def test_engine_reads_are_paced_only_when_configured(assets):
     assert took >= 0.2 + weights.nbytes / bandwidth - 1e-3
     assert unpaced < 0.2 + weights.nbytes / bandwidth  # the model, not the disk, set it
     assert paced.read_pacer.reads == 1
+
+
+def test_a_read_from_the_store_stalls_only_its_own_requests(assets):
+    """A running stream keeps producing tokens while another adapter is read again from
+    the store (its host copy dropped by the host budget): the read runs beside the steps,
+    not inside one. With a 1 s read latency the stream of `sql-r8` makes at least 10 steps
+    of progress before the request of `chat-r16`, which waits for its read, gets a token."""
+    from loraplex.replica.config import CacheConfig
+    from loraplex.replica.sampling import SamplingParams
+
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(assets.model),
+            pool_bytes=64 << 20,
+            cache=CacheConfig(loading="thread", host_bytes=1),  # every host copy dropped
+            artifacts=ArtifactReadConfig(read_latency_ms=1000),
+        )
+    )
+    for name in ("sql-r8", "chat-r16"):
+        engine.add_adapter(name, assets.adapters_dir / name)
+    long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
+    engine.add_request([5, 6, 7, 8], long, "sql-r8", request_id="running")
+    while not any(o.request_id == "running" for o in engine.step()):
+        pass  # its own read (1 s), then its first token
+    engine.add_request(
+        [5, 6, 7], SamplingParams(max_tokens=2, temperature=0), "chat-r16", request_id="reading"
+    )
+    tokens_meanwhile = 0
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        outs = engine.step()
+        if any(o.request_id == "reading" for o in outs):
+            break
+        tokens_meanwhile += sum(o.request_id == "running" for o in outs)
+    assert engine.adapters.stats.disk_reads == 2
+    assert tokens_meanwhile >= 10, tokens_meanwhile

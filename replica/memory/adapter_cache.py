@@ -271,8 +271,9 @@ class AdapterCache:
 
     def poll(self) -> None:
         """Collect finished copies: their adapters become usable."""
-        now = self.clock()
-        for resident in self.transfer.done():
+        finished = self.transfer.done()  # may wait for copies (CopyThread joins them)
+        now = self.clock()  # after that wait: a load lasts until the engine has it
+        for resident in finished:
             started = self._started.pop(resident)
             self.stats.load_seconds += now - started
             self.stats.load_seconds_max = max(self.stats.load_seconds_max, now - started)
@@ -312,8 +313,18 @@ class AdapterCache:
             self.stats.disk_reads += 1
         else:
             self.stats.host_hits += 1
-        self.transfer.submit(resident, entry.nbytes, lambda: self._fill(resident, entry))
+        self.transfer.submit(
+            resident,
+            entry.nbytes,
+            lambda: self._fill(resident, entry),
+            join=entry.weights is not None,  # a read from the store first: not waited for
+        )
         return True
+
+    def wait_for_loads(self, timeout_s: float) -> None:
+        """Wait up to `timeout_s` for a load that reads from the store (one `poll` does not
+        wait for) to finish; for an engine with nothing else to run."""
+        self.transfer.wait(timeout_s)
 
     def take_failures(self) -> dict[str, str]:
         """Adapters whose load failed since the last call, with why."""

@@ -57,11 +57,14 @@ class SimShape:
 
 
 QUICK = SimShape(
-    requests=500, load_factors=(0.25, 0.6, 0.8, 0.9, 1.0, 1.1, 1.25), scale_minutes=3, seeds=2
+    requests=500,
+    load_factors=(0.25, 0.6, 0.8, 0.9, 1.0, 1.1, 1.25, 1.45, 1.7),
+    scale_minutes=3,
+    seeds=2,
 )
 FULL = SimShape(
     requests=1200,
-    load_factors=(0.25, 0.5, 0.7, 0.8, 0.9, 0.95, 1.0, 1.1, 1.2),
+    load_factors=(0.25, 0.5, 0.7, 0.8, 0.9, 0.95, 1.0, 1.1, 1.2, 1.3, 1.4, 1.55, 1.7),
     scale_minutes=10,
     extras=True,
 )
@@ -113,8 +116,8 @@ def sim_section(
     lowest = {seed: run(base, float(loads[0]), seed, arrivals=poisson) for seed in seeds}
     slo = 5.0 * float(np.mean(np.concatenate([r.e2e for r in lowest.values()])))
     log(f"{tag}: SLO = 5 x mean slora execution at {loads[0]} req/s = {slo:.2f} s")
-    by_system = systems(slo)
-    _CONTEXT.update(run=run, by_system=by_system)
+    by_system = systems(slo, run_requests=shape.requests)
+    _CONTEXT.update(run=run, by_system=by_system, profile=profile)
     curves: dict[str, dict[int, dict[str, dict]]] = {
         n: {s: {} for s in seeds} for n in shape.systems
     }
@@ -165,7 +168,7 @@ def sim_section(
     if shape.extras:
         out["extras"] = _extras(run, by_system, slo, loads, out["high_load_rps"], shape.requests)
         out["extras"]["slower_link"] = _slower_link(
-            run, by_system, profile, out["paper_loads_rps"]["high"]
+            profile, out["paper_loads_rps"]["high"], seeds, jobs
         )
     return out
 
@@ -178,12 +181,21 @@ def _work(task: tuple[str, float, int]) -> tuple[tuple[str, float, int], dict]:
     return task, _CONTEXT["run"](_CONTEXT["by_system"][name], load, seed).summary()
 
 
-def _run_all(tasks: list[tuple[str, float, int]], jobs: int) -> dict:
-    """(system, load, seed) -> summary; in `jobs` forked processes when jobs > 1."""
+def _work_link(task: tuple[str, float, int, int]) -> tuple[tuple[str, float, int, int], dict]:
+    """`_work` with the host link `factor` times slower than the profile's."""
+    name, load, seed, factor = task
+    profile = _CONTEXT["profile"]
+    cost = replace(profile, link_bytes_per_s=profile.link_bytes_per_s / factor)
+    return task, _CONTEXT["run"](_CONTEXT["by_system"][name], load, seed, cost=cost).summary()
+
+
+def _run_all(tasks: list, jobs: int, work=_work) -> dict:
+    """task -> summary (a task: (system, load, seed), as `work` takes it); in `jobs` forked
+    processes when jobs > 1."""
     if jobs <= 1 or len(tasks) < 2:
-        return dict(_work(t) for t in tasks)
+        return dict(work(t) for t in tasks)
     with multiprocessing.get_context("fork").Pool(jobs) as pool:
-        return dict(pool.imap_unordered(_work, tasks))
+        return dict(pool.imap_unordered(work, tasks))
 
 
 def _paper_loads(rows: dict[str, dict[str, dict]], loads: list[str], slo: float) -> dict:
@@ -197,6 +209,8 @@ def _seed_keys(rows: dict[str, dict[str, dict]], loads: list[str], slo: float, r
     keys: dict = {}
     tput = {name: throughput_at_slo(loads, rows[name], slo) for name in rows}
     keys["throughput_at_slo_rps"] = tput
+    # a system still within the SLO at the top load: its throughput at SLO is a lower bound
+    keys["slo_not_crossed"] = [n for n in rows if rows[n][loads[-1]]["p99_ttft_s"] <= slo]
     if "fifo_nocache" in rows and "loraplex" in rows:
         # the ablation against our own FIFO: Chameleon's mechanisms on loraplex's engine
         base_p99 = [rows["fifo_nocache"][k]["p99_ttft_s"] for k in loads]
@@ -252,6 +266,7 @@ def _combine(per_seed: list[dict]) -> dict:
         for name, subs in per_seed[0]["against_slora"].items()
     }
     names = per_seed[0]["throughput_at_slo_rps"]
+    out["slo_not_crossed"] = sorted({n for s in per_seed for n in s["slo_not_crossed"]})
     out["throughput_at_slo_rps"] = {
         n: float(np.mean([s["throughput_at_slo_rps"][n] for s in per_seed])) for n in names
     }
@@ -358,21 +373,38 @@ def _extras(run, by_system, slo, loads, high, requests) -> dict:
     }
 
 
-def _slower_link(run, by_system, profile, high: float) -> dict:
-    """The ablation of the cache's worth: the paper's high load (seed 0) with the host link
-    4x and 16x slower than the profile's, where S-LoRA's loads take a larger share of its
-    critical path."""
-    out = {}
-    for factor in (1, 4, 16):
-        cost = replace(profile, link_bytes_per_s=profile.link_bytes_per_s / factor)
-        rows = {
-            name: run(by_system[name], high, 0, cost=cost).summary()
-            for name in ("slora", "chameleon", "loraplex")
-        }
-        out[f"link_div_{factor}"] = {
-            name: {k: row[k] for k in ("p50_ttft_s", "p99_ttft_s", "link_busy", "hit_rate")}
-            for name, row in rows.items()
-        }
+# the cache's worth with the link as the bottleneck: S-LoRA, and Chameleon on it; FIFO on
+# loraplex's engine without and with the cache (the cache alone), and loraplex
+SLOWER_LINK_SYSTEMS = ("slora", "chameleon", "fifo_nocache", "fifo_cache", "loraplex")
+SLOWER_LINK_FIELDS = (
+    "p50_ttft_s",
+    "p99_ttft_s",
+    "throughput_rps",
+    "gb_loaded",
+    "link_busy",
+    "hit_rate",
+    "mean_load_ms",
+)
+
+
+def _slower_link(profile, high: float, seeds: list[int], jobs: int) -> dict:
+    """The ablation of the cache's worth: the paper's high load (the mean over seeds) with
+    the host link 1x, 4x and 16x slower than the profile's, where loads take a larger share
+    of the critical path; each figure the mean over the arrival seeds, the P99's range
+    beside it."""
+    factors = (1, 4, 16)
+    tasks = [(n, high, s, f) for f in factors for n in SLOWER_LINK_SYSTEMS for s in seeds]
+    runs = _run_all(tasks, jobs, _work_link)
+    out: dict = {"at_rps": high, "seeds": len(seeds)}
+    for factor in factors:
+        rows = {}
+        for name in SLOWER_LINK_SYSTEMS:
+            per_seed = [runs[(name, high, s, factor)] for s in seeds]
+            row = {k: float(np.mean([r[k] for r in per_seed])) for k in SLOWER_LINK_FIELDS}
+            p99 = [r["p99_ttft_s"] for r in per_seed]
+            row["p99_ttft_s_min"], row["p99_ttft_s_max"] = float(min(p99)), float(max(p99))
+            rows[name] = row
+        out[f"link_div_{factor}"] = rows
         log(
             f"sim: link / {factor} at {high:.2f} req/s: "
             + "  ".join(
@@ -388,7 +420,8 @@ def _ratio(a: float, b: float) -> float:
 
 def throughput_at_slo(loads: list[str], rows: dict[str, dict], slo: float) -> float:
     """The load at which P99 TTFT crosses the SLO, linear between the swept loads around
-    the first crossing; the highest load if it never does, 0 if even the lowest misses."""
+    the first crossing; the highest load if it never does (a lower bound: the section
+    lists such systems in `slo_not_crossed`), 0 if even the lowest misses."""
     xs = [float(k) for k in loads]
     ys = [rows[k]["p99_ttft_s"] for k in loads]
     if ys[0] > slo:

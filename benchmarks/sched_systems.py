@@ -37,17 +37,34 @@ SCHED = {"max_num_seqs": 128, "max_num_batched_tokens": 4096, "max_loras_per_bat
 # to the model's context, prefetching on (seed 004 §5.1: "asynchronous adapter
 # prefetching"); the rest are S-LoRA's defaults.
 SLORA = SLoRAConfig(max_req_total_len=4096, prefetch=True)
+# Chameleon's first clustering (ChameleonParams.min_samples) after this share of a run's
+# arrivals: seed 004 gives no warm-up (it clusters "recent request data" every
+# T_refresh), and a fixed count is a different share of runs of 80 and 1200 requests (64
+# arrivals left an 80-request engine run FIFO until its last 16).
+WARMUP_SHARE = 1 / 20
+WARMUP_PER_QUEUE = 4  # and at least this many arrivals per queue it may form (k_max)
+
+
+def warmup_arrivals(run_requests: int, k_max: int = ChameleonParams().k_max) -> int:
+    """Arrivals Chameleon sees before it first clusters, in a run of `run_requests`."""
+    return max(WARMUP_PER_QUEUE * k_max, int(run_requests * WARMUP_SHARE))
 
 
 def systems(
-    slo_s: float, sched: dict = SCHED, prefetch: int = 8, slora: SLoRAConfig = SLORA
+    slo_s: float,
+    sched: dict = SCHED,
+    prefetch: int = 8,
+    slora: SLoRAConfig = SLORA,
+    run_requests: int = 1200,
 ) -> dict[str, System]:
-    """Every system, with Chameleon's quotas sized for `slo_s`; `sched` caps loraplex's
-    batches, `slora` is S-LoRA's server configuration."""
+    """Every system, with Chameleon's quotas sized for `slo_s` and its warm-up for runs of
+    `run_requests` arrivals; `sched` caps loraplex's batches, `slora` is S-LoRA's server
+    configuration."""
     nocache = CacheConfig(keep_idle=False, prefetch=prefetch, eviction="lru")
     cache = CacheConfig(keep_idle=True, prefetch=prefetch, eviction="chameleon")
     # T_refresh: 60 s instead of the paper's 5 min, for runs of minutes, not hours.
-    mlq = ChameleonParams(refresh_s=60.0, min_samples=64, slo_s=slo_s)
+    warmup = warmup_arrivals(run_requests)
+    mlq = ChameleonParams(refresh_s=60.0, min_samples=warmup, slo_s=slo_s)
     fifo = SchedulerConfig(policy="fifo", **sched)
     sjf = SchedulerConfig(policy="sjf", **sched)
     cham = SchedulerConfig(policy="chameleon", chameleon=mlq, **sched)

@@ -28,6 +28,7 @@ each pick still passing S-LoRA's memory check, and the cache with keep_idle on.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from loraplex.benchmarks.sim_slora import COPIES_PER_LOAD, SLoRAConfig, SLoRAQueue, SReq
 from loraplex.benchmarks.sim_slora_chameleon import ChameleonQueue
@@ -57,12 +58,14 @@ class SLoRAScheduler:
         adapters: AdapterCache,
         max_len: int,
         chameleon: ChameleonParams | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         # S-LoRA frees an adapter with its last request; Chameleon's cache keeps it
         assert adapters.cfg.keep_idle == (chameleon is not None)
         self.cfg = cfg
         self.kv = kv
         self.adapters = adapters
+        self.clock = clock
         bs = kv.block_size
         max_total = (kv.pool.num_pages - cfg.running_max_req_size) * bs - cfg.pool_size_lora
         batch_max = cfg.batch_max_tokens or max(max_total // 6, min(cfg.max_req_total_len, max_len))
@@ -80,7 +83,7 @@ class SLoRAScheduler:
                 adapters.nbytes_of,
                 max(sizes.values(), default=1),
                 max_len,
-                time.monotonic,
+                clock,
             )
         self.policy = _Waiting(self.queue)
         self.running: list[Sequence] = []

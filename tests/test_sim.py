@@ -22,6 +22,8 @@ from loraplex.benchmarks.sim_workload import (
     replay_requests,
 )
 from loraplex.replica.memory.adapter_cache import CacheConfig
+from loraplex.replica.sampling import SamplingParams
+from loraplex.replica.scheduling.policy import Admit
 
 PROFILE = a40_llama7b()
 
@@ -121,3 +123,43 @@ def test_cache_config_rejects_inverted_watermarks():
     with pytest.raises(ValueError, match="watermarks"):
         CacheConfig(low_watermark=0.3, high_watermark=0.1)
     assert dataclasses.replace(CacheConfig(), prefetch=2).prefetch == 2
+
+
+def test_chameleons_warm_up_is_a_share_of_the_run_and_its_queues_form_there():
+    """The bench clusters after a twentieth of a run's arrivals and at least 4 per queue
+    Chameleon may form (k_max 4): 16 in the engine section's 80 and 200-request runs, 60 in
+    the simulator's 1200 (a fixed 64 left an 80-request run one FIFO queue until its last
+    16). Two request sizes far apart form two queues at that arrival, not before."""
+    from loraplex.replica.scheduling.chameleon import Chameleon
+    from loraplex.replica.scheduling.queue_math import OutputPredictor
+    from loraplex.replica.sequence import Sequence
+
+    warmup = sched_systems.warmup_arrivals
+    assert (warmup(80), warmup(200), warmup(500), warmup(1200)) == (16, 16, 25, 60)
+    by_system = sched_systems.systems(5.0, run_requests=80)
+    for name in ("chameleon", "chameleon_nocache", "loraplex"):
+        assert by_system[name].scheduler.chameleon.min_samples == 16
+    ch = Chameleon(
+        by_system["loraplex"].scheduler.chameleon,
+        OutputPredictor(),
+        max_len=1000,
+        capacity=lambda: 100_000,
+        adapter_bytes=lambda name: {"r8": 8, "r64": 64}[name],
+        adapter_tokens=lambda name: 0,
+        max_adapter_bytes=lambda: 64,
+    )
+
+    def arrive(i: int) -> None:
+        small = i % 2 == 0
+        prompt, out, adapter = (20, 20, "r8") if small else (800, 150, "r64")
+        params = SamplingParams(max_tokens=out)
+        ch.add(Sequence(str(i), [1] * prompt, params, adapter, 0.0, None), i * 0.1)
+
+    for i in range(15):
+        arrive(i)
+    ch.admit(1.5, lambda s: Admit.FULL)
+    assert ch.cutoffs == [] and len(ch.queues) == 1  # 15 arrivals: still one FIFO queue
+    arrive(15)
+    ch.admit(1.6, lambda s: Admit.FULL)
+    assert len(ch.cutoffs) == 1
+    assert [{s.adapter for s in q} for q in ch.queues] == [{"r8"}, {"r64"}]

@@ -23,7 +23,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -503,29 +503,25 @@ class AffinityPolicy:
         weight (the rate they draw, in the estimator's units)."""
         self._heat.update(r.replica_id, r.device_adapters, r.loading_adapters)
         base = self._heat.held[r.replica_id]
-        since = []
-        recorded_at = now - r.stats_age_s
-        placed = self._placed.get(r.replica_id, {})
-        for a in reversed(placed):  # newest first: only those since the stats are read
-            if placed[a] <= recorded_at:
-                break
-            if a not in base:
-                since.append(a)
+        since = [a for a in self._sent_since(r, now) if a not in base]
         weight = self._heat.heat[r.replica_id] + sum(self._rates.weight(a) for a in since)
         return len(base) + len(since), weight
 
     def _reads_ahead(self, r: ReplicaStats, now: float) -> int:
         """reads(r): the store reads queued on r as far as this router can tell."""
         held = r.device_adapters | r.host_adapters
-        reads = len(r.loading_adapters - held)
+        known = held | r.loading_adapters
+        sent = sum(1 for a in self._sent_since(r, now) if a not in known)
+        return len(r.loading_adapters - held) + sent
+
+    def _sent_since(self, r: ReplicaStats, now: float) -> Iterator[str]:
+        """Adapters this router sent r since r recorded its stats, newest first."""
         recorded_at = now - r.stats_age_s
         placed = self._placed.get(r.replica_id, {})
         for a in reversed(placed):  # newest first: only those since the stats are read
             if placed[a] <= recorded_at:
-                break
-            if a not in held and a not in r.loading_adapters:
-                reads += 1
-        return reads
+                return
+            yield a
 
     def _placed_since(self, r: ReplicaStats, adapter: str, now: float) -> bool:
         at = self._placed.get(r.replica_id, {}).get(adapter)

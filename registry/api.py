@@ -55,7 +55,7 @@ from loraplex.registry.api_schemas import (
 )
 from loraplex.registry.archives import ArchiveLimits
 from loraplex.registry.artifacts import ArtifactStore
-from loraplex.registry.auth import Authenticator
+from loraplex.registry.auth import Authenticator, Grant
 from loraplex.registry.errors import Unacceptable
 from loraplex.registry.isolation import run_isolated
 from loraplex.registry.models import (
@@ -157,7 +157,13 @@ async def require_tenant(request: Request, api: API, _: Bearer) -> Tenant:
     return await api.auth.require_tenant(request.headers.get("authorization"))
 
 
+async def require_grant(request: Request, api: API, _: Bearer) -> Grant:
+    return await api.auth.require_grant(request.headers.get("authorization"))
+
+
 Owner = Annotated[Tenant, Depends(require_tenant)]
+# An upload commits only while the key it began with still holds (registry/service.py).
+Granted = Annotated[Grant, Depends(require_grant)]
 
 
 class TenantAPIRoute(RegistryRoute):
@@ -231,12 +237,12 @@ adapters = APIRouter(route_class=TenantAPIRoute, tags=["adapters"])
     openapi_extra=REGISTRATION_BODY,
     responses=responses(400, 401, 403, 405, 409, 413, 415, 422, 429, 503),
 )
-async def register_adapter(request: Request, owner: Owner, api: API) -> AdapterRecord:
+async def register_adapter(request: Request, grant: Granted, api: API) -> AdapterRecord:
     """Register a PEFT LoRA adapter: a multipart upload (files `adapter_config` and
     `adapter_model`, or one `archive` tar.gz) or JSON `{name, path}` naming a folder under
     an allowed root. Everything is validated before anything is written."""
-    async with _received(request, owner, api, None) as (name, pinned, staged):
-        return await api.service.register(owner, name, bool(pinned), staged)
+    async with _received(request, grant.tenant, api, None) as (name, pinned, staged):
+        return await api.service.register(grant, name, bool(pinned), staged)
 
 
 @adapters.put(
@@ -248,7 +254,7 @@ async def register_adapter(request: Request, owner: Owner, api: API) -> AdapterR
     },
 )
 async def put_adapter(
-    name: str, request: Request, response: Response, owner: Owner, api: API
+    name: str, request: Request, response: Response, grant: Granted, api: API
 ) -> AdapterRecord:
     """Register new content under `name` (bodies as for `POST /v1/adapters`; `name` in the
     body, if sent, must be this one): a new version that the alias moves to in one etcd
@@ -256,8 +262,8 @@ async def put_adapter(
     finish on the version they began with; content equal to a retained version moves the
     alias back to it, and the current content changes nothing. Ends any canary."""
     uploads.check_name(name)
-    async with _received(request, owner, api, name) as (_, pinned, staged):
-        record, created = await api.service.put(owner, name, pinned, staged)
+    async with _received(request, grant.tenant, api, name) as (_, pinned, staged):
+        record, created = await api.service.put(grant, name, pinned, staged)
     response.status_code = 201 if created else 200
     return record
 
@@ -407,18 +413,19 @@ vllm = APIRouter(
 @vllm.post(
     "/v1/load_lora_adapter", responses=responses(400, 401, 403, 405, 409, 413, 422, 429, 503)
 )
-async def load_lora_adapter(body: LoadLoRAAdapterRequest, owner: Owner, api: API) -> str:
+async def load_lora_adapter(body: LoadLoRAAdapterRequest, grant: Granted, api: API) -> str:
     """vLLM's runtime loading, done as a registration by path: every replica gets it. With
     `load_inplace`, a taken name gets a new version (as `PUT /v1/adapters/{name}`)."""
+    owner = grant.tenant
     with api.admission.admit(owner.name) as staging_bytes:
         async with uploads.staging(api.settings.staging_dir) as work:
             staged = work / "adapter"
             staging_bytes.take(api.settings.max_adapter_bytes)
             await _copy_from_path(api, body.lora_path, owner.name, staged)
             if body.load_inplace:
-                await api.service.put(owner, body.lora_name, None, staged)
+                await api.service.put(grant, body.lora_name, None, staged)
             else:
-                await api.service.register(owner, body.lora_name, False, staged)
+                await api.service.register(grant, body.lora_name, False, staged)
     return f"Success: LoRA adapter '{body.lora_name}' added successfully."
 
 

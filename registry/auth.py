@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from loraplex.registry.errors import Forbidden, Unauthenticated
@@ -35,6 +36,24 @@ def bearer_token(authorization: str | None) -> str:
     if scheme.lower() != "bearer" or not token.strip():
         raise Unauthenticated("missing API key: send 'Authorization: Bearer <key>'")
     return token.strip()
+
+
+@dataclass(frozen=True)
+class Grant:
+    """What a tenant key authorised: the tenant record as it was and the key's digest. A
+    write that commits later (an upload) holds the grant and commits only while the same
+    tenant (the same `created_revision`) still holds that key."""
+
+    tenant: Tenant
+    key_hash: str
+
+    def holds(self, current: Tenant | None) -> bool:
+        """Whether `current` (the tenant's record now) still honours this grant."""
+        return (
+            current is not None
+            and current.created_revision == self.tenant.created_revision
+            and self.key_hash in current.api_key_hashes
+        )
 
 
 class Authenticator:
@@ -74,10 +93,15 @@ class Authenticator:
 
     async def require_tenant(self, authorization: str | None) -> Tenant:
         """The tenant whose key the Authorization header's value carries."""
+        return (await self.require_grant(authorization)).tenant
+
+    async def require_grant(self, authorization: str | None) -> Grant:
+        """The tenant whose key the Authorization header's value carries, with the key."""
         token = bearer_token(authorization)
-        tenant = await self._tenant_of(hash_api_key(token))
+        digest = hash_api_key(token)
+        tenant = await self._tenant_of(digest)
         if tenant is not None:
-            return tenant
+            return Grant(tenant, digest)
         if self.is_admin(token):
             raise Forbidden("this route needs a tenant API key; the admin key owns no adapters")
         raise Unauthenticated("invalid API key")

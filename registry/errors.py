@@ -16,6 +16,7 @@ ingress gives the same codes OpenAI's body.
     ├── Conflict             a name taken, a quota reached, a concurrent change
     │   ├── AlreadyExists    create of a key that exists
     │   └── RevisionConflict update whose expected revision is not the key's
+    │       └── OwnerChanged the tenant's record changed since the write was authorised
     ├── Busy                 refused for now, retry later (registry/admission.py)
     │   ├── TooManyUploads   the tenant's registration slots are all in flight
     │   └── StagingFull      the uploads in flight hold the whole staging budget
@@ -72,6 +73,12 @@ class AlreadyExists(Conflict):
 
 class RevisionConflict(Conflict):
     """Update whose expected revision is not the key's current revision."""
+
+
+class OwnerChanged(RevisionConflict):
+    """A write authorised against the tenant's record at one revision met it at another
+    (a key issued or revoked, limits changed, or the tenant deleted and created again):
+    the caller checks its grant again and retries, or refuses."""
 
 
 class RegistryUnavailable(RegistryError):

@@ -23,11 +23,12 @@ from pathlib import Path
 from typing import Protocol
 
 from loraplex.registry.artifacts import ArtifactStore, StoredArtifact
-from loraplex.registry.auth import new_api_key, watched_tenants
+from loraplex.registry.auth import Grant, new_api_key, watched_tenants
 from loraplex.registry.errors import (
     AlreadyExists,
     Conflict,
     NotFound,
+    OwnerChanged,
     RegistryUnavailable,
     RevisionConflict,
     Unacceptable,
@@ -127,26 +128,32 @@ class RegistryService:
 
     # adapters
 
-    async def register(
-        self, tenant: Tenant, name: str, pinned: bool, staged: Path
-    ) -> AdapterRecord:
+    async def register(self, grant: Grant, name: str, pinned: bool, staged: Path) -> AdapterRecord:
         """Register the adapter folder `staged` (outside the artifact root) as the new name
-        `name`; Conflict if it is taken."""
+        `name`; Conflict if it is taken. Commits only while `grant` holds (Unauthenticated
+        if its key was revoked or its tenant deleted meanwhile; nothing is written)."""
+        tenant = grant.tenant
         if await self.store.get_adapter(tenant.name, name) is not None:
             raise Conflict(f"adapter {name!r} already exists")
         await self._check_quota(tenant)
         version, stored = await self._store_version(tenant, name, staged)
-        try:
-            return await self._create(tenant, version, pinned, stored, staged)
-        except AlreadyExists:
-            raise Conflict(f"adapter {name!r} already exists") from None
+        for _ in range(_ALIAS_ATTEMPTS):
+            try:
+                return await self._create(grant, version, pinned, stored, staged)
+            except AlreadyExists:
+                raise Conflict(f"adapter {name!r} already exists") from None
+            except OwnerChanged:
+                continue
+        raise _tenant_changed_meanwhile(tenant.name)
 
     async def put(
-        self, tenant: Tenant, name: str, pinned: bool | None, staged: Path
+        self, grant: Grant, name: str, pinned: bool | None, staged: Path
     ) -> tuple[AdapterRecord, bool]:
         """Register `staged` under `name`: a new name (True), or a new version of it that the
         alias moves to (False; the same content as a retained version moves the alias back
-        to that one, the current content changes nothing). `pinned` None keeps the name's."""
+        to that one, the current content changes nothing). `pinned` None keeps the name's.
+        Commits only while `grant` holds, as `register`."""
+        tenant = grant.tenant
         if await self.store.get_adapter(tenant.name, name) is None:
             await self._check_quota(tenant)
         version, stored = await self._store_version(tenant, name, staged)
@@ -154,18 +161,34 @@ class RegistryService:
             current = await self.store.get_adapter(tenant.name, name)
             if current is None:
                 try:
-                    return await self._create(tenant, version, bool(pinned), stored, staged), True
-                except AlreadyExists:
+                    return await self._create(grant, version, bool(pinned), stored, staged), True
+                except (AlreadyExists, OwnerChanged):
                     continue
             try:
-                moved = await self._move_to(current, version, pinned)
-            except RevisionConflict:
+                owner_revision = await self._authorised(grant, stored)
+                moved = await self._move_to(current, version, pinned, owner_revision)
+            except RevisionConflict:  # the alias or the tenant's record changed: read again
                 continue
             await self._ensure_stored(stored, staged)
             await self._await_revision(moved.updated_revision)
             return moved, False
         await self.release(stored.path)
         raise _changed_meanwhile(name)
+
+    async def _authorised(self, grant: Grant, stored: StoredArtifact) -> int:
+        """The revision of the tenant's record now, which a write compares, if `grant`
+        still holds; else `stored` is released and Unauthenticated raised. An upload can
+        take minutes: the tenant may have been deleted (and a new one of the same name
+        created) or the key revoked since it began, and it must not commit into the new
+        tenant or under a revoked key."""
+        current = await self.store.get_tenant(grant.tenant.name)
+        if current is None or not grant.holds(current):
+            await self.release(stored.path)
+            raise Unauthenticated(
+                "the API key this upload began with was revoked, or its tenant deleted, "
+                "before the upload committed; nothing was registered"
+            )
+        return current.updated_revision
 
     async def _store_version(
         self, tenant: Tenant, name: str, staged: Path
@@ -200,43 +223,55 @@ class RegistryService:
 
     async def _create(
         self,
-        tenant: Tenant,
+        grant: Grant,
         version: AdapterVersion,
         pinned: bool,
         stored: StoredArtifact,
         staged: Path,
     ) -> AdapterRecord:
-        """Create the name at its first version. AlreadyExists if it was taken meanwhile
-        (its artifact is released: the caller may retry with the same staged folder)."""
+        """Create the name at its first version, while `grant` holds. AlreadyExists if it was
+        taken meanwhile, OwnerChanged if the tenant's record moved between the check and the
+        commit (its artifact is released in both: the caller may retry with the same staged
+        folder)."""
+        owner_revision = await self._authorised(grant, stored)
         fields = version.model_dump(exclude={"created_at", "created_revision", "updated_revision"})
         record = AdapterRecord(**fields, pinned=pinned)
         try:
-            created = await self.store.create_adapter(record, version)
-        except AlreadyExists:
+            created = await self.store.create_adapter(
+                record, version, owner_revision=owner_revision
+            )
+        except (AlreadyExists, OwnerChanged):
             await self.release(stored.path)
             raise
         except NotFound:
             await self.release(stored.path)
-            raise Unauthenticated(f"tenant {tenant.name!r} no longer exists") from None
+            raise Unauthenticated(f"tenant {grant.tenant.name!r} no longer exists") from None
         # RegistryUnavailable propagates and keeps the artifact: a timed-out
         # transaction may still have committed, and gc reclaims the artifact if it did not.
-        await self._enforce_quota(tenant, created)
+        await self._enforce_quota(grant.tenant, created)
         await self._ensure_stored(stored, staged)
         await self._await_revision(created.updated_revision)
         return created
 
     async def _move_to(
-        self, current: AdapterRecord, version: AdapterVersion, pinned: bool | None
+        self,
+        current: AdapterRecord,
+        version: AdapterVersion,
+        pinned: bool | None,
+        owner_revision: int,
     ) -> AdapterRecord:
         """Point `current` at `version` (new, or retained: then it keeps its record),
         pruning the oldest versions past `versions_kept` (never the one it moves to or the
-        one it served). RevisionConflict if the alias changed."""
+        one it served), while the tenant's record is at `owner_revision`. RevisionConflict
+        if the alias changed, OwnerChanged if the tenant's record did."""
         pinned = current.pinned if pinned is None else pinned
         if version.version == current.version and current.canary is None:
             if pinned == current.pinned:
                 return current
             return await self.store.update_adapter(
-                current.model_copy(update={"pinned": pinned}), current.updated_revision
+                current.model_copy(update={"pinned": pinned}),
+                current.updated_revision,
+                owner_revision=owner_revision,
             )
         retained = await self._retained(current)
         existing = next((v for v in retained if v.version == version.version), None)
@@ -247,7 +282,11 @@ class RegistryService:
         alias = current.pointing_to(target).model_copy(update={"pinned": pinned})
         add = [v for v in kept if v.created_revision == 0 and v not in drop]
         moved = await self.store.move_adapter(
-            alias, current.updated_revision, add=add, drop=[v.version for v in drop]
+            alias,
+            current.updated_revision,
+            add=add,
+            drop=[v.version for v in drop],
+            owner_revision=owner_revision,
         )
         for gone in drop:
             await self.release(gone.artifact)
@@ -504,6 +543,10 @@ def _version_not_found(name: str, version: str) -> NotFound:
 
 def _changed_meanwhile(name: str) -> Conflict:
     return Conflict(f"adapter {name!r} changed {_ALIAS_ATTEMPTS} times meanwhile; retry")
+
+
+def _tenant_changed_meanwhile(tenant: str) -> Conflict:
+    return Conflict(f"tenant {tenant!r} changed {_ALIAS_ATTEMPTS} times meanwhile; retry")
 
 
 def _quota_reached(tenant: Tenant) -> Conflict:

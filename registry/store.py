@@ -18,7 +18,7 @@ from typing import TypeVar
 import aetcd
 from aetcd.utils import prefix_range_end
 
-from .errors import AlreadyExists, NotFound, RegistryUnavailable, RevisionConflict
+from .errors import AlreadyExists, NotFound, OwnerChanged, RegistryUnavailable, RevisionConflict
 from .etcd_client import EtcdConnection, EtcdSettings
 from .models import (
     ADAPTERS_PREFIX,
@@ -44,6 +44,7 @@ __all__ = [
     "AlreadyExists",
     "EtcdSettings",
     "NotFound",
+    "OwnerChanged",
     "RegistryStore",
     "RegistryUnavailable",
     "RevisionConflict",
@@ -144,32 +145,39 @@ class RegistryStore:
     # adapters
 
     async def create_adapter(
-        self, rec: AdapterRecord, version: AdapterVersion | None = None
+        self,
+        rec: AdapterRecord,
+        version: AdapterVersion | None = None,
+        *,
+        owner_revision: int | None = None,
     ) -> AdapterRecord:
         """Create-if-absent, with its first version (by default the one `rec` points to); the
         tenant must exist in the same transaction (so an adapter never outlives a concurrent
-        delete_tenant)."""
+        delete_tenant), and with `owner_revision` its record must still be at that revision
+        (OwnerChanged if not: the write was authorised against another record)."""
         first = rec.as_version() if version is None else version
         assert first.version == rec.version, "an alias starts at its first version"
         key, owner = key_of(rec).encode(), tenant_key(rec.tenant).encode()
         succeeded, responses = await self._txn(
             lambda tx: (
-                [tx.create(key) == 0, tx.version(owner) > 0],
+                [tx.create(key) == 0, *_owner_compare(tx, owner, owner_revision)],
                 [tx.put(key, encode(rec)), tx.put(key_of(first).encode(), encode(first))],
-                [tx.get(key), tx.get(owner)],
+                [tx.get(owner), tx.get(key)],
             )
         )
         if succeeded:
             return _committed(rec, responses[0].response_put.header.revision)
-        existing, tenant = responses
-        if existing:
-            raise AlreadyExists(f"adapter {rec.name!r} already exists for tenant {rec.tenant!r}")
-        assert not tenant
-        raise NotFound(f"tenant {rec.tenant!r} not found")
+        tenant, existing = responses
+        _check_owner(tenant, rec.tenant, owner_revision)
+        assert existing
+        raise AlreadyExists(f"adapter {rec.name!r} already exists for tenant {rec.tenant!r}")
 
-    async def update_adapter(self, rec: AdapterRecord, expected_revision: int) -> AdapterRecord:
-        """Rewrite the alias (pinned, canary) as `rec`; its versions stay as they are."""
-        return await self._update(rec, expected_revision, f"adapter {rec.tenant}/{rec.name}")
+    async def update_adapter(
+        self, rec: AdapterRecord, expected_revision: int, *, owner_revision: int | None = None
+    ) -> AdapterRecord:
+        """Rewrite the alias (pinned, canary) as `rec`; its versions stay as they are. With
+        `owner_revision`, only while the tenant's record is at that revision (OwnerChanged)."""
+        return await self.move_adapter(rec, expected_revision, owner_revision=owner_revision)
 
     async def move_adapter(
         self,
@@ -179,28 +187,36 @@ class RegistryStore:
         add: Sequence[AdapterVersion] = (),
         drop: Sequence[str] = (),
         require: Sequence[str] = (),
+        owner_revision: int | None = None,
     ) -> AdapterRecord:
         """Write the alias `rec` (the version it points to, its canary) in one transaction
         that compares the alias's revision with `expected_revision`: store the new versions
-        `add`, delete the versions `drop` and require the versions `require` to exist.
-        NotFound if the alias is gone or a required version is (naming it), RevisionConflict
-        if the alias changed; then nothing was written."""
+        `add`, delete the versions `drop` and require the versions `require` to exist; with
+        `owner_revision`, the tenant's record must be at that revision too. NotFound if the
+        alias is gone or a required version is (naming it), RevisionConflict if the alias
+        changed, OwnerChanged if the tenant's record did; then nothing was written."""
         what = f"adapter {rec.tenant}/{rec.name}"
-        key = key_of(rec).encode()
+        key, owner = key_of(rec).encode(), tenant_key(rec.tenant).encode()
         required = [version_key(rec.tenant, rec.name, v).encode() for v in require]
+        owned = owner_revision is not None
 
         def build(tx):
             compare = [tx.version(key) > 0, tx.mod(key) == expected_revision]
             compare += [tx.version(k) > 0 for k in required]
+            compare += _owner_compare(tx, owner, owner_revision) if owned else []
             success = [tx.put(key, encode(rec))]
             success += [tx.put(key_of(v).encode(), encode(v)) for v in add]
             success += [tx.delete(version_key(rec.tenant, rec.name, v).encode()) for v in drop]
-            return compare, success, [tx.get(key)] + [tx.get(k) for k in required]
+            failure = [tx.get(owner)] if owned else []
+            return compare, success, failure + [tx.get(key)] + [tx.get(k) for k in required]
 
         succeeded, responses = await self._txn(build)
         if succeeded:
             revision = responses[0].response_put.header.revision
             return rec.model_copy(update={"updated_revision": revision})
+        if owned:
+            _check_owner(responses[0], rec.tenant, owner_revision)
+            responses = responses[1:]
         current, *versions = responses
         if not current:
             raise NotFound(f"{what} not found")
@@ -314,6 +330,26 @@ class RegistryStore:
 
     async def _call(self, request: Callable[[aetcd.Client], Awaitable[T]]) -> T:
         return await self._connection.request(request)
+
+
+def _owner_compare(tx, owner: bytes, owner_revision: int | None) -> list:
+    """The tenant exists; with `owner_revision`, its record is still at that revision."""
+    if owner_revision is None:
+        return [tx.version(owner) > 0]
+    return [tx.mod(owner) == owner_revision]
+
+
+def _check_owner(found: list, tenant: str, owner_revision: int | None) -> None:
+    """After a failed transaction: NotFound if the tenant is gone, OwnerChanged if its record
+    is not at `owner_revision` (when given); else the tenant was not why it failed."""
+    if not found:
+        raise NotFound(f"tenant {tenant!r} not found")
+    _, kv = found[0]
+    if owner_revision is not None and kv.mod_revision != owner_revision:
+        raise OwnerChanged(
+            f"tenant {tenant!r} changed: authorised at revision {owner_revision}, it is at "
+            f"{kv.mod_revision}"
+        )
 
 
 def _committed(value: V, revision: int) -> V:

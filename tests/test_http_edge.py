@@ -27,6 +27,7 @@ DOCUMENTED = {
     errors.Conflict: 409,
     errors.AlreadyExists: 409,
     errors.RevisionConflict: 409,
+    errors.OwnerChanged: 409,
     errors.TooLarge: 413,
     errors.Unacceptable: 422,
     errors.TooManyUploads: 429,

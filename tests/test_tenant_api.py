@@ -12,9 +12,10 @@ import hashlib
 import io
 import json
 import tarfile
+import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -929,6 +930,104 @@ def test_concurrent_registrations_of_one_name_exactly_one_wins(live_server):
         ]
         assert len(client.get("/v1/adapters", headers=tenant).json()["adapters"]) == 3
         assert len(list((tmp / "artifacts" / "sha256").iterdir())) == 3
+
+
+def _held_upload(
+    url: str, pool: ThreadPoolExecutor, headers: dict, src: Path, name: str, method: str = "POST"
+) -> tuple[threading.Event, Future[httpx.Response]]:
+    """An upload of `src` sent up to half its body, the rest once the event is set."""
+    path = "/v1/adapters" if method == "POST" else f"/v1/adapters/{name}"
+    data = {"name": name} if method == "POST" else {}
+    request = httpx.Request(method, url + path, data=data, files=upload_files(src))
+    body = request.read()
+    resume = threading.Event()
+
+    def chunks() -> Iterator[bytes]:
+        yield body[: len(body) // 2]
+        assert resume.wait(30), "the test never resumed the upload"
+        yield body[len(body) // 2 :]
+
+    def send() -> httpx.Response:
+        sent = {**headers, "content-type": request.headers["content-type"]}
+        with httpx.Client(timeout=60, trust_env=False) as client:
+            return client.request(method, url + path, content=chunks(), headers=sent)
+
+    return resume, pool.submit(send)
+
+
+def _await_staging(staging: Path) -> None:
+    """Until the server stages a body: the caller's key has been checked by then."""
+    deadline = time.monotonic() + 10
+    while not any(staging.iterdir()):
+        assert time.monotonic() < deadline, "the held upload never reached its handler"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("change", ["tenant recreated", "key revoked", "limits changed"])
+@pytest.mark.parametrize("method", ["POST", "PUT"])
+def test_an_upload_commits_only_while_its_key_holds(live_server, change: str, method: str):
+    """A registration held open mid-body while the admin deletes its tenant and creates one
+    of the same name, or revokes its key, must not commit: 401, and nothing written to the
+    new tenant or the artifact store. A change that keeps the key (limits) commits."""
+    url, tmp = live_server
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    tenant = f"held-{method.lower()}-{change.split()[0]}"
+    # bytes of its own: the etcd is shared, and a record elsewhere would keep the artifact
+    seed = 91 + ["tenant recreated", "key revoked", "limits changed"].index(change) * 2
+    src = make_adapter(tmp / "adapters" / "held", seed=seed + (method == "PUT"))
+    with httpx.Client(base_url=url, timeout=30, trust_env=False) as client:
+
+        def create() -> dict:
+            r = client.post("/v1/tenants", json={"name": tenant}, headers=admin)
+            assert r.status_code == 201, r.text
+            return {"Authorization": f"Bearer {r.json()['api_key']}"}
+
+        key = create()
+        if method == "PUT":  # a new version of an existing name
+            first = make_adapter(tmp / "adapters" / "first", seed=seed + 10)
+            assert (
+                client.post(
+                    "/v1/adapters", data={"name": "held"}, files=upload_files(first), headers=key
+                ).status_code
+                == 201
+            )
+        before = tree(tmp / "artifacts")
+        versions = [
+            a["version"] for a in client.get("/v1/adapters", headers=key).json()["adapters"]
+        ]
+        with ThreadPoolExecutor(1) as pool:
+            resume, response = _held_upload(url, pool, key, src, "held", method)
+            _await_staging(tmp / "staging")
+            if change == "tenant recreated":
+                assert client.delete(f"/v1/tenants/{tenant}", headers=admin).status_code == 200
+                key = create()
+            elif change == "key revoked":
+                r = client.post(
+                    f"/v1/tenants/{tenant}/keys", json={"revoke_existing": True}, headers=admin
+                )
+                key = {"Authorization": f"Bearer {r.json()['api_key']}"}
+            else:
+                r = client.put(
+                    f"/v1/tenants/{tenant}/limits",
+                    json={"max_requests_in_flight": 3},
+                    headers=admin,
+                )
+                assert r.status_code == 200, r.text
+            resume.set()
+            r = response.result(timeout=60)
+        listed = client.get("/v1/adapters", headers=key).json()["adapters"]
+        if change == "limits changed":
+            assert r.status_code == (201 if method == "POST" else 200), r.text
+            assert [a["version"] for a in listed] == [r.json()["version"]]
+            return
+        assert r.status_code == 401, r.text
+        assert "revoked, or its tenant deleted" in r.json()["detail"]
+        if change == "tenant recreated":  # the old tenant's adapters went with it
+            assert listed == []
+            assert list((tmp / "artifacts" / "sha256").iterdir()) == []
+        else:
+            assert [a["version"] for a in listed] == versions
+            assert tree(tmp / "artifacts") == before
 
 
 # ---------------------------------------------------------------- etcd down

@@ -160,6 +160,9 @@ class RollbackRequest(BaseModel):
     )
 
 
+MIN_CANARY_WEIGHT = 1e-6  # below it (1e-320 was accepted) a canary serves no request
+
+
 class CanaryRequest(BaseModel):
     model_config = ConfigDict(
         extra="forbid",
@@ -171,7 +174,10 @@ class CanaryRequest(BaseModel):
         pattern=DIGEST_PATTERN, description="A retained version other than the current one."
     )
     weight: float = Field(
-        gt=0, lt=1, description="Share of the name's requests it serves, chosen per request id."
+        ge=MIN_CANARY_WEIGHT,
+        le=1 - MIN_CANARY_WEIGHT,
+        description="Share of the name's requests it serves, chosen per request id: at least "
+        "one in a million, and as much short of all of them.",
     )
 
 

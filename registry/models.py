@@ -100,7 +100,8 @@ class TenantLimits(BaseModel):
     default (the config's `limits` section). Enforced by every ingress replica on the
     requests it receives."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # strict: `true` or "5" is not a limit (lax validation read them as 1 and 5)
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     max_requests_in_flight: int | None = Field(
         None,

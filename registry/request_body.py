@@ -7,9 +7,16 @@ parses the bytes kept on the request."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+
 from starlette.requests import Request
 
-from loraplex.registry.errors import TooLarge
+from loraplex import strict_json
+from loraplex.registry.errors import Invalid, TooLarge
+
+# Bodies past this are parsed on a worker thread, so a large one does not hold the event loop.
+_PARSE_ON_LOOP_BYTES = 64 << 10
 
 
 def check_declared_length(request: Request, max_bytes: int, setting: str) -> None:
@@ -32,4 +39,32 @@ async def read_capped(request: Request, max_bytes: int, setting: str) -> bytes:
             raise TooLarge(f"request body exceeds the limit of {max_bytes} bytes ({setting})")
     data = bytes(body)
     request._body = data  # Starlette's cache of the body: body() and stream() return it
+    if _is_json(request.headers.get("content-type")):
+        await parse_json(request, data)
     return data
+
+
+async def parse_json(request: Request, data: bytes) -> None:
+    """Parse `data` as standard JSON (`loraplex.strict_json`) into Starlette's cache, which
+    FastAPI's body parsing reads: Invalid for NaN, Infinity, numbers out of range, duplicate
+    keys or lone surrogates. Text that is not JSON at all is left for FastAPI to refuse."""
+    try:
+        if len(data) > _PARSE_ON_LOOP_BYTES:
+            value = await asyncio.to_thread(strict_json.loads, data)
+        else:
+            value = strict_json.loads(data)
+    except strict_json.NotStrictJSON as e:
+        raise Invalid(f"request body: {e}") from None
+    except RecursionError:
+        raise Invalid("request body: JSON nested too deeply") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return
+    request._json = value
+
+
+def _is_json(content_type: str | None) -> bool:
+    """FastAPI parses a body as JSON without a content type, or with any .../json or +json."""
+    if not content_type:
+        return True
+    subtype = content_type.split(";")[0].strip().lower().partition("/")[2]
+    return subtype == "json" or subtype.endswith("+json")

@@ -37,7 +37,7 @@ from loraplex.registry.errors import (
 from loraplex.registry.isolation import WorkLimits, run_isolated
 from loraplex.registry.models import AdapterRecord, AdapterVersion, Canary, Tenant, TenantLimits
 from loraplex.registry.store import RegistryStore
-from loraplex.registry.validation import BaseModelShape, validate_adapter_dir
+from loraplex.registry.validation import BaseModelShape, shown, validate_adapter_dir
 from loraplex.registry.watch import RegistryWatcher
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class RegistryService:
     async def adapter(self, tenant: str, name: str) -> AdapterRecord:
         record = await resolve_adapter(self.watcher or self.store, tenant, name)
         if record is None:
-            raise NotFound(f"adapter {name!r} not found")
+            raise NotFound(f"adapter {shown(name)} not found")
         return record
 
     async def versions(self, tenant: str, name: str) -> list[AdapterVersion]:
@@ -134,14 +134,14 @@ class RegistryService:
         if its key was revoked or its tenant deleted meanwhile; nothing is written)."""
         tenant = grant.tenant
         if await self.store.get_adapter(tenant.name, name) is not None:
-            raise Conflict(f"adapter {name!r} already exists")
+            raise Conflict(f"adapter {shown(name)} already exists")
         await self._check_quota(tenant)
         version, stored = await self._store_version(tenant, name, staged)
         for _ in range(_ALIAS_ATTEMPTS):
             try:
                 return await self._create(grant, version, pinned, stored, staged)
             except AlreadyExists:
-                raise Conflict(f"adapter {name!r} already exists") from None
+                raise Conflict(f"adapter {shown(name)} already exists") from None
             except OwnerChanged:
                 continue
         raise _tenant_changed_meanwhile(tenant.name)
@@ -318,7 +318,7 @@ class RegistryService:
                 position = next(i for i, v in enumerate(retained) if v.version == current.version)
                 if position == 0:
                     raise Conflict(
-                        f"adapter {name!r} has no version older than its current one to roll "
+                        f"adapter {shown(name)} has no version older than its current one to roll "
                         f"back to; name a version"
                     )
                 target = retained[position - 1]
@@ -350,7 +350,7 @@ class RegistryService:
                 _find(await self._retained(current), name, canary.version)
                 if canary.version == current.version:
                     raise Unacceptable(
-                        f"version {canary.version} is adapter {name!r}'s current version; a "
+                        f"version {canary.version} is adapter {shown(name)}'s current version; a "
                         "canary needs another of its versions"
                     )
             if current.canary == canary:
@@ -376,7 +376,7 @@ class RegistryService:
             if version in current.targets:
                 role = "current version" if version == current.version else "canary"
                 raise Conflict(
-                    f"version {version} is adapter {name!r}'s {role}; move the alias or end "
+                    f"version {version} is adapter {shown(name)}'s {role}; move the alias or end "
                     "the canary first"
                 )
             try:
@@ -394,7 +394,7 @@ class RegistryService:
         """The alias as etcd holds it now (a compare-and-set needs its revision)."""
         current = await self.store.get_adapter(tenant, name)
         if current is None:
-            raise NotFound(f"adapter {name!r} not found")
+            raise NotFound(f"adapter {shown(name)} not found")
         return current
 
     async def _check_quota(self, tenant: Tenant) -> None:
@@ -421,7 +421,7 @@ class RegistryService:
         try:
             record, versions = await self.store.delete_adapter_and_versions(tenant, name)
         except NotFound:
-            raise NotFound(f"adapter {name!r} not found") from None
+            raise NotFound(f"adapter {shown(name)} not found") from None
         for artifact in sorted({record.artifact, *(v.artifact for v in versions)}):
             await self.release(artifact)
         await self._await_gone(lambda w: w.adapter(tenant, name))
@@ -489,7 +489,7 @@ class RegistryService:
         for _ in range(_KEY_UPDATE_ATTEMPTS):
             tenant = await self.store.get_tenant(name)
             if tenant is None:
-                raise NotFound(f"tenant {name!r} not found")
+                raise NotFound(f"tenant {shown(name)} not found")
             try:
                 updated = await self.store.update_tenant(
                     tenant.model_copy(update=change(tenant)), tenant.updated_revision
@@ -498,7 +498,9 @@ class RegistryService:
                 continue
             await self._await_revision(updated.updated_revision)
             return updated
-        raise Conflict(f"tenant {name!r} changed {_KEY_UPDATE_ATTEMPTS} times meanwhile; retry")
+        raise Conflict(
+            f"tenant {shown(name)} changed {_KEY_UPDATE_ATTEMPTS} times meanwhile; retry"
+        )
 
     async def delete_tenant(self, name: str) -> list[AdapterRecord]:
         """Delete the tenant and its adapters (one transaction); returns the adapters."""
@@ -537,12 +539,12 @@ def _find(versions: list[AdapterVersion], name: str, version: str) -> AdapterVer
 
 def _version_not_found(name: str, version: str) -> NotFound:
     return NotFound(
-        f"version {version} of adapter {name!r} not found (deleted, or never registered)"
+        f"version {version} of adapter {shown(name)} not found (deleted, or never registered)"
     )
 
 
 def _changed_meanwhile(name: str) -> Conflict:
-    return Conflict(f"adapter {name!r} changed {_ALIAS_ATTEMPTS} times meanwhile; retry")
+    return Conflict(f"adapter {shown(name)} changed {_ALIAS_ATTEMPTS} times meanwhile; retry")
 
 
 def _tenant_changed_meanwhile(tenant: str) -> Conflict:

@@ -19,11 +19,12 @@ from typing import IO, TYPE_CHECKING, Any
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from python_multipart.exceptions import FormParserError
-from python_multipart.multipart import MultipartParser, parse_options_header
+from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
 
 if TYPE_CHECKING:
     from python_multipart.multipart import MultipartCallbacks
 
+from loraplex import strict_json
 from loraplex.registry.admission import Reservation
 from loraplex.registry.archives import ArchiveLimits, safe_extract_tar_gz
 from loraplex.registry.errors import Invalid, TooLarge, Unacceptable
@@ -36,6 +37,7 @@ from loraplex.registry.validation import (
 
 MAX_JSON_BYTES = 64 << 10
 MAX_FORM_FIELD_BYTES = 1 << 10
+MAX_BOUNDARY_CHARS = 70  # RFC 2046's limit; clients send 32-40
 _FLUSH_BYTES = 1 << 20
 
 
@@ -139,6 +141,11 @@ async def receive_multipart(
     boundary = params.get(b"boundary")
     if not boundary:
         raise Invalid("multipart/form-data body without a boundary")
+    if len(boundary) > MAX_BOUNDARY_CHARS:
+        raise Invalid(
+            f"multipart boundary of {len(boundary)} characters; at most {MAX_BOUNDARY_CHARS} "
+            "(RFC 2046)"
+        )
     _check_declared_length(request, max_bytes)
     form = UploadForm(work)
     parser = MultipartParser(boundary, form.callbacks())
@@ -153,6 +160,8 @@ async def receive_multipart(
             if form.pending_bytes >= _FLUSH_BYTES:  # one thread hop per MiB, not per chunk
                 await asyncio.to_thread(form.flush)
         parser.finalize()
+        if parser.state != MultipartState.END:  # finalize() does not check it
+            raise Invalid("multipart body ended before its closing boundary (truncated upload)")
     except FormParserError as e:
         raise Invalid(f"malformed multipart body: {e}") from None
     finally:
@@ -174,7 +183,11 @@ async def read_json(request: Request, model: type[BaseModel]) -> Any:
         if len(body) > MAX_JSON_BYTES:
             raise TooLarge(f"JSON body exceeds {MAX_JSON_BYTES} bytes")
     try:
-        return model.model_validate_json(bytes(body))
+        value = strict_json.loads(bytes(body))
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # NotStrictJSON too
+        raise Invalid(f"request body is not valid JSON: {str(e)[:200]}") from None
+    try:
+        return model.model_validate(value)
     except ValidationError as e:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in e.errors()

@@ -10,7 +10,6 @@ server does not accept (unsupported options, rank, dtype, shapes against the bas
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -22,6 +21,7 @@ from typing import Any, TypeGuard
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from loraplex import strict_json
 from loraplex.checkpoint_shape import ModelShape, projection_shapes
 from loraplex.model_shape import read_model_shape
 from loraplex.registry.errors import Invalid, TooLarge, Unacceptable
@@ -160,7 +160,7 @@ def read_safetensors_header(
             )
         raw = f.read(header_len)
     try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+        header = strict_json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         _refuse_pickle(path.name, prefix)
         raise Invalid(
@@ -194,15 +194,6 @@ def _json_problem(error: Exception) -> str:
     if isinstance(error, RecursionError):
         return "nested too deeply"
     return str(error)[:200]
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
 
 
 def _tensor_info(file: str, name: str, entry: object) -> TensorInfo:
@@ -281,7 +272,7 @@ def read_adapter_config(path: Path, *, max_bytes: int = MAX_CONFIG_BYTES) -> dic
     if size > max_bytes:
         raise TooLarge(f"{CONFIG_FILE} is {size} bytes; the limit is {max_bytes}")
     try:
-        cfg = json.loads(path.read_bytes().decode("utf-8"))
+        cfg = strict_json.loads(path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise Invalid(f"{CONFIG_FILE} is not valid JSON: {_json_problem(e)}") from None
     if not isinstance(cfg, dict):

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 from loraplex.registry.api_errors import error_headers, status_code
 from loraplex.registry.errors import RegistryError, RegistryUnavailable
+from loraplex.registry.validation import shown
 from loraplex.router.tenant_limiter import RateLimited
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,7 @@ def model_not_found(model: str) -> OpenAIError:
     """The one answer for a name that is not the caller's: unknown, deleted, or another
     tenant's adapter all read the same, so names never leak across tenants."""
     return OpenAIError(
-        404, f"model {model!r} does not exist", code="model_not_found", param="model"
+        404, f"model {shown(model)} does not exist", code="model_not_found", param="model"
     )
 
 

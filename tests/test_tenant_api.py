@@ -11,12 +11,13 @@ import gzip
 import hashlib
 import io
 import json
+import re
 import tarfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import aetcd
@@ -109,6 +110,7 @@ class Env:
     root: Path  # artifact root
     tmp: Path
     settings: RegistryAPISettings
+    keys: dict[str, dict] = field(default_factory=dict)  # tenant keys shared across tests
 
     @property
     def admin(self) -> dict:
@@ -758,6 +760,87 @@ def test_every_bad_input_is_refused_and_changes_nothing(env: Env):
         if list(staging.iterdir()):
             failures.append(f"{case.id}: staging not cleaned")
     assert not failures, "\n".join(failures)
+
+
+@dataclass(frozen=True)
+class Raw:
+    """A request sent as raw bytes (JSON a client's encoder would never write)."""
+
+    id: str
+    method: str
+    path: str
+    body: bytes
+    status: int
+    message: str
+    admin: bool = False
+    content_type: str = "application/json"
+
+
+def _alpha_with_zeros(path: Path) -> None:
+    config = (path / CONFIG_FILE).read_text()
+    zeros = '"lora_alpha": 1' + "0" * 400
+    (path / CONFIG_FILE).write_text(re.sub(r'"lora_alpha": [^,}]+', zeros, config))
+
+
+DIGEST = "9c0d3e5b" * 8
+RAW_CASES = [
+    Raw("tenant-nan", "POST", "/v1/tenants", b'{"name": "n1", "adapter_quota": NaN}', 400, "NaN is not a JSON number", admin=True),
+    Raw("tenant-1e400", "POST", "/v1/tenants", b'{"name": "n2", "adapter_quota": 1e400}', 400, "out of the range of a 64-bit float", admin=True),
+    Raw("tenant-dup", "POST", "/v1/tenants", b'{"name": "n3", "name": "n4"}', 400, "duplicate key 'name'", admin=True),
+    Raw("tenant-surrogate", "POST", "/v1/tenants", b'{"name": "\\ud800"}', 400, "lone UTF-16 surrogate", admin=True),
+    Raw("limits-infinity", "PUT", "/v1/tenants/bad-raw/limits", b'{"tokens_per_minute": Infinity}', 400, "Infinity is not a JSON number", admin=True),
+    Raw("limits-bool", "PUT", "/v1/tenants/bad-raw/limits", b'{"max_requests_in_flight": true}', 422, "valid integer", admin=True),
+    Raw("limits-string", "PUT", "/v1/tenants/bad-raw/limits", b'{"max_requests_in_flight": "5"}', 422, "valid integer", admin=True),
+    Raw("key-nan", "POST", "/v1/tenants/bad-raw/keys", b'{"revoke_existing": NaN}', 400, "NaN is not a JSON number", admin=True),
+    Raw("canary-nan", "PUT", "/v1/adapters/good/canary", b'{"version": "' + DIGEST.encode() + b'", "weight": NaN}', 400, "NaN"),
+    Raw("canary-tiny", "PUT", "/v1/adapters/good/canary", b'{"version": "' + DIGEST.encode() + b'", "weight": 1e-320}', 422, "greater than or equal to 0.000001"),
+    Raw("rollback-inf", "POST", "/v1/adapters/good/rollback", b'{"version": -Infinity}', 400, "-Infinity is not a JSON number"),
+    Raw("load-nan", "POST", "/v1/load_lora_adapter", b'{"lora_name": "x", "lora_path": "/x", "load_inplace": NaN}', 400, "NaN"),
+    Raw("load-surrogate", "POST", "/v1/load_lora_adapter", b'{"lora_name": "x", "lora_path": "/\\udfff"}', 400, "surrogate"),
+    Raw("unload-big", "POST", "/v1/unload_lora_adapter", b'{"lora_name": "x", "lora_int_id": 1' + b"0" * 400 + b"}", 400, "out of the 64-bit range"),
+    Raw("by-path-nan", "POST", "/v1/adapters", b'{"name": "x", "path": "/x", "pinned": NaN}', 400, "NaN"),
+    Raw("boundary-300", "POST", "/v1/adapters", b"--" + b"b" * 300 + b"--\r\n", 400, "boundary of 300 characters", content_type="multipart/form-data; boundary=" + "b" * 300),
+    Raw("multipart-truncated", "POST", "/v1/adapters", b'--xyz\r\nContent-Disposition: form-data; name="name"\r\n\r\nbad\r\n--xyz\r\nContent-Disposition: form-data; name="adapter_config"; filename="c"\r\n\r\n{"r"', 400, "ended before its closing boundary", content_type="multipart/form-data; boundary=xyz"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", RAW_CASES, ids=lambda c: c.id)
+def test_inputs_that_reached_a_500_are_4xx_and_change_nothing(env: Env, case: Raw):
+    """Non-finite numbers, out-of-range integers, duplicate keys, lone surrogates, coerced
+    types and malformed multipart bodies: each a 4xx naming the problem, nothing written."""
+    if "bad-raw" not in env.keys:  # one tenant with one adapter for every case
+        env.keys["bad-raw"] = env.new_tenant("bad-raw")
+        good = env.adapter_dir("raw-good", seed=71)
+        assert env.register(env.keys["bad-raw"], "good", good).status_code == 201
+    headers = env.admin if case.admin else env.keys["bad-raw"]
+    before = env.state()
+    sent = {**headers, "content-type": case.content_type}
+    r = env.client.request(case.method, case.path, content=case.body, headers=sent)
+    assert r.status_code == case.status, r.text
+    assert case.message in str(r.json()["detail"]), r.text
+    assert env.state() == before
+    assert list((env.tmp / "staging").iterdir()) == []
+
+
+def test_an_adapter_config_number_past_float_range_is_refused(env: Env):
+    tenant = env.new_tenant("bad-alpha")
+    before = env.state()
+    r = env.register(tenant, "bad", _prepared(env, _alpha_with_zeros))
+    assert (r.status_code, "out of the 64-bit range" in r.json()["detail"]) == (400, True), r.text
+    assert env.state()[1] == before[1]
+
+
+def _prepared(env: Env, prepare: Callable[[Path], None]) -> Path:
+    path = env.adapter_dir(f"prepared-{time.monotonic_ns()}")
+    prepare(path)
+    return path
+
+
+def test_a_404_does_not_echo_a_long_name(env: Env):
+    tenant = env.new_tenant("long-name")
+    r = env.client.get("/v1/adapters/" + "a" * 20_000, headers=tenant)
+    assert r.status_code in (404, 422), r.text
+    assert len(r.text) < 1_000, len(r.text)
 
 
 # ---------------------------------------------------------------- isolation

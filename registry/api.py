@@ -19,6 +19,7 @@ refusal leaves etcd and the artifact root as they were.
 # the Annotated dependencies must be objects, not strings.
 import asyncio
 import contextlib
+import logging
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -74,6 +75,8 @@ from loraplex.registry.validation import BaseModelShape, shown
 from loraplex.registry.watch import RegistryWatcher
 
 __all__ = ["RegistryAPISettings", "TenantAPI", "collecting_garbage", "create_app", "mount"]
+
+log = logging.getLogger(__name__)
 
 
 class RegistryAPISettings(RegistrySettings, AdapterLimits):
@@ -459,7 +462,10 @@ def mount(
     settings: RegistryAPISettings,
 ) -> None:
     """Serve the tenant API from `app`. The caller owns the lifecycle of store, watcher and
-    artifacts."""
+    artifacts. Staging folders that a killed process left are swept first."""
+    swept = uploads.sweep_staging(settings.staging_dir)
+    if swept:
+        log.warning("removed %d staging folders of processes that no longer run", len(swept))
     app.state.tenant_api = TenantAPI.of(store, watcher, artifacts, settings)
     for router in (tenants, adapters, vllm):
         app.include_router(router)

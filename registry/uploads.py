@@ -223,12 +223,16 @@ def assemble_upload(
     os.replace(files["adapter_model"], dest / WEIGHTS_FILE)
 
 
+STAGING_PREFIX = "loraplex-upload-"
+_STAGED_BY = re.compile(re.escape(STAGING_PREFIX) + r"(\d+)-")
+
+
 @asynccontextmanager
 async def staging(staging_dir: str | None) -> AsyncIterator[Path]:
-    """A fresh folder for one registration, removed with everything in it afterwards."""
-    work = Path(
-        await asyncio.to_thread(tempfile.mkdtemp, prefix="loraplex-upload-", dir=staging_dir)
-    )
+    """A fresh folder for one registration, removed with everything in it afterwards. Its
+    name carries this process's id, so that `sweep_staging` can tell a leaked one."""
+    prefix = f"{STAGING_PREFIX}{os.getpid()}-"
+    work = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix=prefix, dir=staging_dir))
     try:
         yield work
     finally:
@@ -260,3 +264,28 @@ def check_name(name: str) -> str:
     if not re.fullmatch(NAME_PATTERN, name):
         raise Unacceptable(f"adapter name {shown(name)} must match {NAME_PATTERN}")
     return name
+
+
+def sweep_staging(staging_dir: str | None) -> list[Path]:
+    """Remove the staging folders of processes that no longer run (an API process killed
+    mid-upload leaves tenants' bytes behind); returns them. Folders of live processes,
+    this one's or another API process's on the same disk, stay."""
+    root = Path(staging_dir or tempfile.gettempdir())
+    swept = []
+    for entry in root.glob(STAGING_PREFIX + "*"):
+        match = _STAGED_BY.match(entry.name)
+        if match is None or _alive(int(match.group(1))) or not entry.is_dir():
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        swept.append(entry)
+    return swept
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

@@ -11,8 +11,12 @@ import gzip
 import hashlib
 import io
 import json
+import os
 import re
+import subprocess
+import sys
 import tarfile
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -1111,6 +1115,44 @@ def test_an_upload_commits_only_while_its_key_holds(live_server, change: str, me
         else:
             assert [a["version"] for a in listed] == versions
             assert tree(tmp / "artifacts") == before
+
+
+_HOLD_STAGING = """
+import asyncio, sys
+from loraplex.registry import uploads
+
+async def main():
+    async with uploads.staging(sys.argv[1]) as work:
+        (work / "adapter_model.safetensors").write_bytes(b"a tenant's bytes")
+        print(work, flush=True)
+        await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def test_staging_left_by_a_killed_process_is_swept_at_start(shared_etcd_server, tmp_path):
+    """A process killed (-9) mid-upload leaves its staging folder with a tenant's bytes; the
+    next API to start removes it, and keeps the folders of processes still running."""
+    settings = api_settings(tmp_path)
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HOLD_STAGING, settings.staging_dir],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        leaked = Path(child.stdout.readline().strip())
+        assert (leaked / "adapter_model.safetensors").exists()
+    finally:
+        child.kill()
+        child.wait(10)
+    live = Path(
+        tempfile.mkdtemp(prefix=f"loraplex-upload-{os.getpid()}-", dir=settings.staging_dir)
+    )
+    app = create_app(settings, shared_etcd_server.settings(), tmp_path / "artifacts")
+    with TestClient(app):
+        assert not leaked.exists()
+        assert live.exists()
 
 
 # ---------------------------------------------------------------- etcd down

@@ -52,6 +52,13 @@ def add_parser(sub) -> None:
     add_flags(limits, AdapterLimits)
 
 
+# h11 refuses a request whose head (request line and headers) passes this (400 at once);
+# httptools, uvicorn's default when installed, reads a header of any size: one 64 MiB
+# header slowed every other tenant's requests 1,000-fold while the API read it.
+MAX_REQUEST_HEAD_BYTES = 64 << 10
+HTTP_LIMITS = {"http": "h11", "h11_max_incomplete_event_size": MAX_REQUEST_HEAD_BYTES}
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -100,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
             named.artifact_root or args.state_dir / "artifacts",
         )
         print(f"tenant API on http://{args.host}:{args.port} (OpenAPI at /docs)", file=sys.stderr)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning", **HTTP_LIMITS)
     return 0
 
 

@@ -67,7 +67,7 @@ from loraplex.registry.models import (
     Tenant,
     TenantLimits,
 )
-from loraplex.registry.request_body import read_capped
+from loraplex.registry.request_body import BodyTimeouts, read_capped
 from loraplex.registry.service import RegistryService, collect_garbage_every
 from loraplex.registry.settings import AdapterLimits, RegistrySettings
 from loraplex.registry.store import EtcdSettings, RegistryStore
@@ -178,7 +178,12 @@ class TenantAPIRoute(RegistryRoute):
         api: TenantAPI = request.app.state.tenant_api
         await api.auth.require_key(request.headers.get("authorization"))
         if self.body_field is not None:
-            await read_capped(request, uploads.MAX_JSON_BYTES, "JSON bodies of the tenant API")
+            await read_capped(
+                request,
+                uploads.MAX_JSON_BYTES,
+                "JSON bodies of the tenant API",
+                body_timeouts(api.settings),
+            )
 
 
 # ---------------------------------------------------------------- tenants (admin)
@@ -291,7 +296,11 @@ async def _received(
             path: str | None = None  # registration by path
             if content_type == "multipart/form-data":
                 form = await uploads.receive_multipart(
-                    request, work, settings.max_upload_bytes, staging_bytes
+                    request,
+                    work,
+                    settings.max_upload_bytes,
+                    staging_bytes,
+                    body_timeouts(settings),
                 )
                 if path_name is None or "name" in form.fields:
                     name = uploads.form_name(form)
@@ -309,10 +318,12 @@ async def _received(
                     api.archive_limits,
                 )
             elif path_name is None:
-                body = await uploads.read_json(request, RegisterByPath)
+                body = await uploads.read_json(request, RegisterByPath, body_timeouts(settings))
                 name, pinned, path = body.name, body.pinned, body.path
             else:
-                replacement = await uploads.read_json(request, ReplaceByPath)
+                replacement = await uploads.read_json(
+                    request, ReplaceByPath, body_timeouts(settings)
+                )
                 name, pinned, path = path_name, replacement.pinned, replacement.path
             if path_name is not None and name != path_name:
                 raise Unacceptable(
@@ -469,6 +480,10 @@ def mount(
     app.state.tenant_api = TenantAPI.of(store, watcher, artifacts, settings)
     for router in (tenants, adapters, vllm):
         app.include_router(router)
+
+
+def body_timeouts(settings: RegistryAPISettings) -> BodyTimeouts:
+    return BodyTimeouts(settings.body_idle_timeout_s, settings.body_timeout_s)
 
 
 @asynccontextmanager

@@ -17,6 +17,7 @@ ingress gives the same codes OpenAI's body.
     │   ├── AlreadyExists    create of a key that exists
     │   └── RevisionConflict update whose expected revision is not the key's
     │       └── OwnerChanged the tenant's record changed since the write was authorised
+    ├── TimedOut             a request body that stopped arriving (idle or total timeout)
     ├── Busy                 refused for now, retry later (registry/admission.py)
     │   ├── TooManyUploads   the tenant's registration slots are all in flight
     │   └── StagingFull      the uploads in flight hold the whole staging budget
@@ -53,6 +54,10 @@ class Unacceptable(AdapterRejected):
 
 class Unauthenticated(RegistryError):
     """No API key, an unknown one, or the key of a tenant deleted meanwhile."""
+
+
+class TimedOut(RegistryError):
+    """A request body that paused too long between bytes, or took too long in all."""
 
 
 class Forbidden(RegistryError):

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from starlette.requests import Request
 
 from loraplex import strict_json
-from loraplex.registry.errors import Invalid, TooLarge
+from loraplex.registry.errors import Invalid, TimedOut, TooLarge
 
 # Bodies past this are parsed on a worker thread, so a large one does not hold the event loop.
 _PARSE_ON_LOOP_BYTES = 64 << 10
@@ -28,12 +30,52 @@ def check_declared_length(request: Request, max_bytes: int, setting: str) -> Non
         )
 
 
-async def read_capped(request: Request, max_bytes: int, setting: str) -> bytes:
+@dataclass(frozen=True)
+class BodyTimeouts:
+    """How long a body may pause between bytes (`idle_s`) and take in all (`total_s`)."""
+
+    idle_s: float
+    total_s: float
+
+
+async def receive(request: Request, timeouts: BodyTimeouts | None) -> AsyncIterator[bytes]:
+    """The body's chunks as they arrive; TimedOut when it pauses longer than
+    `timeouts.idle_s` or lasts longer than `timeouts.total_s`. A stalled body would otherwise
+    hold its upload slot and staging bytes for as long as the client keeps it open."""
+    if timeouts is None:
+        async for chunk in request.stream():
+            yield chunk
+        return
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeouts.total_s
+    chunks = aiter(request.stream())
+    while True:
+        left = deadline - loop.time()
+        wait = min(timeouts.idle_s, left)
+        try:
+            chunk = await asyncio.wait_for(anext(chunks), max(wait, 0.0))
+        except StopAsyncIteration:
+            return
+        except TimeoutError:
+            if wait < timeouts.idle_s:
+                raise TimedOut(
+                    f"request body still arriving after {timeouts.total_s:g} s (body_timeout_s)"
+                ) from None
+            raise TimedOut(
+                f"request body paused for {timeouts.idle_s:g} s (body_idle_timeout_s)"
+            ) from None
+        yield chunk
+
+
+async def read_capped(
+    request: Request, max_bytes: int, setting: str, timeouts: BodyTimeouts | None = None
+) -> bytes:
     """The whole body, at most `max_bytes` of it (TooLarge past that, naming `setting`), kept
-    on the request so that `request.body()` (FastAPI's body parsing) returns it."""
+    on the request so that `request.body()` (FastAPI's body parsing) returns it; TimedOut
+    past `timeouts`."""
     check_declared_length(request, max_bytes, setting)
     body = bytearray()
-    async for chunk in request.stream():
+    async for chunk in receive(request, timeouts):
         body += chunk
         if len(body) > max_bytes:
             raise TooLarge(f"request body exceeds the limit of {max_bytes} bytes ({setting})")

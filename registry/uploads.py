@@ -29,6 +29,7 @@ from loraplex.registry.admission import Reservation
 from loraplex.registry.archives import ArchiveLimits, safe_extract_tar_gz
 from loraplex.registry.errors import Invalid, TooLarge, Unacceptable
 from loraplex.registry.models import NAME_PATTERN
+from loraplex.registry.request_body import BodyTimeouts, receive
 from loraplex.registry.validation import (
     CONFIG_FILE,
     WEIGHTS_FILE,
@@ -132,7 +133,11 @@ class UploadForm:
 
 
 async def receive_multipart(
-    request: Request, work: Path, max_bytes: int, staging: Reservation
+    request: Request,
+    work: Path,
+    max_bytes: int,
+    staging: Reservation,
+    timeouts: BodyTimeouts | None = None,
 ) -> UploadForm:
     """Parse a multipart body as it arrives, writing file parts to `work`; stops with 413 once
     `max_bytes` have been received, whatever Content-Length claimed. Every byte is reserved
@@ -151,7 +156,7 @@ async def receive_multipart(
     parser = MultipartParser(boundary, form.callbacks())
     received = 0
     try:
-        async for chunk in request.stream():
+        async for chunk in receive(request, timeouts):
             received += len(chunk)
             staging.take(len(chunk))
             if received > max_bytes:
@@ -175,10 +180,12 @@ def _check_declared_length(request: Request, max_bytes: int) -> None:
         raise TooLarge(f"request body of {declared} bytes exceeds {max_bytes} bytes")
 
 
-async def read_json(request: Request, model: type[BaseModel]) -> Any:
+async def read_json(
+    request: Request, model: type[BaseModel], timeouts: BodyTimeouts | None = None
+) -> Any:
     _check_declared_length(request, MAX_JSON_BYTES)
     body = bytearray()
-    async for chunk in request.stream():
+    async for chunk in receive(request, timeouts):
         body += chunk
         if len(body) > MAX_JSON_BYTES:
             raise TooLarge(f"JSON body exceeds {MAX_JSON_BYTES} bytes")

@@ -24,6 +24,7 @@ DOCUMENTED = {
     errors.Unauthenticated: 401,
     errors.Forbidden: 403,
     errors.NotFound: 404,
+    errors.TimedOut: 408,
     errors.Conflict: 409,
     errors.AlreadyExists: 409,
     errors.RevisionConflict: 409,

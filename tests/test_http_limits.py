@@ -16,9 +16,12 @@ demo model (`LocalBackend`) with the registry on a real etcd, and the standalone
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
+import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -352,13 +355,16 @@ def test_tokens_per_minute_past_the_tenants_limit_get_429(ingress: Ingress):
 # ---------------------------------------------------------------- the standalone registry
 
 
-@pytest.fixture
-def registry_process(demo_assets: DemoAssets, shared_etcd_server: EtcdServer, tmp_path: Path):
+@contextlib.contextmanager
+def started_registry(
+    demo_assets: DemoAssets, etcd: EtcdServer, state: Path, *flags: str
+) -> Iterator[tuple[subprocess.Popen, str]]:
+    """`loraplex registry` in a process of its own on a free loopback port, with `flags`."""
     port = free_port()
     env = {**os.environ, "LORAPLEX_ADMIN_KEY": ADMIN_KEY}
     cmd = [sys.executable, "-m", "loraplex.cluster.cli", "registry"]
-    cmd += ["--model", str(demo_assets.model), "--state-dir", str(tmp_path)]
-    cmd += ["--etcd", shared_etcd_server.endpoint, "--port", str(port)]
+    cmd += ["--model", str(demo_assets.model), "--state-dir", str(state)]
+    cmd += ["--etcd", etcd.endpoint, "--port", str(port), *flags]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -381,6 +387,12 @@ def registry_process(demo_assets: DemoAssets, shared_etcd_server: EtcdServer, tm
             proc.wait()
 
 
+@pytest.fixture
+def registry_process(demo_assets: DemoAssets, shared_etcd_server: EtcdServer, tmp_path: Path):
+    with started_registry(demo_assets, shared_etcd_server, tmp_path) as started:
+        yield started
+
+
 def test_the_registry_reads_no_body_without_a_key(registry_process):
     proc, url = registry_process
     with httpx.Client(base_url=url, timeout=60, trust_env=False) as http:
@@ -400,3 +412,77 @@ def test_the_registry_reads_no_body_without_a_key(registry_process):
         assert growth.mib < MEMORY_MARGIN_MIB, growth
         r = http.post("/v1/tenants", content=b"{not json", headers=ADMIN | JSON)
         assert r.status_code == 422 and "json_invalid" in json.dumps(r.json())
+
+
+def _huge_header(url: str, mib: int) -> str:
+    """Send a request whose one header is `mib` MiB; what the server answered, or how the
+    connection ended."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        try:
+            sock.sendall(b"GET /v1/adapters HTTP/1.1\r\nHost: x\r\nX-Pad: ")
+            for _ in range(mib):
+                sock.sendall(b"a" * (1 << 20))
+            sock.sendall(b"\r\n\r\n")
+        except OSError as e:  # the server closed the connection: it stopped reading
+            return f"closed: {e.__class__.__name__}"
+        return sock.recv(256).decode(errors="replace").split("\r\n")[0]
+
+
+def test_a_huge_header_is_refused_early_and_slows_no_other_tenant(registry_process):
+    """A 64 MiB header was read whole (401 after it) and moved another tenant's GET from
+    0.8 ms to 821 ms median; the head of a request is now capped (h11, 64 KiB)."""
+    _, url = registry_process
+    with httpx.Client(base_url=url, timeout=60, trust_env=False) as http:
+        key = http.post("/v1/tenants", json={"name": "header-co"}, headers=ADMIN).json()["api_key"]
+        tenant = {"Authorization": f"Bearer {key}"}
+
+        def latency_ms() -> float:
+            start = time.perf_counter()
+            assert http.get("/v1/adapters", headers=tenant).status_code == 200
+            return (time.perf_counter() - start) * 1000
+
+        alone = statistics.median(latency_ms() for _ in range(20))
+        with ThreadPoolExecutor(4) as pool:
+            floods = [pool.submit(_huge_header, url, 64) for _ in range(4)]
+            beside = statistics.median(latency_ms() for _ in range(20))
+            answers = [f.result(timeout=120) for f in floods]
+    assert all(a.startswith(("HTTP/1.1 400", "HTTP/1.1 431", "closed")) for a in answers), answers
+    assert beside < max(10 * alone, 50), (alone, beside)
+
+
+def test_a_stalled_upload_times_out_and_frees_its_slot(
+    demo_assets: DemoAssets, shared_etcd_server: EtcdServer, tmp_path: Path
+):
+    """Two stalled uploads held both of a tenant's upload slots (every other upload 503 or
+    429) for as long as the client kept them open; now each is 408 after the idle timeout."""
+    flags = ("--body-idle-timeout-s", "1", "--max-uploads-per-tenant", "2")
+    with started_registry(demo_assets, shared_etcd_server, tmp_path, *flags) as (_, url):
+        with httpx.Client(base_url=url, timeout=60, trust_env=False) as http:
+            r = http.post("/v1/tenants", json={"name": "stall-co"}, headers=ADMIN)
+            tenant = {"Authorization": f"Bearer {r.json()['api_key']}"}
+
+            def stalled() -> tuple[str, float]:
+                """A multipart upload that stops mid-body: the status line that came back,
+                and after how long."""
+                host, port = url.removeprefix("http://").split(":")
+                part = b'--xyz\r\nContent-Disposition: form-data; name="name"\r\n\r\n'
+                head = (
+                    "POST /v1/adapters HTTP/1.1\r\nHost: x\r\n"
+                    f"Authorization: {tenant['Authorization']}\r\n"
+                    "Content-Type: multipart/form-data; boundary=xyz\r\n"
+                    f"Content-Length: {len(part) + 1000}\r\n\r\n"
+                )
+                with socket.create_connection((host, int(port)), timeout=30) as sock:
+                    start = time.monotonic()
+                    sock.sendall(head.encode() + part)
+                    answer = sock.recv(256).decode(errors="replace").split("\r\n")[0]
+                    return answer, time.monotonic() - start
+
+            with ThreadPoolExecutor(2) as pool:
+                held = [pool.submit(stalled) for _ in range(2)]
+                results = [f.result(timeout=60) for f in held]
+            assert all(a.startswith("HTTP/1.1 408") and t < 10 for a, t in results), results
+            # the slots are free again: a third upload gets past admission (408, not 429)
+            answer, took = stalled()
+            assert answer.startswith("HTTP/1.1 408") and took < 10, (answer, took)

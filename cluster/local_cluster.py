@@ -81,7 +81,14 @@ def add_parsers(sub) -> None:
     up.add_argument("--object-store-mib", type=int, default=256, help="Ray object store")
     up.add_argument("--timeout", type=float, default=600, help="seconds to wait for serving")
     sub.add_parser("down", parents=[state], help="stop the local cluster (data is kept)")
-    sub.add_parser("status", parents=[state], help="replicas, adapters per tier, pool use")
+    status_parser = sub.add_parser(
+        "status", parents=[state], help="replicas, adapters per tier, pool use"
+    )
+    status_parser.add_argument(
+        "--full-ids",
+        action="store_true",
+        help="show adapter version ids whole (64 hex digits; default: the first 12)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         return up(args, state_dir, dict(os.environ))
     if args.command == "down":
         return down(state_dir)
-    return status(state_dir)
+    return status(state_dir, args.full_ids)
 
 
 # ---------------------------------------------------------------- up
@@ -402,7 +409,7 @@ def status_metrics_key(state_dir: Path) -> str | None:
     return path.read_text().strip() if path.is_file() else None
 
 
-def status(state_dir: Path) -> int:
+def status(state_dir: Path, full_ids: bool = False) -> int:
     import httpx
 
     state = read_state(state_dir)
@@ -424,11 +431,12 @@ def status(state_dir: Path) -> int:
         f"etcd:     {', '.join(etcd) or '-'}{' (started by loraplex)' if state.get('etcd_pid') else ''}"
     )
     if url and health == "ok":
-        print("\n".join(adapter_homes_report(url, status_metrics_key(state_dir))))
+        report = adapter_homes_report(url, status_metrics_key(state_dir), full_ids)
+        print("\n".join(report))
     if not state.get("ray_address"):
         return 0
     try:
-        lines = serve_report(state["ray_address"])
+        lines = serve_report(state["ray_address"], full_ids)
     except Exception as e:  # a half-started cluster: show what is known
         lines = [f"serve:    unavailable ({type(e).__name__}: {e})"]
     print("\n".join(lines))

@@ -5,6 +5,7 @@ pages) and the router's busiest adapters with their homes, for `loraplex status`
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from loraplex.cluster.config import APP_NAME
@@ -32,9 +33,19 @@ def deployment_errors() -> str:
     return "; ".join(found)
 
 
-def serve_report(ray_address: str) -> list[str]:
+_VERSION = re.compile(r"@([0-9a-f]{12})[0-9a-f]{52}\b")
+
+
+def short_ids(text: str) -> str:
+    """`text` with each 64-hex version id cut to its first 12 hex digits, as git shows a
+    commit (`acme/sql@9c0d3e5b9c0d`); `loraplex status --full-ids` shows them whole."""
+    return _VERSION.sub(r"@\1", text)
+
+
+def serve_report(ray_address: str, full_ids: bool = False) -> list[str]:
     """Deployments and their replicas; per replica, its routing stats (adapters per tier,
-    queue, pool pages), read from each replica actor."""
+    queue, pool pages), read from each replica actor; version ids cut (`short_ids`)
+    unless `full_ids`."""
     import ray
     from ray import serve
 
@@ -55,7 +66,7 @@ def serve_report(ray_address: str) -> list[str]:
             message = f"  {dep.message}" if dep.message else ""
             lines.append(f"  {name:<10} {status_text(dep.status):<10} {counts}{message}")
         lines += replica_table(ray)
-        return lines
+        return lines if full_ids else [short_ids(line) for line in lines]
     finally:
         ray.shutdown()
 
@@ -112,10 +123,12 @@ def _names(adapters: list[str] | None) -> str:
     return ", ".join(adapters) if adapters else "-"
 
 
-def adapter_homes_report(url: str, metrics_key: str | None = None) -> list[str]:
+def adapter_homes_report(
+    url: str, metrics_key: str | None = None, full_ids: bool = False
+) -> list[str]:
     """The router's view of the busiest adapters, read from the ingress's /metrics (with
     `metrics_key` as the bearer): request rate and homes (the replicas it is routed to),
-    the rest summed as "other"."""
+    the rest summed as "other"; version ids cut unless `full_ids`."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -145,5 +158,6 @@ def adapter_homes_report(url: str, metrics_key: str | None = None) -> list[str]:
     ranked = sorted((a for a in rates if a != "other"), key=rates.__getitem__, reverse=True)
     for adapter in [*ranked, "other"]:
         where = ", ".join(sorted(homes.get(adapter, []))) or f"{counts.get(adapter, 0)} replicas"
-        lines.append(f"  {adapter:<32} {rates.get(adapter, 0.0):8.2f}/s  {where}")
+        shown = adapter if full_ids else short_ids(adapter)
+        lines.append(f"  {shown:<32} {rates.get(adapter, 0.0):8.2f}/s  {where}")
     return lines

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from loraplex.cluster.cli import main
+from loraplex.cluster.serve_status import short_ids
 from loraplex.demo.assets import DemoAssets
 from loraplex.demo.behaviours import BEHAVIOURS
 from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter
@@ -468,3 +469,13 @@ def test_python_dash_m_reports_user_errors_as_exit_2(assets: DemoAssets, tmp_pat
     assert proc.stderr.strip().startswith("loraplex: error: ") and "Traceback" not in proc.stderr
     assert f"{inp}:1" in proc.stderr
     assert not out.exists()
+
+
+def test_status_shows_version_ids_as_git_shows_commits():
+    """`loraplex status` printed 64-hex versions in every column; it shows the first 12
+    (`--full-ids` whole). Other hex runs (replica ids, digests without '@') are kept."""
+    version = "9c0d3e5b" * 8
+    line = f"  r1  0  10/20  acme/sql@{version}, acme/json@{'a' * 64}  -  -"
+    assert short_ids(line) == f"  r1  0  10/20  acme/sql@{version[:12]}, acme/json@{'a' * 12}  -  -"
+    assert short_ids(f"sha256/{version}") == f"sha256/{version}"
+    assert short_ids(f"x@{version}1") == f"x@{version}1"  # not a 64-hex id

@@ -39,6 +39,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from loraplex.cluster.adapters_cli import Endpoint, add_adapter, remove_adapter
 from loraplex.cluster.config import LoraplexConfig
 from loraplex.cluster.local_cluster import ray_temp_dir
+from loraplex.cluster.serve_status import short_ids
 from loraplex.cluster.state import pid_alive, read_state, stop_orphaned_etcd
 from loraplex.demo.assets import DemoAssets
 from loraplex.net import free_port
@@ -441,7 +442,7 @@ def holders(ray, adapter: str) -> dict[str, str]:
 def status_table(cluster: Cluster) -> tuple[str, dict[str, dict[str, list[str]]]]:
     """`loraplex status`: its output, and its replica table as replica id -> {"device":
     [...], "host": [...], "loading": [...]}."""
-    status = loraplex("status", "--state-dir", str(cluster.state_dir), timeout=90)
+    status = loraplex("status", "--state-dir", str(cluster.state_dir), "--full-ids", timeout=90)
     assert status.returncode == 0, status.stdout + status.stderr
     lines = status.stdout.splitlines()
     header = [i for i, line in enumerate(lines) if line.split()[:2] == ["replica", "queue"]]
@@ -637,7 +638,7 @@ def test_a_hot_adapter_spreads_over_both_replicas_and_back_to_one_when_it_cools(
     grew = {r for r in after if after[r] > before.get(r, 0)}
     assert grew == {home}, (home, before, after)
     output = loraplex("status", "--state-dir", str(cluster.state_dir), timeout=90).stdout
-    assert re.search(rf"{re.escape(hot)}\s+\S+/s\s+{home}", output), output
+    assert re.search(rf"{re.escape(short_ids(hot))}\s+\S+/s\s+{home}", output), output
 
 
 def test_tenants_see_only_their_own_adapters(

@@ -85,6 +85,7 @@ def _record(name: str) -> AdapterRecord:
         size_bytes=27_262_976,
         sha256=SHA,
         artifact=f"sha256/01/{SHA}",
+        version=SHA,
     )
 
 

@@ -152,6 +152,7 @@ async def register(
                     size_bytes=(source / "adapter_model.safetensors").stat().st_size,
                     sha256=stored.weights_sha256,
                     artifact=stored.path,
+                    version=stored.digest,
                 )
             )
             paths[adapter_id(TENANT, name, stored.digest)] = str(artifacts.path_of(stored.path))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -21,7 +22,24 @@ _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class NotStrictJSON(ValueError):
-    """Valid for Python's json module, not for the JSON standard or for loraplex."""
+    """Valid for Python's json module, not for the JSON standard or for loraplex. `path` is
+    where in the value the problem is (object keys and list indexes; empty when unknown)."""
+
+    def __init__(self, problem: str, path: tuple[str | int, ...] = ()) -> None:
+        where = ".".join(str(step) for step in path)
+        super().__init__(f"{where}: {problem}" if where else problem)
+        self.problem = problem
+        self.path = path
+
+
+class _Refused:
+    """Stands in the parsed value for a number the standard does not allow, so that the
+    error can name where it was (the parser's hooks do not know)."""
+
+    __slots__ = ("problem",)
+
+    def __init__(self, problem: str) -> None:
+        self.problem = problem
 
 
 def loads(data: bytes | str) -> Any:
@@ -29,15 +47,38 @@ def loads(data: bytes | str) -> Any:
     not JSON at all, NotStrictJSON for what the standard does not allow), RecursionError for
     nesting deeper than Python's stack, UnicodeDecodeError for bytes that are not UTF-8."""
     raw = data.encode() if isinstance(data, str) else data
+    refused: list[_Refused] = []
+
+    def refuse(problem: str) -> _Refused:
+        refused.append(_Refused(problem))
+        return refused[-1]
+
+    def finite_float(text: str) -> float | _Refused:
+        value = float(text)
+        if math.isfinite(value):
+            return value
+        return refuse(f"number {_cut(text)} is out of the range of a 64-bit float")
+
+    def int64(text: str) -> int | _Refused:
+        # int() of thousands of digits is slow (and refused past 4,300)
+        if len(text) <= 20 and INT64_MIN <= (value := int(text)) <= INT64_MAX:
+            return value
+        return refuse(f"integer {_cut(text)} is out of the 64-bit range")
+
     value = json.loads(
         raw,
         object_pairs_hook=_no_duplicate_keys,
-        parse_constant=_no_constant,
-        parse_float=_finite_float,
-        parse_int=_int64,
+        parse_constant=lambda name: refuse(f"{name} is not a JSON number"),
+        parse_float=finite_float,
+        parse_int=int64,
     )
+    if refused:
+        path, found = _first(value, lambda item: isinstance(item, _Refused))
+        raise NotStrictJSON(found.problem if found else refused[0].problem, path)
     if _SURROGATE_ESCAPE.search(raw):
-        _refuse_lone_surrogates(value)
+        path, found = _first(value, _lone_surrogate)
+        if found is not None:
+            raise NotStrictJSON("a string holds a lone UTF-16 surrogate escape", path)
     return value
 
 
@@ -50,40 +91,32 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _no_constant(name: str) -> float:
-    raise NotStrictJSON(f"{name} is not a JSON number")
+def _lone_surrogate(item: Any) -> bool:
+    if not isinstance(item, str):
+        return False
+    try:
+        item.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise NotStrictJSON(f"number {_cut(text)} is out of the range of a 64-bit float")
-    return value
-
-
-def _int64(text: str) -> int:
-    if len(text) > 20:  # int() of thousands of digits is slow (and refused past 4,300)
-        raise NotStrictJSON(f"integer {_cut(text)} is out of the 64-bit range")
-    value = int(text)
-    if not INT64_MIN <= value <= INT64_MAX:
-        raise NotStrictJSON(f"integer {text} is out of the 64-bit range")
-    return value
-
-
-def _refuse_lone_surrogates(value: Any) -> None:
-    stack = [value]
+def _first(value: Any, wanted: Callable[[Any], bool]) -> tuple[tuple[str | int, ...], Any]:
+    """(path, item) of the first item of `value` (depth first, keys included) that is
+    `wanted`; ((), None) if none is."""
+    stack: list[tuple[tuple[str | int, ...], Any]] = [((), value)]
     while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                raise NotStrictJSON("a string holds a lone UTF-16 surrogate escape") from None
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
+        path, item = stack.pop()
+        if wanted(item):
+            return path, item
+        if isinstance(item, dict):
+            for key, child in reversed(item.items()):
+                if wanted(key):
+                    return (*path, key), key
+                stack.append(((*path, key), child))
         elif isinstance(item, list):
-            stack.extend(item)
+            stack.extend(((*path, i), child) for i, child in reversed(list(enumerate(item))))
+    return (), None
 
 
 def _cut(text: str, limit: int = 40) -> str:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from loraplex.registry.errors import Forbidden, Unauthenticated
 from loraplex.registry.models import Tenant
+from loraplex.registry.view import watched_tenants
 
 if TYPE_CHECKING:
     from loraplex.registry.store import RegistryStore
@@ -119,7 +120,3 @@ class Authenticator:
             }
         name = self._index.get(digest)
         return None if name is None else self._watcher.tenant(name)
-
-
-def watched_tenants(watcher: RegistryWatcher) -> list[Tenant]:
-    return [value for value in watcher.snapshot.values() if isinstance(value, Tenant)]

@@ -41,7 +41,12 @@ class AdapterRejected(RegistryError, ValueError):
 
 
 class Invalid(AdapterRejected):
-    """Input that cannot be read, or a form or path that is not allowed."""
+    """Input that cannot be read, or a form or path that is not allowed. `field`: the
+    request body's top-level field it concerns, when known."""
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class TooLarge(AdapterRejected):

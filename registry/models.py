@@ -24,7 +24,7 @@ import time
 from pathlib import PurePosixPath
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 PREFIX = "/loraplex/v1"
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]{0,62}$"
@@ -223,19 +223,6 @@ class _AdapterFields(_Revisioned):
         description="The version: content digest of the adapter's config and weights (the "
         "artifact's sha256). Replicas key their pools and caches by it.",
     )
-
-    @model_validator(mode="before")
-    @classmethod
-    def _version_from_artifact(cls, data: Any) -> Any:
-        """Records written before versions existed name their content only by the artifact
-        (`sha256/<digest>`): the version is that digest."""
-        if (
-            isinstance(data, dict)
-            and "version" not in data
-            and isinstance(data.get("artifact"), str)
-        ):
-            return {**data, "version": PurePosixPath(data["artifact"]).name}
-        return data
 
     @field_validator("artifact")
     @classmethod

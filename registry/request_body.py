@@ -96,7 +96,8 @@ async def parse_json(request: Request, data: bytes) -> None:
         else:
             value = strict_json.loads(data)
     except strict_json.NotStrictJSON as e:
-        raise Invalid(f"request body: {e}") from None
+        field = e.path[0] if e.path and isinstance(e.path[0], str) else None
+        raise Invalid(str(e), field) from None
     except RecursionError:
         raise Invalid("request body: JSON nested too deeply") from None
     except (json.JSONDecodeError, UnicodeDecodeError):

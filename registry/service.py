@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Protocol
 
 from loraplex.registry.artifacts import ArtifactStore, StoredArtifact
-from loraplex.registry.auth import Grant, new_api_key, watched_tenants
+from loraplex.registry.auth import Grant, new_api_key
 from loraplex.registry.errors import (
     AlreadyExists,
     Conflict,
@@ -38,6 +38,7 @@ from loraplex.registry.isolation import WorkLimits, run_isolated
 from loraplex.registry.models import AdapterRecord, AdapterVersion, Canary, Tenant, TenantLimits
 from loraplex.registry.store import RegistryStore
 from loraplex.registry.validation import BaseModelShape, shown, validate_adapter_dir
+from loraplex.registry.view import registry_view
 from loraplex.registry.watch import RegistryWatcher
 
 log = logging.getLogger(__name__)
@@ -45,17 +46,6 @@ log = logging.getLogger(__name__)
 _DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _KEY_UPDATE_ATTEMPTS = 5
 _ALIAS_ATTEMPTS = 5
-
-
-async def resolve_adapter(
-    source: RegistryWatcher | RegistryStore, tenant: str, name: str
-) -> AdapterRecord | None:
-    """The adapter `name` of `tenant`, or None. Names are scoped by tenant: another tenant's
-    adapter of the same name is never returned. Reads the watcher's snapshot (request paths)
-    or etcd (tools)."""
-    if isinstance(source, RegistryWatcher):
-        return source.adapter(tenant, name)
-    return await source.get_adapter(tenant, name)
 
 
 class ServiceSettings(Protocol):
@@ -88,18 +78,17 @@ class RegistryService:
     ) -> None:
         self.store = store
         self.watcher = watcher
+        self.view = registry_view(watcher, store)  # reads; writes go to the store
         self.artifacts = artifacts
         self.settings = settings
 
     # reads
 
     async def adapters(self, tenant: str) -> list[AdapterRecord]:
-        if self.watcher is not None:
-            return self.watcher.adapters(tenant)
-        return await self.store.list_adapters(tenant)
+        return await self.view.adapters(tenant)
 
     async def adapter(self, tenant: str, name: str) -> AdapterRecord:
-        record = await resolve_adapter(self.watcher or self.store, tenant, name)
+        record = await self.view.adapter(tenant, name)
         if record is None:
             raise NotFound(f"adapter {shown(name)} not found")
         return record
@@ -107,11 +96,7 @@ class RegistryService:
     async def versions(self, tenant: str, name: str) -> list[AdapterVersion]:
         """The adapter's retained versions, newest first; NotFound for an unknown name."""
         await self.adapter(tenant, name)
-        if self.watcher is not None:
-            versions = self.watcher.versions(tenant, name)
-        else:
-            versions = await self.store.list_versions(tenant, name)
-        return versions[::-1]
+        return (await self.view.versions(tenant, name))[::-1]
 
     async def version(self, tenant: str, name: str, version: str) -> AdapterVersion:
         for found in await self.versions(tenant, name):
@@ -120,11 +105,7 @@ class RegistryService:
         raise _version_not_found(name, version)
 
     async def tenants(self) -> list[Tenant]:
-        if self.watcher is not None:
-            tenants = watched_tenants(self.watcher)
-        else:
-            tenants = await self.store.list_tenants()
-        return sorted(tenants, key=lambda t: t.name)
+        return sorted(await self.view.tenants(), key=lambda t: t.name)
 
     # adapters
 
@@ -273,33 +254,23 @@ class RegistryService:
                 current.updated_revision,
                 owner_revision=owner_revision,
             )
-        retained = await self._retained(current)
+        retained = await self.store.list_versions(current.tenant, current.name)
         existing = next((v for v in retained if v.version == version.version), None)
         target = existing or version
         kept = retained if existing else [*retained, version]
         # the version it served stays too, so a rollback after a bad push is always possible
         drop = self._beyond_retention(kept, keep={target.version, current.version})
         alias = current.pointing_to(target).model_copy(update={"pinned": pinned})
-        add = [v for v in kept if v.created_revision == 0 and v not in drop]
         moved = await self.store.move_adapter(
             alias,
             current.updated_revision,
-            add=add,
+            add=[] if existing else [version],
             drop=[v.version for v in drop],
             owner_revision=owner_revision,
         )
         for gone in drop:
             await self.release(gone.artifact)
         return moved
-
-    async def _retained(self, current: AdapterRecord) -> list[AdapterVersion]:
-        """The versions of `current`'s name in etcd, oldest first, with the alias's own
-        version when a record written before versions existed has none (created_revision 0:
-        it is written with the next move)."""
-        versions = await self.store.list_versions(current.tenant, current.name)
-        if all(v.version != current.version for v in versions):
-            versions.insert(0, current.as_version(created_at=0.0))
-        return versions
 
     def _beyond_retention(
         self, versions: list[AdapterVersion], keep: set[str]
@@ -313,7 +284,7 @@ class RegistryService:
         current one), ending any canary."""
         for _ in range(_ALIAS_ATTEMPTS):
             current = await self._current(tenant, name)
-            retained = await self._retained(current)
+            retained = await self.store.list_versions(current.tenant, current.name)
             if version is None:
                 position = next(i for i, v in enumerate(retained) if v.version == current.version)
                 if position == 0:
@@ -330,8 +301,7 @@ class RegistryService:
                 moved = await self.store.move_adapter(
                     current.pointing_to(target),
                     current.updated_revision,
-                    add=[v for v in retained if v.created_revision == 0],
-                    require=[target.version] if target.created_revision else [],
+                    require=[target.version],
                 )
             except RevisionConflict:
                 continue
@@ -347,7 +317,11 @@ class RegistryService:
         for _ in range(_ALIAS_ATTEMPTS):
             current = await self._current(tenant, name)
             if canary is not None:
-                _find(await self._retained(current), name, canary.version)
+                _find(
+                    await self.store.list_versions(current.tenant, current.name),
+                    name,
+                    canary.version,
+                )
                 if canary.version == current.version:
                     raise Unacceptable(
                         f"version {canary.version} is adapter {shown(name)}'s current version; a "

@@ -2,7 +2,7 @@
 dependencies that read it (`Ingress`) or read it and authenticate the caller (`Caller`)."""
 
 # No `from __future__ import annotations`: FastAPI resolves the dependencies' annotations.
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from fastapi import Depends, Request
@@ -12,6 +12,7 @@ from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.auth import Authenticator
 from loraplex.registry.models import TenantLimits
 from loraplex.registry.store import RegistryStore
+from loraplex.registry.view import RegistryView, registry_view
 from loraplex.registry.watch import RegistryWatcher
 from loraplex.replica.protocol import Backend
 from loraplex.replica.tokenizer import Tokenizer
@@ -30,6 +31,11 @@ class RegistryHandles:
     watcher: RegistryWatcher | None  # None: every lookup reads etcd
     artifacts: ArtifactStore
     settings: RegistryAPISettings
+    # what the ingress reads: the watcher's snapshot, or etcd without a watcher
+    view: RegistryView = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "view", registry_view(self.watcher, self.store))
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,7 +34,6 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from loraplex.registry.errors import RegistryError
-from loraplex.registry.service import resolve_adapter
 from loraplex.replica.protocol import GenerateRequest, ReplicaFailed, adapter_id, sampling_params
 from loraplex.replica.tokenizer import ChatTemplateError
 from loraplex.router.admission import admit, holding
@@ -163,10 +162,7 @@ async def models(call: Caller) -> ModelList:
     cards = [ModelCard(id=base_id, created=started, owned_by="loraplex", root=base_id)]
     registry = ingress.registry
     if registry is not None and tenant is not None:
-        if registry.watcher is not None:
-            records = registry.watcher.adapters(tenant)
-        else:
-            records = await registry.store.list_adapters(tenant)
+        records = await registry.view.adapters(tenant)
         cards += [
             ModelCard(id=r.name, created=started, owned_by=tenant, root=base_id, parent=base_id)
             for r in records
@@ -191,7 +187,7 @@ async def _resolve(
         return None, None
     registry = ingress.registry
     if registry is not None and tenant is not None:
-        record = await resolve_adapter(registry.watcher or registry.store, tenant, model)
+        record = await registry.view.adapter(tenant, model)
         if record is not None:
             version = record.version_for(request_id)
             return adapter_id(tenant, model, version), record.updated_revision

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from loraplex.registry.api_errors import error_headers, status_code
-from loraplex.registry.errors import RegistryError, RegistryUnavailable
+from loraplex.registry.errors import Invalid, RegistryError, RegistryUnavailable
 from loraplex.registry.validation import shown
 from loraplex.router.tenant_limiter import RateLimited
 
@@ -101,4 +101,7 @@ def registry_error(e: RegistryError) -> OpenAIError:
         log.warning("registry unavailable: %s", e)  # the endpoint is the operator's
         message = "registry unavailable; retry later"
     status = status_code(e)
-    return OpenAIError(status, message, code=_REGISTRY_CODES.get(status), headers=error_headers(e))
+    param = e.field if isinstance(e, Invalid) else None
+    return OpenAIError(
+        status, message, code=_REGISTRY_CODES.get(status), param=param, headers=error_headers(e)
+    )

@@ -48,6 +48,7 @@ def record(tenant: str, name: str, **overrides) -> AdapterRecord:
         size_bytes=1024,
         sha256=SHA,
         artifact=f"sha256/ab/{SHA}",
+        version=SHA,
     )
     return AdapterRecord(**(fields | overrides))
 

@@ -46,6 +46,7 @@ def record(tenant: str, name: str, **overrides) -> AdapterRecord:
         size_bytes=10,
         sha256=SHA,
         artifact=f"sha256/cd/{SHA}",
+        version=SHA,
     )
     return AdapterRecord(**(fields | overrides))
 

@@ -90,6 +90,7 @@ def record_for(
         size_bytes=(source / "adapter_model.safetensors").stat().st_size,
         sha256=stored.weights_sha256,
         artifact=stored.path,
+        version=stored.digest,
         pinned=pinned,
     )
 

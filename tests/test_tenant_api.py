@@ -38,9 +38,10 @@ from loraplex.registry.api import RegistryAPISettings, create_app
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.auth import hash_api_key
 from loraplex.registry.models import AdapterRecord
-from loraplex.registry.service import collect_garbage, resolve_adapter
+from loraplex.registry.service import collect_garbage
 from loraplex.registry.store import RegistryStore
 from loraplex.registry.validation import CONFIG_FILE, WEIGHTS_FILE
+from loraplex.registry.view import StoredView, WatchedView
 
 pytestmark = pytest.mark.etcd
 
@@ -887,8 +888,8 @@ def test_tenants_never_see_use_or_delete_each_others_adapters(env: Env):
     async def resolve_both():
         async with RegistryStore(env.server.settings()) as store:
             return [
-                await resolve_adapter(source, tenant, name)
-                for source in (watcher, store)
+                await view.adapter(tenant, name)
+                for view in (WatchedView(watcher), StoredView(store))
                 for tenant, name in (
                     ("iso-globex", "secret-sauce"),
                     ("iso-acme", "secret-sauce"),
@@ -1150,9 +1151,12 @@ def test_staging_left_by_a_killed_process_is_swept_at_start(shared_etcd_server, 
         tempfile.mkdtemp(prefix=f"loraplex-upload-{os.getpid()}-", dir=settings.staging_dir)
     )
     app = create_app(settings, shared_etcd_server.settings(), tmp_path / "artifacts")
-    with TestClient(app):
+    with TestClient(app) as client:
         assert not leaked.exists()
         assert live.exists()
+        assert client.get(
+            "/v1/tenants", headers={"Authorization": f"Bearer {ADMIN_KEY}"}
+        ).is_success
 
 
 # ---------------------------------------------------------------- etcd down

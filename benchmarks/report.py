@@ -2,11 +2,29 @@
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
+
+# when the bench began (this module is imported as it starts): the run's metadata
+_STARTED = (datetime.datetime.now(datetime.UTC), os.getloadavg())
+
+
+def run_metadata() -> dict[str, Any]:
+    """How the run went: its date, command, cores and the 1-minute load average when it
+    began and now (a ratio from a loaded machine is read with that in mind)."""
+    started, before = _STARTED
+    return {
+        "date": started.isoformat(timespec="seconds"),
+        "command": shlex.join(["loraplex", *sys.argv[1:]]),
+        "cpus": os.cpu_count(),
+        "load_average": {"before": round(before[0], 2), "after": round(os.getloadavg()[0], 2)},
+    }
 
 
 def log(msg: str) -> None:
@@ -37,6 +55,7 @@ def write_json(path: Path | None, results: dict) -> None:
     out, why = finite_json(results)
     if why:
         out["non_finite"] = why
+    out["run"] = run_metadata()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2, allow_nan=False) + "\n")
     log(f"wrote {path}")

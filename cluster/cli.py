@@ -28,7 +28,11 @@ def main(argv: list[str] | None = None) -> int:
     generate.add_parser(sub)
 
     bench = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
-    bench.add_argument("suite", choices=["engine", "fleet", "registry", "router", "sched"])
+    bench.add_argument(
+        "suite",
+        choices=["engine", "fleet", "registry", "router", "sched", "report"],
+        help="a bench, or `report`: docs/performance.md from the benches' committed JSON",
+    )
     bench.add_argument("--quick", action="store_true", help="smaller model and workload (< 2 min)")
     bench.add_argument("--json", type=Path, help="write the figures here")
     bench.add_argument("--trace", type=Path, help="engine, sched: Azure LLM inference trace CSV")
@@ -57,6 +61,18 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument(
         "--jobs", type=int, default=1, help="sched: processes running the simulations (1)"
     )
+    bench.add_argument(
+        "--json-dir",
+        type=Path,
+        default=Path("docs/bench"),
+        help="report: the benches' JSON, one SUITE.json each (docs/bench)",
+    )
+    bench.add_argument(
+        "--out",
+        type=Path,
+        default=Path("docs/performance.md"),
+        help="report: the page to write (docs/performance.md)",
+    )
 
     registry_server.add_parser(sub)
     local_cluster.add_parsers(sub)
@@ -74,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
             return registry_server.run(args)
         if args.command == "generate":
             return generate.run_generate(args)
+        if args.suite == "report":
+            from loraplex.benchmarks.performance_page import run_report
+
+            return run_report(args)
         if args.suite == "registry":
             from loraplex.benchmarks.registry import run_bench
         elif args.suite == "router":

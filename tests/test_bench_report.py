@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
+from loraplex.benchmarks.performance_page import SUITES, read_runs, render
 from loraplex.benchmarks.report import write_json
 
 
@@ -32,4 +34,44 @@ def test_finite_figures_are_written_unchanged(tmp_path):
     path = tmp_path / "bench.json"
     results = {"a": [1, 2.5, None], "b": {"c": True}}
     write_json(path, results)
-    assert json.loads(path.read_text(), parse_constant=_refuse) == results
+    written = json.loads(path.read_text(), parse_constant=_refuse)
+    assert written.pop("run")  # how the run went (the next test)
+    assert written == results
+
+
+def test_a_bench_json_says_how_its_run_went(tmp_path):
+    path = tmp_path / "bench.json"
+    write_json(path, {"ratio": 1.5})
+    run = json.loads(path.read_text())["run"]
+    assert run["command"].startswith("loraplex")
+    assert run["cpus"] >= 1 and set(run["load_average"]) == {"before", "after"}
+    assert run["date"][:2] == "20"
+
+
+def test_the_performance_page_is_the_committed_json_rendered():
+    """docs/performance.md is generated (`loraplex bench report`): edited by hand, or the
+    JSON changed without regenerating it, this fails."""
+    root = Path(__file__).resolve().parents[1]
+    runs = read_runs(root / "docs" / "bench")
+    assert (root / "docs" / "performance.md").read_text() == render(runs)
+
+
+def test_the_headline_table_marks_targets_and_runs(tmp_path):
+    (tmp_path / "registry.json").write_text(
+        json.dumps(
+            {
+                "register_per_s": 2000.0,
+                "propagation_p99_ms": 80.0,
+                "quick": True,
+                "run": {"date": "2026-11-26T18:00:00+00:00", "load_average": {"before": 1.0}},
+            }
+        )
+    )
+    page = render(read_runs(tmp_path))
+    rows = {line.split(" | ")[0]: line for line in page.splitlines() if line.startswith("| `")}
+    assert "| 2,000 | >= 500 | yes |" in rows["| `registry` `register_per_s`"]
+    assert "| 80 | <= 50 | **no** |" in rows["| `registry` `propagation_p99_ms`"]
+    assert "not in this run" in rows["| `registry` `restart_resync_s`"]
+    assert "2026-11-26 quick" in rows["| `registry` `register_per_s`"]
+    assert "not run" in rows["| `engine` `speedup_vs_peft`"]
+    assert all(f"### {suite}" in page for suite in SUITES)

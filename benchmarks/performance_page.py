@@ -72,7 +72,7 @@ HEADLINES = [
 
 METHODS = {
     "engine": """\
-`loraplex bench engine` (`benchmarks/engine.py`). A Llama-shaped model of 101M parameters
+`loraplex bench engine` (`benchmarks/engine/bench.py`). A Llama-shaped model of 101M parameters
 (hidden 768, 12 layers, GQA 12/4) with random weights (`--quick`: 26M), and the real demo
 model SmolLM2-135M-Instruct. `speedup_vs_peft`: the same requests (lengths from the Azure
 conv trace, adapters drawn Zipf-like from 32 of ranks 8–64) through loraplex's continuous
@@ -84,19 +84,19 @@ tp = 1, bytes rank 0 sends. `prefix.*`: 16 tenants with long system prompts, cac
 off on the same arrivals. `detok.*`: the output path's time per token at 2,000 ÷ at 20
 output tokens.""",
     "registry": """\
-`loraplex bench registry` (`benchmarks/registry.py`): a real etcd on loopback with fsync on;
+`loraplex bench registry` (`benchmarks/registry/bench.py`): a real etcd on loopback with fsync on;
 registrations with 8 in flight, the time from a registration's commit to its event at each
 of 8 watchers, and a new watcher's full snapshot of 10,000 adapters.""",
     "sched": """\
-`loraplex bench sched` (`benchmarks/sched.py`): seed 004's experiment (Chameleon) in the
+`loraplex bench sched` (`benchmarks/sched/bench.py`): seed 004's experiment (Chameleon) in the
 simulator, on the real scheduler, adapter cache and queue math of `replica/`, against S-LoRA
-modelled from its source (`benchmarks/sim_slora.py` cites the functions), on arrivals from
+modelled from its source (`benchmarks/peers/slora.py` cites the functions), on arrivals from
 the Azure conv trace with adapters of ranks 8–128; each load is a fresh draw per seed, and
 reductions are 1 − loraplex's P99 (P50) TTFT ÷ S-LoRA's at the high load. Throughput at the
 SLO is the highest load each system sustains within it. The engine section replays the same
 arrivals through the real engine with a CPU cost profile.""",
     "router": """\
-`loraplex bench router` (`benchmarks/router.py`): a real local Ray and etcd, three Serve apps
+`loraplex bench router` (`benchmarks/router/bench.py`): a real local Ray and etcd, three Serve apps
 side by side — the affinity router, Ray Serve's power of two and Ray Serve multiplexing —
 each of 3 replicas of a tiny Llama on the shared cores, 300 adapters of ranks 8–128 read from
 a store paced like a network one. Poisson arrivals at fractions of the measured capacity;
@@ -104,7 +104,7 @@ goodput is the highest offered rate whose p99 TTFT meets the SLO (5 × the unloa
 `goodput_ratio_vs_best_ray_router` divides affinity's by the better Ray router's. Fairness:
 tenant A floods, tenant B's p99 TTFT ÷ B alone.""",
     "fleet": """\
-`loraplex bench fleet` (`benchmarks/fleet.py`): the same comparison at fleet scale in the
+`loraplex bench fleet` (`benchmarks/fleet/bench.py`): the same comparison at fleet scale in the
 simulator — 16 × H100 serving a 7B model, 2,000–10,000 adapters — whose replicas are the real
 adapter cache and scheduler and whose routers are the real affinity policy and Ray Serve's
 routers modelled from Ray 2.60's source; `validation.*` compares the simulator configured

@@ -95,15 +95,15 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_report(args)
         if args.suite == "registry":
-            from loraplex.benchmarks.registry import run_bench
+            from loraplex.benchmarks.registry.bench import run_bench
         elif args.suite == "router":
-            from loraplex.benchmarks.router_suite import run_bench
+            from loraplex.benchmarks.router.suite import run_bench
         elif args.suite == "sched":
-            from loraplex.benchmarks.sched import run_bench
+            from loraplex.benchmarks.sched.bench import run_bench
         elif args.suite == "fleet":
-            from loraplex.benchmarks.fleet import run_bench
+            from loraplex.benchmarks.fleet.bench import run_bench
         else:
-            from loraplex.benchmarks.engine import run_bench
+            from loraplex.benchmarks.engine.bench import run_bench
         return run_bench(args)
     except CLIError as e:
         print(f"loraplex: error: {e}", file=sys.stderr)

@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 tree=$(mktemp -d)
 trap 'rm -rf "$tree"' EXIT
 mkdir "$tree/loraplex"
-for f in loraplex_pkg/*.py; do ln -s "$PWD/$f" "$tree/loraplex/"; done
+for f in common/*.py; do ln -s "$PWD/$f" "$tree/loraplex/"; done
 for p in cluster demo replica router registry kernels benchmarks; do ln -s "$PWD/$p" "$tree/loraplex/$p"; done
 MYPYPATH="$tree" .venv/bin/mypy \
   -p loraplex.router.policy \

@@ -9,13 +9,13 @@ from dataclasses import replace
 
 import pytest
 
-from loraplex.benchmarks.router_figures import print_table
+from loraplex.benchmarks.router.figures import print_table
 from loraplex.registry.etcd_process import find_etcd_binary
 
 pytest.importorskip("ray")
 
-from loraplex.benchmarks import router as bench_router  # noqa: E402 (after the Ray check)
-from loraplex.benchmarks import router_fairness as bench_fairness  # noqa: E402
+from loraplex.benchmarks.router import bench as bench_router  # noqa: E402 (after the Ray check)
+from loraplex.benchmarks.router import fairness as bench_fairness  # noqa: E402
 
 SMALL = replace(
     bench_router.QUICK,
@@ -88,7 +88,7 @@ def test_prefix_section_serves_every_turn_and_reports_every_key():
     """4 tenants, one chat of 2 turns each; every key of the full section. The replicas'
     own counters must show the second turns' prefixes found (a turn's prompt starts with
     the whole earlier turn), whatever the router: the section measures something real."""
-    from loraplex.benchmarks import router_prefix
+    from loraplex.benchmarks.router import prefix as router_prefix
 
     w = router_prefix.PrefixWorkload(
         base=replace(SMALL, num_adapters=4, adapters_per_replica=2, prompt_tokens=(64, 200)),

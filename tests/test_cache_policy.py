@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.benchmarks.sim_replica import AdapterMeta, SimClock, SimLayout, SimLink
+from loraplex.benchmarks.sim.replica import AdapterMeta, SimClock, SimLayout, SimLink
 from loraplex.replica.memory.adapter_cache import AdapterCache, CacheConfig
 from loraplex.replica.memory.eviction import GDSF, LRU, AdapterUsage, WeightedScore, make_eviction
 from loraplex.replica.memory.pool import PageKind, UnifiedPool

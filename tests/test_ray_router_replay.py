@@ -1,4 +1,4 @@
-"""The simulator's model of Ray Serve's routers (benchmarks/ray_routers.py) against the real
+"""The simulator's model of Ray Serve's routers (benchmarks/peers/ray_routers.py) against the real
 thing: one request sequence through Ray 2.60's default router on a local Serve app of
 multiplexed replicas, and through the model fed the same sequence. Where the model says
 the choice is deterministic (one replica could win) Ray must pick that replica; elsewhere
@@ -17,7 +17,7 @@ from collections import Counter
 
 import pytest
 
-from loraplex.benchmarks.ray_routers import (
+from loraplex.benchmarks.peers.ray_routers import (
     MultiplexLRU,
     RayRouterModel,
     RaySettings,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from loraplex.benchmarks.sim_replica import AdapterMeta, SimLayout
+from loraplex.benchmarks.sim.replica import AdapterMeta, SimLayout
 from loraplex.replica.memory.adapter_cache import AdapterCache, CacheConfig
 from loraplex.replica.memory.kv_cache import KVCache
 from loraplex.replica.memory.pool import UnifiedPool

@@ -47,9 +47,9 @@ NOT_SETTINGS = {
     "WorkLimits": "what one registry worker call gets, made from RegistrySettings' "
     "work_timeout_s and work_memory_bytes by its work_limits()",
     "RaySettings": "Ray Serve's own deployment options and router constants, as the bench's "
-    "model of Ray's routers (benchmarks/ray_routers.py) takes them",
+    "model of Ray's routers (benchmarks/peers/ray_routers.py) takes them",
     "SLoRAConfig": "S-LoRA's server flags in the benchmark's model of S-LoRA "
-    "(benchmarks/sim_slora.py), not loraplex's",
+    "(benchmarks/peers/slora.py), not loraplex's",
 }
 
 

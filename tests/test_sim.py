@@ -9,10 +9,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from loraplex.benchmarks import sched_sim, sched_systems
-from loraplex.benchmarks.sim_profiles import StepLoad, a40_llama7b, fit_linear
-from loraplex.benchmarks.sim_run import simulate
-from loraplex.benchmarks.sim_workload import (
+from loraplex.benchmarks.sched import sim as sched_sim
+from loraplex.benchmarks.sched import systems as sched_systems
+from loraplex.benchmarks.sim.profiles import StepLoad, a40_llama7b, fit_linear
+from loraplex.benchmarks.sim.run import simulate
+from loraplex.benchmarks.sim.workload import (
     AdapterSpec,
     SimRequest,
     paper_adapters,

@@ -9,13 +9,13 @@ from collections import Counter
 
 import pytest
 
-from loraplex.benchmarks import fleet as bench_fleet
-from loraplex.benchmarks import fleet_workloads as fw
-from loraplex.benchmarks.sim_fleet import ROUTERS, FleetSetup, FleetSim, simulate_fleet
-from loraplex.benchmarks.sim_fleet_replica import StoreLink, StoreModel
-from loraplex.benchmarks.sim_profiles import GiB, StepLoad, gpu_profile
-from loraplex.benchmarks.sim_replica import SimClock, System
-from loraplex.benchmarks.sim_workload import SimRequest, read_trace
+from loraplex.benchmarks.fleet import bench as bench_fleet
+from loraplex.benchmarks.fleet import workloads as fw
+from loraplex.benchmarks.sim.fleet import ROUTERS, FleetSetup, FleetSim, simulate_fleet
+from loraplex.benchmarks.sim.fleet_replica import StoreLink, StoreModel
+from loraplex.benchmarks.sim.profiles import GiB, StepLoad, gpu_profile
+from loraplex.benchmarks.sim.replica import SimClock, System
+from loraplex.benchmarks.sim.workload import SimRequest, read_trace
 from loraplex.replica.memory.adapter_cache import CacheConfig
 from loraplex.replica.scheduling.scheduler import SchedulerConfig
 from loraplex.router.policy import AffinityConfig

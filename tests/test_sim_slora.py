@@ -24,9 +24,9 @@ from dataclasses import replace
 
 import pytest
 
-from loraplex.benchmarks.sim_profiles import StepLoad, a40_llama7b
-from loraplex.benchmarks.sim_slora import SLoRAConfig, SLoRAQueue, SLoRAReplica, SReq, _peak_kv
-from loraplex.benchmarks.sim_workload import AdapterSpec, SimRequest
+from loraplex.benchmarks.peers.slora import SLoRAConfig, SLoRAQueue, SLoRAReplica, SReq, _peak_kv
+from loraplex.benchmarks.sim.profiles import StepLoad, a40_llama7b
+from loraplex.benchmarks.sim.workload import AdapterSpec, SimRequest
 
 SLOT = 512 * 1024  # Llama-7B: K and V of one token, 32 layers x 4096 x fp16
 PROFILE = replace(a40_llama7b(), pool_bytes=1000 * SLOT)  # 1000 token slots

@@ -196,7 +196,7 @@ def test_generate_with_tp2_writes_what_tp1_writes(demo_assets, tmp_path: Path):
 def test_bench_reports_the_tp_figures(tmp_path: Path):
     from test_bench_smoke import TINY
 
-    from loraplex.benchmarks import engine as bench_engine
+    from loraplex.benchmarks.engine import bench as bench_engine
 
     model_dir, heavy, light, _ = bench_engine._build_assets(tmp_path, TINY.model)
     tp = bench_engine._tensor_parallel(model_dir, heavy, light, TINY)

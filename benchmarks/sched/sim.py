@@ -22,12 +22,12 @@ from pathlib import Path
 import numpy as np
 
 from loraplex.benchmarks.report import log
-from loraplex.benchmarks.sched_scenarios import Scenario, scenario_requests, shape_trace
-from loraplex.benchmarks.sched_systems import SYSTEM_NAMES, systems
-from loraplex.benchmarks.sim_profiles import a40_llama7b
-from loraplex.benchmarks.sim_replica import System
-from loraplex.benchmarks.sim_run import Result, simulate
-from loraplex.benchmarks.sim_workload import Trace, paper_adapters, read_trace, replay_requests
+from loraplex.benchmarks.sched.scenarios import Scenario, scenario_requests, shape_trace
+from loraplex.benchmarks.sched.systems import SYSTEM_NAMES, systems
+from loraplex.benchmarks.sim.profiles import a40_llama7b
+from loraplex.benchmarks.sim.replica import System
+from loraplex.benchmarks.sim.run import Result, simulate
+from loraplex.benchmarks.sim.workload import Trace, paper_adapters, read_trace, replay_requests
 
 # seed 004 §5.2: loads as multiples of the load at which S-LoRA crosses the SLO (8.6 RPS)
 PAPER_LOADS = {"low": 6 / 8.6, "medium": 8 / 8.6, "high": 9 / 8.6}

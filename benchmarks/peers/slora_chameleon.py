@@ -1,6 +1,6 @@
 """Chameleon as seed 004 built it: on S-LoRA (§5.1, "We implement Chameleon on top of ...
 S-LoRA"). S-LoRA's step loop, token-slot pool, loading and prefetch
-(benchmarks/sim_slora.py) stay; two parts are Chameleon's, run by the code loraplex runs:
+(benchmarks/peers/slora.py) stay; two parts are Chameleon's, run by the code loraplex runs:
 
 - Admission: S-LoRA's FIFO `ReqQueue` is replaced by Chameleon's multi-level queues
   (replica/scheduling/chameleon.py: WRS, K-means cut-offs, M/M/1 quotas, two-phase
@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from loraplex.benchmarks.sim_slora import (
+from loraplex.benchmarks.peers.slora import (
     SLoRAConfig,
     SLoRAReplica,
     SReq,
     _peak_kv,
     queue_head,
 )
-from loraplex.benchmarks.sim_workload import AdapterSpec
+from loraplex.benchmarks.sim.workload import AdapterSpec
 from loraplex.replica.memory.eviction import AdapterUsage, WeightedScore
 from loraplex.replica.sampling import SamplingParams
 from loraplex.replica.scheduling.chameleon import Chameleon, ChameleonParams

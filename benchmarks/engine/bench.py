@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from loraplex.benchmarks.engine_prefix import print_prefix, run_prefix
+from loraplex.benchmarks.engine.prefix import print_prefix, run_prefix
 from loraplex.benchmarks.report import log, write_json
 from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
 from loraplex.replica.config import EngineConfig

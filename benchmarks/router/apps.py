@@ -22,7 +22,7 @@ from loraplex.replica.protocol import sampling_params as to_sampling_params
 from loraplex.router.settings import RouterSettings
 
 if TYPE_CHECKING:
-    from loraplex.benchmarks.router_workload import Workload
+    from loraplex.benchmarks.router.workload import Workload
 
 REPLICA_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # 3 engines share 2 cores
 

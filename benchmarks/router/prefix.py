@@ -41,11 +41,11 @@ from typing import Any
 import numpy as np
 
 from loraplex.benchmarks.report import log
-from loraplex.benchmarks.router import ROUTERS
-from loraplex.benchmarks.router_apps import build_app
-from loraplex.benchmarks.router_assets import TENANT, bench_cluster
-from loraplex.benchmarks.router_runs import counters
-from loraplex.benchmarks.router_workload import Workload
+from loraplex.benchmarks.router.apps import build_app
+from loraplex.benchmarks.router.assets import TENANT, bench_cluster
+from loraplex.benchmarks.router.bench import ROUTERS
+from loraplex.benchmarks.router.runs import counters
+from loraplex.benchmarks.router.workload import Workload
 from loraplex.replica.protocol import GenerateRequest
 from loraplex.router.serve_backend import ServeBackend
 

@@ -9,7 +9,7 @@ Two deployments, as the real bench runs them:
                first request here (concurrent requests wait for one read), then stays in
                the host tier within `host_bytes` (least recently used dropped, read again
                inside the device load that needs it: AdapterCache's disk tier)
-    multiplex  benchmarks/router_apps.py MultiplexedReplica under Ray's `@serve.multiplexed`:
+    multiplex  benchmarks/router/apps.py MultiplexedReplica under Ray's `@serve.multiplexed`:
                a per-replica LRU of `models_per_replica` adapters, loaded one at a time,
                each load a read into the engine under a name of its own; an evicted one
                leaves the engine when its last request ends
@@ -25,15 +25,15 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from loraplex.benchmarks.ray_routers import MultiplexLRU
-from loraplex.benchmarks.sim_replica import (
+from loraplex.benchmarks.peers.ray_routers import MultiplexLRU
+from loraplex.benchmarks.sim.replica import (
     AdapterMeta,
     SimClock,
     SimLink,
     SimReplica,
     System,
 )
-from loraplex.benchmarks.sim_workload import AdapterSpec, SimRequest
+from loraplex.benchmarks.sim.workload import AdapterSpec, SimRequest
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,7 @@ Three Serve apps run side by side, each `num_replicas` replicas of one engine co
     affinity   ReplicaDeployment behind AffinityRequestRouter (replica/deployment.py)
     pow2       the same deployment behind Ray Serve's default power-of-two-choices router
     multiplex  MultiplexedReplica: the same engine, adapters loaded by `@serve.multiplexed`,
-               Serve's multiplex routing (benchmarks/router_apps.py)
+               Serve's multiplex routing (benchmarks/router/apps.py)
 
 Every engine has the same device pool (a full batch's KV plus `adapters_per_replica`
 adapters of mean size) and reads adapters through the artifact read model (`read_*`,
@@ -16,7 +16,7 @@ Sync replicas keep `host_adapters_per_replica` adapters of mean size in their ho
 multiplexed ones keep as many models (max_num_models_per_replica). Serve's
 max_ongoing_requests is 2 x max_num_seqs for all three.
 
-Workloads (benchmarks/fleet_workloads.py) over one registered catalog (`num_adapters`,
+Workloads (benchmarks/fleet/workloads.py) over one registered catalog (`num_adapters`,
 ranks 8-128, targets in turn), each with its own popularity order: zipf, hot, shift,
 failover (a replica killed a third of the way through each run; Serve replaces it).
 Arrivals are Poisson. For each workload the three apps first take a warm-up stream (one
@@ -25,7 +25,7 @@ offered rate, the rates ascending and the routers interleaved at each rate, so a
 see the same machine load. A run's figures are its requests' and the replicas' counters
 over it.
 
-Before the runs one engine of the replicas' configuration measures (benchmarks/router_costs.py)
+Before the runs one engine of the replicas' configuration measures (benchmarks/router/costs.py)
 the costs the affinity router is told and the unloaded TTFT (a request alone on an idle
 engine that reads its adapter from the store); the offered rates are fractions of the
 capacity the first app shows on a saturating burst of base-model requests.
@@ -36,7 +36,7 @@ and copying adapters, affinity / the lower Ray router), loads_vs_floor (device l
 distinct adapters requested; below 1 where the warm-up left adapters resident); failover:
 recovery_s, streams_failed, requests_lost.
 
-Section `fairness` (benchmarks/router_fairness.py): a tenant flooding at ten times its share
+Section `fairness` (benchmarks/router/fairness.py): a tenant flooding at ten times its share
 beside one within it, through the ingress and one replica; `fairness.b_p99_ttft_ratio`.
 """
 
@@ -50,13 +50,13 @@ from typing import Any
 
 import numpy as np
 
-from loraplex.benchmarks import fleet_workloads as fw
+from loraplex.benchmarks.fleet import workloads as fw
 from loraplex.benchmarks.report import log
-from loraplex.benchmarks.router_apps import build_app
-from loraplex.benchmarks.router_assets import BenchCluster, bench_cluster
-from loraplex.benchmarks.router_costs import ordinary_ids
-from loraplex.benchmarks.router_figures import run_figures, summary
-from loraplex.benchmarks.router_runs import (
+from loraplex.benchmarks.router.apps import build_app
+from loraplex.benchmarks.router.assets import BenchCluster, bench_cluster
+from loraplex.benchmarks.router.costs import ordinary_ids
+from loraplex.benchmarks.router.figures import run_figures, summary
+from loraplex.benchmarks.router.runs import (
     BenchRequest,
     counters,
     delta,
@@ -64,7 +64,7 @@ from loraplex.benchmarks.router_runs import (
     kill_one,
     wait_for_replicas,
 )
-from loraplex.benchmarks.router_workload import Workload
+from loraplex.benchmarks.router.workload import Workload
 from loraplex.demo.synthetic import ModelSpec
 from loraplex.router.serve_backend import ServeBackend
 

@@ -1,5 +1,5 @@
 """Runs a workload through simulated replicas and summarises what they did: loraplex's
-engine (benchmarks/sim_replica.py) or S-LoRA's (benchmarks/sim_slora.py), one or N
+engine (benchmarks/sim/replica.py) or S-LoRA's (benchmarks/peers/slora.py), one or N
 replicas behind a dispatch policy."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from loraplex.benchmarks.sim_replica import SimReplica, System
-from loraplex.benchmarks.sim_slora import SLoRAReplica
-from loraplex.benchmarks.sim_slora_chameleon import ChameleonOnSLoRA
-from loraplex.benchmarks.sim_workload import AdapterSpec, SimRequest
+from loraplex.benchmarks.peers.slora import SLoRAReplica
+from loraplex.benchmarks.peers.slora_chameleon import ChameleonOnSLoRA
+from loraplex.benchmarks.sim.replica import SimReplica, System
+from loraplex.benchmarks.sim.workload import AdapterSpec, SimRequest
 
 Replica = SimReplica | SLoRAReplica
 

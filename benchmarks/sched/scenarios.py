@@ -21,7 +21,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from loraplex.benchmarks.sim_workload import AdapterSpec, SimRequest, Trace, poisson_requests
+from loraplex.benchmarks.sim.workload import AdapterSpec, SimRequest, Trace, poisson_requests
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ memory time (base weights, the KV the decode rows read, the adapters' weights) a
 base compute time, plus the LoRA compute, which S-LoRA-style kernels run far below peak.
 `LinearProfile` is fitted to steps of the real engine on this machine (least squares).
 Both answer `step_time(StepLoad)`; adapter loads cost setup + bytes / link bandwidth, the
-link shared by concurrent loads (benchmarks/sim_replica.py `SimLink`).
+link shared by concurrent loads (benchmarks/sim/replica.py `SimLink`).
 """
 
 from __future__ import annotations

@@ -52,9 +52,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loraplex.benchmarks.sim_profiles import StepLoad
-from loraplex.benchmarks.sim_replica import Record, ReplicaCounters, SimClock, SimLink
-from loraplex.benchmarks.sim_workload import AdapterSpec, SimRequest
+from loraplex.benchmarks.sim.profiles import StepLoad
+from loraplex.benchmarks.sim.replica import Record, ReplicaCounters, SimClock, SimLink
+from loraplex.benchmarks.sim.workload import AdapterSpec, SimRequest
 
 COPIES_PER_LOAD = 2  # load_lora_A and load_lora_B each copy w_combined (A and B)
 

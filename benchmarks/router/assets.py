@@ -14,11 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from loraplex.benchmarks import fleet_workloads as fw
-from loraplex.benchmarks.engine import SERVING_TARGETS
+from loraplex.benchmarks.engine.bench import SERVING_TARGETS
+from loraplex.benchmarks.fleet import workloads as fw
 from loraplex.benchmarks.report import log
-from loraplex.benchmarks.router_costs import measure_router_costs
-from loraplex.benchmarks.router_figures import PAGE_BYTES
+from loraplex.benchmarks.router.costs import measure_router_costs
+from loraplex.benchmarks.router.figures import PAGE_BYTES
 from loraplex.demo.lean_ray import lean_ray_serve
 from loraplex.demo.synthetic import AdapterSpec, write_adapter, write_checkpoint
 from loraplex.registry.artifacts import ArtifactStore
@@ -31,7 +31,7 @@ from loraplex.replica.model.config import ModelConfig
 from loraplex.replica.protocol import adapter_id
 
 if TYPE_CHECKING:
-    from loraplex.benchmarks.router_workload import Workload
+    from loraplex.benchmarks.router.workload import Workload
 
 TENANT = "bench"
 

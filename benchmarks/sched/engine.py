@@ -1,6 +1,6 @@
 """The engine section of `loraplex bench sched`: the real `LLMEngine` on this CPU serving a
 heterogeneous many-adapter workload under every system, side by side in one run; `slora`
-and `chameleon` run S-LoRA's rules on it (benchmarks/slora_engine.py).
+and `chameleon` run S-LoRA's rules on it (benchmarks/peers/slora_engine.py).
 
 A small Llama model, 30 adapters (ranks 8-128, six each, q/k/v/o), trace lengths scaled
 down, Poisson arrivals. The SLO is 5x the mean time of a request served alone by slora.
@@ -39,21 +39,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from loraplex.benchmarks.engine import DEFAULT_TRACE
+from loraplex.benchmarks.engine.bench import DEFAULT_TRACE
+from loraplex.benchmarks.peers.slora import COPIES_PER_LOAD, SLoRAConfig
+from loraplex.benchmarks.peers.slora_engine import SLoRAScheduler
 from loraplex.benchmarks.report import log
-from loraplex.benchmarks.sched_sim import PAPER_LOADS
-from loraplex.benchmarks.sim_profiles import LinearProfile, StepLoad, fit_linear
-from loraplex.benchmarks.sim_replica import SimClock, System
-from loraplex.benchmarks.sim_run import simulate
-from loraplex.benchmarks.sim_slora import COPIES_PER_LOAD, SLoRAConfig
-from loraplex.benchmarks.sim_workload import (
+from loraplex.benchmarks.sched.sim import PAPER_LOADS
+from loraplex.benchmarks.sim.profiles import LinearProfile, StepLoad, fit_linear
+from loraplex.benchmarks.sim.replica import SimClock, System
+from loraplex.benchmarks.sim.run import simulate
+from loraplex.benchmarks.sim.workload import (
     RANKS,
     AdapterSpec,
     SimRequest,
     pick_adapters,
     read_trace,
 )
-from loraplex.benchmarks.slora_engine import SLoRAScheduler
 from loraplex.demo.synthetic import AdapterSpec as AdapterFiles
 from loraplex.demo.synthetic import ModelSpec, write_adapter, write_checkpoint
 from loraplex.replica.config import EngineConfig
@@ -90,7 +90,7 @@ FULL = EngineShape(requests=200, table_draws=2, slora_draws=5)
 
 
 def engine_section(shape: EngineShape) -> dict:
-    from loraplex.benchmarks.sched_systems import SYSTEM_NAMES, systems
+    from loraplex.benchmarks.sched.systems import SYSTEM_NAMES, systems
 
     torch.manual_seed(0)
     n_requests = shape.requests

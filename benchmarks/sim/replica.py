@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.benchmarks.sim_profiles import StepLoad
-from loraplex.benchmarks.sim_workload import AdapterSpec, SimRequest
+from loraplex.benchmarks.sim.profiles import StepLoad
+from loraplex.benchmarks.sim.workload import AdapterSpec, SimRequest
 from loraplex.replica.memory.adapter_cache import AdapterCache, CacheConfig
 from loraplex.replica.memory.kv_cache import KVCache
 from loraplex.replica.memory.pool import UnifiedPool
@@ -123,7 +123,7 @@ class SimLink:
 @dataclass(frozen=True, slots=True)
 class System:
     """What one simulated replica runs: loraplex's engine (`scheduler` and `cache` drive
-    the real Scheduler and AdapterCache), or S-LoRA's (`slora`: benchmarks/sim_slora.py)."""
+    the real Scheduler and AdapterCache), or S-LoRA's (`slora`: benchmarks/peers/slora.py)."""
 
     name: str
     scheduler: SchedulerConfig

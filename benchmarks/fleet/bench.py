@@ -1,8 +1,8 @@
 """`loraplex bench fleet`: the affinity router against Ray Serve's routers at fleet scale, in
-the fleet simulator (benchmarks/sim_fleet.py), and the simulator checked against a real run.
+the fleet simulator (benchmarks/sim/fleet.py), and the simulator checked against a real run.
 
 Fleet (stated values, FULL / QUICK):
-    profile      H100 SXM5 80GB + Llama-2-7B fp16 (benchmarks/sim_profiles.py `gpu_profile`)
+    profile      H100 SXM5 80GB + Llama-2-7B fp16 (benchmarks/sim/profiles.py `gpu_profile`)
     replicas     16 / 8; adapters 2,000 / 500, ranks 8-128 in equal shares, on q/k/v/o
     engine       max_num_seqs 64, 4,096 batched tokens, 32 adapters per batch, FIFO,
                  Chameleon eviction, copies beside the compute
@@ -32,7 +32,7 @@ and the copy; `unloaded_ttft_s`). In this regime any router may have to read an 
 the SLO admits one read without queueing, so what it measures is queueing and repeated
 reads. (Without the read, p99 TTFT sits on the ~1-5% of requests that read an adapter at
 every rate and for every router, and no rate meets it.) Goodput at the SLO: the highest offered rate whose p99 TTFT stays
-within it (benchmarks/goodput.py). Per workload (benchmarks/fleet_workloads.py):
+within it (benchmarks/goodput.py). Per workload (benchmarks/fleet/workloads.py):
     goodput_ratio_vs_best_ray_router       affinity's goodput / the better Ray router's
     load_seconds_ratio_vs_best_ray_router  at the reference rate: replica-seconds spent
                                            loading adapters (store reads and device
@@ -57,9 +57,9 @@ from typing import Any
 
 import numpy as np
 
-from loraplex.benchmarks import fleet_workloads as fw
-from loraplex.benchmarks.engine import DEFAULT_TRACE
-from loraplex.benchmarks.fleet_report import print_table, print_validation, title
+from loraplex.benchmarks.engine.bench import DEFAULT_TRACE
+from loraplex.benchmarks.fleet import workloads as fw
+from loraplex.benchmarks.fleet.report import print_table, print_validation, title
 from loraplex.benchmarks.goodput import (
     SLO_FACTOR,
     comparison,
@@ -70,12 +70,12 @@ from loraplex.benchmarks.goodput import (
     within_slo_rps,
 )
 from loraplex.benchmarks.report import log, write_json
-from loraplex.benchmarks.sim_fleet import ROUTERS, FleetRun, FleetSetup, simulate_fleet
-from loraplex.benchmarks.sim_fleet_replica import StoreModel
-from loraplex.benchmarks.sim_profiles import GiB, StepLoad, gpu_profile
-from loraplex.benchmarks.sim_replica import System
-from loraplex.benchmarks.sim_run import simulate
-from loraplex.benchmarks.sim_workload import AdapterSpec, SimRequest, Trace, read_trace
+from loraplex.benchmarks.sim.fleet import ROUTERS, FleetRun, FleetSetup, simulate_fleet
+from loraplex.benchmarks.sim.fleet_replica import StoreModel
+from loraplex.benchmarks.sim.profiles import GiB, StepLoad, gpu_profile
+from loraplex.benchmarks.sim.replica import System
+from loraplex.benchmarks.sim.run import simulate
+from loraplex.benchmarks.sim.workload import AdapterSpec, SimRequest, Trace, read_trace
 from loraplex.replica.memory.adapter_cache import CacheConfig
 from loraplex.replica.scheduling.scheduler import SchedulerConfig
 from loraplex.router.policy import AffinityConfig
@@ -219,7 +219,7 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def validation(quick: bool) -> dict[str, Any]:
-    """The simulator against a real local run (benchmarks/fleet_validation.py); without an
+    """The simulator against a real local run (benchmarks/fleet/validation.py); without an
     etcd server binary the keys are None and the reason is given."""
     from loraplex.registry.etcd_process import INSTALL_HINT, find_etcd_binary
 
@@ -227,7 +227,7 @@ def validation(quick: bool) -> dict[str, Any]:
         reason = f"no etcd server binary for the real run; install one: {INSTALL_HINT}"
         log(f"validation skipped: {reason}")
         return {"p99_ttft_error": None, "loads_error": None, "skipped": reason}
-    from loraplex.benchmarks.fleet_validation import validate
+    from loraplex.benchmarks.fleet.validation import validate
 
     return validate(quick)
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loraplex.benchmarks.sim_workload import RANKS, AdapterSpec, SimRequest, Trace
+from loraplex.benchmarks.sim.workload import RANKS, AdapterSpec, SimRequest, Trace
 
 WORKLOADS = ("zipf", "hot", "shift", "failover")
 KILL_AT_FRACTION = 1 / 3  # failover: of the run's arrival span

@@ -1,4 +1,4 @@
-"""The router bench's workload shape (benchmarks/router.py drives it; router_apps,
+"""The router bench's workload shape (benchmarks/router/bench.py drives it; router_apps,
 router_assets, router_costs and router_figures read it). Requests and their outcomes are in
 router_runs.py."""
 

@@ -1,7 +1,7 @@
 """The fleet simulator against a real run (`loraplex bench fleet`'s validation keys).
 
 One `loraplex bench router` run of the zipf workload at one rate, the three routers on a
-real local Ray (benchmarks/router.py), then the simulator configured like it: the same
+real local Ray (benchmarks/router/bench.py), then the simulator configured like it: the same
 warm-up and requests (arrivals, adapters, lengths), the same adapters (rank, bytes), pool,
 host tier, read model, Serve settings and router costs, and a CPU profile fitted on this
 machine: the step timings `bench router` recorded on one engine (least squares,
@@ -21,15 +21,15 @@ from typing import Any
 
 import numpy as np
 
-from loraplex.benchmarks import router as bench_router
 from loraplex.benchmarks.report import log
-from loraplex.benchmarks.router_figures import PAGE_BYTES
-from loraplex.benchmarks.sim_fleet import ROUTERS, FleetSetup, simulate_fleet
-from loraplex.benchmarks.sim_fleet_replica import StoreModel
-from loraplex.benchmarks.sim_profiles import LinearProfile, fit_linear
-from loraplex.benchmarks.sim_replica import System
-from loraplex.benchmarks.sim_run import simulate
-from loraplex.benchmarks.sim_workload import AdapterSpec, SimRequest
+from loraplex.benchmarks.router import bench as bench_router
+from loraplex.benchmarks.router.figures import PAGE_BYTES
+from loraplex.benchmarks.sim.fleet import ROUTERS, FleetSetup, simulate_fleet
+from loraplex.benchmarks.sim.fleet_replica import StoreModel
+from loraplex.benchmarks.sim.profiles import LinearProfile, fit_linear
+from loraplex.benchmarks.sim.replica import System
+from loraplex.benchmarks.sim.run import simulate
+from loraplex.benchmarks.sim.workload import AdapterSpec, SimRequest
 from loraplex.replica.memory.adapter_cache import CacheConfig
 from loraplex.replica.scheduling.scheduler import SchedulerConfig
 from loraplex.router.policy import AffinityConfig

@@ -1,11 +1,11 @@
 """The systems `loraplex bench sched` runs side by side on the same arrivals.
 
-On S-LoRA's engine (benchmarks/sim_slora.py: FIFO admission every 10 decode steps with
+On S-LoRA's engine (benchmarks/peers/slora.py: FIFO admission every 10 decode steps with
 memory reserved for the whole output, whole-prompt prefill steps apart from decode,
 adapters loaded on the critical path and prefetched for the queue head):
   slora              S-LoRA as its code does it: adapters freed when no request uses them
   chameleon          Chameleon as seed 004 built it, on S-LoRA: Chameleon's queues (the
-                     policy loraplex runs) and its adapter cache (benchmarks/sim_slora_chameleon.py)
+                     policy loraplex runs) and its adapter cache (benchmarks/peers/slora_chameleon.py)
 On loraplex's engine (chunked prefill beside decode, admission every step, preemption by
 recompute, adapter copies beside the compute, the adapters of the next 8 queued requests
 prefetched) — the ablation against our own FIFO:
@@ -19,8 +19,8 @@ prefetched) — the ablation against our own FIFO:
 
 from __future__ import annotations
 
-from loraplex.benchmarks.sim_replica import System
-from loraplex.benchmarks.sim_slora import SLoRAConfig
+from loraplex.benchmarks.peers.slora import SLoRAConfig
+from loraplex.benchmarks.sim.replica import System
 from loraplex.replica.config import CacheConfig, ChameleonParams, SchedulerConfig
 
 SYSTEM_NAMES = (
@@ -70,7 +70,7 @@ def systems(
     cham = SchedulerConfig(policy="chameleon", chameleon=mlq, **sched)
     return {
         # the cache settings are what S-LoRA's rules need when the real engine runs them
-        # (benchmarks/slora_engine.py); the simulator's S-LoRA keeps its own books
+        # (benchmarks/peers/slora_engine.py); the simulator's S-LoRA keeps its own books
         "slora": System(
             "slora",
             SchedulerConfig(),

@@ -1,6 +1,6 @@
 """S-LoRA's scheduling, run by loraplex's real engine: for the engine section of
 `loraplex bench sched`. It replaces the engine's `Scheduler` (same interface: add,
-schedule, finish, has_work) and follows the rules benchmarks/sim_slora.py models from
+schedule, finish, has_work) and follows the rules benchmarks/peers/slora.py models from
 S-LoRA's code (slora/server/router/manager.py `RouterManager._step`, req_queue.py
 `ReqQueue`, model_infer/infer_adapter.py `InferAdapter`), over the engine's own KV cache
 and adapter cache:
@@ -21,7 +21,7 @@ and adapter cache:
   every idle adapter leaves.
 
 With Chameleon's parameters it is Chameleon as seed 004 built it on S-LoRA (as
-benchmarks/sim_slora_chameleon.py): admission by Chameleon's queues (`ChameleonQueue`),
+benchmarks/peers/slora_chameleon.py): admission by Chameleon's queues (`ChameleonQueue`),
 each pick still passing S-LoRA's memory check, and the cache with keep_idle on.
 """
 
@@ -30,8 +30,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from loraplex.benchmarks.sim_slora import COPIES_PER_LOAD, SLoRAConfig, SLoRAQueue, SReq
-from loraplex.benchmarks.sim_slora_chameleon import ChameleonQueue
+from loraplex.benchmarks.peers.slora import COPIES_PER_LOAD, SLoRAConfig, SLoRAQueue, SReq
+from loraplex.benchmarks.peers.slora_chameleon import ChameleonQueue
 from loraplex.replica.memory.adapter_cache import AdapterCache
 from loraplex.replica.memory.kv_cache import KVCache
 from loraplex.replica.scheduling.chameleon import ChameleonParams

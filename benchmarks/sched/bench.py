@@ -1,12 +1,12 @@
 """`loraplex bench sched`: adapter caching and scheduling — Chameleon's experiment (seed 004
 §5) reproduced against S-LoRA as S-LoRA's code does it, and what loraplex adds on top.
 
-Simulator section (benchmarks/sched_sim.py): the systems of benchmarks/sched_systems.py on
+Simulator section (benchmarks/sched/sim.py): the systems of benchmarks/sched/systems.py on
 the same arrivals, swept over loads and arrival seeds, in a scenario of
-benchmarks/sched_scenarios.py (`--scenario`, default `paper`: seed 004 §5.1's setup), then
+benchmarks/sched/scenarios.py (`--scenario`, default `paper`: seed 004 §5.1's setup), then
 the same keys on the other trace shapes. Any Azure-format trace can drive it (`--trace`).
 
-Engine section (benchmarks/sched_engine.py): the real engine on this CPU, the same systems
+Engine section (benchmarks/sched/engine.py): the real engine on this CPU, the same systems
 at one high load, open-loop arrivals in engine time.
 """
 
@@ -19,14 +19,14 @@ from pathlib import Path
 
 import torch
 
-from loraplex.benchmarks import sched_engine
-from loraplex.benchmarks import sched_sim as sim_sim
-from loraplex.benchmarks.engine import DEFAULT_TRACE
+from loraplex.benchmarks.engine.bench import DEFAULT_TRACE
 from loraplex.benchmarks.report import log, write_json
-from loraplex.benchmarks.sched_engine import EngineShape
-from loraplex.benchmarks.sched_scenarios import SCENARIOS, Scenario
-from loraplex.benchmarks.sched_sim import AGAINST_SLORA as AGAINST
-from loraplex.benchmarks.sched_sim import PAPER, SimShape, shape_of, sim_section
+from loraplex.benchmarks.sched import engine as sched_engine
+from loraplex.benchmarks.sched import sim as sim_sim
+from loraplex.benchmarks.sched.engine import EngineShape
+from loraplex.benchmarks.sched.scenarios import SCENARIOS, Scenario
+from loraplex.benchmarks.sched.sim import AGAINST_SLORA as AGAINST
+from loraplex.benchmarks.sched.sim import PAPER, SimShape, shape_of, sim_section
 
 TARGETS = {
     "vs_slora.p99_ttft_reduction_high_load": "within 25% of 0.807",
@@ -97,7 +97,7 @@ def collect(
         results["engine"] = sched_engine.engine_section(bench.engine)
         results["engine_p99_ttft_reduction"] = results["engine"]["p99_ttft_reduction"]
     if plot is not None:
-        from loraplex.benchmarks.sched_plot import plot_p99_ttft
+        from loraplex.benchmarks.sched.plot import plot_p99_ttft
 
         results["plot"] = str(plot_p99_ttft(sim, plot))
         log(f"plot: {results['plot']}")

@@ -8,9 +8,12 @@ import argparse
 import time
 from pathlib import Path
 
-from loraplex.benchmarks import router, router_fairness, router_figures, router_prefix
 from loraplex.benchmarks.goodput import plot_goodput
 from loraplex.benchmarks.report import log, write_json
+from loraplex.benchmarks.router import bench as router
+from loraplex.benchmarks.router import fairness as router_fairness
+from loraplex.benchmarks.router import figures as router_figures
+from loraplex.benchmarks.router import prefix as router_prefix
 from loraplex.registry.etcd_process import INSTALL_HINT, find_etcd_binary
 
 

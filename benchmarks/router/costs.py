@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from loraplex.benchmarks.engine import decode_batch, interleaved
-from loraplex.benchmarks.sim_profiles import StepLoad
+from loraplex.benchmarks.engine.bench import decode_batch, interleaved
+from loraplex.benchmarks.sim.profiles import StepLoad
 from loraplex.replica.config import build_engine_config
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.sampling import SamplingParams
 
 if TYPE_CHECKING:
-    from loraplex.benchmarks.router_workload import Workload
+    from loraplex.benchmarks.router.workload import Workload
 
 
 def measure_router_costs(

@@ -14,11 +14,11 @@ from loraplex.benchmarks.goodput import (
     recovery_s,
     within_slo_rps,
 )
-from loraplex.benchmarks.router_workload import workload_dict
+from loraplex.benchmarks.router.workload import workload_dict
 
 if TYPE_CHECKING:
-    from loraplex.benchmarks.router_runs import Outcome
-    from loraplex.benchmarks.router_workload import Workload
+    from loraplex.benchmarks.router.runs import Outcome
+    from loraplex.benchmarks.router.workload import Workload
 
 PAGE_BYTES = 64 * 1024
 RECOVERY_WINDOW_S = 5.0

@@ -1,4 +1,4 @@
-"""The fleet simulator: N replicas (benchmarks/sim_fleet_replica.py, each the replica
+"""The fleet simulator: N replicas (benchmarks/sim/fleet_replica.py, each the replica
 simulator with a stated GPU profile) behind one Serve router, in simulated time.
 
 Routers:
@@ -7,7 +7,7 @@ Routers:
                below max_ongoing_requests taken; stats published every stats_period_s and
                delivered stats_delay_s later (their age is what the policy is told);
                queue lengths are the router's own count, as Serve's cache gives it
-    pow2       Ray Serve's default router (benchmarks/ray_routers.py) over sync replicas,
+    pow2       Ray Serve's default router (benchmarks/peers/ray_routers.py) over sync replicas,
                which report no model ids: power of two on queue length
     multiplex  the same router over `@serve.multiplexed` replicas, whose model ids reach
                the router 0.1 s (the push interval) + model_ids_delay_s after they change
@@ -38,16 +38,16 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from loraplex.benchmarks.ray_routers import (
+from loraplex.benchmarks.peers.ray_routers import (
     MAX_ROUTING_TASKS,
     PUSH_MODEL_IDS_INTERVAL_S,
     RayRouterModel,
     RaySettings,
     RoutingContext,
 )
-from loraplex.benchmarks.sim_fleet_replica import FleetReplica, StoreModel
-from loraplex.benchmarks.sim_replica import System
-from loraplex.benchmarks.sim_workload import AdapterSpec, SimRequest
+from loraplex.benchmarks.sim.fleet_replica import FleetReplica, StoreModel
+from loraplex.benchmarks.sim.replica import System
+from loraplex.benchmarks.sim.workload import AdapterSpec, SimRequest
 from loraplex.router.policy import AffinityConfig, AffinityPolicy
 from loraplex.router.routing_stats import ReplicaStats
 

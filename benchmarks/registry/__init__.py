@@ -1,0 +1,1 @@
+"""`loraplex bench registry`: registrations, propagation and resync on a real etcd."""

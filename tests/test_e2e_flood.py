@@ -1,0 +1,195 @@
+"""Issue 27, item 1: one tenant's flood, within its limits, does not starve another tenant.
+
+`loraplex up` (a real etcd, a real local Ray head, Serve's proxy, the ingress and one replica
+of the demo model with 8 batch slots, on 127.0.0.1) in a subprocess, spoken to over HTTP.
+Tenant `demo` opens 64 streams of 256 tokens (`ignore_eos`), well inside its default 256
+requests in flight; tenant `b` sends short streamed completions one after the other, first
+alone, then while the flood runs. Measured: b's time to first token (TTFT, from sending the
+request to its first streamed event).
+
+Before the fix each replica accepted only `max_num_seqs` requests: the flood held every
+slot, b's requests waited in Serve's router (which knows no tenants) behind the flood, and
+its TTFT went from ~0.1 s to tens of seconds (here: each probe runs into PROBE_TIMEOUT_S).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import time
+from collections.abc import Iterator
+
+import httpx
+import numpy as np
+import pytest
+import yaml
+from test_e2e_cluster import loraplex, stop_cluster
+
+from loraplex.cluster.state import read_state
+from loraplex.demo.assets import DemoAssets
+from loraplex.net import free_port
+from loraplex.registry.etcd_process import INSTALL_HINT, find_etcd_binary
+
+pytestmark = [pytest.mark.ray, pytest.mark.etcd]
+
+MODEL_ID = "flood-demo"
+SLOTS = 8
+FLOOD_STREAMS = 64
+FLOOD_TOKENS = 256
+PROBES = 20
+SETTLE_S = 3.0  # every flood request has reached the replica's queue
+PROBE_TIMEOUT_S = 15.0  # a probe past it counts as this (the old wiring: every probe)
+MAX_RATIO = 3.0  # b's p99 TTFT under the flood / alone (issue 27)
+
+
+@pytest.fixture(scope="module")
+def cluster(demo_assets: DemoAssets, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    if find_etcd_binary() is None:
+        pytest.skip(f"no etcd server binary; install one: {INSTALL_HINT}")
+    root = tmp_path_factory.mktemp("e2e_flood")
+    config = root / "loraplex.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": str(demo_assets.model),
+                "model_id": MODEL_ID,
+                "engine": {"max_model_len": 512, "pool_mib": 64, "max_num_seqs": SLOTS},
+                "replicas": {"num_replicas": 1, "num_cpus": 1},
+                "http": {"port": free_port()},
+            }
+        )
+    )
+    state_dir = (root / "state").resolve()
+    try:
+        up = loraplex(
+            "up", "--state-dir", str(state_dir), "--config", str(config), "--timeout", "150",
+            timeout=180,
+        )  # fmt: skip
+        assert up.returncode == 0, f"`loraplex up` failed:\n{up.stderr}"
+        state = read_state(state_dir)
+        assert state is not None and state["phase"] == "running", state
+        admin = (state_dir / "admin_key").read_text().strip()
+        with httpx.Client(base_url=state["url"], trust_env=False, timeout=30) as http:
+            r = http.post(
+                "/v1/tenants", json={"name": "b"}, headers={"Authorization": f"Bearer {admin}"}
+            )
+        assert r.status_code == 201, r.text
+        yield {
+            "url": state["url"],
+            "a": (state_dir / "demo_api_key").read_text().strip(),
+            "b": r.json()["api_key"],
+        }
+    finally:
+        stop_cluster(state_dir)
+
+
+async def _stream(http: httpx.AsyncClient, key: str, prompt: list[int], max_tokens: int, on_event):
+    """A streamed completion; `on_event(seconds since sent)` per data event. Its status."""
+    body = {
+        "model": MODEL_ID,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    sent = time.perf_counter()
+    headers = {"Authorization": f"Bearer {key}"}
+    async with http.stream("POST", "/v1/completions", json=body, headers=headers) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {"):
+                on_event(time.perf_counter() - sent)
+        return r.status_code
+
+
+async def _probe(http: httpx.AsyncClient, key: str, i: int) -> float:
+    """b's TTFT for one short completion (PROBE_TIMEOUT_S if it has none by then)."""
+    first: list[float] = []
+
+    def on_event(t: float) -> None:
+        if not first:
+            first.append(t)
+
+    try:
+        async with asyncio.timeout(PROBE_TIMEOUT_S):
+            status = await _stream(http, key, list(range(40 + i, 56 + 2 * i)), 2, on_event)
+        assert status == 200, status
+    except TimeoutError:
+        return PROBE_TIMEOUT_S
+    return first[0]
+
+
+def _flood(url: str, key: str, events, refused, stop) -> None:
+    """Tenant a's flood, in a process of its own (an attacker is another client; in the
+    probing process its ~1,000 events/s would delay b's first event): FLOOD_STREAMS streams
+    until `stop` is set; counts their events and their non-200 answers."""
+
+    def count(_: float) -> None:
+        with events.get_lock():
+            events.value += 1
+
+    async def one(http: httpx.AsyncClient, i: int) -> None:
+        status = await _stream(http, key, list(range(10 + i, 26 + i)), FLOOD_TOKENS, count)
+        if status != 200:
+            with refused.get_lock():
+                refused.value += 1
+
+    async def run() -> None:
+        limits = httpx.Limits(max_connections=FLOOD_STREAMS)
+        async with httpx.AsyncClient(
+            base_url=url, limits=limits, timeout=httpx.Timeout(300.0), trust_env=False
+        ) as http:
+            streams = [asyncio.create_task(one(http, i)) for i in range(FLOOD_STREAMS)]
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+            for t in streams:
+                t.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+
+    asyncio.run(run())
+
+
+async def _probes(c: dict) -> list[float]:
+    async with httpx.AsyncClient(base_url=c["url"], timeout=60.0, trust_env=False) as http:
+        return [await _probe(http, c["b"], i) for i in range(PROBES)]
+
+
+def _measure(c: dict) -> tuple[list[float], list[float], int, int]:
+    """(b's TTFTs alone, b's TTFTs under the flood, the flood's events while b probed, the
+    flood's requests answered with an error status)."""
+    asyncio.run(_probes(c))  # warm-up: tokenizer, routing stats, first steps
+    alone = asyncio.run(_probes(c))
+    ctx = multiprocessing.get_context("spawn")
+    events, refused, stop = ctx.Value("q", 0), ctx.Value("q", 0), ctx.Event()
+    flood = ctx.Process(target=_flood, args=(c["url"], c["a"], events, refused, stop))
+    flood.start()
+    try:
+        deadline = time.monotonic() + 60
+        while events.value < 4 * SLOTS:  # the batch is full of the flood's streams
+            assert flood.is_alive() and time.monotonic() < deadline, "the flood did not start"
+            time.sleep(0.05)
+        time.sleep(SETTLE_S)
+        before = events.value
+        under_flood = asyncio.run(_probes(c))
+        during = events.value - before
+    finally:
+        stop.set()
+        flood.join(60)
+        if flood.is_alive():
+            flood.kill()
+    return alone, under_flood, during, refused.value
+
+
+def test_a_64_stream_flood_keeps_another_tenants_ttft_within_3x_of_alone(cluster: dict):
+    alone, flood, flood_events, refused = _measure(cluster)
+    p99_alone, p99_flood = np.percentile(alone, 99), np.percentile(flood, 99)
+    report = (
+        f"b's TTFT alone p50 {np.median(alone):.3f} p99 {p99_alone:.3f} s; under the flood "
+        f"p50 {np.median(flood):.3f} p99 {p99_flood:.3f} s; the flood streamed "
+        f"{flood_events} events while b probed; alone {[round(t, 3) for t in alone]}, "
+        f"under the flood {[round(t, 3) for t in flood]}"
+    )
+    print(report)
+    assert refused == 0, "the flood is within the tenant's limits"
+    assert flood_events > FLOOD_TOKENS, f"the flood was not running: {report}"
+    assert p99_flood <= MAX_RATIO * p99_alone, report

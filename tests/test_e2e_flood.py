@@ -40,6 +40,7 @@ PROBES = 20
 SETTLE_S = 3.0  # every flood request has reached the replica's queue
 PROBE_TIMEOUT_S = 15.0  # a probe past it counts as this (the old wiring: every probe)
 MAX_RATIO = 3.0  # b's p99 TTFT under the flood / alone (issue 27)
+ID_FLOOD_IDS = 2_000_000  # a 4 MiB body, the ingress's default cap
 
 
 @pytest.fixture(scope="module")
@@ -192,4 +193,83 @@ def test_a_64_stream_flood_keeps_another_tenants_ttft_within_3x_of_alone(cluster
     print(report)
     assert refused == 0, "the flood is within the tenant's limits"
     assert flood_events > FLOOD_TOKENS, f"the flood was not running: {report}"
+    assert p99_flood <= MAX_RATIO * p99_alone, report
+
+
+def test_token_ids_past_2_63_are_a_400_at_once(cluster: dict):
+    """Such an id in a prompt's first KV block raised OverflowError in the Ray router's
+    prefix keys (`array("q")`), inside Serve's routing loop: the request hung 120 s, then
+    503. Now the schema refuses it."""
+    body = {"model": MODEL_ID, "prompt": [2**63] + [1] * 63, "max_tokens": 2}
+    headers = {"Authorization": f"Bearer {cluster['b']}"}
+    started = time.perf_counter()
+    with httpx.Client(base_url=cluster["url"], trust_env=False, timeout=PROBE_TIMEOUT_S) as http:
+        r = http.post("/v1/completions", json=body, headers=headers)
+    assert r.status_code == 400, r.text
+    assert "token ids must be integers" in r.json()["error"]["message"]
+    assert time.perf_counter() - started < 5.0
+
+
+def _id_flood(url: str, key: str, sent, stop) -> None:
+    """8 loops posting prompts of 2M token ids (4 MiB, every one a 400), until `stop`."""
+    import threading
+
+    ids = ",".join(["1"] * ID_FLOOD_IDS)
+    body = f'{{"model": "{MODEL_ID}", "max_tokens": 1, "prompt": [{ids}]}}'.encode()
+    headers = {"Authorization": f"Bearer {key}", "content-type": "application/json"}
+
+    def loop() -> None:
+        with httpx.Client(base_url=url, trust_env=False, timeout=120) as http:
+            while not stop.is_set():
+                r = http.post("/v1/completions", content=body, headers=headers)
+                assert r.status_code in (400, 413), r.text
+                with sent.get_lock():
+                    sent.value += 1
+
+    threads = [threading.Thread(target=loop) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="json.loads of each 4 MiB body (2M ints, ~0.1 s at load 5-6) still runs on the "
+    "ingress's event loop, and each of b's loop steps waits behind one: b's p50 TTFT 1.08 s "
+    "(3.52 s before the length check, 0.017 s alone). Needs a body cap sized to what a request "
+    "can use (context x 11 bytes of ids) or parsing off the loop.",
+)
+def test_an_id_flood_keeps_another_tenants_ttft_small(cluster: dict):
+    """Issue 27, item 3: 8 loops posting 2M-id prompts (4 MiB each) moved another tenant's
+    TTFT from 0.10 s to 4.5 s: the list was validated item by item on the ingress's event
+    loop before any limit. Its length is now checked first (the validation's ~1.3 s per body
+    is gone); the parse of the body is not (see the xfail)."""
+    asyncio.run(_probes(cluster))
+    alone = asyncio.run(_probes(cluster))
+    ctx = multiprocessing.get_context("spawn")
+    sent, stop = ctx.Value("q", 0), ctx.Event()
+    flood = ctx.Process(target=_id_flood, args=(cluster["url"], cluster["a"], sent, stop))
+    flood.start()
+    try:
+        deadline = time.monotonic() + 60
+        while sent.value < 8:
+            assert flood.is_alive() and time.monotonic() < deadline, "the id flood did not start"
+            time.sleep(0.05)
+        before = sent.value
+        under_flood = asyncio.run(_probes(cluster))
+        during = sent.value - before
+    finally:
+        stop.set()
+        flood.join(120)
+        if flood.is_alive():
+            flood.kill()
+    p99_alone, p99_flood = np.percentile(alone, 99), np.percentile(under_flood, 99)
+    report = (
+        f"b's TTFT alone p50 {np.median(alone):.3f} p99 {p99_alone:.3f} s; under the id flood "
+        f"p50 {np.median(under_flood):.3f} p99 {p99_flood:.3f} s ({during} refused bodies "
+        f"meanwhile); under the flood {[round(t, 3) for t in under_flood]}"
+    )
+    print(report)
+    assert during >= 8, f"the id flood was not running: {report}"
     assert p99_flood <= MAX_RATIO * p99_alone, report

@@ -181,13 +181,17 @@ class LoraplexConfig(BaseModel):
             **self.registry.model_dump(),
         )
 
+    def ingress_capacity(self) -> int:
+        """Requests the ingresses hold at once: more can never be sent to one replica."""
+        return self.http.ingress_replicas * self.http.ingress_max_ongoing_requests
+
     def serve_options(self) -> dict[str, Any]:
         """The options of the replica deployment (replica/deployment.py `deployment`): Serve's
         and its request router's."""
         r = self.replicas
         options: dict[str, Any] = {
             "ray_actor_options": {"num_cpus": r.num_cpus, "num_gpus": r.num_gpus},
-            "max_ongoing_requests": r.max_ongoing_requests or self.engine.max_num_seqs,
+            "max_ongoing_requests": r.max_ongoing_requests or self.ingress_capacity(),
             "router_kwargs": self.router.affinity_kwargs(),
             "routing_stats_period_s": self.router.stats_period_s,
             "routing_stats_timeout_s": self.router.stats_timeout_s,

@@ -37,7 +37,10 @@ class ReplicaSection(_Section):
         None,
         ge=1,
         le=65536,
-        description="Requests a replica accepts at once; unset: engine.max_num_seqs.",
+        description="Requests Serve sends a replica at once, running or queued in its "
+        "scheduler; unset: every request the ingresses hold (http.ingress_replicas x "
+        "http.ingress_max_ongoing_requests), so that they queue in the replica's tenant-fair "
+        "admission rather than in Serve's router, which knows no tenants.",
     )
     autoscaling: dict[str, Any] | None = Field(
         None,

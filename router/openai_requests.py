@@ -12,13 +12,30 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from loraplex.replica.protocol import SAMPLING_CHECKS
 
 MAX_STOP_STRINGS = 16
 
-TokenId = Annotated[int, Field(ge=0)]
+# A token id: an int (not a bool, a float or a string), below 2^31 — above any vocabulary,
+# and within what the router's prefix keys pack (`array("q")`); the model's own vocabulary
+# is checked by the engine's sampling checks at the ingress (400).
+TokenId = Annotated[int, Field(strict=True, ge=0, lt=1 << 31)]
+# The largest context window an engine accepts (EngineConfig.max_model_len's bound): no
+# token-id prompt is longer. Checked before any id is, so a 4 MiB list of ids costs the
+# event loop its length, not a pass over its items; the deployment's own window follows
+# (context_length_exceeded).
+MAX_PROMPT_TOKEN_IDS = 1 << 20
 
 
 # OpenAI fields this server does not implement: accepted only when absent, null, or one of
@@ -152,7 +169,9 @@ class CompletionRequest(_GenerationRequest):
         },
     )
 
-    prompt: str | list[TokenId] = Field(description="Text, or a list of token ids.")
+    prompt: str | Annotated[list[TokenId], Field(max_length=MAX_PROMPT_TOKEN_IDS)] = Field(
+        description="Text, or a list of token ids."
+    )
     max_tokens: int = Field(16, ge=1, description="Most tokens to generate.")
     logprobs: int | None = Field(
         None, description="Unsupported (only null).", json_schema_extra={"const": None}
@@ -174,22 +193,47 @@ class CompletionRequest(_GenerationRequest):
         "suffix": ("",),
     }
 
-    @field_validator("prompt", mode="before")
+    @field_validator("prompt", mode="wrap")
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> Any:
+    def _one_prompt(cls, prompt: Any, handler: ValidatorFunctionWrapHandler) -> Any:
         if isinstance(prompt, str):
-            return prompt
+            return handler(prompt)
         if not isinstance(prompt, list):
             raise ValueError("prompt must be a string or a list of token ids")
-        if prompt and all(isinstance(p, str | list) for p in prompt):
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if isinstance(prompt[0], str | list):
             raise ValueError(
                 "batched prompts are not supported: send one prompt (a string or a list of "
                 "token ids) per request"
             )
+        if len(prompt) > MAX_PROMPT_TOKEN_IDS:
+            raise ValueError(
+                f"the prompt has {len(prompt)} token ids; no model here has a context window "
+                f"of more than {MAX_PROMPT_TOKEN_IDS}"
+            )
+        try:
+            return handler(prompt)
+        except ValidationError as e:  # the first id refused (the text branch's error aside)
+            index = next(err["loc"][-1] for err in e.errors() if err["loc"][:1] != ("str",))
+            raise ValueError(
+                f"prompt token ids must be integers in [0, 2^31): item {index} is "
+                f"{repr(prompt[index])[:40]}"
+            ) from None
+        if not isinstance(prompt, list):
+            raise ValueError("prompt must be a string or a list of token ids")
         if not prompt:
             raise ValueError("the prompt is empty")
-        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in prompt):
-            raise ValueError("prompt token ids must be integers >= 0")
+        if isinstance(prompt[0], str | list):
+            raise ValueError(
+                "batched prompts are not supported: send one prompt (a string or a list of "
+                "token ids) per request"
+            )
+        if len(prompt) > MAX_PROMPT_TOKEN_IDS:
+            raise ValueError(
+                f"the prompt has {len(prompt)} token ids; no model here has a context window "
+                f"of more than {MAX_PROMPT_TOKEN_IDS}"
+            )
         return prompt
 
 

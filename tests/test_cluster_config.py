@@ -21,6 +21,7 @@ from loraplex.cluster import local_cluster, ray_up_files, state
 from loraplex.cluster.cli import main as cli_main
 from loraplex.cluster.config import APP_NAME, IMPORT_PATH, LoraplexConfig
 from loraplex.cluster.errors import CLIError
+from loraplex.cluster.sections import ReplicaSection
 from loraplex.net import free_port
 from loraplex.registry.etcd_client import EtcdSettings
 from loraplex.replica.config import ArtifactReadConfig, EngineConfig, build_engine_config
@@ -150,11 +151,23 @@ def test_from_yaml_resolves_paths_against_the_file_and_maps_every_engine_field(
     assert config.serve_options() == {
         "num_replicas": 3,
         "ray_actor_options": {"num_cpus": 2, "num_gpus": 1},
-        "max_ongoing_requests": 8,
+        "max_ongoing_requests": 1000,  # the ingress's 1000, not max_num_seqs (8): see below
         "router_kwargs": config.router.affinity_kwargs(),
         "routing_stats_period_s": 1.0,
         "routing_stats_timeout_s": 10.0,
     }
+
+
+def test_a_replica_accepts_every_request_the_ingresses_hold_unless_set():
+    """Serve's router queues what a replica does not accept, and it knows no tenants: by
+    default a replica accepts whatever the ingresses can hold, far above its batch, so a
+    flood queues in the replica's tenant-fair admission (tests/test_e2e_flood.py)."""
+    config = LoraplexConfig(
+        engine={"max_num_seqs": 8}, http={"ingress_replicas": 3, "ingress_max_ongoing_requests": 50}
+    )
+    assert config.serve_options()["max_ongoing_requests"] == 150
+    config = config.model_copy(update={"replicas": ReplicaSection(max_ongoing_requests=12)})
+    assert config.serve_options()["max_ongoing_requests"] == 12
 
 
 def test_model_derived_settings_read_the_checkpoint_config(model_dir: Path):

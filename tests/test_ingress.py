@@ -43,6 +43,7 @@ from loraplex.replica.sampling import SamplingParams
 from loraplex.replica.sequence import RequestOutput
 from loraplex.replica.tokenizer import Tokenizer
 from loraplex.router.ingress import RegistryHandles, build_ingress
+from loraplex.router.openai_requests import MAX_PROMPT_TOKEN_IDS
 
 BASE_ID = "loraplex-demo-llama"
 ADMIN_KEY = "admin-key-for-the-ingress-tests-0123"
@@ -435,6 +436,19 @@ def test_errors_have_the_openai_shape(tenants_app: Served, keys, engine: Engine,
     vocab = engine.core.model_config.vocab_size
     error = openai_error(httpx.post(url, json=ok | {"prompt": [1, vocab]}, headers=acme), 400)
     assert str(vocab) in error["message"]
+
+    # ids no vocabulary has, or not ints, refused by the schema (a 2^63 one raised
+    # OverflowError in the Ray router's prefix keys: 120 s, then 503)
+    for ids in ([1, 2**63], [1, 2**64], [-1, 2], [True, 2], [1.5], [1, "2"], [1, None]):
+        body = json.dumps(ok | {"prompt": ids})
+        sent = httpx.post(url, content=body, headers=acme | {"content-type": "application/json"})
+        error = openai_error(sent, 400)
+        assert "token ids must be integers in [0, 2^31)" in error["message"], (ids, error)
+        assert error["param"] == "prompt", error
+    # a list past any model's window: refused on its length, before any id is looked at
+    past = ok | {"prompt": [1] * (MAX_PROMPT_TOKEN_IDS + 1)}
+    error = openai_error(httpx.post(url, json=past, headers=acme, timeout=30), 400)
+    assert f"{MAX_PROMPT_TOKEN_IDS + 1} token ids" in error["message"], error
 
     limit = engine.core.max_model_len
     too_long = ok | {"prompt": [1] * (limit - 8), "max_tokens": 16}

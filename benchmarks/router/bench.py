@@ -36,8 +36,9 @@ and copying adapters, affinity / the lower Ray router), loads_vs_floor (device l
 distinct adapters requested; below 1 where the warm-up left adapters resident); failover:
 recovery_s, streams_failed, requests_lost.
 
-Section `fairness` (benchmarks/router/fairness.py): a tenant flooding at ten times its share
-beside one within it, through the ingress and one replica; `fairness.b_p99_ttft_ratio`.
+Section `fairness` (benchmarks/router/fairness.py): a tenant holding 64 long streams open
+beside one sending short requests, through the ingress and one replica;
+`fairness.b_p99_ttft_ratio`.
 """
 
 from __future__ import annotations

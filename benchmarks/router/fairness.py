@@ -4,10 +4,13 @@ another tenant?
 A real local Serve app reached through Serve's HTTP proxy: the ingress (router/ingress.py:
 keys, per-tenant limits) over one replica (replica/deployment.py: the engine and its
 scheduler), tenants and keys in the registry on a real etcd. Two tenants send streamed
-completions of the base model (token-id prompts, greedy, ignore_eos) over HTTP, open loop:
+completions of the base model (token-id prompts, greedy, ignore_eos) over HTTP:
 
-    B  Poisson at `b_rate_per_s`, its share (the two tenants' shares are equal)
-    A  Poisson at `flood_factor` x B's rate: ten times its share
+    B  open loop, Poisson at `b_rate_per_s`, short outputs
+    A  `flood_streams` (64) streams of `flood_tokens` (256) tokens kept open from
+       `flood_lead_s` before B's first request to its last (a stream that ends is followed
+       by another): 8x the replica's batch, well inside a tenant's default 256 in flight
+       (issue 27's flood)
 
 Rounds alternate two windows with the same seeded schedule of B's requests, so that drift
 in the machine's load falls on both alike:
@@ -17,9 +20,10 @@ in the machine's load falls on both alike:
 
 and each round runs on two apps in turn:
 
-    protected    every tenant limited to max_num_seqs / 2 requests in flight at the ingress
-                 (429 past it), and the scheduler's fair admission across tenants
-    unprotected  neither (no in-flight limit; one FIFO queue for every tenant)
+    protected    the defaults: the ingress's per-tenant limits (256 in flight) and the
+                 scheduler's fair admission across tenants (a tenant over its share of a full
+                 batch gives a slot back)
+    unprotected  no in-flight limit; one FIFO queue for every tenant
 
 Keys (TTFT: from a request's scheduled arrival to its first streamed event, at the client):
 
@@ -27,6 +31,8 @@ Keys (TTFT: from a request's scheduled arrival to its first streamed event, at t
                                   (target <= 1.5)
     b_p99_ttft_ratio_unprotected  the same on the unprotected app
     a_429s, b_429s                requests refused for the tenant's in-flight limit, protected
+                                  (A's finished streams are its `completed`; those cut at the
+                                  window's end are not counted)
     apps.<app>.<window>.<tenant>  offered, completed, 429s, failed, p50/p99 TTFT per window
     apps.<app>.<window>.cores_used  cores each process kept busy (Serve's proxy, the ingress,
                                   the replica, this client), mean over the windows: where the
@@ -64,7 +70,7 @@ from loraplex.router.settings import RouterSettings
 TENANTS = ("a", "b")
 ADMIN_KEY = "fairness-bench-admin-key"
 APPS = ("protected", "unprotected")
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = 512
 REPLICA_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 _QUIET_SERVE = {"enable_access_log": False, "log_level": "WARNING"}
 
@@ -73,7 +79,9 @@ _QUIET_SERVE = {"enable_access_log": False, "log_level": "WARNING"}
 class FairnessWorkload:
     model: ModelSpec
     b_rate_per_s: float = 4.0
-    flood_factor: float = 10.0
+    flood_streams: int = 64
+    flood_tokens: int = 256
+    flood_lead_s: float = 1.0
     window_s: float = 10.0
     rounds: int = 3
     max_num_seqs: int = 8
@@ -81,11 +89,6 @@ class FairnessWorkload:
     output_tokens: tuple[int, int] = (8, 16)
     request_timeout_s: float = 60.0
     seed: int = 0
-
-    @property
-    def in_flight_limit(self) -> int:
-        """Each tenant's share of the batch."""
-        return max(1, self.max_num_seqs // len(TENANTS))
 
 
 FAIRNESS_MODEL = ModelSpec(
@@ -184,7 +187,7 @@ def _app(name: str, w: FairnessWorkload, model_dir: Path, etcd: EtcdSettings, ar
         "pool_bytes": 256 * (64 << 10),
         "scheduler": {"max_num_seqs": w.max_num_seqs, "tenant_fairness": protected},
     }
-    limits = IngressLimits(tenant_max_requests_in_flight=w.in_flight_limit if protected else None)
+    limits = IngressLimits() if protected else IngressLimits(tenant_max_requests_in_flight=None)
     router = RouterSettings()
     replica = deployment(
         name="replica",
@@ -250,10 +253,9 @@ def _serve(name: str, app, url: str, keys: dict[str, str], w: FairnessWorkload) 
         pids = {**_serve_pids(f"fairness-{name}"), "client": os.getpid()}
         for r in range(w.rounds):
             b = _schedule(w, "b", w.b_rate_per_s, w.seed * 1000 + r)
-            a = _schedule(w, "a", w.flood_factor * w.b_rate_per_s, w.seed * 1000 + 500 + r)
-            for window, requests in (("quiet", b), ("flood", sorted(a + b, key=_at))):
+            for window, flood in (("quiet", None), ("flood", w)):
                 before, began = _cpu_seconds(pids), time.perf_counter()
-                outcomes = asyncio.run(_drive(url, keys, requests, w.request_timeout_s))
+                outcomes = asyncio.run(_drive(url, keys, b, w.request_timeout_s, flood))
                 cpu[window].append(_cores(before, _cpu_seconds(pids), time.perf_counter() - began))
                 windows[window] += outcomes
                 log(f"fairness {name} round {r} {window}: {_line(outcomes)}")
@@ -306,10 +308,6 @@ def _cores(before: dict[str, float], after: dict[str, float], elapsed: float) ->
     return {name: (after[name] - before[name]) / elapsed for name in before}
 
 
-def _at(r: Request) -> float:
-    return r.at_s
-
-
 async def _warm_up(url: str, keys: dict[str, str]) -> None:
     """A few requests of each tenant, so the replica ran a forward and the ingress's watcher
     holds both tenants."""
@@ -327,14 +325,43 @@ async def _warm_up(url: str, keys: dict[str, str]) -> None:
 
 
 async def _drive(
-    url: str, keys: dict[str, str], requests: list[Request], timeout_s: float
+    url: str,
+    keys: dict[str, str],
+    requests: list[Request],
+    timeout_s: float,
+    flood: FairnessWorkload | None,
 ) -> list[Outcome]:
+    """B's `requests` on their schedule; with `flood`, A's streams from `flood_lead_s` before
+    it until B's last request has ended."""
     limits = httpx.Limits(max_connections=1024, max_keepalive_connections=256)
     async with httpx.AsyncClient(
         base_url=url, timeout=timeout_s, limits=limits, trust_env=False
     ) as client:
+        a_outcomes: list[Outcome] = []
+        streams = []
+        if flood is not None:
+            rng = np.random.default_rng(flood.seed * 1000 + 500)
+            for _ in range(flood.flood_streams):
+                prompt = rng.integers(10, 500, rng.integers(*flood.prompt_tokens, endpoint=True))
+                a = Request(0.0, "a", prompt.tolist(), flood.flood_tokens)
+                streams.append(asyncio.create_task(_stream_on(client, keys, a, a_outcomes)))
+            await asyncio.sleep(flood.flood_lead_s)
         start = time.perf_counter()
-        return await asyncio.gather(*(_one(client, keys, r, start) for r in requests))
+        try:
+            b_outcomes = await asyncio.gather(*(_one(client, keys, r, start) for r in requests))
+        finally:
+            for stream in streams:
+                stream.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+        return [*b_outcomes, *a_outcomes]
+
+
+async def _stream_on(
+    client: httpx.AsyncClient, keys: dict[str, str], r: Request, outcomes: list[Outcome]
+) -> None:
+    """`r` again and again, each outcome added once its stream has ended, until cancelled."""
+    while True:
+        outcomes.append(await _one(client, keys, r, time.perf_counter()))
 
 
 async def _one(
@@ -405,8 +432,6 @@ def _summary(w: FairnessWorkload, per_app: dict[str, dict[str, Any]]) -> dict[st
     protected = per_app["protected"]["flood"]
     return {
         "workload": workload,
-        "a_offered_per_s": w.flood_factor * w.b_rate_per_s,
-        "in_flight_limit": w.in_flight_limit,
         "b_p99_ttft_ratio": ratio("protected"),
         "b_p99_ttft_ratio_unprotected": ratio("unprotected"),
         "a_429s": protected["a"]["rate_limited"],
@@ -418,10 +443,10 @@ def _summary(w: FairnessWorkload, per_app: dict[str, dict[str, Any]]) -> dict[st
 def print_fairness(r: dict[str, Any]) -> None:
     w = r["workload"]
     print(
-        f"\nfairness: tenant b at {w['b_rate_per_s']:g}/s (its share), tenant a at "
-        f"{r['a_offered_per_s']:g}/s ({w['flood_factor']:g}x), {w['rounds']} rounds of "
-        f"{w['window_s']:g} s windows; protected: {r['in_flight_limit']} in flight per tenant "
-        f"+ fair admission"
+        f"\nfairness: tenant b at {w['b_rate_per_s']:g}/s, tenant a holding "
+        f"{w['flood_streams']} streams of {w['flood_tokens']} tokens open (batch "
+        f"{w['max_num_seqs']}), {w['rounds']} rounds of {w['window_s']:g} s windows; "
+        f"protected: the default limits + fair admission"
     )
     print(
         f"{'app':12} {'window':6} {'tenant':6} {'done':>5} {'429':>5} {'failed':>6} "

@@ -18,6 +18,17 @@ Where VTC stops admitting at the first request that does not fit, here a tenant 
 policy admits nothing now (its adapter is loading, its head does not fit its quota) drops
 out of this step's turn and the others go on; a full batch (`Admit.FULL`) ends the step for
 all. With one tenant waiting, its policy admits as it would alone.
+
+Counters order admission, but a slot is only admitted to once it is free: a tenant whose
+requests run long (ignore_eos streams) would keep every slot it took while alone, and a
+second tenant's request would wait for one of them to end. So, given the batch's `slots`
+(the scheduler's `max_num_seqs`), a full batch gives slots back: while a waiting tenant
+holds fewer than its share (`slots // tenants with work`) and its counter is below that of
+a tenant holding more than its share (so admission takes it first), the latter's running
+request with the least computed (the cheapest to recompute) is preempted before the step's
+admission, as many as the waiting request needs to fit (`room`), one request per waiting
+tenant and step. A tenant's request thus starts within a step or two whatever the others
+have running or queued, and a tenant alone still fills the batch.
 """
 
 from __future__ import annotations
@@ -39,8 +50,12 @@ class TenantFair:
         make_policy: Callable[[], QueuePolicy],
         input_weight: float = 1.0,
         output_weight: float = 2.0,
+        slots: int | None = None,
     ) -> None:
+        """slots: the batch's sequence cap, past which tenants over their share give slots
+        back to tenants under it (None: never)."""
         self.make_policy = make_policy
+        self.slots = slots
         self.input_weight = input_weight
         self.output_weight = output_weight
         self.policies: dict[Tenant, QueuePolicy] = {}
@@ -89,6 +104,47 @@ class TenantFair:
 
         for policy in self.policies.values():
             victims.extend(policy.to_squash(now, beside_chosen))
+        if self.slots is not None:
+            victims.extend(self._over_share(room, victims))
+        return victims
+
+    def _over_share(self, room: Room, chosen: list[Sequence]) -> list[Sequence]:
+        """Running requests of tenants over their share of a full batch, preempted so that
+        waiting tenants under their share start now (see the module docstring)."""
+        assert self.slots is not None
+        self._charge_running()
+        running: dict[Tenant, list[Sequence]] = {}
+        for seq in self._charged:  # in order of first admission
+            if seq.status is SeqStatus.RUNNING and seq not in chosen:
+                running.setdefault(seq.tenant, []).append(seq)
+        busy = {t for t, p in self.policies.items() if len(p)} | running.keys()
+        share = self.slots // len(busy) if busy else self.slots
+        victims: list[Sequence] = []
+        waiting = sorted((t for t, p in self.policies.items() if len(p)), key=self.counters.get)
+        for tenant in waiting:
+            if sum(map(len, running.values())) < self.slots:
+                break  # a free slot: admission gives it by turn
+            if len(running.get(tenant, ())) >= share:
+                continue
+            head = self.policies[tenant].waiting()[0]
+            taken: list[Sequence] = []
+            while not taken or not room(head, chosen + victims + taken):
+                over = [
+                    t
+                    for t, seqs in running.items()
+                    if len(seqs) > share and self.counters[tenant] < self.counters[t]
+                ]
+                if not over:
+                    break
+                giver = max(over, key=lambda t: len(running[t]))
+                victim = min(reversed(running[giver]), key=lambda s: s.num_computed)
+                running[giver].remove(victim)
+                taken.append(victim)
+            else:
+                victims.extend(taken)
+                continue
+            for victim in taken:  # not enough room even so: nothing preempted for it
+                running[victim.tenant].append(victim)
         return victims
 
     def waiting(self) -> list[Sequence]:
@@ -109,9 +165,7 @@ class TenantFair:
         return order
 
     def admit(self, now: float, try_admit: TryAdmit) -> None:
-        for seq in list(self._charged):
-            if seq.status is SeqStatus.RUNNING:
-                self._charge_output(seq)
+        self._charge_running()
         active = [t for t, p in self.policies.items() if len(p)]
         if len(active) == 1:  # alone: exactly its policy's admission
             self.policies[active[0]].admit(now, self._charging(try_admit))
@@ -155,6 +209,11 @@ class TenantFair:
             return result
 
         return charge
+
+    def _charge_running(self) -> None:
+        for seq in list(self._charged):
+            if seq.status is SeqStatus.RUNNING:
+                self._charge_output(seq)
 
     def _charge_output(self, seq: Sequence) -> None:
         charged = self._charged.get(seq)

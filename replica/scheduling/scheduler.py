@@ -200,7 +200,9 @@ def make_policy(
 ) -> QueuePolicy:
     predictor = OutputPredictor(cfg.predictor_quantile)  # one, shared by every tenant's policy
     if cfg.tenant_fairness:
-        return TenantFair(lambda: _policy(cfg, kv, adapters, max_len, predictor))
+        return TenantFair(
+            lambda: _policy(cfg, kv, adapters, max_len, predictor), slots=cfg.max_num_seqs
+        )
     return _policy(cfg, kv, adapters, max_len, predictor)
 
 

@@ -76,15 +76,17 @@ class RegistrySettings(BaseModel):
         30.0,
         gt=0,
         le=3600,
-        description="Longest a request body of the tenant API may pause between two of its "
-        "bytes; past it 408, and its upload slot and staging bytes are freed.",
+        description="Longest a request body (the tenant API's and the ingress's) may pause "
+        "between two of its bytes; past it 408, and its upload slot, staging bytes or "
+        "tenant's request slot are freed.",
     )
     body_timeout_s: float = Field(
         1800.0,
         gt=0,
         le=86400,
-        description="Longest a request body of the tenant API may take to arrive whole (at "
-        "max_upload_bytes, 1 GiB in 30 minutes is ~0.6 MB/s); past it 408.",
+        description="Longest a request body (the tenant API's and the ingress's) may take "
+        "to arrive whole (at max_upload_bytes, 1 GiB in 30 minutes is ~0.6 MB/s); past it "
+        "408.",
     )
     versions_kept: int = Field(
         5,

@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from loraplex.registry.api import body_timeouts
 from loraplex.registry.request_body import read_capped
 from loraplex.router.context import authenticate
 from loraplex.router.tenant_limiter import Ticket
@@ -34,7 +35,8 @@ async def admit(request: Request, reads_body: bool) -> Ticket | None:
         ticket = ingress.limiter.admit(call.tenant, limits)
     request.state.ticket = ticket
     try:
-        await read_capped(request, ingress.limits.max_body_bytes, "limits.max_body_bytes")
+        timeouts = None if ingress.registry is None else body_timeouts(ingress.registry.settings)
+        await read_capped(request, ingress.limits.max_body_bytes, "limits.max_body_bytes", timeouts)
     except BaseException:
         if ticket is not None:
             ticket.release()

@@ -65,7 +65,7 @@ from loraplex.router.openai_responses import (
     ModelList,
     ResponseFormat,
 )
-from loraplex.router.tenant_limiter import RateLimited
+from loraplex.router.tenant_limiter import OverLimit, RateLimited
 
 log = logging.getLogger(__name__)
 
@@ -118,9 +118,10 @@ async def completions(body: CompletionRequest, request: Request, call: Caller) -
     fmt = CompletionFormat(_response_id("cmpl"), int(time.time()), body.model)
     prompt = body.prompt
     if isinstance(prompt, str):
-        _check_prompt_bytes(call.ingress, len(prompt.encode()), "prompt")
+        _check_prompt_bytes(call.ingress, len(prompt.encode()) + body.stop_bytes(), "prompt")
         ids = await asyncio.to_thread(call.ingress.tokenizer.encode, prompt)
     else:
+        _check_prompt_bytes(call.ingress, body.stop_bytes(), "stop")
         ids = list(prompt)
     return await _generate(call, body, fmt, ids, body.max_tokens, arrival, request)
 
@@ -145,13 +146,24 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, call: 
         message = f"{len(body.messages)} messages; at most {limit} (limits.max_messages)"
         raise OpenAIError(400, message, param="messages")
     messages = [m.for_template() for m in body.messages]
-    _check_prompt_bytes(ingress, sum(len(m["content"].encode()) for m in messages), "messages")
+    text_bytes = sum(len(m["content"].encode()) for m in messages) + body.stop_bytes()
+    _check_prompt_bytes(ingress, text_bytes, "messages")
     try:
         ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages)
     except ChatTemplateError as e:
         raise OpenAIError(400, str(e), param="messages") from None
-    max_tokens = body.max_new_tokens or ingress.max_model_len - len(ids)
+    max_tokens = body.max_new_tokens or _default_max_tokens(ingress, len(ids), request)
     return await _generate(call, body, fmt, ids, max_tokens, arrival, request)
+
+
+def _default_max_tokens(ingress: IngressContext, prompt_tokens: int, request: Request) -> int:
+    """Without a token limit: the rest of the context window, and no more than the tenant's
+    tokens per minute leave beside the prompt (at least 1: a prompt over it is refused)."""
+    most = ingress.max_model_len - prompt_tokens
+    ticket = getattr(request.state, "ticket", None)
+    if ticket is not None and ticket.per_minute is not None:
+        most = min(most, max(1, ticket.per_minute - prompt_tokens))
+    return most
 
 
 @router.get("/v1/models", responses={401: _ERRORS[401]})
@@ -198,7 +210,10 @@ def _check_prompt_bytes(ingress: IngressContext, size: int, param: str) -> None:
     """Before tokenizing: a prompt past max_prompt_bytes is refused unread."""
     limit = ingress.limits.max_prompt_bytes
     if size > limit:
-        message = f"the prompt is {size} bytes of text; at most {limit} (limits.max_prompt_bytes)"
+        message = (
+            f"the prompt (with its stop strings) is {size} bytes of text; at most {limit} "
+            "(limits.max_prompt_bytes)"
+        )
         raise OpenAIError(413, message, param=param)
 
 
@@ -242,7 +257,12 @@ async def _generate(
         raise OpenAIError(400, str(e)) from None
     ticket = getattr(request.state, "ticket", None)
     if ticket is not None:
-        ticket.reserve(len(ids) + max_tokens)  # RateLimited: over its tokens per minute
+        try:
+            ticket.reserve(len(ids) + max_tokens)  # RateLimited: over its tokens per minute
+        except OverLimit as e:
+            raise OpenAIError(
+                400, e.message, code="tokens_per_minute", param="max_tokens"
+            ) from None
     metrics = ingress.metrics
     tenant_label = tenant or ANONYMOUS
     metrics.tenant_requests.labels(tenant_label).inc()

@@ -13,6 +13,7 @@ adapter="other", so the label set stays bounded however many adapters there are.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING
@@ -20,6 +21,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.requests import ClientDisconnect
 from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -222,9 +224,15 @@ class _AdapterHomes(Collector):
         yield from (rate, count, home)
 
 
+CLIENT_CLOSED_REQUEST = 499
+
+
 class HTTPMetricsMiddleware:
     """Counts every answered HTTP request by route template (`other` for unmatched paths,
-    so scanners cannot blow up the label set), method and status."""
+    so scanners cannot blow up the label set), method and status. A request whose client
+    left before any answer is counted as 499 (nginx's "client closed request"), not 500: a
+    tenant who gives up on its own stalled uploads must not fire the operator's 5xx
+    alerts."""
 
     def __init__(self, app: ASGIApp, metrics: IngressMetrics) -> None:
         self.app = app
@@ -234,7 +242,7 @@ class HTTPMetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        status = 500
+        status: int | None = None
 
         async def record_status(message: Message) -> None:
             nonlocal status
@@ -244,7 +252,12 @@ class HTTPMetricsMiddleware:
 
         try:
             await self.app(scope, receive, record_status)
+        except (asyncio.CancelledError, ClientDisconnect):
+            if status is None:
+                status = CLIENT_CLOSED_REQUEST
+            raise
         finally:
             route = scope.get("route")
             template = route.path if isinstance(route, Route | Mount) else "other"
-            self.metrics.http_requests.labels(template, scope["method"], str(status)).inc()
+            answered = 500 if status is None else status
+            self.metrics.http_requests.labels(template, scope["method"], str(answered)).inc()

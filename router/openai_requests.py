@@ -26,6 +26,7 @@ from pydantic import (
 from loraplex.replica.protocol import SAMPLING_CHECKS
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_BYTES = 1024
 
 # A token id: an int (not a bool, a float or a string), below 2^31 — above any vocabulary,
 # and within what the router's prefix keys pack (`array("q")`); the model's own vocabulary
@@ -45,7 +46,7 @@ _UNSUPPORTED_COMPLETION = ("echo", "best_of", "suffix")
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = Field(
         False, description="Send a last chunk, with empty `choices`, that carries `usage`."
@@ -55,7 +56,9 @@ class StreamOptions(BaseModel):
 class _GenerationRequest(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="forbid")
+    # strict: `true` is not a seed or a temperature, "5" not a max_tokens (lax validation
+    # read them as 1, 1.0 and 5)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str = Field(
         min_length=1, max_length=256, description="The base model id, or one of your adapters."
@@ -119,7 +122,18 @@ class _GenerationRequest(BaseModel):
             raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(strings)}")
         if any(not s for s in strings):
             raise ValueError("stop strings must not be empty")
+        longest = max((len(s.encode()) for s in strings), default=0)
+        if longest > MAX_STOP_BYTES:
+            raise ValueError(
+                f"a stop string is {longest} bytes; at most {MAX_STOP_BYTES} (one of 245 kB held "
+                "back every byte of the output until the end)"
+            )
         return stop
+
+    def stop_bytes(self) -> int:
+        """The stop strings' bytes, counted in limits.max_prompt_bytes with the prompt."""
+        strings = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return sum(len(s.encode()) for s in strings)
 
     _off_values: ClassVar[dict[str, tuple]] = {
         "presence_penalty": (0,),
@@ -238,14 +252,14 @@ class CompletionRequest(_GenerationRequest):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     type: Literal["text"] = Field(description="Only text parts are supported.")
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart]

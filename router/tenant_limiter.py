@@ -98,6 +98,15 @@ class TenantLimiter:
             del self._buckets[ticket.tenant]
 
 
+class OverLimit(Exception):
+    """A request that can never fit its tenant's tokens per minute (its prompt plus
+    max_tokens are more than a minute's worth): 400, since no retry helps."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
 class Ticket:
     """One admitted request's hold on its tenant's limits."""
 
@@ -109,17 +118,31 @@ class Ticket:
         self.released = False
 
     def reserve(self, tokens: int) -> None:
-        """Take the request's most tokens (prompt + max_tokens, at most one minute's worth)
-        from the bucket; RateLimited, with the wait until it holds them, if it cannot."""
+        """Take the request's most tokens (prompt + max_tokens) from the bucket; OverLimit
+        if they are more than a minute's worth (a reservation capped at the bucket let one
+        request run past the limit: 301 tokens at 200 per minute), RateLimited, with the
+        wait until the bucket holds them, if it cannot now."""
         bucket = self.limiter._bucket(self.tenant, self.tokens_per_minute)
         if bucket is None:
             return
-        need = min(tokens, bucket.capacity)
+        need = tokens
+        if need > bucket.capacity:
+            raise OverLimit(
+                f"this request's {need} tokens (prompt + max_tokens) are more than tenant "
+                f"{self.tenant!r}'s limit of {bucket.capacity} tokens per minute; lower "
+                "max_tokens"
+            )
         if bucket.level < need:
             message = _tokens_message(self.tenant, bucket.capacity, need)
             raise RateLimited(message, bucket.wait_s(need))
         bucket.level -= need
         self.reserved += need
+
+    @property
+    def per_minute(self) -> int | None:
+        """The tenant's tokens per minute, None when unlimited: the most one request may
+        reserve."""
+        return self.tokens_per_minute
 
     def release(self, used_tokens: int = 0) -> None:
         """The request ended having used `used_tokens` (prompt + generated); idempotent."""

@@ -352,6 +352,83 @@ def test_tokens_per_minute_past_the_tenants_limit_get_429(ingress: Ingress):
         set_limits(ingress, "acme")
 
 
+def test_no_request_runs_past_its_tenants_tokens_per_minute(ingress: Ingress):
+    """A reservation capped at the bucket let one request run 301 tokens at 200 a minute:
+    a request whose prompt + max_tokens is more than a minute's worth is a 400 (no retry
+    helps), and a chat without max_tokens gets at most what the minute leaves its prompt
+    (globex: a bucket of its own, full)."""
+    assert set_limits(ingress, "globex", tokens_per_minute=60).status_code == 200
+    try:
+        with ingress.http(ingress.keys["globex"]) as http:
+            over = {"model": BASE_ID, "prompt": "Hello there", "max_tokens": 60}
+            error = openai_error(http.post("/v1/completions", json=over), 400)
+            assert error["code"] == "tokens_per_minute" and error["param"] == "max_tokens"
+            assert "limit of 60 tokens per minute; lower max_tokens" in error["message"]
+            chat = {
+                "model": BASE_ID,
+                "messages": [{"role": "user", "content": "Count to a thousand."}],
+                "ignore_eos": True,
+            }
+            r = http.post("/v1/chat/completions", json=chat)
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"]["total_tokens"] <= 60, r.json()["usage"]
+    finally:
+        set_limits(ingress, "globex")
+
+
+def test_stop_strings_are_capped_and_counted_with_the_prompt(ingress: Ingress):
+    """48 streams with 16 stop strings of 245 kB each grew the ingress by 580 MiB, and one
+    of 100 kB held back every byte until the end: a stop string is at most 1 KiB, and the
+    stop strings count in limits.max_prompt_bytes with the prompt."""
+    with ingress.http(ingress.keys["acme"]) as http:
+        long = {"model": BASE_ID, "prompt": "Hello", "max_tokens": 4, "stop": ["x" * 1025]}
+        error = openai_error(http.post("/v1/completions", json=long), 400)
+        assert "at most 1024" in error["message"] and error["param"] == "stop"
+        prompt = "a" * (LIMITS.max_prompt_bytes - 100)
+        body = {"model": BASE_ID, "prompt": prompt, "max_tokens": 4, "stop": ["y" * 200]}
+        error = openai_error(http.post("/v1/completions", json=body), 413)
+        assert "with its stop strings" in error["message"]
+        ok = {"model": BASE_ID, "prompt": "Hello", "max_tokens": 4, "stop": ["y" * 1024]}
+        assert http.post("/v1/completions", json=ok).status_code == 200
+
+
+def test_strict_types_and_a_client_leaving_is_not_a_server_error(ingress: Ingress):
+    """`seed: true` was read as 1 (strict now: 400); a client that leaves before any answer
+    is counted as 499, where it fired the operator's 5xx alerts as a 500."""
+    with ingress.http(ingress.keys["acme"]) as http:
+        body = {"model": BASE_ID, "prompt": "Hello", "max_tokens": 2, "seed": True}
+        assert openai_error(http.post("/v1/completions", json=body), 400)["param"] == "seed"
+
+    def status_counts() -> dict[str, float]:
+        with ingress.http(METRICS_KEY) as http:
+            text = http.get("/metrics").text
+        counts: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if (
+                    sample.name == "loraplex_http_requests_total"
+                    and sample.labels.get("route") == "/v1/completions"
+                ):
+                    status = sample.labels["status"]
+                    counts[status] = counts.get(status, 0) + sample.value
+        return counts
+
+    before = status_counts()
+    host, port = ingress.url.removeprefix("http://").split(":")
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+        f"Authorization: Bearer {ingress.keys['acme']}\r\n"
+        "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    )
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(head.encode() + b'{"model": ')  # and leave mid-body
+    deadline = time.monotonic() + 10
+    while status_counts().get("499", 0) <= before.get("499", 0):
+        assert time.monotonic() < deadline, status_counts()
+        time.sleep(0.1)
+    assert status_counts().get("500", 0) == before.get("500", 0)
+
+
 # ---------------------------------------------------------------- the standalone registry
 
 

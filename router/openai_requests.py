@@ -234,21 +234,6 @@ class CompletionRequest(_GenerationRequest):
                 f"prompt token ids must be integers in [0, 2^31): item {index} is "
                 f"{repr(prompt[index])[:40]}"
             ) from None
-        if not isinstance(prompt, list):
-            raise ValueError("prompt must be a string or a list of token ids")
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        if isinstance(prompt[0], str | list):
-            raise ValueError(
-                "batched prompts are not supported: send one prompt (a string or a list of "
-                "token ids) per request"
-            )
-        if len(prompt) > MAX_PROMPT_TOKEN_IDS:
-            raise ValueError(
-                f"the prompt has {len(prompt)} token ids; no model here has a context window "
-                f"of more than {MAX_PROMPT_TOKEN_IDS}"
-            )
-        return prompt
 
 
 class TextPart(BaseModel):

@@ -153,3 +153,40 @@ def test_a_cold_adapter_is_read_once_on_its_first_use_with_a_full_host_tier(asse
     serve(new)
     assert engine.adapters.stats.disk_reads == 0
     assert engine.adapters.stats.host_drops == 1 and new in engine.adapters.host
+
+
+@pytest.mark.parametrize("policy", ["fifo", "sjf", "chameleon"])
+def test_a_warm_request_behind_a_store_read_is_admitted_at_the_next_step(assets, policy):
+    """A request whose adapter is being read from the store (1 s) waits aside: the request
+    queued behind it, whose adapter is on the device, gets its first token from the very
+    next step (FIFO and SJF made it wait for the read)."""
+    from loraplex.replica.config import CacheConfig, SchedulerConfig
+    from loraplex.replica.sampling import SamplingParams
+
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(assets.model),
+            pool_bytes=64 << 20,
+            scheduler=SchedulerConfig(policy=policy),
+            cache=CacheConfig(loading="thread", host_bytes=1),  # every host copy dropped
+            artifacts=ArtifactReadConfig(read_latency_ms=1000),
+        )
+    )
+    warm, cold = "sql-r8", "chat-r16"
+    for name in (warm, cold):
+        engine.add_adapter(name, assets.adapters_dir / name)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    engine.add_request([5, 6, 7], params, warm, request_id="first")
+    deadline = time.monotonic() + 30
+    while engine.has_unfinished() and time.monotonic() < deadline:
+        engine.step()
+    assert engine.adapters.tier(warm) == "device"
+    engine.add_request([5, 6, 7], params, cold, request_id="reading")
+    engine.add_request([5, 6, 8], params, warm, request_id="behind")
+    started = time.monotonic()
+    first = {o.request_id for o in engine.step()}
+    assert "behind" in first and "reading" not in first
+    assert time.monotonic() - started < 0.5  # the step did not wait out the read
+    while engine.has_unfinished() and time.monotonic() < deadline:
+        engine.step()
+    assert not engine.has_unfinished() and engine.adapters.stats.disk_reads == 2

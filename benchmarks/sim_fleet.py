@@ -4,9 +4,15 @@ simulator with a stated GPU profile) behind one Serve router, in simulated time.
 Routers:
     affinity   the real AffinityPolicy (router/policy.py) as AffinityRequestRouter drives it:
                ranks from the replicas' routing stats, each replica its own rank, the first
-               below max_ongoing_requests taken; stats published every stats_period_s and
-               delivered stats_delay_s later (their age is what the policy is told);
-               queue lengths are the router's own count, as Serve's cache gives it
+               below max_ongoing_requests taken; queue lengths are the router's own count,
+               as Serve's cache gives it. The stats are what a replica deployment publishes
+               (the same function, replica/routing_report.py) at Serve's cadence: its
+               controller, looping every CONTROL_LOOP_S, calls a replica's
+               record_routing_stats once stats_period_s x U(0.9, 1.1) has passed since the
+               last call (ray/serve/_private/deployment_state.py
+               `_should_record_routing_stats`) and collects the result at its next loop,
+               then pushes it to the routers (stats_delay_s more); their age at the router
+               is what the policy is told
     pow2       Ray Serve's default router (benchmarks/ray_routers.py) over sync replicas,
                which report no model ids: power of two on queue length
     multiplex  the same router over `@serve.multiplexed` replicas, whose model ids reach
@@ -52,6 +58,7 @@ from loraplex.router.policy import AffinityConfig, AffinityPolicy
 from loraplex.router.routing_stats import ReplicaStats
 
 ROUTERS = ("affinity", "pow2", "multiplex")
+CONTROL_LOOP_S = 0.1  # Serve's controller loop (RAY_SERVE_CONTROL_LOOP_INTERVAL_S)
 _STATS_EVENTS = ("publish", "deliver")  # recur while other events or requests remain
 
 
@@ -235,14 +242,17 @@ class FleetSim:
         if replica is None:
             return
         if self.router == "affinity":
-            delay = self.setup.stats_delay_s
+            delay = CONTROL_LOOP_S + self.setup.stats_delay_s
             payload = (rid, self.now, replica.routing_stats())
+            jittered = self.period * self.rng.uniform(0.9, 1.1)
+            period = math.ceil(jittered / CONTROL_LOOP_S - 1e-9) * CONTROL_LOOP_S
         else:
             delay = self.setup.model_ids_delay_s
             payload = (rid, self.now, replica.model_ids())
+            period = self.period
         self._push(self.now + delay, "deliver", payload)
         if self._work or self.pending or any(r.in_flight for r in self.replicas.values()):
-            self._push(self.now + self.period, "publish", rid)
+            self._push(self.now + period, "publish", rid)
 
     def _on_deliver(self, payload) -> None:
         rid, recorded_at, published = payload

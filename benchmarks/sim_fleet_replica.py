@@ -34,6 +34,7 @@ from loraplex.benchmarks.sim_replica import (
     System,
 )
 from loraplex.benchmarks.sim_workload import AdapterSpec, SimRequest
+from loraplex.replica.routing_report import routing_stats
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,8 +157,10 @@ class FleetReplica:
         self.leases: dict[str, str] = {}  # multiplexed model -> its engine name
         self.lease_users: Counter[str] = Counter()
         self.evicted: set[str] = set()
-        self.read_seconds = 0.0
+        self.read_seconds = 0.0  # reads on first use, start to done
+        self.first_reads = 0  # those reads, done
         self.reads = 0  # every read from the store, re-reads included
+        self.requests_total = 0
         self.multiplex_loads = 0
         self.alive = True
         self._collected = 0
@@ -168,6 +171,7 @@ class FleetReplica:
     def admit(self, req: SimRequest) -> None:
         """A request the router sent here, at the replica's current time."""
         self.in_flight += 1
+        self.requests_total += 1
         self._routed[req.rid] = req
         adapter = req.adapter
         if adapter is None:
@@ -218,6 +222,7 @@ class FleetReplica:
 
     def _read_done(self, adapter: str) -> None:
         self.read_seconds += self.clock.now - self.reading.pop(adapter)
+        self.first_reads += 1
         spec = self.catalog[adapter]
         if self.lru is None:
             self.sim.rank[adapter] = spec.rank
@@ -287,17 +292,36 @@ class FleetReplica:
     # -- what the router sees
 
     def routing_stats(self) -> dict:
-        """The sync deployment's `record_routing_stats` (router/routing_stats.py)."""
-        cache = self.sim.cache
-        device = list(cache.resident)
+        """The sync deployment's `record_routing_stats` (replica/deployment.py): the same
+        function (replica/routing_report.py) over the same state: the engine's stats as
+        `engine_stats` gives them, the reads on first use (AdapterSync's), the requests
+        held, in all and per adapter."""
+        published = routing_stats(
+            self.engine_stats(),
+            reading=self.reading,
+            read_s=self.read_seconds / self.first_reads if self.first_reads else None,
+            in_flight=self.in_flight,
+            adapter_queue=Counter(r.adapter for r in self._routed.values() if r.adapter),
+            max_concurrency=self.max_concurrency,
+            recorded_at=self.clock.now,
+        )
+        published["requests_total"] = self.requests_total
+        return published
+
+    def engine_stats(self) -> dict:
+        """What the engine's `stats()` (replica/engine.py) holds of what routing reads."""
+        cache, costs = self.sim.cache, self.sim.step_costs.estimate()
         return {
-            "device_adapters": device,
-            "host_adapters": [a for a in cache.host if a not in cache.resident],
-            "loading_adapters": [*cache.loading, *self.reading],
-            "queue_len": self.in_flight,
-            "max_concurrency": self.max_concurrency,
-            "free_pages": self.sim.pool.num_free,
-            "recorded_at": self.clock.now,
+            "adapters": {
+                "resident": list(cache.resident),
+                "loading": list(cache.loading),
+                "host": list(cache.host),
+                "load_seconds": cache.stats.load_seconds,
+                "loads": cache.stats.loads,
+            },
+            "pool": {"free_pages": self.sim.pool.num_free, "num_pages": self.sim.pool.num_pages},
+            "step_costs": None if costs is None else dataclasses.asdict(costs),
+            "prefix_cache": {"enabled": False},
         }
 
     def model_ids(self) -> frozenset[str]:

@@ -191,3 +191,46 @@ def test_bench_fleet_reports_every_key_on_a_tiny_shape():
     assert fail["requests_lost"] == 0 and set(fail["streams_failed"]) == set(ROUTERS)
     assert out["scale"]["points"][0]["replicas"] == 2
     assert "synthetic" in read_trace(None).source  # the stated stand-in without a trace
+
+
+def test_a_cold_adapter_is_read_once_per_first_use_with_a_full_host_tier():
+    """One replica whose host tier holds the largest adapter; eight adapters each requested
+    once, one after another: one store read each (the read for the first use; the cache
+    kept the copy it made for that request instead of dropping it first, as never used,
+    and reading it again)."""
+    adapters, by_name = catalog(8)
+    host = max(a.nbytes for a in adapters)
+    system = System("fifo", SCHED, CacheConfig(loading="thread", host_bytes=host))
+    reqs = [SimRequest(i, 2.0 * i, 100, 4, 16, a.name) for i, a in enumerate(adapters)]
+    run = simulate_fleet("affinity", reqs, by_name, setup(replicas=1, system=system))
+    assert run.counters["host_drops"] >= 3  # the tier was full
+    assert run.counters["store_reads"] == len(adapters)
+
+
+def test_simulated_replicas_publish_what_a_replica_deployment_publishes(assets):
+    """The same keys as the deployment's `record_routing_stats` over a real engine (both
+    through replica/routing_report.py), measured costs included once steps were seen."""
+    from loraplex.replica.config import EngineConfig
+    from loraplex.replica.engine import LLMEngine
+    from loraplex.replica.routing_report import routing_stats
+    from loraplex.replica.sampling import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(assets.model), pool_bytes=64 << 20))
+    engine.add_adapter("a", assets.adapters_dir / assets.adapter_names[0])
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True), "a")
+    while engine.has_unfinished():
+        engine.step()
+    real = routing_stats(
+        engine.stats(),
+        reading=(),
+        read_s=0.1,
+        in_flight=0,
+        adapter_queue={},
+        max_concurrency=8,
+        recorded_at=0.0,
+    )
+    real = set(real) - {"prefix_block_size", "prefix_share_base"} | {"requests_total"}
+    adapters, by_name = catalog(5)
+    sim = FleetSim("affinity", stream(adapters, n=120), by_name, setup(replicas=1))
+    sim.run()
+    assert set(sim.replicas["replica-0"].routing_stats()) == real

@@ -93,6 +93,7 @@ class Pending:
     request: SimRequest
     ctx: RoutingContext
     next_try: float | None = None  # None: not being routed yet (beyond the task cap)
+    predicted_held: bool = False  # the router's view had its adapter where it sent it
 
 
 @dataclass(slots=True)
@@ -109,6 +110,7 @@ class FleetRun:
     requests: int
     distinct_adapters: int
     counters: dict
+    adapters_held: int = 0  # distinct adapters on the devices and host tiers at the end
     replicas: dict[str, dict] = field(default_factory=dict)
     duration_s: float = 0.0
 
@@ -125,6 +127,12 @@ class FleetRun:
             "mean_ttft_s": float(self.ttft.mean()) if len(self.ttft) else None,
             "throughput_rps": len(self.ttft) / self.duration_s if self.duration_s else 0.0,
             "distinct_adapters": self.distinct_adapters,
+            "distinct_adapters_held": self.adapters_held,
+            "placement_miss_rate": (
+                self.counters["placement_misses"] / self.counters["predicted_held"]
+                if self.counters.get("predicted_held")
+                else None
+            ),
             **self.counters,
         }
 
@@ -326,7 +334,10 @@ class FleetSim:
                 return
             self.pending.remove(target)
             self.routed += 1
-            self.replicas[replica].admit(target.request)
+            if self.router != "affinity":
+                adapter = target.request.adapter
+                target.predicted_held = adapter in self.model_ids.get(replica, frozenset())
+            self.replicas[replica].admit(target.request, target.predicted_held)
 
     def _retry(self, pending: Pending, at: float) -> None:
         pending.next_try = at
@@ -342,6 +353,10 @@ class FleetSim:
         for rid in self.policy.choose(adapter, views):
             if self.replicas[rid].in_flight < self.setup.max_ongoing_requests:
                 self.policy.observe(adapter, rid)
+                seen = self.stats.get(rid)
+                pending.predicted_held = seen is not None and (
+                    adapter in seen[1].device_adapters or adapter in seen[1].host_adapters
+                )
                 return rid
         return None
 
@@ -399,6 +414,7 @@ class FleetSim:
             requests=len(measured),
             distinct_adapters=len({r.adapter for r in measured}),
             counters=counters,
+            adapters_held=len(set().union(*(r.held() for r in self.replicas.values()))),
             replicas=per_replica,
             duration_s=float(finish.max() - arrival.min()) if len(done) else 0.0,
         )

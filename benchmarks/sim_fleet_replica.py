@@ -161,6 +161,8 @@ class FleetReplica:
         self.first_reads = 0  # those reads, done
         self.reads = 0  # every read from the store, re-reads included
         self.requests_total = 0
+        self.predicted_held = 0  # placements whose router's view had the adapter held here
+        self.placement_misses = 0  # of those, placements that waited for a store read
         self.multiplex_loads = 0
         self.alive = True
         self._collected = 0
@@ -168,8 +170,12 @@ class FleetReplica:
 
     # -- requests
 
-    def admit(self, req: SimRequest) -> None:
-        """A request the router sent here, at the replica's current time."""
+    def admit(self, req: SimRequest, predicted_held: bool = False) -> None:
+        """A request the router sent here, at the replica's current time; `predicted_held`:
+        the router's view had its adapter here, on the device or with a host copy."""
+        if predicted_held:
+            self.predicted_held += 1
+            self.placement_misses += self.needs_read(req.adapter)
         self.in_flight += 1
         self.requests_total += 1
         self._routed[req.rid] = req
@@ -188,6 +194,23 @@ class FleetReplica:
         else:
             self.waiting.setdefault(adapter, []).append(req)
             self._next_multiplex_load()
+
+    def needs_read(self, adapter: str | None) -> bool:
+        """Would a request of `adapter` arriving now wait for a read from the store (its
+        first read here, one in flight, or a re-read of a host copy the budget dropped)?"""
+        if adapter is None:
+            return False
+        if self.lru is not None:
+            return adapter not in self.leases
+        cache = self.sim.cache
+        return adapter not in cache or (
+            cache.tier(adapter) != "device" and adapter not in cache.host
+        )
+
+    def held(self) -> set[str]:
+        """Adapters held on the device or in the host tier (multiplexed leases by model)."""
+        cache = self.sim.cache
+        return {name.split("#")[0] for name in (*cache.resident, *cache.host)}
 
     def _enqueue(self, req: SimRequest, engine_name: str | None) -> None:
         if engine_name is not None and engine_name != req.adapter:
@@ -363,5 +386,8 @@ class FleetReplica:
             "multiplexed_loads": self.multiplex_loads,
             "evictions": stats.evictions,
             "host_drops": stats.host_drops,
+            "host_hits": stats.host_hits,
+            "predicted_held": self.predicted_held,
+            "placement_misses": self.placement_misses,
             "preemptions": self.sim.scheduler.num_preemptions,
         }

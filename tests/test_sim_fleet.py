@@ -184,6 +184,9 @@ def test_bench_fleet_reports_every_key_on_a_tiny_shape():
             "loads_vs_floor",
             "slo_s",
             "goodput_rps",
+            "placement_miss_rate",
+            "host_hits",
+            "distinct_adapters_held",
         ):
             assert key in w, (name, key)
         assert set(w["routers"]) == set(ROUTERS)
@@ -234,3 +237,23 @@ def test_simulated_replicas_publish_what_a_replica_deployment_publishes(assets):
     sim = FleetSim("affinity", stream(adapters, n=120), by_name, setup(replicas=1))
     sim.run()
     assert set(sim.replicas["replica-0"].routing_stats()) == real
+
+
+def test_placement_misses_count_predicted_holders_that_read_from_the_store():
+    """A second request of an adapter, sent once the replica's stats show it on the device,
+    was predicted held and read nothing; power of two has no view and predicts nothing; a
+    replica that keeps nothing is never shown holding it, so its reads are no misses."""
+    adapters, by_name = catalog(5)
+    a = adapters[0].name
+    reqs = [SimRequest(i, 5.0 * i, 100, 4, 16, a) for i in range(3)]
+    run = simulate_fleet("affinity", reqs, by_name, setup(replicas=1))
+    s = run.summary()
+    assert s["predicted_held"] == 2 and s["placement_miss_rate"] == 0.0
+    assert s["distinct_adapters_held"] == 1 and s["store_reads"] == 1
+    assert (
+        simulate_fleet("pow2", reqs, by_name, setup(replicas=1)).summary()["placement_miss_rate"]
+        is None
+    )
+    no_host = System("fifo", SCHED, CacheConfig(loading="thread", host_bytes=1, keep_idle=False))
+    s = simulate_fleet("affinity", reqs, by_name, setup(replicas=1, system=no_host)).summary()
+    assert s["store_reads"] >= 3 and s["placement_miss_rate"] is None  # never shown held

@@ -39,7 +39,7 @@ within it (benchmarks/goodput.py). Per workload (benchmarks/fleet_workloads.py):
                                            copies), affinity / the lower Ray router's
     loads_vs_floor                         device loads / distinct adapters requested
     at the reference rate, per router: reads (store reads), host_hits (device loads from a
-    host copy), placement_miss_rate (of the placements whose router's view had the adapter
+    host copy held before the request came, not one read for it), placement_miss_rate (of the placements whose router's view had the adapter
     on that replica's device or host tier, the share that waited for a store read; None
     for power of two, which has no view), distinct_adapters_held (on the devices and host
     tiers at the end of the run)

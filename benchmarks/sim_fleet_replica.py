@@ -386,7 +386,8 @@ class FleetReplica:
             "multiplexed_loads": self.multiplex_loads,
             "evictions": stats.evictions,
             "host_drops": stats.host_drops,
-            "host_hits": stats.host_hits,
+            # device loads from a host copy held before the request came (not one read for it)
+            "host_hits": stats.host_hits - self.first_reads - self.multiplex_loads,
             "predicted_held": self.predicted_held,
             "placement_misses": self.placement_misses,
             "preemptions": self.sim.scheduler.num_preemptions,

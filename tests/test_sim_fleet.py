@@ -250,6 +250,7 @@ def test_placement_misses_count_predicted_holders_that_read_from_the_store():
     s = run.summary()
     assert s["predicted_held"] == 2 and s["placement_miss_rate"] == 0.0
     assert s["distinct_adapters_held"] == 1 and s["store_reads"] == 1
+    assert s["host_hits"] == 0  # one device load, from the copy read for the first request
     assert (
         simulate_fleet("pow2", reqs, by_name, setup(replicas=1)).summary()["placement_miss_rate"]
         is None

@@ -9,6 +9,13 @@ Ray Serve calls, besides the request methods `generate` and `stats`:
     record_routing_stats  every request_routing_stats_period_s; the dict reaches every
                           router as `RunningReplica.routing_stats` (router/routing_stats.py
                           has the contract, replica/routing_report.py computes it)
+
+A change of tiers reaches the routers at the next poll, not sooner: Ray 2.60 has no push
+for routing stats that lasts. The controller's `record_request_routing_info` (the path
+`@serve.multiplexed` pushes model ids by) takes `routing_stats` too, but every control loop
+(0.1 s) records each healthy replica's last polled dict over it (deployment_state.py
+`_process_healthy_replica`); tried, the router never saw a pushed change. The lag is
+bounded by request_routing_stats_period_s, which the controller honours down to its loop.
     check_health          every health_check_period_s; raising restarts the replica
     __del__               on graceful shutdown: stops the engine thread
 """

@@ -86,6 +86,8 @@ class FleetLink:
         self.reading = False
         self._rereads: dict[object, int] = {}
         self.first_reads: list[object] = []  # first-use reads the replica submitted, done
+        self.fresh: set[str] = set()  # engine names read for a request, not yet on the device
+        self.host_hits = 0  # device loads from a host copy held before the request came
 
     def submit(
         self, token: object, nbytes: int, job: Callable[[], None], join: bool = True
@@ -95,8 +97,13 @@ class FleetLink:
         if self.reading:
             self._rereads[token] = nbytes
             self.store.submit(("reread", token), nbytes)
+            return
+        name = getattr(token, "name", None)
+        if name in self.fresh:
+            self.fresh.discard(name)
         else:
-            self.host.submit(token, nbytes, _nothing)
+            self.host_hits += 1
+        self.host.submit(token, nbytes, _nothing)
 
     def collect(self) -> None:
         for token in self.store.done():
@@ -258,6 +265,7 @@ class FleetReplica:
             self.sim.cache.add(AdapterMeta(name, spec.rank, spec.nbytes))
             self.lru.loaded(adapter)
             self.leases[adapter] = name
+        self.links.fresh.add(name)
         for req in self.waiting.pop(adapter, []):
             self._enqueue(req, name)
         if self.lru is not None:
@@ -386,8 +394,7 @@ class FleetReplica:
             "multiplexed_loads": self.multiplex_loads,
             "evictions": stats.evictions,
             "host_drops": stats.host_drops,
-            # device loads from a host copy held before the request came (not one read for it)
-            "host_hits": stats.host_hits - self.first_reads - self.multiplex_loads,
+            "host_hits": self.links.host_hits,
             "predicted_held": self.predicted_held,
             "placement_misses": self.placement_misses,
             "preemptions": self.sim.scheduler.num_preemptions,

@@ -251,6 +251,10 @@ def test_placement_misses_count_predicted_holders_that_read_from_the_store():
     assert s["predicted_held"] == 2 and s["placement_miss_rate"] == 0.0
     assert s["distinct_adapters_held"] == 1 and s["store_reads"] == 1
     assert s["host_hits"] == 0  # one device load, from the copy read for the first request
+    # Evicted from the device after each request, kept in the host tier: two host hits.
+    idle_out = System("fifo", SCHED, CacheConfig(loading="thread", keep_idle=False))
+    s = simulate_fleet("affinity", reqs, by_name, setup(replicas=1, system=idle_out)).summary()
+    assert s["store_reads"] == 1 and s["device_loads"] == 3 and s["host_hits"] == 2
     assert (
         simulate_fleet("pow2", reqs, by_name, setup(replicas=1)).summary()["placement_miss_rate"]
         is None

@@ -122,6 +122,11 @@ class AdapterSync:
         """Versions being read into the engine now."""
         return frozenset(self._loading)
 
+    @property
+    def requests(self) -> dict[str, int]:
+        """Requests held here per version: waiting for its read, queued or running."""
+        return dict(self._active)
+
     # the request path
 
     @contextlib.asynccontextmanager

@@ -7,8 +7,15 @@ registry's snapshot: the first request already finds every registered adapter.
 
 Ray Serve calls, besides the request methods `generate` and `stats`:
     record_routing_stats  every request_routing_stats_period_s; the dict reaches every
-                          router as `RunningReplica.routing_stats` (router/policy.py has
-                          the contract)
+                          router as `RunningReplica.routing_stats` (router/routing_stats.py
+                          has the contract, replica/routing_report.py computes it)
+
+A change of tiers reaches the routers at the next poll, not sooner: Ray 2.60 has no push
+for routing stats that lasts. The controller's `record_request_routing_info` (the path
+`@serve.multiplexed` pushes model ids by) takes `routing_stats` too, but every control loop
+(0.1 s) records each healthy replica's last polled dict over it (deployment_state.py
+`_process_healthy_replica`); tried, the router never saw a pushed change. The lag is
+bounded by request_routing_stats_period_s, which the controller honours down to its loop.
     check_health          every health_check_period_s; raising restarts the replica
     __del__               on graceful shutdown: stops the engine thread
 """
@@ -38,49 +45,13 @@ from loraplex.replica.protocol import (
     continuation,
     sampling_params,
 )
+from loraplex.replica.routing_report import published_tiers, routing_stats
 
 log = logging.getLogger(__name__)
 
 # The router is named by import path: replica/ does not import router/ (DESIGN.md layout).
 AFFINITY_ROUTER = "loraplex.router.request_router:AffinityRequestRouter"
 DEPLOYMENT_NAME = "replica"
-
-
-def measured_costs(stats: dict[str, Any]) -> dict[str, float]:
-    """The router's cost inputs as this replica measured them (empty until it has enough
-    steps; the router then uses its configured costs):
-
-        busy_cost_s       2 x the step's cost per token: a request already running adds one
-                          decode token to the step a new request waits out and to its own
-                          prefill step
-        host_load_cost_s  mean host -> pool load time, plus one more adapter segment in every
-                          step of a request's life (per-adapter cost x mean output tokens)
-        prefill_token_cost_s  the step's cost per token: what a prompt token found in the
-                          prefix cache saves
-    """
-    costs = stats.get("step_costs")
-    if costs is None:
-        return {}
-    adapters = stats["adapters"]
-    load_s = adapters["load_seconds"] / adapters["loads"] if adapters["loads"] else 0.0
-    return {
-        "busy_cost_s": 2 * costs["per_token_s"],
-        "host_load_cost_s": load_s + costs["per_adapter_s"] * costs["mean_output_tokens"],
-        "prefill_token_cost_s": costs["per_token_s"],
-    }
-
-
-def prefix_routing(stats: dict[str, Any]) -> dict[str, Any]:
-    """What a router needs to key a prompt's blocks as this replica's prefix cache does:
-    its block size and whether base-model blocks are shared across tenants. Nothing when
-    the engine keeps no prefix cache (its stats have no enabled `prefix_cache`)."""
-    prefix = stats.get("prefix_cache")
-    if not prefix or not prefix["enabled"]:
-        return {}
-    return {
-        "prefix_block_size": stats["kv_block_size"],
-        "prefix_share_base": bool(prefix["share_base"]),
-    }
 
 
 class ReplicaDeployment:
@@ -108,6 +79,7 @@ class ReplicaDeployment:
             raise ValueError("artifact_root is required when etcd is given")
         self.max_concurrency = cfg.scheduler.max_num_seqs
         self.requests_total = 0  # generate calls received (for operators and tests)
+        self.in_flight = 0  # generate calls not finished, those waiting for a read included
         self.engine = await asyncio.to_thread(Engine, cfg)  # reads the checkpoint
         if etcd is None:
             return
@@ -133,9 +105,13 @@ class ReplicaDeployment:
         else:
             held = self.sync.serving(adapter, request.get("adapter_revision"))
         # aclosing: a caller that stops early must abort the engine's request at once
-        async with held, contextlib.aclosing(self._generate(request)) as chunks:
-            async for item in chunks:
-                yield item
+        self.in_flight += 1
+        try:
+            async with held, contextlib.aclosing(self._generate(request)) as chunks:
+                async for item in chunks:
+                    yield item
+        finally:
+            self.in_flight -= 1
 
     async def _generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         assert self.engine is not None
@@ -171,34 +147,26 @@ class ReplicaDeployment:
         return stats
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """Routing stats for AffinityRequestRouter (router/policy.py `RoutingStats`), plus
-        `recorded_at` (time.time()) so routers can tell their age."""
+        """Routing stats for AffinityRequestRouter (router/routing_stats.py `RoutingStats`):
+        the engine's own tiers and store reads, and `recorded_at` (time.time()) so routers
+        can tell their age."""
         assert self.engine is not None
         stats = await self.engine.stats()
-        tiers = self._tiers(stats)
-        return {
-            "device_adapters": tiers["device"],
-            "host_adapters": tiers["host"],
-            "loading_adapters": tiers["loading"],
-            "queue_len": stats["waiting"] + stats["running"],
-            "max_concurrency": self.max_concurrency,
-            "free_pages": stats["pool"]["free_pages"],
-            "num_pages": stats["pool"]["num_pages"],
-            "recorded_at": time.time(),
-            "requests_total": self.requests_total,
-            **measured_costs(stats),
-            **prefix_routing(stats),
-        }
+        sync = self.sync
+        published = routing_stats(
+            stats,
+            reading=sync.loading if sync else (),
+            read_s=sync.read_seconds / sync.reads if sync and sync.reads else None,
+            in_flight=self.in_flight,
+            adapter_queue=sync.requests if sync else {},
+            max_concurrency=self.max_concurrency,
+            recorded_at=time.time(),
+        )
+        published["requests_total"] = self.requests_total
+        return published
 
     def _tiers(self, stats: dict[str, Any]) -> dict[str, list[str]]:
-        device = list(stats["adapters"]["resident"])
-        if self.sync is None:
-            return {"device": device, "host": [], "loading": []}
-        return {
-            "device": device,
-            "host": sorted(self.sync.host - set(device)),
-            "loading": sorted(self.sync.loading),
-        }
+        return published_tiers(stats["adapters"], self.sync.loading if self.sync else ())
 
     async def check_health(self) -> None:
         assert self.engine is not None

@@ -5,9 +5,17 @@ with these keys (`RoutingStats`); a missing key counts as empty or 0, so a repli
 not published yet is routable:
 
     device_adapters   list[str]  adapters resident in the device pool
-    host_adapters     list[str]  adapters in the host tier, not on the device
-    loading_adapters  list[str]  adapters being loaded towards the device
-    queue_len         int        waiting + running requests
+    host_adapters     list[str]  adapters with a host copy, not on the device (the engine's
+                                 own host tier: a copy its budget dropped is not in it)
+    loading_adapters  list[str]  adapters being loaded towards the device, or read from the
+                                 store (those not in host_adapters are store reads)
+    queue_len         int        requests the replica holds (waiting for a read, queued,
+                                 running)
+    adapter_queue     dict[str, int]  those requests per adapter (optional)
+    store_reads_queued int       store reads in flight: loading adapters without a host copy
+    store_read_s      float      measured: mean time of one store read (optional)
+    read_queue_s      float      when the reads in flight are expected to be done, seconds
+                                 from recorded_at (optional, with store_read_s)
     max_concurrency   int        batch slots (missing or 0 counts as 1)
     free_pages        int        free pages of the unified pool
     num_pages         int        pages in the pool (optional; for `loraplex status`)
@@ -28,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
 
@@ -37,6 +45,10 @@ class RoutingStats(TypedDict, total=False):
     host_adapters: list[str]
     loading_adapters: list[str]
     queue_len: int
+    adapter_queue: dict[str, int]
+    store_reads_queued: int
+    store_read_s: float
+    read_queue_s: float
     max_concurrency: int
     free_pages: int
     busy_cost_s: float
@@ -61,6 +73,10 @@ class ReplicaStats:
     prefill_token_cost_s: float | None = None
     prefix_block_size: int = 0  # 0: no prefix cache
     prefix_share_base: bool = False
+    adapter_queue: Mapping[str, int] = field(default_factory=dict)  # requests per adapter
+    store_reads_queued: int = 0
+    store_read_s: float | None = None  # measured by the replica; None: not yet
+    read_queue_s: float = 0.0
 
     def __post_init__(self):
         if self.queue_len < 0 or self.max_concurrency < 1 or not self.stats_age_s >= 0:
@@ -70,7 +86,7 @@ class ReplicaStats:
             )
         if self.prefix_block_size < 0:
             raise ValueError(f"replica {self.replica_id!r}: prefix_block_size must be >= 0")
-        for name in ("busy_cost_s", "host_load_cost_s", "prefill_token_cost_s"):
+        for name in ("busy_cost_s", "host_load_cost_s", "prefill_token_cost_s", "store_read_s"):
             value = getattr(self, name)
             if value is not None and not 0 <= value < math.inf:
                 raise ValueError(f"replica {self.replica_id!r}: {name} must be >= 0, got {value}")
@@ -93,6 +109,10 @@ class ReplicaStats:
             prefill_token_cost_s=_optional_float(stats.get("prefill_token_cost_s")),
             prefix_block_size=int(stats.get("prefix_block_size") or 0),
             prefix_share_base=bool(stats.get("prefix_share_base")),
+            adapter_queue=dict(stats.get("adapter_queue") or {}),
+            store_reads_queued=int(stats.get("store_reads_queued") or 0),
+            store_read_s=_optional_float(stats.get("store_read_s")),
+            read_queue_s=float(stats.get("read_queue_s") or 0.0),
         )
 
 

@@ -187,12 +187,15 @@ def test_host_budget_drops_cold_host_copies_and_reads_them_back_from_disk():
     use(cache, clock, "a", 5.0)
     assert reads == ["a"] and cache.stats.disk_reads == 1 and cache.tier("a") == "device"
     assert cache.stats.host_drops >= 2
-    # Replacing an adapter with a larger version, and removing one, keep the budget.
+    # Replacing an adapter with a larger version, and removing one, keep the budget: the
+    # new version's copy is the newest, a (used at 5) goes.
+    clock.now = 6.0
     cache.add(AdapterMeta("c", 8, 5 * PAGE), reader("c", 5))
-    assert sum(w.nbytes for w in cache.host.values()) <= 6 * PAGE
+    assert set(cache.host) == {"c"}
+    drops = cache.stats.host_drops
     cache.remove("c")
     cache.add(AdapterMeta("d", 8, 2 * PAGE), reader("d", 2))
-    assert set(cache.host) == {"a", "d"}  # 5 pages: c's no longer count, nothing dropped
+    assert set(cache.host) == {"d"} and cache.stats.host_drops == drops  # c's bytes are gone
 
 
 def test_without_keep_idle_an_adapter_leaves_with_its_last_request_unless_queued():
@@ -202,3 +205,32 @@ def test_without_keep_idle_an_adapter_leaves_with_its_last_request_unless_queued
     cache.want(["b"])
     use(cache, clock, "b", 1.0)
     assert set(cache.resident) == {"b"}
+
+
+def test_a_new_host_copy_counts_as_just_used_and_queued_adapters_keep_theirs():
+    """With a full host tier, the copy just read is not the first dropped (it would be read
+    again by its first request): the least recently used one goes. An adapter queued
+    requests want keeps its host copy whatever its age."""
+    reads = []
+
+    def reader(name: str):
+        def read() -> AdapterMeta:
+            reads.append(name)
+            return AdapterMeta(name, 8, 3 * PAGE)
+
+        return read
+
+    cache, clock = make_cache(20, {}, host_bytes=6 * PAGE)
+    for i, name in enumerate(("a", "b")):
+        cache.add(AdapterMeta(name, 8, 3 * PAGE), reader(name))
+        use(cache, clock, name, float(i))
+    clock.now = 2.0
+    cache.add(AdapterMeta("c", 8, 3 * PAGE), reader("c"))  # its first read, for a request
+    assert cache.tier("c") == "host" and set(cache.host) == {"b", "c"}
+    use(cache, clock, "c", 3.0)
+    assert reads == [] and cache.stats.disk_reads == 0  # one read per first use: the add's
+
+    cache.want(["b"])  # b is the least recently used now, but a request waits for it
+    clock.now = 4.0
+    cache.add(AdapterMeta("d", 8, 3 * PAGE), reader("d"))
+    assert "b" in cache.host and "c" not in cache.host

@@ -19,10 +19,10 @@ from test_engine_oracle import demo_engine, greedy, token_prompt
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.protocol import GenerateRequest, adapter_id
+from loraplex.replica.routing_report import prefix_routing
 
 pytest.importorskip("ray")
 
-from loraplex.replica.deployment import prefix_routing  # noqa: E402 (after the Ray check)
 from loraplex.router.request_router import prompt_prefix_keys  # noqa: E402
 
 PAGE = 16 * 1024  # 8 tokens a block

@@ -618,3 +618,65 @@ def test_a_cold_adapter_avoids_a_replica_whose_store_reads_are_queued():
     # loads into the device from its host tier are no store reads
     warm = replica(walk[0], host={"x", "y", "z"}, loading={"x", "y", "z"})
     assert policy(**roomy).choose("cold", [warm, replica(walk[1])])[0] == walk[0]
+
+
+def test_a_cold_adapter_goes_home_unless_its_wait_exceeds_the_least_by_a_store_read():
+    """Stage 2 (cold_walk_reads = 1): with busy_cost_s > 0 every queue length makes a
+    different TTFT, but a cold adapter goes to its walk home while the home's wait is
+    within one store read (200 ms) of the least loaded replica's, and spills down its walk
+    past that. Off, it goes to the shortest queue: its home one time in eight, by chance."""
+    p = policy(
+        load_cost_s=0.2,
+        host_load_cost_s=0.0,
+        busy_cost_s=0.01,
+        bounded_adapters_c=100,
+        cold_walk_reads=1.0,
+    )
+    ids = [f"r{i}" for i in range(8)]
+    for i in range(50):
+        adapter = f"a{i}"
+        walk = walk_order(adapter, ids)
+        queues = {rid: 4 + (i + j) % 4 for j, rid in enumerate(ids)}  # 40-70 ms, below the bound
+        assert p.choose(adapter, [replica(rid, queue=queues[rid]) for rid in ids])[0] == walk[0]
+        queues = {rid: 25 if rid == walk[0] else 0 for rid in ids}  # 250 ms > one read
+        assert p.choose(adapter, [replica(rid, queue=queues[rid]) for rid in ids])[0] == walk[1]
+    # Off (the default), the least TTFT takes it.
+    off = policy(load_cost_s=0.2, host_load_cost_s=0.0, busy_cost_s=0.01, bounded_adapters_c=100)
+    queues = {rid: 0 if rid == walk[3] else 1 for rid in ids}
+    assert off.choose(adapter, [replica(rid, queue=queues[rid]) for rid in ids])[0] == walk[3]
+    # Within the load bound (6 < ceil(1.25 * 42 / 8) = 7), 250 ms more wait at home: past
+    # one configured read (200 ms) it spills; the replicas' measured reads (300 ms) keep it.
+    slow = policy(
+        load_cost_s=0.2,
+        host_load_cost_s=0.0,
+        busy_cost_s=0.25,
+        bounded_adapters_c=100,
+        cold_walk_reads=1.0,
+    )
+    queues = {rid: 6 if rid == walk[0] else 5 for rid in ids}
+    assert slow.choose(adapter, [replica(rid, queue=queues[rid]) for rid in ids])[0] == walk[1]
+    measured = [replace(replica(rid, queue=queues[rid]), store_read_s=0.3) for rid in ids]
+    assert slow.choose(adapter, measured)[0] == walk[0]
+
+
+def test_requests_queued_on_its_holders_give_an_adapter_more_homes():
+    """An adapter whose rate estimate needs one home (request_time_s far below what its
+    requests take) but whose home holds 40 of its requests for 32 slots: 40 / (0.5 * 32)
+    = 2.5, three homes; once they drain, back to one."""
+    clock = FakeClock()
+    p = policy(clock, request_time_s=0.1, home_utilisation=0.5, home_hysteresis=0.25)
+    ids = [f"r{i}" for i in range(4)]
+    walk = walk_order("a", ids)
+    p.observe("a", walk[0])
+    queued = [
+        replace(
+            replica(rid, device={"a"} if rid == walk[0] else (), queue=40 if rid == walk[0] else 0),
+            adapter_queue={"a": 40} if rid == walk[0] else {},
+        )
+        for rid in ids
+    ]
+    p.choose("a", queued)
+    assert len(p.homes("a")) == 3 and p.homes("a")[0] == walk[0]
+    clock.advance(60.0)  # the rate decays; nothing queued any more
+    p.choose("a", [replica(rid) for rid in ids])
+    assert p.homes("a") == ()

@@ -135,6 +135,24 @@ def test_fifo_blocks_behind_its_head():
     assert rec.admitted == ["a", "b", "c"] and len(fifo) == 0
 
 
+def test_fifo_and_sjf_let_others_pass_a_request_whose_adapter_is_loading():
+    """A loading adapter's request keeps its place while the ones behind it start; a request
+    that cannot start for any other reason still blocks the rest."""
+    fifo = FIFO()
+    sjf = SJFAging(OutputPredictor())
+    for rid, out in (("a", 4), ("b", 5), ("c", 6), ("d", 7)):  # SJF's order is FIFO's here
+        fifo.add(seq(rid, 4, out), 0.0)
+        sjf.add(seq(rid, 4, out), 0.0)
+    for policy in (fifo, sjf):
+        rec = Recorder({"a": Admit.LOADING, "c": Admit.NO_ROOM})
+        policy.admit(0.0, rec)
+        assert rec.asked == ["a", "b", "c"] and rec.admitted == ["b"]
+        assert [s.request_id for s in policy.waiting()] == ["a", "c", "d"]
+        rec = Recorder()
+        policy.admit(1.0, rec)
+        assert rec.admitted == ["a", "c", "d"] and len(policy) == 0
+
+
 def test_sjf_orders_by_predicted_output_and_ages_the_long_ones():
     sjf = SJFAging(OutputPredictor(), aging_tokens_per_s=10.0)
     sjf.add(seq("long", 4, 500), now=0.0)

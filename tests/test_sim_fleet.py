@@ -184,6 +184,9 @@ def test_bench_fleet_reports_every_key_on_a_tiny_shape():
             "loads_vs_floor",
             "slo_s",
             "goodput_rps",
+            "placement_miss_rate",
+            "host_hits",
+            "distinct_adapters_held",
         ):
             assert key in w, (name, key)
         assert set(w["routers"]) == set(ROUTERS)
@@ -191,3 +194,91 @@ def test_bench_fleet_reports_every_key_on_a_tiny_shape():
     assert fail["requests_lost"] == 0 and set(fail["streams_failed"]) == set(ROUTERS)
     assert out["scale"]["points"][0]["replicas"] == 2
     assert "synthetic" in read_trace(None).source  # the stated stand-in without a trace
+
+
+def test_a_cold_adapter_is_read_once_per_first_use_with_a_full_host_tier():
+    """One replica whose host tier holds the largest adapter; eight adapters each requested
+    once, one after another: one store read each (the read for the first use; the cache
+    kept the copy it made for that request instead of dropping it first, as never used,
+    and reading it again)."""
+    adapters, by_name = catalog(8)
+    host = max(a.nbytes for a in adapters)
+    system = System("fifo", SCHED, CacheConfig(loading="thread", host_bytes=host))
+    reqs = [SimRequest(i, 2.0 * i, 100, 4, 16, a.name) for i, a in enumerate(adapters)]
+    run = simulate_fleet("affinity", reqs, by_name, setup(replicas=1, system=system))
+    assert run.counters["host_drops"] >= 3  # the tier was full
+    assert run.counters["store_reads"] == len(adapters)
+
+
+def test_simulated_replicas_publish_what_a_replica_deployment_publishes(assets):
+    """The same keys as the deployment's `record_routing_stats` over a real engine (both
+    through replica/routing_report.py), measured costs included once steps were seen."""
+    from loraplex.replica.config import EngineConfig
+    from loraplex.replica.engine import LLMEngine
+    from loraplex.replica.routing_report import routing_stats
+    from loraplex.replica.sampling import SamplingParams
+
+    engine = LLMEngine(EngineConfig(model=str(assets.model), pool_bytes=64 << 20))
+    engine.add_adapter("a", assets.adapters_dir / assets.adapter_names[0])
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=40, ignore_eos=True), "a")
+    while engine.has_unfinished():
+        engine.step()
+    real = routing_stats(
+        engine.stats(),
+        reading=(),
+        read_s=0.1,
+        in_flight=0,
+        adapter_queue={},
+        max_concurrency=8,
+        recorded_at=0.0,
+    )
+    real = set(real) - {"prefix_block_size", "prefix_share_base"} | {"requests_total"}
+    adapters, by_name = catalog(5)
+    sim = FleetSim("affinity", stream(adapters, n=120), by_name, setup(replicas=1))
+    sim.run()
+    assert set(sim.replicas["replica-0"].routing_stats()) == real
+
+
+def test_placement_misses_count_predicted_holders_that_read_from_the_store():
+    """A second request of an adapter, sent once the replica's stats show it on the device,
+    was predicted held and read nothing; power of two has no view and predicts nothing; a
+    replica that keeps nothing is never shown holding it, so its reads are no misses."""
+    adapters, by_name = catalog(5)
+    a = adapters[0].name
+    reqs = [SimRequest(i, 5.0 * i, 100, 4, 16, a) for i in range(3)]
+    run = simulate_fleet("affinity", reqs, by_name, setup(replicas=1))
+    s = run.summary()
+    assert s["predicted_held"] == 2 and s["placement_miss_rate"] == 0.0
+    assert s["distinct_adapters_held"] == 1 and s["store_reads"] == 1
+    assert s["host_hits"] == 0  # one device load, from the copy read for the first request
+    # Evicted from the device after each request, kept in the host tier: two host hits.
+    idle_out = System("fifo", SCHED, CacheConfig(loading="thread", keep_idle=False))
+    s = simulate_fleet("affinity", reqs, by_name, setup(replicas=1, system=idle_out)).summary()
+    assert s["store_reads"] == 1 and s["device_loads"] == 3 and s["host_hits"] == 2
+    assert (
+        simulate_fleet("pow2", reqs, by_name, setup(replicas=1)).summary()["placement_miss_rate"]
+        is None
+    )
+    no_host = System("fifo", SCHED, CacheConfig(loading="thread", host_bytes=1, keep_idle=False))
+    s = simulate_fleet("affinity", reqs, by_name, setup(replicas=1, system=no_host)).summary()
+    assert s["store_reads"] >= 3 and s["placement_miss_rate"] is None  # never shown held
+
+
+def test_a_request_behind_a_re_read_in_the_simulated_engine_is_not_held_up():
+    """The simulated replica's engine is the real scheduler: a request whose adapter's host
+    copy was dropped waits for its re-read from the store (~0.29 s for rank 128) aside,
+    and a request of another adapter queued behind it starts at once."""
+    adapters, by_name = catalog(5)
+    big, small = adapters[4], adapters[0]  # rank 128 and rank 8
+    host = big.nbytes  # both do not fit: the older copy (big's) is dropped
+    system = System("fifo", SCHED, CacheConfig(loading="thread", host_bytes=host, keep_idle=False))
+    reqs = [
+        SimRequest(0, 0.0, 100, 2, 16, big.name),
+        SimRequest(1, 2.0, 100, 2, 16, small.name),
+        SimRequest(2, 4.0, 100, 2, 16, big.name),  # re-read inside the engine
+        SimRequest(3, 4.001, 100, 2, 16, small.name),  # from the host tier: a copy
+    ]
+    run = simulate_fleet("affinity", reqs, by_name, setup(replicas=1, system=system))
+    reread = STORE.latency_s + big.nbytes / STORE.bytes_per_s
+    assert run.counters["store_reads"] == 3
+    assert run.ttft[2] >= reread and run.ttft[3] < reread / 4

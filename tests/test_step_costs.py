@@ -1,5 +1,5 @@
 """The replica's own step-cost estimate (replica/step_costs.py) and what it publishes to
-the router (replica/deployment.py `measured_costs`)."""
+the router (replica/routing_report.py `measured_costs`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import pytest
 from test_engine import greedy, make_engine
 
-from loraplex.replica.deployment import measured_costs
+from loraplex.replica.routing_report import measured_costs
 from loraplex.replica.step_costs import StepCostEstimator
 
 

@@ -116,3 +116,77 @@ def test_a_read_from_the_store_stalls_only_its_own_requests(assets):
         tokens_meanwhile += sum(o.request_id == "running" for o in outs)
     assert engine.adapters.stats.disk_reads == 2
     assert tokens_meanwhile >= 10, tokens_meanwhile
+
+
+def test_a_cold_adapter_is_read_once_on_its_first_use_with_a_full_host_tier(assets):
+    """The host tier holds two adapters, both used; a third is read for its first request
+    (as AdapterSync does) and that request runs on that copy: no second read from the
+    store. (The new copy was dropped first, as never used, and read again by the engine.)"""
+    from loraplex.replica.config import CacheConfig
+    from loraplex.replica.sampling import SamplingParams
+
+    names = sorted(assets.adapter_names)[:3]
+    probe = LLMEngine(EngineConfig(model=str(assets.model), pool_bytes=64 << 20))
+    sizes = {n: probe.read_adapter(n, assets.adapters_dir / n).nbytes for n in names}
+    old, new = names[:2], names[2]
+    budget = sum(sizes[n] for n in old) + sizes[new] - 1  # all three do not fit
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(assets.model),
+            pool_bytes=64 << 20,
+            cache=CacheConfig(loading="thread", host_bytes=budget),
+        )
+    )
+    params = SamplingParams(max_tokens=2, temperature=0)
+
+    def serve(name: str) -> None:
+        engine.add_request([5, 6, 7], params, name, request_id=name)
+        deadline = time.monotonic() + 30
+        while engine.has_unfinished() and time.monotonic() < deadline:
+            engine.step()
+        assert not engine.has_unfinished()
+
+    for name in old:
+        engine.add_adapter(name, assets.adapters_dir / name)
+        serve(name)
+    engine.add_adapter(new, assets.adapters_dir / new)  # the first read from the store
+    serve(new)
+    assert engine.adapters.stats.disk_reads == 0
+    assert engine.adapters.stats.host_drops == 1 and new in engine.adapters.host
+
+
+@pytest.mark.parametrize("policy", ["fifo", "sjf", "chameleon"])
+def test_a_warm_request_behind_a_store_read_is_admitted_at_the_next_step(assets, policy):
+    """A request whose adapter is being read from the store (1 s) waits aside: the request
+    queued behind it, whose adapter is on the device, gets its first token from the very
+    next step (FIFO and SJF made it wait for the read)."""
+    from loraplex.replica.config import CacheConfig, SchedulerConfig
+    from loraplex.replica.sampling import SamplingParams
+
+    engine = LLMEngine(
+        EngineConfig(
+            model=str(assets.model),
+            pool_bytes=64 << 20,
+            scheduler=SchedulerConfig(policy=policy),
+            cache=CacheConfig(loading="thread", host_bytes=1),  # every host copy dropped
+            artifacts=ArtifactReadConfig(read_latency_ms=1000),
+        )
+    )
+    warm, cold = "sql-r8", "chat-r16"
+    for name in (warm, cold):
+        engine.add_adapter(name, assets.adapters_dir / name)
+    params = SamplingParams(max_tokens=2, temperature=0)
+    engine.add_request([5, 6, 7], params, warm, request_id="first")
+    deadline = time.monotonic() + 30
+    while engine.has_unfinished() and time.monotonic() < deadline:
+        engine.step()
+    assert engine.adapters.tier(warm) == "device"
+    engine.add_request([5, 6, 7], params, cold, request_id="reading")
+    engine.add_request([5, 6, 8], params, warm, request_id="behind")
+    started = time.monotonic()
+    first = {o.request_id for o in engine.step()}
+    assert "behind" in first and "reading" not in first
+    assert time.monotonic() - started < 0.5  # the step did not wait out the read
+    while engine.has_unfinished() and time.monotonic() < deadline:
+        engine.step()
+    assert not engine.has_unfinished() and engine.adapters.stats.disk_reads == 2

@@ -38,6 +38,11 @@ within it (benchmarks/goodput.py). Per workload (benchmarks/fleet/workloads.py):
                                            loading adapters (store reads and device
                                            copies), affinity / the lower Ray router's
     loads_vs_floor                         device loads / distinct adapters requested
+    at the reference rate, per router: reads (store reads), host_hits (device loads from a
+    host copy held before the request came, not one read for it), placement_miss_rate (of the placements whose router's view had the adapter
+    on that replica's device or host tier, the share that waited for a store read; None
+    for power of two, which has no view), distinct_adapters_held (on the devices and host
+    tiers at the end of the run)
     failover: recovery_s (the kill until p99 TTFT of every later 5 s window is within the
     SLO), streams_failed (0: begun streams resume elsewhere), streams_resumed, requests_lost
     (0: requests without a first token are retried)
@@ -334,6 +339,8 @@ def sweep(
                 for r, k in zip(rs, kills, strict=True)
             ]
     out = {"unloaded_ttft_s": unloaded, **_keys(routers, rates, slo, ref)}
+    for key in ("placement_miss_rate", "host_hits", "distinct_adapters_held"):
+        out[key] = {r: f["at_reference"][key] for r, f in routers.items()}
     if workload == "failover":
         out["recovery_s"] = {r: f["recovery_s"][ref] for r, f in routers.items()}
         out["streams_failed"] = {r: f["at_reference"]["streams_failed"] for r, f in routers.items()}

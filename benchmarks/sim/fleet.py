@@ -4,9 +4,15 @@ simulator with a stated GPU profile) behind one Serve router, in simulated time.
 Routers:
     affinity   the real AffinityPolicy (router/policy.py) as AffinityRequestRouter drives it:
                ranks from the replicas' routing stats, each replica its own rank, the first
-               below max_ongoing_requests taken; stats published every stats_period_s and
-               delivered stats_delay_s later (their age is what the policy is told);
-               queue lengths are the router's own count, as Serve's cache gives it
+               below max_ongoing_requests taken; queue lengths are the router's own count,
+               as Serve's cache gives it. The stats are what a replica deployment publishes
+               (the same function, replica/routing_report.py) at Serve's cadence: its
+               controller, looping every CONTROL_LOOP_S, calls a replica's
+               record_routing_stats once stats_period_s x U(0.9, 1.1) has passed since the
+               last call (ray/serve/_private/deployment_state.py
+               `_should_record_routing_stats`) and collects the result at its next loop,
+               then pushes it to the routers (stats_delay_s more); their age at the router
+               is what the policy is told
     pow2       Ray Serve's default router (benchmarks/peers/ray_routers.py) over sync replicas,
                which report no model ids: power of two on queue length
     multiplex  the same router over `@serve.multiplexed` replicas, whose model ids reach
@@ -52,6 +58,7 @@ from loraplex.router.policy import AffinityConfig, AffinityPolicy
 from loraplex.router.routing_stats import ReplicaStats
 
 ROUTERS = ("affinity", "pow2", "multiplex")
+CONTROL_LOOP_S = 0.1  # Serve's controller loop (RAY_SERVE_CONTROL_LOOP_INTERVAL_S)
 _STATS_EVENTS = ("publish", "deliver")  # recur while other events or requests remain
 
 
@@ -86,6 +93,7 @@ class Pending:
     request: SimRequest
     ctx: RoutingContext
     next_try: float | None = None  # None: not being routed yet (beyond the task cap)
+    predicted_held: bool = False  # the router's view had its adapter where it sent it
 
 
 @dataclass(slots=True)
@@ -102,6 +110,7 @@ class FleetRun:
     requests: int
     distinct_adapters: int
     counters: dict
+    adapters_held: int = 0  # distinct adapters on the devices and host tiers at the end
     replicas: dict[str, dict] = field(default_factory=dict)
     duration_s: float = 0.0
 
@@ -118,6 +127,12 @@ class FleetRun:
             "mean_ttft_s": float(self.ttft.mean()) if len(self.ttft) else None,
             "throughput_rps": len(self.ttft) / self.duration_s if self.duration_s else 0.0,
             "distinct_adapters": self.distinct_adapters,
+            "distinct_adapters_held": self.adapters_held,
+            "placement_miss_rate": (
+                self.counters["placement_misses"] / self.counters["predicted_held"]
+                if self.counters.get("predicted_held")
+                else None
+            ),
             **self.counters,
         }
 
@@ -235,14 +250,17 @@ class FleetSim:
         if replica is None:
             return
         if self.router == "affinity":
-            delay = self.setup.stats_delay_s
+            delay = CONTROL_LOOP_S + self.setup.stats_delay_s
             payload = (rid, self.now, replica.routing_stats())
+            jittered = self.period * self.rng.uniform(0.9, 1.1)
+            period = math.ceil(jittered / CONTROL_LOOP_S - 1e-9) * CONTROL_LOOP_S
         else:
             delay = self.setup.model_ids_delay_s
             payload = (rid, self.now, replica.model_ids())
+            period = self.period
         self._push(self.now + delay, "deliver", payload)
         if self._work or self.pending or any(r.in_flight for r in self.replicas.values()):
-            self._push(self.now + self.period, "publish", rid)
+            self._push(self.now + period, "publish", rid)
 
     def _on_deliver(self, payload) -> None:
         rid, recorded_at, published = payload
@@ -316,7 +334,10 @@ class FleetSim:
                 return
             self.pending.remove(target)
             self.routed += 1
-            self.replicas[replica].admit(target.request)
+            if self.router != "affinity":
+                adapter = target.request.adapter
+                target.predicted_held = adapter in self.model_ids.get(replica, frozenset())
+            self.replicas[replica].admit(target.request, target.predicted_held)
 
     def _retry(self, pending: Pending, at: float) -> None:
         pending.next_try = at
@@ -332,6 +353,10 @@ class FleetSim:
         for rid in self.policy.choose(adapter, views):
             if self.replicas[rid].in_flight < self.setup.max_ongoing_requests:
                 self.policy.observe(adapter, rid)
+                seen = self.stats.get(rid)
+                pending.predicted_held = seen is not None and (
+                    adapter in seen[1].device_adapters or adapter in seen[1].host_adapters
+                )
                 return rid
         return None
 
@@ -389,6 +414,7 @@ class FleetSim:
             requests=len(measured),
             distinct_adapters=len({r.adapter for r in measured}),
             counters=counters,
+            adapters_held=len(set().union(*(r.held() for r in self.replicas.values()))),
             replicas=per_replica,
             duration_s=float(finish.max() - arrival.min()) if len(done) else 0.0,
         )

@@ -34,6 +34,7 @@ from loraplex.benchmarks.sim.replica import (
     System,
 )
 from loraplex.benchmarks.sim.workload import AdapterSpec, SimRequest
+from loraplex.replica.routing_report import routing_stats
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +86,8 @@ class FleetLink:
         self.reading = False
         self._rereads: dict[object, int] = {}
         self.first_reads: list[object] = []  # first-use reads the replica submitted, done
+        self.fresh: set[str] = set()  # engine names read for a request, not yet on the device
+        self.host_hits = 0  # device loads from a host copy held before the request came
 
     def submit(
         self, token: object, nbytes: int, job: Callable[[], None], join: bool = True
@@ -94,8 +97,13 @@ class FleetLink:
         if self.reading:
             self._rereads[token] = nbytes
             self.store.submit(("reread", token), nbytes)
+            return
+        name = getattr(token, "name", None)
+        if name in self.fresh:
+            self.fresh.discard(name)
         else:
-            self.host.submit(token, nbytes, _nothing)
+            self.host_hits += 1
+        self.host.submit(token, nbytes, _nothing)
 
     def collect(self) -> None:
         for token in self.store.done():
@@ -156,8 +164,12 @@ class FleetReplica:
         self.leases: dict[str, str] = {}  # multiplexed model -> its engine name
         self.lease_users: Counter[str] = Counter()
         self.evicted: set[str] = set()
-        self.read_seconds = 0.0
+        self.read_seconds = 0.0  # reads on first use, start to done
+        self.first_reads = 0  # those reads, done
         self.reads = 0  # every read from the store, re-reads included
+        self.requests_total = 0
+        self.predicted_held = 0  # placements whose router's view had the adapter held here
+        self.placement_misses = 0  # of those, placements that waited for a store read
         self.multiplex_loads = 0
         self.alive = True
         self._collected = 0
@@ -165,9 +177,14 @@ class FleetReplica:
 
     # -- requests
 
-    def admit(self, req: SimRequest) -> None:
-        """A request the router sent here, at the replica's current time."""
+    def admit(self, req: SimRequest, predicted_held: bool = False) -> None:
+        """A request the router sent here, at the replica's current time; `predicted_held`:
+        the router's view had its adapter here, on the device or with a host copy."""
+        if predicted_held:
+            self.predicted_held += 1
+            self.placement_misses += self.needs_read(req.adapter)
         self.in_flight += 1
+        self.requests_total += 1
         self._routed[req.rid] = req
         adapter = req.adapter
         if adapter is None:
@@ -184,6 +201,23 @@ class FleetReplica:
         else:
             self.waiting.setdefault(adapter, []).append(req)
             self._next_multiplex_load()
+
+    def needs_read(self, adapter: str | None) -> bool:
+        """Would a request of `adapter` arriving now wait for a read from the store (its
+        first read here, one in flight, or a re-read of a host copy the budget dropped)?"""
+        if adapter is None:
+            return False
+        if self.lru is not None:
+            return adapter not in self.leases
+        cache = self.sim.cache
+        return adapter not in cache or (
+            cache.tier(adapter) != "device" and adapter not in cache.host
+        )
+
+    def held(self) -> set[str]:
+        """Adapters held on the device or in the host tier (multiplexed leases by model)."""
+        cache = self.sim.cache
+        return {name.split("#")[0] for name in (*cache.resident, *cache.host)}
 
     def _enqueue(self, req: SimRequest, engine_name: str | None) -> None:
         if engine_name is not None and engine_name != req.adapter:
@@ -218,6 +252,7 @@ class FleetReplica:
 
     def _read_done(self, adapter: str) -> None:
         self.read_seconds += self.clock.now - self.reading.pop(adapter)
+        self.first_reads += 1
         spec = self.catalog[adapter]
         if self.lru is None:
             self.sim.rank[adapter] = spec.rank
@@ -230,6 +265,7 @@ class FleetReplica:
             self.sim.cache.add(AdapterMeta(name, spec.rank, spec.nbytes))
             self.lru.loaded(adapter)
             self.leases[adapter] = name
+        self.links.fresh.add(name)
         for req in self.waiting.pop(adapter, []):
             self._enqueue(req, name)
         if self.lru is not None:
@@ -287,17 +323,36 @@ class FleetReplica:
     # -- what the router sees
 
     def routing_stats(self) -> dict:
-        """The sync deployment's `record_routing_stats` (router/routing_stats.py)."""
-        cache = self.sim.cache
-        device = list(cache.resident)
+        """The sync deployment's `record_routing_stats` (replica/deployment.py): the same
+        function (replica/routing_report.py) over the same state: the engine's stats as
+        `engine_stats` gives them, the reads on first use (AdapterSync's), the requests
+        held, in all and per adapter."""
+        published = routing_stats(
+            self.engine_stats(),
+            reading=self.reading,
+            read_s=self.read_seconds / self.first_reads if self.first_reads else None,
+            in_flight=self.in_flight,
+            adapter_queue=Counter(r.adapter for r in self._routed.values() if r.adapter),
+            max_concurrency=self.max_concurrency,
+            recorded_at=self.clock.now,
+        )
+        published["requests_total"] = self.requests_total
+        return published
+
+    def engine_stats(self) -> dict:
+        """What the engine's `stats()` (replica/engine.py) holds of what routing reads."""
+        cache, costs = self.sim.cache, self.sim.step_costs.estimate()
         return {
-            "device_adapters": device,
-            "host_adapters": [a for a in cache.host if a not in cache.resident],
-            "loading_adapters": [*cache.loading, *self.reading],
-            "queue_len": self.in_flight,
-            "max_concurrency": self.max_concurrency,
-            "free_pages": self.sim.pool.num_free,
-            "recorded_at": self.clock.now,
+            "adapters": {
+                "resident": list(cache.resident),
+                "loading": list(cache.loading),
+                "host": list(cache.host),
+                "load_seconds": cache.stats.load_seconds,
+                "loads": cache.stats.loads,
+            },
+            "pool": {"free_pages": self.sim.pool.num_free, "num_pages": self.sim.pool.num_pages},
+            "step_costs": None if costs is None else dataclasses.asdict(costs),
+            "prefix_cache": {"enabled": False},
         }
 
     def model_ids(self) -> frozenset[str]:
@@ -339,5 +394,8 @@ class FleetReplica:
             "multiplexed_loads": self.multiplex_loads,
             "evictions": stats.evictions,
             "host_drops": stats.host_drops,
+            "host_hits": self.links.host_hits,
+            "predicted_held": self.predicted_held,
+            "placement_misses": self.placement_misses,
             "preemptions": self.sim.scheduler.num_preemptions,
         }

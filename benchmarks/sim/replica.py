@@ -25,6 +25,7 @@ from loraplex.replica.scheduling.chameleon import Chameleon
 from loraplex.replica.scheduling.fairness import tenant_policies
 from loraplex.replica.scheduling.scheduler import Scheduler, SchedulerConfig
 from loraplex.replica.sequence import Sequence
+from loraplex.replica.step_costs import StepCostEstimator
 
 
 class SimClock:
@@ -198,6 +199,7 @@ class SimReplica:
         self.busy_s = 0.0
         self.batch_sizes: list[int] = []
         self.peak_pages_in_use = 0  # KV blocks + pinned adapters: what the batch needs
+        self.step_costs = StepCostEstimator()  # what the replica measures, as the engine does
 
     @property
     def load(self) -> int:
@@ -256,6 +258,7 @@ class SimReplica:
             adapter_bytes=sum(self.cache.nbytes_of(a) for a in adapters),
         )
         dt = self.profile.step_time(load)
+        self.step_costs.record_step(load.tokens, len(adapters), dt)
         self.clock.now += dt
         self.busy_s += dt
         self.steps += 1
@@ -278,5 +281,6 @@ class SimReplica:
             if len(seq.output_ids) >= record.request.output:
                 record.finish = now
                 self.scheduler.finish(seq, "length")
+                self.step_costs.record_finished(len(seq.output_ids))
                 self.done.append(self.records.pop(seq))
         return True

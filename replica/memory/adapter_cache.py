@@ -8,7 +8,9 @@ artifact store on disk.
   cache, idle cached KV blocks are evictable too, and one decision picks between the next
   adapter and the next block: the cheaper to lose (eviction.py `victims`).
 - Host: the registered weights in memory (pinned on CUDA). With a `host_bytes` budget the
-  least recently used ones not on the device are dropped and read again from disk.
+  least recently used ones are dropped and read again from disk; a copy just made (added,
+  or read back) counts as just used, and adapters of queued requests keep theirs: a
+  copy read for a request is never dropped before that request runs on it.
 - Loads go through a `Transfer` (a copy thread beside the compute, or the simulator's
   link): `acquire` starts a missing adapter's load and answers None until it is ready.
 
@@ -97,6 +99,11 @@ class _Entry:
     skeleton: object
     weights: object | None
     read: Callable[[], object] | None  # reads it from the artifact store again
+    host_at: float = float("-inf")  # when its host copy was made (added or read back)
+
+    def host_recency(self) -> float:
+        """When the host copy was last used or made: what the host budget drops by."""
+        return max(self.usage.last_used, self.host_at)
 
 
 class AdapterCache:
@@ -414,6 +421,7 @@ class AdapterCache:
     def _set_host(self, name: str, weights) -> None:
         self._drop_host(name)
         self.host[name] = weights
+        self.entries[name].host_at = self.clock()
         self._host_bytes += self.entries[name].nbytes
 
     def _drop_host(self, name: str) -> None:
@@ -422,16 +430,19 @@ class AdapterCache:
 
     def _fit_host_budget(self) -> None:
         """Drop the least recently used host copies (those that can be read again, not
-        being loaded) until the host tier fits its budget."""
+        being loaded, not wanted by queued requests) until the host tier fits its budget.
+        A copy wanted or in flight may leave the tier over budget until it is used."""
         budget = self.cfg.host_bytes
         if budget is None or self._host_bytes <= budget:
             return
         droppable = [
             self.entries[name]
             for name in self.host
-            if self.entries[name].read is not None and name not in self.loading
+            if self.entries[name].read is not None
+            and name not in self.loading
+            and name not in self.wanted
         ]
-        for entry in sorted(droppable, key=lambda e: e.usage.last_used):
+        for entry in sorted(droppable, key=_Entry.host_recency):
             if self._host_bytes <= budget:
                 break
             entry.weights = None

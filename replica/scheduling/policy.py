@@ -6,8 +6,12 @@ distinct-adapter cap, KV blocks, adapter residency) and answers with an `Admit`.
 comes in as `now` (the scheduler's injected clock), so the engine and the simulator drive
 the same objects.
 
-- `FIFO`: arrival order; the first request that cannot start blocks the rest (S-LoRA, vLLM).
-- `SJFAging`: shortest predicted output first, aged by waiting time so nothing starves.
+- `FIFO`: arrival order; the first request that cannot start blocks the rest (S-LoRA, vLLM),
+  except one whose adapter is being loaded: it waits aside, keeping its place, while the
+  others pass, so a read from the artifact store (100s of ms) holds up only its own
+  requests, as a request waiting for its adapter outside the engine would.
+- `SJFAging`: shortest predicted output first, aged by waiting time so nothing starves;
+  a request whose adapter is being loaded waits aside as in FIFO.
 - `Chameleon` (sched_chameleon.py): multi-level queues by weighted request size (seed 004
   §4.3): K-means cut-offs, per-queue token quotas, two-phase admission, opportunistic
   bypass.
@@ -88,8 +92,16 @@ class FIFO:
         return list(self.queue)
 
     def admit(self, now: float, try_admit: TryAdmit) -> None:
-        while self.queue and try_admit(self.queue[0]) is Admit.OK:
-            self.queue.popleft()
+        aside: list[Sequence] = []  # waiting for their adapter's load, in order
+        while self.queue:
+            result = try_admit(self.queue[0])
+            if result is Admit.OK:
+                self.queue.popleft()
+            elif result is Admit.LOADING:
+                aside.append(self.queue.popleft())
+            else:
+                break
+        self.queue.extendleft(reversed(aside))
 
     def left(self, seq: Sequence, now: float, finished: bool) -> None:
         pass
@@ -100,7 +112,8 @@ class FIFO:
 
 class SJFAging:
     """Priority = predicted output tokens − aging · seconds waited; lowest first, strictly
-    (the first that cannot start blocks the rest, as in FIFO). Since every waiting request
+    (the first that cannot start blocks the rest, and one whose adapter is loading waits
+    aside, as in FIFO). Since every waiting request
     ages at the same rate, the order is that of predicted − aging · enqueue time: a heap."""
 
     name = "sjf"
@@ -141,9 +154,18 @@ class SJFAging:
         return [seq for p, t, seq in sorted(self._heap) if self._key.get(seq) == (p, t)]
 
     def admit(self, now: float, try_admit: TryAdmit) -> None:
-        while (seq := self._top()) is not None and try_admit(seq) is Admit.OK:
-            heapq.heappop(self._heap)
-            del self._key[seq]
+        aside: list[tuple[float, int, Sequence]] = []  # waiting for their adapter's load
+        while (seq := self._top()) is not None:
+            result = try_admit(seq)
+            if result is Admit.OK:
+                heapq.heappop(self._heap)
+                del self._key[seq]
+            elif result is Admit.LOADING:
+                aside.append(heapq.heappop(self._heap))
+            else:
+                break
+        for item in aside:
+            heapq.heappush(self._heap, item)
 
     def left(self, seq: Sequence, now: float, finished: bool) -> None:
         if finished:

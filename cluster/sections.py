@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from loraplex.registry.etcd_client import EtcdCredentials, EtcdSettings
 from loraplex.replica.config import EngineConfig
+from loraplex.router.autoscaling import serve_autoscaling_config
 from loraplex.settings import describe, setting
 
 ADMIN_KEY_ENV = "LORAPLEX_ADMIN_KEY"
@@ -44,8 +45,11 @@ class ReplicaSection(_Section):
     )
     autoscaling: dict[str, Any] | None = Field(
         None,
-        description="Ray Serve autoscaling_config, passed through as is (min_replicas, "
-        "max_replicas, target_ongoing_requests, ...); set, it replaces num_replicas.",
+        description="Ray Serve autoscaling_config (min_replicas, max_replicas, "
+        "target_ongoing_requests, upscale_delay_s, ...); set, it replaces num_replicas. "
+        "`policy: lora` scales on the replicas' batch slots and store reads "
+        "(router/autoscaling.py; its settings under `lora:`), `policy: requests` (the "
+        "default) on ongoing requests, as Serve does.",
     )
 
     @field_validator("autoscaling")
@@ -56,7 +60,7 @@ class ReplicaSection(_Section):
         from ray.serve.config import AutoscalingConfig
 
         try:
-            AutoscalingConfig(**value)
+            AutoscalingConfig(**serve_autoscaling_config(value))
         except ValidationError as e:
             raise ValueError(f"not a Ray Serve autoscaling_config: {describe(e)}") from None
         except (TypeError, ValueError) as e:

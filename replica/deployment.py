@@ -37,6 +37,10 @@ from loraplex.replica.async_engine import Engine
 from loraplex.replica.config import build_engine_config
 from loraplex.replica.memory.adapter_cache import UnknownAdapter
 from loraplex.replica.protocol import (
+    AUTOSCALE_READ_S,
+    AUTOSCALE_READS_PER_S,
+    AUTOSCALE_REQUESTS,
+    AUTOSCALE_SLOTS,
     AdapterNotFound,
     GenerateChunk,
     GenerateRequest,
@@ -80,6 +84,7 @@ class ReplicaDeployment:
         self.max_concurrency = cfg.scheduler.max_num_seqs
         self.requests_total = 0  # generate calls received (for operators and tests)
         self.in_flight = 0  # generate calls not finished, those waiting for a read included
+        self._autoscale_mark = (time.monotonic(), 0)  # (when, store reads) last reported
         self.engine = await asyncio.to_thread(Engine, cfg)  # reads the checkpoint
         if etcd is None:
             return
@@ -164,6 +169,21 @@ class ReplicaDeployment:
         )
         published["requests_total"] = self.requests_total
         return published
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """What the `lora` autoscaling policy reads (router/autoscaling.py); Serve calls this
+        every few seconds and averages it over look_back_period_s."""
+        reads = self.sync.reads if self.sync else 0
+        read_seconds = self.sync.read_seconds if self.sync else 0.0
+        now = time.monotonic()
+        since, reads_before = self._autoscale_mark
+        self._autoscale_mark = (now, reads)
+        return {
+            AUTOSCALE_REQUESTS: float(self.in_flight),
+            AUTOSCALE_SLOTS: float(self.max_concurrency),
+            AUTOSCALE_READS_PER_S: (reads - reads_before) / max(now - since, 1e-3),
+            AUTOSCALE_READ_S: read_seconds / reads if reads else 0.0,
+        }
 
     def _tiers(self, stats: dict[str, Any]) -> dict[str, list[str]]:
         return published_tiers(stats["adapters"], self.sync.loading if self.sync else ())

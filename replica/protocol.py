@@ -162,3 +162,11 @@ def chunk(out: RequestOutput) -> GenerateChunk:
         num_output_tokens=len(out.token_ids),
         error=out.error,
     )
+
+
+# What a replica reports to Ray Serve's autoscaler (`record_autoscaling_stats`), by name: the
+# `lora` autoscaling policy (router/autoscaling.py) reads them from Serve's aggregate.
+AUTOSCALE_REQUESTS = "requests"  # generate calls held: running, waiting, reading
+AUTOSCALE_SLOTS = "slots"  # max_num_seqs
+AUTOSCALE_READS_PER_S = "store_reads_per_s"  # adapters read from the store per second
+AUTOSCALE_READ_S = "store_read_s"  # the mean store read, seconds (0 before the first)

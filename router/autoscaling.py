@@ -1,0 +1,185 @@
+"""LoRA-aware autoscaling on Ray Serve's own autoscaler (`replicas.autoscaling.policy: lora`).
+
+Ray Serve calls `LoraAutoscalingPolicy` (an `AutoscalingPolicy.policy_function`, its
+settings as `policy_kwargs`) on the controller every control loop with an
+`AutoscalingContext`; each replica reports what it is doing through
+`record_autoscaling_stats` (replica/deployment.py: `AUTOSCALING_METRICS` below), averaged by
+Serve over `look_back_period_s`. The policy wants the larger of two counts:
+
+    load          requests held (running + waiting) ÷ (target_slot_use × a replica's slots)
+    working set   while the replicas spend more than read_busy of their time reading
+                  adapters from the store (store reads per second × the measured read time,
+                  per replica), the adapters wanted do not fit the replicas' device and host
+                  tiers: one replica more, before the reads make queues grow
+
+Scaling up is at once (Serve's `upscale_delay_s` applies on top); scaling down waits until
+the count wanted has stayed below the current one for `downscale_delay_s` and never
+undoes a scale event younger than `cooldown_s`, so a steady load does not flap. A count is
+never lowered while the fewer replicas would read past read_busy (the working set would
+thrash again). Bounds are Serve's min_replicas and max_replicas.
+
+Which replica leaves is Serve's choice: it stops sending it requests, lets its requests
+finish (graceful shutdown) and the affinity router gives its adapters new homes on the
+replicas that remain, where the first request of each reads it (not yet prefetched).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from loraplex.replica.protocol import (
+    AUTOSCALE_READ_S,
+    AUTOSCALE_READS_PER_S,
+    AUTOSCALE_REQUESTS,
+    AUTOSCALE_SLOTS,
+)
+
+# what a replica's record_autoscaling_stats reports (replica/deployment.py)
+REQUESTS, SLOTS = AUTOSCALE_REQUESTS, AUTOSCALE_SLOTS
+READS_PER_S, READ_S = AUTOSCALE_READS_PER_S, AUTOSCALE_READ_S
+AUTOSCALING_METRICS = (REQUESTS, SLOTS, READS_PER_S, READ_S)
+POLICY_FUNCTION = "loraplex.router.autoscaling:LoraAutoscalingPolicy"
+
+
+class LoraAutoscaling(BaseModel):
+    """The `lora` policy's settings (`replicas.autoscaling.lora` in the YAML)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    target_slot_use: float = Field(
+        0.7,
+        gt=0,
+        le=1,
+        description="Share of a replica's batch slots (max_num_seqs) the load count aims at: "
+        "requests held ÷ (this × slots) replicas are wanted.",
+    )
+    read_busy: float = Field(
+        0.3,
+        gt=0,
+        lt=1,
+        description="Share of its time a replica may spend reading adapters from the store "
+        "(reads per second × measured read time) before a replica is added for the working "
+        "set, and which fewer replicas must stay under before one is removed.",
+    )
+    downscale_delay_s: float = Field(
+        120.0,
+        ge=0,
+        le=86400,
+        description="How long fewer replicas must be wanted before one is removed.",
+    )
+    cooldown_s: float = Field(
+        60.0, ge=0, le=86400, description="No scale-down within this long of any scale event."
+    )
+
+
+@dataclass(frozen=True)
+class ReplicaReport:
+    """One replica's report, as Serve aggregated it."""
+
+    requests: float  # running + waiting
+    slots: float  # max_num_seqs
+    reads_per_s: float  # store reads per second
+    read_s: float  # mean store read time, seconds (0 until one was measured)
+
+    @property
+    def read_busy(self) -> float:
+        return self.reads_per_s * self.read_s
+
+
+@dataclass(frozen=True)
+class Decision:
+    replicas: int
+    why: str
+
+
+def wanted(reports: list[ReplicaReport], current: int, s: LoraAutoscaling) -> Decision:
+    """The replica count the reports call for, before bounds and delays."""
+    if not reports or current < 1:
+        return Decision(max(current, 1), "no reports yet")
+    slots = sum(r.slots for r in reports) / len(reports)
+    held = sum(r.requests for r in reports)
+    by_load = max(1, _ceil(held / (s.target_slot_use * max(slots, 1.0))))
+    busy = sum(r.read_busy for r in reports) / current  # per replica now
+    if busy > s.read_busy:
+        return Decision(max(by_load, current + 1), f"store reads keep replicas {busy:.0%} busy")
+    # fewer replicas read as much in all: as many as keep that under read_busy
+    by_reads = max(1, _ceil(busy * current / s.read_busy))
+    if by_load >= by_reads:
+        return Decision(by_load, f"{held:.0f} requests held, {slots:.0f} slots a replica")
+    return Decision(by_reads, f"store reads would keep {by_reads - 1} replicas over read_busy")
+
+
+def _ceil(x: float) -> int:
+    """ceil, forgiving float error (0.2 x 3 / 0.3 is 2.0000000000000004, not 3 replicas)."""
+    return math.ceil(x - 1e-9)
+
+
+class LoraAutoscalingPolicy:
+    """Serve's policy_function (a class: Serve builds it with `policy_kwargs`, the
+    `LoraAutoscaling` fields, and calls it with an AutoscalingContext)."""
+
+    def __init__(self, **settings: Any) -> None:
+        self.settings = LoraAutoscaling(**settings)
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        s = self.settings
+        state = dict(ctx.policy_state or {})
+        current = ctx.current_num_replicas
+        now = ctx.current_time if ctx.current_time is not None else 0.0
+        low, high = ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas
+        decision = wanted(reports_of(ctx), current, s)
+        target = min(max(decision.replicas, low), high)
+        last_event = max(ctx.last_scale_up_time or 0.0, ctx.last_scale_down_time or 0.0)
+        if current == 0 or target > current:
+            state.pop("lower_since", None)
+        elif target < current:
+            since = state.setdefault("lower_since", now)
+            if now - since < s.downscale_delay_s or now - last_event < s.cooldown_s:
+                target = current
+            else:
+                state.pop("lower_since", None)
+        else:
+            state.pop("lower_since", None)
+        state["why"] = decision.why
+        return target, state
+
+
+def reports_of(ctx: Any) -> list[ReplicaReport]:
+    """The running replicas' reports from Serve's aggregated custom metrics."""
+    metrics = ctx.aggregated_metrics or {}
+    reports = []
+    for replica in ctx.running_replicas:
+        values = {name: (metrics.get(name) or {}).get(replica) for name in AUTOSCALING_METRICS}
+        if values[SLOTS] is None:  # not reported yet
+            continue
+        reports.append(
+            ReplicaReport(
+                requests=values[REQUESTS] or 0.0,
+                slots=values[SLOTS],
+                reads_per_s=values[READS_PER_S] or 0.0,
+                read_s=values[READ_S] or 0.0,
+            )
+        )
+    return reports
+
+
+def serve_autoscaling_config(autoscaling: dict[str, Any]) -> dict[str, Any]:
+    """`replicas.autoscaling` as Ray Serve's autoscaling_config: `policy: lora` (with its
+    settings under `lora:`) becomes Serve's policy naming LoraAutoscalingPolicy;
+    `policy: requests` (or none) is Serve's default, on ongoing requests. Anything else is
+    Serve's own and passed through."""
+    config = dict(autoscaling)
+    policy = config.pop("policy", "requests")
+    settings = LoraAutoscaling(**config.pop("lora", {}))
+    if policy == "lora":
+        config["policy"] = {
+            "policy_function": POLICY_FUNCTION,
+            "policy_kwargs": settings.model_dump(),
+        }
+    elif policy != "requests":
+        config["policy"] = policy  # Serve's own form
+    return config

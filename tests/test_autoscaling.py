@@ -1,0 +1,148 @@
+"""The `lora` autoscaling policy (router/autoscaling.py) as Ray Serve's controller calls it.
+The context is a stand-in carrying the fields of Ray 2.60's AutoscalingContext the policy
+reads (a pure-policy test: Serve's own loop is not what is under test here)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from loraplex.router.autoscaling import (
+    READ_S,
+    READS_PER_S,
+    REQUESTS,
+    SLOTS,
+    LoraAutoscalingPolicy,
+)
+
+
+@dataclass
+class Context:
+    running_replicas: list[str]
+    aggregated_metrics: dict[str, dict[str, float]]
+    current_time: float
+    policy_state: dict[str, Any] = field(default_factory=dict)
+    capacity_adjusted_min_replicas: int = 1
+    capacity_adjusted_max_replicas: int = 8
+    last_scale_up_time: float | None = None
+    last_scale_down_time: float | None = None
+
+    @property
+    def current_num_replicas(self) -> int:
+        return len(self.running_replicas)
+
+
+def context(
+    n: int, requests: float, reads_per_s: float = 0.0, read_s: float = 0.3, **kw
+) -> Context:
+    replicas = [f"r{i}" for i in range(n)]
+    metrics = {
+        REQUESTS: {r: requests / n for r in replicas},
+        SLOTS: {r: 16.0 for r in replicas},
+        READS_PER_S: {r: reads_per_s / n for r in replicas},
+        READ_S: {r: read_s for r in replicas},
+    }
+    return Context(replicas, metrics, **kw)
+
+
+POLICY = LoraAutoscalingPolicy(downscale_delay_s=60, cooldown_s=30)
+
+
+def test_load_sets_the_count_at_the_target_slot_use():
+    # 2 replicas of 16 slots at 0.7: 40 requests want ceil(40 / 11.2) = 4
+    target, state = POLICY(context(2, 40, current_time=0))
+    assert target == 4 and "40 requests held" in state["why"]
+    assert POLICY(context(2, 10, current_time=0))[0] == 2  # lower, but not at once
+
+
+def test_a_working_set_that_thrashes_adds_a_replica_before_queues_grow():
+    """Few requests, but 3 store reads a second of 0.3 s on 2 replicas (45% busy each,
+    over read_busy 0.3): one more replica, whose tiers hold more of the working set."""
+    target, state = POLICY(context(2, 4, reads_per_s=3.0, current_time=0))
+    assert target == 3 and "store reads keep replicas 45% busy" in state["why"]
+
+
+def test_a_replica_is_removed_only_after_the_delay_and_the_cooldown():
+    state: dict[str, Any] = {}
+    n, seen, last_down = 3, [], None
+    for t in range(0, 200, 10):  # 10 requests: 1 replica is enough by load
+        ctx = context(n, 10, current_time=float(t), policy_state=state, last_scale_up_time=0.0)
+        ctx.last_scale_down_time = last_down
+        target, state = POLICY(ctx)
+        if target < n:
+            last_down = float(t)
+        n = target
+        seen.append(target)
+    assert seen[:6] == [3] * 6 and seen[6:] == [1] * 14, seen  # after 60 s of wanting fewer
+
+
+def test_no_scale_down_within_the_cooldown_of_a_scale_up():
+    state: dict[str, Any] = {}
+    for t in range(0, 100, 10):
+        ctx = context(3, 10, current_time=1000.0 + t, policy_state=state)
+        ctx.last_scale_up_time = 1080.0  # a scale-up 80 s in: 30 s of cooldown after it
+        target, state = POLICY(ctx)
+    assert target == 3  # wanted fewer for 90 s, but the last event was 10 s ago
+
+
+def test_fewer_replicas_are_not_kept_if_they_would_read_past_read_busy():
+    """2 reads/s of 0.3 s on 3 replicas is 20% each, under 0.3; on 1 replica it would be
+    60%: the count stays at 2, where it is 30%, never at 1 (it would only thrash back)."""
+    state: dict[str, Any] = {}
+    n, seen = 3, []
+    for t in range(0, 400, 10):
+        target, state = POLICY(
+            context(n, 2, reads_per_s=2.0, current_time=float(t), policy_state=state)
+        )
+        n = target
+        seen.append(n)
+    assert min(seen) == 2 and seen[-1] == 2, seen
+
+
+def test_a_steady_load_does_not_flap():
+    """A load that wobbles ±20% around 3 replicas' worth for an hour: at most 6 events."""
+    state: dict[str, Any] = {}
+    n, events, last = 3, 0, 0.0
+    for step in range(360):
+        t = step * 10.0
+        requests = 3 * 11.2 * (0.85 + 0.3 * ((step * 7919) % 10) / 10)
+        ctx = context(n, requests, current_time=t, policy_state=state, last_scale_up_time=last)
+        target, state = POLICY(ctx)
+        if target != n:
+            events, n, last = events + 1, target, t
+    assert events <= 6, events
+
+
+def test_bounds_and_replicas_not_reporting_yet():
+    ctx = context(2, 400, current_time=0, capacity_adjusted_max_replicas=5)
+    assert POLICY(ctx)[0] == 5
+    ctx = context(2, 40, current_time=0)
+    ctx.running_replicas.append("new")  # started, nothing reported: counted as a replica
+    target, _ = POLICY(ctx)
+    assert target == 4
+
+
+@pytest.mark.parametrize("bad", [{"read_busy": 1.5}, {"target_slot_use": 0}, {"nope": 1}])
+def test_settings_are_checked(bad):
+    with pytest.raises(ValueError):
+        LoraAutoscalingPolicy(**bad)
+
+
+def test_the_yaml_names_the_policy_and_serve_accepts_it():
+    from ray.serve.config import AutoscalingConfig
+
+    from loraplex.cluster.config import LoraplexConfig
+
+    replicas = {"autoscaling": {"max_replicas": 4, "policy": "lora", "lora": {"read_busy": 0.4}}}
+    options = LoraplexConfig(model="m", replicas=replicas).serve_options()
+    serve = AutoscalingConfig(**options["autoscaling_config"])
+    assert serve.policy.get_policy() is LoraAutoscalingPolicy
+    assert serve.policy.policy_kwargs["read_busy"] == 0.4
+    plain = LoraplexConfig(model="m", replicas={"autoscaling": {"max_replicas": 4}})
+    assert "policy" not in plain.serve_options()["autoscaling_config"]  # Serve's default
+    with pytest.raises(ValueError, match="read_busy"):
+        LoraplexConfig(
+            model="m", replicas={"autoscaling": {"policy": "lora", "lora": {"read_busy": 3}}}
+        )

@@ -88,6 +88,7 @@ class ServeBackend:
         sent_tokens: list[int] = []  # what the client holds, if a replica dies mid-stream
         sent_text: list[str] = []
         tries = resumes = 0
+        last_finished = False  # the last chunk the client got ended the request
         while True:
             started = bool(sent_tokens or sent_text)
             call = (
@@ -102,6 +103,7 @@ class ServeBackend:
                 while item is not None:
                     sent_tokens += item["new_token_ids"]
                     sent_text.append(item["new_text"])
+                    last_finished = item["finished"]
                     yield item
                     item = await anext(chunks, None)
                 finished = True
@@ -126,6 +128,21 @@ class ServeBackend:
             finally:
                 if not finished:  # the caller stopped early, or it failed: abort it there
                     stream.cancel()
+            if last_finished:  # the replica died after its last chunk: nothing is missing
+                return
+            most = request["params"].get("max_tokens")
+            if most is not None and len(sent_tokens) >= most:
+                # it died with every token sent but before its closing chunk: close it here
+                yield GenerateChunk(
+                    request_id=request["request_id"],
+                    new_token_ids=[],
+                    new_text="",
+                    finished=True,
+                    finish_reason="length",
+                    num_prompt_tokens=len(request["prompt_token_ids"]),
+                    num_output_tokens=len(sent_tokens),
+                )
+                return
             if sent_tokens or sent_text:  # resume it elsewhere after what the client holds
                 if resumes == self.resumes:
                     raise ReplicaFailed(

@@ -18,6 +18,9 @@
 - real: speedup_vs_peft, lora_overhead and gemm_efficiency on the demo's real model
   (SmolLM2-135M-Instruct, its GGUF dequantized to fp32), with its demo adapters and
   random ones of the same shapes.
+- detok: per_token_cost_ratio, the output path's (detokenizing, stop strings, the
+  request's output) mean time per token over a 2,000-token output / over a 20-token one,
+  on the demo model's tokenizer.
 - prefix: prefix caching on a multi-tenant chat workload, on vs off and the one-decision
   pool vs a static split (engine_prefix.py).
 """
@@ -121,6 +124,7 @@ def run_bench(args: argparse.Namespace) -> int:
         results.update(_speedup_vs_peft(model_dir, serving, shape, args.trace))
         results["tp"] = _tensor_parallel(model_dir, heavy, light, shape)
         results["real"] = _real_model(root / "real", shape, args.trace)
+        results["detok"] = _detok_cost(root / "real", shape.timed_steps)
         results["prefix"] = run_prefix(root, args.quick)
     _print_table(results)
     print_prefix(results["prefix"])
@@ -189,6 +193,56 @@ def _real_model(root: Path, shape: BenchShape, trace: Path | None) -> dict:
     results.update({k: v for k, v in overheads.items() if "heavy" not in k and "bound" not in k})
     results.update(_speedup_vs_peft(assets.model, serving, real, trace))
     return results
+
+
+DETOK_TEXT = (
+    "The morning train left the station at 7:45, heading north past the river. "
+    "数据库查询：SELECT name FROM users WHERE age > 30; 完成了！ "
+    "Emoji 🚀🔥 and accents: naïve café, Zürich, São Paulo, Ελληνικά, русский.\n"
+    "def f(x):\n    return x ** 2  # ½ ≈ 0.5\n"
+)
+
+
+def _detok_cost(root: Path, rounds: int, short: int = 20, long: int = 2000) -> dict:
+    """The output path (`LLMEngine._append`: detokenizing, the stop-string search, the
+    request's output) timed alone on a fixed token stream of text with multi-byte
+    characters: mean time per token of one `long`-token output / of `short`-token ones
+    (as many as make the same number of tokens), in alternating rounds, fastest of each."""
+    from loraplex.demo.assets import make_demo_assets
+
+    assets = make_demo_assets(root)
+    engine = LLMEngine(EngineConfig(model=str(assets.model), pool_bytes=256 * MiB))
+    text_ids = engine.encode(DETOK_TEXT)
+    ids = (text_ids * (long // len(text_ids) + 1))[:long]
+    stop = ("<|never in this text|>",)
+
+    def outputs(n: int, count: int) -> Callable[[], float]:
+        def run() -> float:
+            spent = 0.0
+            for _ in range(count):
+                params = SamplingParams(max_tokens=n + 1, ignore_eos=True, stop=stop)
+                seq = engine.add_request([1, 2, 3], params)
+                start = time.perf_counter()
+                for token in ids[:n]:
+                    engine._append(seq, token, None)
+                spent += time.perf_counter() - start
+                engine.abort(seq.request_id)
+            return spent / (n * count)
+
+        return run
+
+    log(f"timing the output path: {long}-token output vs {short}-token ones")
+    runs = [outputs(short, long // short), outputs(long, 1)]
+    per_token = [[], []]
+    for _ in range(max(rounds, 3)):
+        for run, out in zip(runs, per_token, strict=True):
+            out.append(run())
+    short_t, long_t = (min(t) for t in per_token)
+    engine.close()
+    return {
+        "per_token_cost_ratio": long_t / short_t,
+        "per_token_us": {f"output_{short}": short_t * 1e6, f"output_{long}": long_t * 1e6},
+    }
 
 
 def _build_assets(
@@ -584,6 +638,8 @@ def _print_table(r: dict) -> None:
     ):
         print(f"real.{name:27} {real[name]:10.3f}  {target}")
     _print_serving(real)
+    detok = r["detok"]
+    print(f"detok.per_token_cost_ratio       {detok['per_token_cost_ratio']:10.3f}  <= 1.5")
 
 
 def _print_serving(r: dict) -> None:

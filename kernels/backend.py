@@ -1,4 +1,5 @@
-"""Kernel backend selection: Triton on CUDA, the torch references elsewhere.
+"""Kernel backend selection: Triton on CUDA, torch ops elsewhere (lora_gathered, tested
+against the torch references in lora.py).
 
 `kernels="auto"` picks by device; `LORAPLEX_KERNELS=torch|triton` (read once, when an
 engine starts) or an explicit `kernels=` in the engine config overrides it. On CPU the

@@ -9,9 +9,11 @@ each sequence keeps two offsets into its ids (the pattern of vLLM's
                        space, a byte split across ids) decodes them as in the whole text
     ids[read:]         not yet in `text`
 
-A step decodes ids[prefix:read] and ids[prefix:]; what the second adds is new text, kept
-back while it ends in U+FFFD (a multi-byte UTF-8 character whose last bytes are in ids
-still to come). The window holds a few ids, so a token costs the same at any length.
+A step decodes ids[prefix:read] and ids[prefix:]; what the second adds is new text. While
+it ends in U+FFFD (a multi-byte UTF-8 character whose last bytes are in ids still to come)
+the offsets stay, the ids are decoded again with the next ones, and `text` shows the new
+text up to that character. The window holds a few ids, so a token costs the same at any
+output length.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Kernel backend selection: Triton on CUDA, the torch references elsewhere.
+"""Kernel backend selection: Triton on CUDA, torch ops elsewhere (lora_gathered, tested
+against the torch references in lora.py).
 
 `kernels="auto"` picks by device; `LORAPLEX_KERNELS=torch|triton` (read once, when an
 engine starts) or an explicit `kernels=` in the engine config overrides it. On CPU the
@@ -18,7 +19,12 @@ from typing import Any, Literal, Protocol
 
 import torch
 
-from loraplex.kernels.lora import lora_expand, lora_shrink
+from loraplex.kernels.lora_gathered import (
+    GatheredArgs,
+    GatheredPlanner,
+    gathered_expand,
+    gathered_shrink,
+)
 from loraplex.kernels.lora_tables import HasLoraGroups, LoraArgs, LoraLayout, LoraTableBuilder
 
 KernelChoice = Literal["auto", "torch", "triton"]
@@ -42,29 +48,24 @@ class KernelBackend(Protocol):
 
 
 class TorchBackend:
-    """The references: a loop over the step's adapters on views of the pool."""
+    """Torch ops: the step's adapters gathered from the pool, then batched matmuls
+    (lora_gathered; a fixed number of ops per layer and group)."""
 
     name = "torch"
     decode_attention = None
 
-    def __init__(self, layout: LoraLayout):
-        self.num_layers = layout.num_layers
-        self.num_groups = len(layout.group_columns)
+    def __init__(self, layout: LoraLayout, arena: torch.Tensor):
+        self.planner = GatheredPlanner(arena, layout)
 
     def prepare(self, runs: list[Run], num_tokens: int, decode: bool) -> list[list[Any]]:
-        return [
-            [
-                [(s, e, w) for s, e, r in runs if (w := r.groups[layer][g]) is not None]
-                for g in range(self.num_groups)
-            ]
-            for layer in range(self.num_layers)
-        ]
+        return self.planner.prepare(runs)
 
-    def shrink(self, x: torch.Tensor, segments) -> list[torch.Tensor]:
-        return lora_shrink(x, segments)
+    def shrink(self, x: torch.Tensor, args: GatheredArgs | None) -> list[torch.Tensor]:
+        return [] if args is None else gathered_shrink(x, args)
 
-    def expand(self, y: torch.Tensor, hs: list[torch.Tensor], segments) -> None:
-        lora_expand(y, hs, segments)
+    def expand(self, y: torch.Tensor, hs: list[torch.Tensor], args: GatheredArgs | None) -> None:
+        if args is not None:
+            gathered_expand(y, hs, args)
 
 
 class TritonBackend:
@@ -147,4 +148,4 @@ def resolve_kernels(
 def make_backend(choice: str, layout: LoraLayout, arena: torch.Tensor) -> KernelBackend:
     if choice == "triton":
         return TritonBackend(layout, arena)
-    return TorchBackend(layout)
+    return TorchBackend(layout, arena)

@@ -20,6 +20,7 @@ import torch
 from loraplex.kernels.backend import make_backend, resolve_kernels
 from loraplex.replica.batch import build_step_batch
 from loraplex.replica.config import EngineConfig, context_window
+from loraplex.replica.detokenizer import IncrementalDetokenizer, find_stop, streamable_end
 from loraplex.replica.memory.adapter_cache import AdapterCache, UnknownAdapter
 from loraplex.replica.memory.adapters import (
     AdapterError,
@@ -226,6 +227,8 @@ class LLMEngine:
         if continuation is not None:
             self._check_continuation(continuation, params)
             seq.output_ids, seq.text = list(continuation.token_ids), continuation.text
+            if self.tokenizer is not None:
+                seq.detok = IncrementalDetokenizer.of(self.tokenizer, seq.output_ids)
         self.requests[request_id] = seq
         self.prompt_tokens += len(ids)
         self.scheduler.add(seq)
@@ -331,20 +334,27 @@ class LLMEngine:
         reason = None
         if token in p.stop_token_ids or (token in self.eos_ids and not p.ignore_eos):
             reason = "stop"
-        text_ids = seq.output_ids[:-1] if reason else seq.output_ids
-        text = self.tokenizer.decode(text_ids) if self.tokenizer is not None else ""
-        if p.stop and reason is None:
-            cut = _find_stop(text, p.stop, len(seq.text))
-            if cut is not None:
-                text, reason = text[:cut], "stop"
-        if reason is None and (
+        ends = reason is not None or (
             len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len
-        ):
+        )
+        detok = seq.detok
+        if self.tokenizer is not None:
+            searched = len(detok.text)
+            end = len(seq.output_ids) - (reason is not None)  # a stop token is not text
+            if ends:
+                detok.flush(self.tokenizer, seq.output_ids, end)
+            else:
+                detok.add(self.tokenizer, seq.output_ids, end)
+            if p.stop and reason is None and len(detok.text) > searched:
+                cut = find_stop(detok.text, p.stop, searched)
+                if cut is not None:
+                    detok.cut(cut)
+                    reason = "stop"
+        if reason is None and ends:
             reason = "length"
-        if reason is None:
-            text = _stable_prefix(text, p.stop)
-        new_text = text[len(seq.text) :] if text.startswith(seq.text) else text
-        seq.text = text
+        shown = len(detok.text) if reason else streamable_end(detok.text, p.stop)
+        new_text = detok.text[len(seq.text) : shown] if shown > len(seq.text) else ""
+        seq.text += new_text
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self.requests.pop(seq.request_id, None)
@@ -479,22 +489,6 @@ def _final(seq: Sequence) -> RequestOutput:
         num_cached_tokens=seq.num_cached_tokens,
         error=seq.error,
     )
-
-
-def _find_stop(text: str, stops: tuple[str, ...], seen: int) -> int | None:
-    """Index where the earliest stop string starts, searching only text that is new."""
-    start = max(0, seen - max(len(s) for s in stops) + 1)
-    hits = [i for s in stops if (i := text.find(s, start)) != -1]
-    return min(hits) if hits else None
-
-
-def _stable_prefix(text: str, stops: tuple[str, ...]) -> str:
-    """Text safe to stream: no half-decoded character, no possible start of a stop string."""
-    text = text.rstrip("\ufffd")
-    if stops:
-        hold = max(len(s) for s in stops) - 1
-        text = text[: max(0, len(text) - hold)] if hold else text
-    return text
 
 
 def _auto_page_bytes(kv_bytes_per_token: int, kv_row_bytes: int) -> int:

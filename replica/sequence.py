@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from loraplex.replica.detokenizer import IncrementalDetokenizer
 from loraplex.replica.sampling import SamplingParams, draw_seed
 
 if TYPE_CHECKING:
@@ -45,7 +46,8 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     error: str | None = None  # why it failed, when finish_reason is "error"
-    text: str = ""  # detokenized output, cut at a stop string
+    text: str = ""  # output text streamed so far (all of it once finished, cut at a stop)
+    detok: IncrementalDetokenizer = field(default_factory=IncrementalDetokenizer)
     num_preemptions: int = 0
     lora: ResidentAdapter | None = None  # pinned while running
     # prefix cache: the salt (tenant, then the request's cache_salt), the chain root it was

@@ -445,3 +445,29 @@ def test_good_adapter_registers_and_loads_into_the_pool(adapter_dir):
     cache.release(r)
     cache.remove("good")
     assert pool.num_free == pool.num_pages
+
+
+def test_an_adapter_load_plans_its_layout_once(assets, monkeypatch: pytest.MonkeyPatch):
+    """Registering an adapter and serving a request with it lays it out in pages once (the
+    page count checked at read, by the cache and in the reply, the placement)."""
+    from loraplex.replica import memory
+    from loraplex.replica.config import EngineConfig
+    from loraplex.replica.engine import LLMEngine
+    from loraplex.replica.memory.pool import RowPacker
+    from loraplex.replica.sampling import SamplingParams
+
+    plans = []
+
+    class CountingPacker(RowPacker):
+        def __init__(self, page_elems: int):
+            plans.append(page_elems)
+            super().__init__(page_elems)
+
+    monkeypatch.setattr(memory.adapters, "RowPacker", CountingPacker)
+    engine = LLMEngine(
+        EngineConfig(model=str(assets.model), page_bytes=64 * 1024, pool_bytes=512 * 64 * 1024)
+    )
+    engine.add_adapter("sql-r8", assets.adapters_dir / "sql-r8")
+    [out] = engine.generate(["SELECT"], [SamplingParams(max_tokens=3, temperature=0)], ["sql-r8"])
+    assert len(out.token_ids) == 3 and len(engine.adapters.resident) == 1
+    assert len(plans) == 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -42,6 +42,12 @@ class AdapterWeights:
     targets: tuple[str, ...]
     modules: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
     version: str | None = None
+    # plan_layout's results, keyed by what they depend on (the page size, the layers, the
+    # shapes): the copies `replace` makes (version set, pinned, meta skeleton) share the
+    # dict, so an adapter's load plans its layout once
+    layouts: dict[tuple, tuple[RowPacker, list]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
 
     @property
     def nbytes(self) -> int:
@@ -101,7 +107,19 @@ def plan_layout(
 ) -> tuple[RowPacker, list]:
     """Row layout of an adapter in pages: per layer and LoRA group, the group's A matrices
     stacked in one placement, then each target's Bt. Returns the packer and the plan
-    [(layer, group, a_placement, [(target, bt_placement, rank)])]."""
+    [(layer, group, a_placement, [(target, bt_placement, rank)])]; computed once per
+    adapter (`weights.layouts`), the packer and plan are not to be changed."""
+    shapes = tuple((k, *a.shape, bt.shape[1]) for k, (a, bt) in weights.modules.items())
+    key = (page_elems, num_layers, shapes)
+    cached = weights.layouts.get(key)
+    if cached is None:
+        cached = weights.layouts[key] = _plan_layout(weights, page_elems, num_layers)
+    return cached
+
+
+def _plan_layout(
+    weights: AdapterWeights, page_elems: int, num_layers: int
+) -> tuple[RowPacker, list]:
     packer = RowPacker(page_elems)
     plan = []
     for layer in range(num_layers):

@@ -64,7 +64,7 @@ class LlamaModel:
             for i in range(cfg.num_layers)
         ]
         self.scale = cfg.head_dim**-0.5
-        self.ops = ForwardOps(TorchBackend(self.lora_layout(1, 1, 1)))
+        self.ops = ForwardOps(TorchBackend(self.lora_layout(1, 1, 1), torch.zeros(1)))
 
     def lora_layout(self, max_rank: int, max_loras: int, max_tokens: int) -> LoraLayout:
         columns = tuple(tuple(self.output_columns(g).values()) for g in LORA_GROUPS)

@@ -1,0 +1,117 @@
+"""The CPU LoRA ops (kernels/lora_gathered.py, the torch backend) against the torch
+reference `lora_sgmv`: Llama-3-8B's projection groups / tp scaled down, ranks 1-128 mixed in
+one step, absent targets, adapters over shuffled pages with rows split across pages, tokens
+without adapters, an adapter's tokens in two runs, decode and prefill steps; the rest of the
+arena NaN, so that a padding row read from outside an adapter would show. And the number of
+ops a group costs does not grow with the adapters in the step or their row-chunks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_cases import group_shape, layout_for, scattered_adapters, segments_of
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from loraplex.kernels import lora_gathered
+from loraplex.kernels.backend import make_backend
+from loraplex.kernels.lora import lora_sgmv
+
+RANKS = {
+    3: [(128, 0, 64), (1, 1, 1), (8, 16, 0), (0, 32, 5), (16, 16, 16)],
+    2: [(128, 64), (1, 0), (16, 16), (0, 7), (9, 9)],
+    1: [(128,), (1,), (16,), (33,), (64,)],
+}
+# (tokens, adapter index or None): adapter 0 in two runs
+DECODE = [(1, a) for a in (None, 0, 0, 1, None, 2, 3, 3, 0, 4)]
+# batched in place: each adapter's tokens in order, as many each, base-model tokens last
+DECODE_IN_ORDER = [(1, a) for a in (0, 0, 1, 1, 2, 2, 3, 3, 4, 4, None)]
+PREFILL = [(3, None), (17, 0), (1, 1), (16, 2), (2, None), (5, 3), (4, 0), (1, 4)]
+LONG_PREFILL = [(40, 0), (1, 1), (1, 2), (1, 3)]  # padding would quadruple the rows
+
+
+def _runs(plan, residents):
+    runs, start = [], 0
+    for n, a in plan:
+        runs.append((start, start + n, None if a is None else residents[a]))
+        start += n
+    return runs, start
+
+
+def _backend(arena, widths):
+    return make_backend("torch", layout_for(widths, 128, 256, 8), arena)
+
+
+@pytest.mark.parametrize("kind", ["qkv", "gate_up", "o", "down"])
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("plan", ["decode", "decode_in_order", "prefill", "long_prefill"])
+@pytest.mark.parametrize("gather", [True, False])
+def test_gathered_ops_equal_the_reference(
+    kind: str, tp: int, plan: str, gather: bool, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setattr(lora_gathered, "GATHER_BYTES_PER_SAVED_OP", 1 << 40 if gather else 0)
+    fan_in, widths = group_shape(kind, tp)
+    arena, residents = scattered_adapters(fan_in, widths, RANKS[len(widths)], torch.float32)
+    arena[arena == 0] = float("nan")  # everything outside the adapters
+    steps = {
+        "decode": DECODE,
+        "decode_in_order": DECODE_IN_ORDER,
+        "prefill": PREFILL,
+        "long_prefill": LONG_PREFILL,
+    }
+    runs, num_tokens = _runs(steps[plan], residents)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(num_tokens, fan_in, generator=g)
+    y = torch.randn(num_tokens, sum(widths), generator=g)
+    expected = y.clone()
+    lora_sgmv(expected, x, segments_of(runs))
+
+    backend = _backend(arena, widths)
+    adapter_runs = [(s, e, r) for s, e, r in runs if r is not None]
+    for _ in range(2):  # a second step of the same adapters reuses the row offsets
+        args = backend.prepare(adapter_runs, num_tokens, plan.startswith("decode"))[0][0]
+        if not gather or plan == "decode":  # (fewer ops than buckets: read in place)
+            assert (args.in_place is None) == gather
+        out = y.clone()
+        backend.expand(out, backend.shrink(x, args), args)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_a_step_without_adapters_costs_nothing():
+    fan_in, widths = group_shape("o", 1)
+    arena, _ = scattered_adapters(fan_in, widths, RANKS[1], torch.float32)
+    backend = _backend(arena, widths)
+    args = backend.prepare([], 4, True)[0][0]
+    y = torch.randn(4, sum(widths))
+    before = y.clone()
+    backend.expand(y, backend.shrink(torch.randn(4, fan_in), args), args)
+    assert torch.equal(y, before)
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_per_step(num_adapters: int, page_elems: int) -> int:
+    fan_in, widths = group_shape("qkv", 1)
+    ranks = [(16, 16, 16)] * num_adapters
+    arena, residents = scattered_adapters(fan_in, widths, ranks, torch.float32, page_elems)
+    runs, num_tokens = _runs([(1, i % num_adapters) for i in range(32)], residents)
+    backend = _backend(arena, widths)
+    args = backend.prepare(runs, num_tokens, True)[0][0]
+    assert args.in_place is None, "rank-16 q/k/v adapters on 32 tokens are gathered"
+    x, y = torch.randn(num_tokens, fan_in), torch.randn(num_tokens, sum(widths))
+    with _CountOps() as count:
+        backend.expand(y, backend.shrink(x, args), args)
+    return count.ops
+
+
+def test_a_group_costs_the_same_ops_whatever_the_adapters_and_chunks():
+    few = _ops_per_step(4, page_elems=1 << 16)  # each matrix in one page
+    many = _ops_per_step(8, page_elems=1024)  # 8 adapters, A over 48 row-chunks each
+    assert many == few, (few, many)

@@ -55,7 +55,8 @@ ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 # the serving workload's 32 adapters cycle through them.
 SERVING_TARGETS = (("q_proj", "v_proj"), ATTN, ("gate_proj", "up_proj", "down_proj"), ALL)
 DEFAULT_TRACE = (
-    Path(__file__).resolve().parents[1].parent / "shared/traces/azure_llm_inference_conv_2023.csv"
+    # ../shared beside the checkout (benchmarks/engine/bench.py: three levels below it)
+    Path(__file__).resolve().parents[3] / "shared/traces/azure_llm_inference_conv_2023.csv"
 )
 
 

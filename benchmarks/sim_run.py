@@ -138,5 +138,13 @@ class Result:
             "gb_loaded": self.cache.get("bytes_loaded", 0) / 1e9,
             "evictions": self.cache.get("evictions", 0),
             "mean_load_ms": 1e3 * self.cache.get("load_seconds", 0.0) / max(loads, 1),
+            # S-LoRA's engine (NaN on loraplex's, whose copies run beside the compute):
+            # the loads a step waited for (critical path), and the mean wait per load
+            "critical_loads": self.cache.get("waited_loads", math.nan),
+            "critical_wait_ms": (
+                1e3 * self.cache["wait_seconds"] / max(self.cache["waited_loads"], 1)
+                if "wait_seconds" in self.cache
+                else math.nan
+            ),
             "link_busy": self.link_busy_s / self.duration_s if self.duration_s > 0 else math.nan,
         }

@@ -6,6 +6,8 @@ adapters loaded on the critical path and prefetched for the queue head):
   slora              S-LoRA as its code does it: adapters freed when no request uses them
   chameleon          Chameleon as seed 004 built it, on S-LoRA: Chameleon's queues (the
                      policy loraplex runs) and its adapter cache (benchmarks/sim_slora_chameleon.py)
+  chameleon_guard    the same with a starvation guard at the SLO (not in the paper: a
+                     request that waited the SLO is admitted first, over quota); simulator only
 On loraplex's engine (chunked prefill beside decode, admission every step, preemption by
 recompute, adapter copies beside the compute, the adapters of the next 8 queued requests
 prefetched) — the ablation against our own FIFO:
@@ -18,6 +20,8 @@ prefetched) — the ablation against our own FIFO:
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from loraplex.benchmarks.sim_replica import System
 from loraplex.benchmarks.sim_slora import SLoRAConfig
@@ -32,6 +36,8 @@ SYSTEM_NAMES = (
     "chameleon",
     "loraplex",
 )
+GUARDED = "chameleon_guard"
+SIM_SYSTEMS = (*SYSTEM_NAMES, GUARDED)
 SCHED = {"max_num_seqs": 128, "max_num_batched_tokens": 4096, "max_loras_per_batch": 64}
 # S-LoRA's flags: the pool is the device's (max_total_token_num = its slots), prompts up
 # to the model's context, prefetching on (seed 004 §5.1: "asynchronous adapter
@@ -89,4 +95,10 @@ def systems(
             slora=slora,
         ),
         "loraplex": System("loraplex", cham, cache),
+        GUARDED: System(
+            GUARDED,
+            replace(cham, chameleon=replace(mlq, starve_s=slo_s)),
+            CacheConfig(keep_idle=True, prefetch=4096, eviction="chameleon"),
+            slora=slora,
+        ),
     }

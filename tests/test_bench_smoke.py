@@ -89,7 +89,7 @@ def test_sched_bench_reports_every_key_on_tiny_shapes(tmp_path):
     S-LoRA's rules, and the plot: the keys issue 13 names are all there."""
     from loraplex.benchmarks import sched, sched_engine, sched_sim
     from loraplex.benchmarks.sched_scenarios import SCENARIOS
-    from loraplex.benchmarks.sched_systems import SYSTEM_NAMES
+    from loraplex.benchmarks.sched_systems import SIM_SYSTEMS, SYSTEM_NAMES
 
     tiny = sched_sim.SimShape(
         requests=40, load_factors=(0.25, 1.0, 1.5), scale_minutes=0.5, seeds=2
@@ -120,7 +120,7 @@ def test_sched_bench_reports_every_key_on_tiny_shapes(tmp_path):
         assert isinstance(eng["p99_ttft_reduction_pooled"], float)
     for key in sched.NEW_KEYS:  # the ablation against our own FIFO stays
         assert isinstance(r[key], float)
-    assert set(r["sim"]["systems"]) == set(SYSTEM_NAMES)
+    assert set(r["sim"]["systems"]) == set(SIM_SYSTEMS)
     # a system within the SLO at the top load is named: its throughput is a lower bound
     top = f"{r['sim']['loads_rps'][-1]:.2f}"
     slo, curves = r["sim"]["slo_s"], r["sim"]["systems"]

@@ -47,7 +47,7 @@ here it is the order of the batch's requests.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,6 +101,9 @@ class SLoRAQueue:
         self.running_max_req_size = running_max_req_size
         self.waiting: list[SReq] = []
 
+    def __len__(self) -> int:
+        return len(self.waiting)
+
     def append(self, req: SReq) -> None:
         self.waiting.append(req)
 
@@ -148,7 +151,7 @@ class SLoRAQueue:
         return queue_head(self.waiting, self.batch_max_tokens)
 
 
-def queue_head(waiting: list[SReq], max_tokens: int) -> list[SReq] | None:
+def queue_head(waiting: Iterable[SReq], max_tokens: int) -> list[SReq] | None:
     """The waiting requests from the head whose prompts fit `max_tokens` together (S-LoRA's
     `ReqQueue.next_batch`)."""
     batch, tokens = [], 0
@@ -284,10 +287,10 @@ class SLoRAReplica:
 
     @property
     def load(self) -> int:
-        return len(self.running or []) + len(self.queue.waiting)
+        return len(self.running or []) + len(self.queue)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.queue.waiting)
+        return bool(self.running or len(self.queue))
 
     def holds(self, adapter: str) -> bool:
         return adapter in self.adapters.loaded
@@ -337,7 +340,7 @@ class SLoRAReplica:
         if self.running is None:
             batch = self.queue.generate_new_batch(None, self._adapter_slots)
             if batch is None:
-                if self.queue.waiting:
+                if len(self.queue):
                     raise RuntimeError(
                         f"S-LoRA cannot admit its queue head alone ({self.queue.waiting[0]})"
                     )

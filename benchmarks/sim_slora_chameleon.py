@@ -23,6 +23,7 @@ stay; the rest is Chameleon's, run by the code loraplex runs:
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -72,21 +73,36 @@ class ChameleonQueue:
         self.clock = clock
         self.seq_of: dict[SReq, Sequence] = {}
         self.req_of: dict[Sequence, SReq] = {}
+        self.queued: Counter[str | None] = Counter()  # waiting requests per adapter
+
+    def __len__(self) -> int:
+        return len(self.policy)
 
     @property
     def waiting(self) -> list[SReq]:
         return [self.req_of[s] for s in self.policy.waiting()]
+
+    def wanted(self) -> set[str | None]:
+        """The adapters of the waiting requests."""
+        return set(self.queued)
 
     def append(self, req: SReq) -> None:
         params = SamplingParams(max_tokens=req.max_output_len)
         seq = Sequence(str(id(req)), [0] * req.input_len, params, req.adapter, 0.0, None)
         self.seq_of[req], self.req_of[seq] = seq, req
         self.policy.add(seq, self.clock())
+        self.queued[req.adapter] += 1
+
+    def _dequeued(self, req: SReq) -> None:
+        self.queued[req.adapter] -= 1
+        if not self.queued[req.adapter]:
+            del self.queued[req.adapter]
 
     def remove(self, req: SReq) -> None:
         seq = self.seq_of.pop(req)
         del self.req_of[seq]
         self.policy.remove(seq)
+        self._dequeued(req)
 
     def finished(self, req: SReq) -> None:
         seq = self.seq_of.pop(req)
@@ -133,10 +149,14 @@ class ChameleonQueue:
             return Admit.OK
 
         self.policy.admit(self.clock(), try_admit)
+        for req in batch:
+            self._dequeued(req)
         return batch or None
 
     def next_batch(self) -> list[SReq] | None:
-        return queue_head(self.waiting, self.batch_max_tokens)
+        """What admission takes next, up to the prompt budget (S-LoRA's `next_batch` over
+        Chameleon's order)."""
+        return queue_head((self.req_of[s] for s in self.policy.upcoming()), self.batch_max_tokens)
 
     def to_squash(
         self, running: list[SReq], adapter_slots: Callable[[str | None], int]
@@ -162,6 +182,7 @@ class ChameleonQueue:
         seq = self.seq_of[req]
         self.policy.left(seq, self.clock(), finished=False)
         self.policy.requeue(seq, self.clock())
+        self.queued[req.adapter] += 1
 
 
 class ChameleonOnSLoRA(SLoRAReplica):
@@ -236,7 +257,7 @@ class ChameleonOnSLoRA(SLoRAReplica):
         A prefetch that cannot free n slots evicts nothing and is not a failure."""
         busy = {r.adapter for r in (self.running or []) + batch}
         busy |= {c.name for c in self.in_flight}
-        wanted = {r.adapter for r in self.queue.waiting}
+        wanted = self.queue.wanted()
         idle = [self.usage[a] for a in self.adapters.loaded if a not in busy]
         now = self.clock.now
         order = self.score.order([u for u in idle if u.name not in wanted], now)

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
-from itertools import zip_longest
 
 import numpy as np
 
@@ -42,6 +41,30 @@ class _Entry:
     overtaken: int = 0
     bypassers: list[Sequence] = field(default_factory=list)  # younger ones that overtook it
     behind: Sequence | None = None  # squashed for this request: requeued right after it
+
+
+class _Heads:
+    """The first request of each queue not yet `taken`, read in order without copying."""
+
+    def __init__(self, queues: list[deque[Sequence]], taken: set[Sequence]):
+        self.its = [iter(q) for q in queues]
+        self.heads: list[Sequence | None] = [None] * len(queues)
+        self.taken = taken
+
+    def peek(self, q: int) -> Sequence | None:
+        seq = self.heads[q]
+        while seq is None or seq in self.taken:
+            seq = next(self.its[q], None)
+            if seq is None:
+                break
+        self.heads[q] = seq
+        return seq
+
+    def pop(self, q: int) -> Sequence | None:
+        seq = self.peek(q)
+        if seq is not None:
+            self.taken.add(seq)
+        return seq
 
 
 class Chameleon:
@@ -138,42 +161,50 @@ class Chameleon:
         self.bypassed.pop(seq, None)
 
     def waiting(self) -> list[Sequence]:
-        """In the order admission takes them while memory allows: the starvation guard's
-        (if on), phase 1 (each queue, smallest first, within the room its quota has left),
-        phase 2 (the spare, smallest queue first), then the rest a request per queue in
-        turn, smallest queue first — the queues whose running requests return quota next.
-        Prefetching loads adapters in this order, so it loads what admission takes next."""
-        order: dict[Sequence, None] = {}
+        return list(self.upcoming())
+
+    def upcoming(self) -> Iterator[Sequence]:
+        """The waiting requests in the order admission takes them while memory allows: the
+        starvation guard's (if on), phase 1 (each queue, smallest first, within the room
+        its quota has left), phase 2 (the spare, smallest queue first), then the rest a
+        request per queue in turn, smallest queue first — the queues whose running requests
+        return quota next. Prefetching loads adapters in this order, so it loads what
+        admission takes next. Lazy: a prefetch reads only the head. The queues must not
+        change while it is read."""
+        taken: set[Sequence] = set()
         if self.p.starve_s is not None:
-            waited = [
-                s for s, e in self.entries.items() if self.now - e.enqueued >= self.p.starve_s
-            ]
-            order.update(dict.fromkeys(sorted(waited, key=lambda s: self.entries[s].enqueued)))
-        rest = [deque(s for s in q if s not in order) for q in self.queues]
+            limit = self.now - self.p.starve_s
+            waited = [s for s, e in self.entries.items() if e.enqueued <= limit]
+            for seq in sorted(waited, key=lambda s: self.entries[s].enqueued):
+                taken.add(seq)
+                yield seq
+        heads = _Heads(self.queues, taken)
         spare = 0
-        for q, queue in enumerate(rest):
+        for q in range(len(self.queues)):
             room = self.quotas[q] - self.used[q]
-            consumed = self._take(q, queue, room, order)
-            if not queue:
+            consumed = yield from self._take(q, heads, room)
+            if heads.peek(q) is None:
                 spare += max(0, room - consumed)
-        for q, queue in enumerate(rest):
+        for q in range(len(self.queues)):
             if spare <= 0:
                 break
-            spare -= self._take(q, queue, spare, order)
-        for turn in zip_longest(*rest):
-            order.update(dict.fromkeys(s for s in turn if s is not None))
-        return list(order)
+            spare -= yield from self._take(q, heads, spare)
+        while True:
+            turn = [seq for q in range(len(self.queues)) if (seq := heads.pop(q)) is not None]
+            if not turn:
+                return
+            yield from turn
 
-    def _take(self, q: int, queue: deque[Sequence], tokens: int, order: dict) -> int:
+    def _take(self, q: int, heads: _Heads, tokens: int) -> Generator[Sequence, None, int]:
         """`_put`'s choice with every request admissible: queue q's head while it fits
         `tokens` (a queue with nothing running may start its head over quota)."""
         consumed = 0
-        while queue:
-            entry = self.entries[queue[0]]
-            if self.cost(queue[0], entry, q) > tokens - consumed and self.used[q] + consumed > 0:
+        while (seq := heads.peek(q)) is not None:
+            cost = self.cost(seq, self.entries[seq], q)
+            if cost > tokens - consumed and self.used[q] + consumed > 0:
                 break
-            consumed += self.cost(queue[0], entry, q)
-            order[queue.popleft()] = None
+            consumed += cost
+            yield heads.pop(q)
         return consumed
 
     def left(self, seq: Sequence, now: float, finished: bool) -> None:

@@ -114,7 +114,8 @@ def print_table(r: dict) -> None:
     sim = r["sim"]
     print(
         f"simulator [{sim['scenario']}]: {sim['profile']}, {sim['adapters']} adapters, lengths x "
-        f"{sim['length_scale']:.3f}, SLO {sim['slo_s']:.2f} s, {sim['seeds']} arrival seeds x "
+        f"{sim['length_scale']:.3f}, S-LoRA's pool {sim['slora_pool_slots']} slots, SLO "
+        f"{sim['slo_s']:.2f} s, {sim['seeds']} arrival seeds x "
         f"{sim['requests_per_load']} requests; mean over seeds"
     )
     cols = ("p50_ttft_s", "p99_ttft_s", "p99_tbt_s", "throughput_rps", "hit_rate")

@@ -23,7 +23,7 @@ import numpy as np
 
 from loraplex.benchmarks.report import log
 from loraplex.benchmarks.sched_scenarios import Scenario, scenario_requests, shape_trace
-from loraplex.benchmarks.sched_systems import GUARDED, SIM_SYSTEMS, systems
+from loraplex.benchmarks.sched_systems import BREAKDOWN, GUARDED, SIM_SYSTEMS, SLORA, systems
 from loraplex.benchmarks.sim_profiles import a40_llama7b
 from loraplex.benchmarks.sim_replica import System
 from loraplex.benchmarks.sim_run import Result, simulate
@@ -51,7 +51,7 @@ ESTIMATE_LOAD = 10.0
 # what loraplex's engine alone is worth against slora (FIFO, no cache, like S-LoRA)
 ABLATION = ("fifo_nocache",)
 # against slora too: Chameleon with the starvation guard the paper does not have
-REPORTED = (*AGAINST_SLORA.values(), GUARDED, *ABLATION)
+REPORTED = (*AGAINST_SLORA.values(), GUARDED, *BREAKDOWN, *ABLATION)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,7 +98,14 @@ def sim_section(
     rate = len(trace.timestamps) / float(trace.timestamps[-1] - trace.timestamps[0])
     tag = f"sim[{scenario.name}]"
     log(f"{tag}: trace {trace.source} ({len(trace.timestamps)} requests, {rate:.2f} req/s)")
-    scale = memory_scale(trace, profile, adapters, shape, max_len)
+    slot = profile.kv_bytes_per_token()
+    device_slots = profile.pool_bytes // slot
+    pool = scenario.slora_pool or device_slots
+    scale = memory_scale(trace, replace(profile, pool_bytes=pool * slot), adapters, shape, max_len)
+    slora_cfg = replace(SLORA, max_total_token_num=scenario.slora_pool)
+    # Chameleon on S-LoRA: the same token pool, its adapter cache in the rest of the device
+    cham_cfg = replace(slora_cfg, pool_size_lora=device_slots - pool)
+    log(f"{tag}: S-LoRA's token pool {pool} slots (the device's: {device_slots})")
     log(f"{tag}: lengths x {scale:.3f} (peak memory of the trace replay = the pool)")
     seeds = list(range(shape.seeds))
 
@@ -119,12 +126,12 @@ def sim_section(
     loads = [f"{f * rate:.2f}" for f in shape.load_factors]
     # the SLO: 5x the mean execution time of slora at the lowest load, Poisson arrivals
     # (a low-load system, whatever the scenario's burstiness)
-    base = systems(1.0)["slora"]
+    base = systems(1.0, slora=slora_cfg)["slora"]
     poisson = replace(scenario, cv=1.0)
     lowest = {seed: run(base, float(loads[0]), seed, arrivals=poisson) for seed in seeds}
     slo = 5.0 * float(np.mean(np.concatenate([r.e2e for r in lowest.values()])))
     log(f"{tag}: SLO = 5 x mean slora execution at {loads[0]} req/s = {slo:.2f} s")
-    by_system = systems(slo, run_requests=shape.requests)
+    by_system = systems(slo, slora=slora_cfg, run_requests=shape.requests, chameleon_slora=cham_cfg)
     _CONTEXT.update(run=run, by_system=by_system, profile=profile)
     curves: dict[str, dict[int, dict[str, dict]]] = {
         n: {s: {} for s in seeds} for n in shape.systems
@@ -172,6 +179,8 @@ def sim_section(
         "profile_source": profile.source,
         "trace": trace.source,
         "length_scale": scale,
+        "slora_pool_slots": pool,
+        "device_pool_slots": device_slots,
         "adapters": len(adapters),
         "requests_per_load": shape.requests,
         "seeds": len(seeds),
@@ -206,15 +215,20 @@ def _capacity(shape: SimShape, rate: float, seeds: list[int], jobs: int) -> dict
     heavy = ESTIMATE_LOAD * rate
     first = _run_all([(n, heavy, seed, shape.requests) for n, seed in pairs], jobs, _work_n)
     second = [
-        (n, OVERLOAD * first[(n, heavy, seed, shape.requests)]["steady_mix_rps"], seed)
-        for n, seed in pairs
+        (n, OVERLOAD * _steady(first[(n, heavy, seed, shape.requests)]), seed) for n, seed in pairs
     ]
     n_long = CAPACITY_RUN * shape.requests
     runs = _run_all([(n, load, seed, n_long) for n, load, seed in second], jobs, _work_n)
     out: dict = {seed: {} for seed in seeds}
     for n, load, seed in second:
-        out[seed][n] = runs[(n, load, seed, n_long)]["steady_mix_rps"]
+        out[seed][n] = _steady(runs[(n, load, seed, n_long)])
     return out
+
+
+def _steady(summary: dict) -> float:
+    """A run's steady completion rate; its mean rate if the run is too short to have one."""
+    steady = summary["steady_mix_rps"]
+    return steady if math.isfinite(steady) and steady > 0 else summary["throughput_rps"]
 
 
 def _work_n(task: tuple[str, float, int, int]) -> tuple[tuple[str, float, int, int], dict]:
@@ -505,7 +519,8 @@ def memory_scale(trace: Trace, profile, adapters, shape: SimShape, max_len: int)
     """The paper's length scaling (seed 004 §3.2, §5.1): the constant factor for which the
     trace, replayed at its own timestamps on FIFO without a cache, peaks at the pool's
     capacity: the smallest factor (bisection, 1% steps) whose peak memory in use (KV +
-    pinned adapters) reaches 95%."""
+    pinned adapters) reaches 95%, at most the factor at which the longest request alone
+    takes 90% of the pool."""
     n = int((trace.timestamps < shape.scale_minutes * 60).sum())
     base = systems(1.0)["fifo_nocache"]
 
@@ -513,7 +528,10 @@ def memory_scale(trace: Trace, profile, adapters, shape: SimShape, max_len: int)
         reqs = replay_requests(trace, adapters, n, 1.0, scale, 4096)
         return simulate(reqs, profile, base, adapters, max_len).peak_memory_fraction
 
-    lo, hi = 0.0, 1.0
+    # no larger than the scale at which the longest request alone fills 90% of the pool
+    # (a request the pool cannot hold would never run)
+    longest = max(r.prompt + r.output for r in replay_requests(trace, adapters, n, 1.0, 1.0, 4096))
+    lo, hi = 0.0, min(1.0, 0.9 * (profile.pool_bytes // profile.kv_bytes_per_token()) / longest)
     if peak(hi) < 0.95:
         return hi
     while hi - lo > 0.01:

@@ -45,7 +45,8 @@ def simulate(
 def _replica(profile, system: System, adapters: list[AdapterSpec], max_len: int) -> Replica:
     if system.slora is not None and system.scheduler.policy == "chameleon":
         params, half_life = system.scheduler.chameleon, system.cache.half_life_s
-        return ChameleonOnSLoRA(profile, system.slora, params, adapters, max_len, half_life)
+        keep = system.cache.keep_idle
+        return ChameleonOnSLoRA(profile, system.slora, params, adapters, max_len, half_life, keep)
     if system.slora is not None:
         return SLoRAReplica(profile, system.slora, adapters, max_len)
     return SimReplica(profile, system, adapters, max_len)

@@ -194,12 +194,14 @@ class ChameleonOnSLoRA(SLoRAReplica):
         adapters: list[AdapterSpec],
         max_len: int,
         half_life_s: float,  # the frequency's half-life: the adapter cache's setting
+        keep_idle: bool = True,  # False: no cache, adapters leave as S-LoRA's do
     ):
         # admission every iteration; prefetch is Chameleon's (step), not S-LoRA's
         super().__init__(
             profile, replace(cfg, max_wait_tokens=1, prefetch=False), adapters, max_len
         )
         self.prefetching = cfg.prefetch
+        self.keep_idle = keep_idle
         self.squashes = 0
         fifo = self.queue
         nbytes = {a.name: a.nbytes for a in adapters}
@@ -250,6 +252,8 @@ class ChameleonOnSLoRA(SLoRAReplica):
 
     def _offload(self, reserve: set[str]) -> None:
         """The cache keeps idle adapters; they leave only in _make_room."""
+        if not self.keep_idle:
+            super()._offload(reserve)
 
     def _make_room(self, n: int, batch: list[SReq], prefetch: bool = False) -> None:
         """Evict idle adapters until n slots are free: not wanted by a queued request first,

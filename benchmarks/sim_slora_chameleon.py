@@ -194,14 +194,14 @@ class ChameleonOnSLoRA(SLoRAReplica):
         adapters: list[AdapterSpec],
         max_len: int,
         half_life_s: float,  # the frequency's half-life: the adapter cache's setting
-        keep_idle: bool = True,  # False: no cache, adapters leave as S-LoRA's do
+        cache: bool,  # False: no adapter cache, adapters leave as S-LoRA's do
     ):
         # admission every iteration; prefetch is Chameleon's (step), not S-LoRA's
         super().__init__(
             profile, replace(cfg, max_wait_tokens=1, prefetch=False), adapters, max_len
         )
         self.prefetching = cfg.prefetch
-        self.keep_idle = keep_idle
+        self.cache = cache
         self.squashes = 0
         fifo = self.queue
         nbytes = {a.name: a.nbytes for a in adapters}
@@ -240,7 +240,7 @@ class ChameleonOnSLoRA(SLoRAReplica):
         names = self._names(upcoming)
         need = sum(self.slots_of[n] for n in names if n not in self.adapters.loaded)
         if need > self.free_slots:
-            self._make_room(need, upcoming, prefetch=True)
+            self._make_room(need, upcoming, ahead=True)
         new = self.adapters.load(names, prefetch=True, free_slots=self.free_slots)
         for name in new:
             self._start_copy(name)
@@ -252,10 +252,10 @@ class ChameleonOnSLoRA(SLoRAReplica):
 
     def _offload(self, reserve: set[str]) -> None:
         """The cache keeps idle adapters; they leave only in _make_room."""
-        if not self.keep_idle:
+        if not self.cache:
             super()._offload(reserve)
 
-    def _make_room(self, n: int, batch: list[SReq], prefetch: bool = False) -> None:
+    def _make_room(self, n: int, batch: list[SReq], ahead: bool = False) -> None:
         """Evict idle adapters until n slots are free: not wanted by a queued request first,
         each group lowest score first. Those of the batch, or still being copied, stay.
         A prefetch that cannot free n slots evicts nothing and is not a failure."""
@@ -266,14 +266,14 @@ class ChameleonOnSLoRA(SLoRAReplica):
         now = self.clock.now
         order = self.score.order([u for u in idle if u.name not in wanted], now)
         order += self.score.order([u for u in idle if u.name in wanted], now)
-        if prefetch and self.free_slots + sum(self.adapters.loaded[u.name] for u in order) < n:
+        if ahead and self.free_slots + sum(self.adapters.loaded[u.name] for u in order) < n:
             return
         for usage in order:
             if self.free_slots >= n:
                 return
             del self.adapters.loaded[usage.name]
             self.stats.evictions += 1
-        if self.free_slots < n and not prefetch:
+        if self.free_slots < n and not ahead:
             self.stats.alloc_failures += 1
 
     def _load_for(self, batch: list[SReq]) -> None:

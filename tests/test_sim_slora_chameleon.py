@@ -31,7 +31,7 @@ def adapter(name: str, rank: int) -> AdapterSpec:
 
 def chameleon(adapters: list[AdapterSpec], max_req_total_len: int = 256) -> ChameleonOnSLoRA:
     cfg = SLoRAConfig(max_req_total_len=max_req_total_len, prefetch=True)
-    return ChameleonOnSLoRA(PROFILE, cfg, PARAMS, adapters, 4096, half_life_s=60.0)
+    return ChameleonOnSLoRA(PROFILE, cfg, PARAMS, adapters, 4096, half_life_s=60.0, cache=True)
 
 
 def request(rid, name, prompt, output, at, max_tokens=None) -> SimRequest:

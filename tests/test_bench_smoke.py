@@ -128,7 +128,7 @@ def test_sched_bench_reports_every_key_on_tiny_shapes(tmp_path):
         n in r["sim"]["slo_not_crossed"] for n in curves if curves[n][top]["p99_ttft_s_max"] <= slo
     )
     assert set(r["engine"]["systems"]) == set(SYSTEM_NAMES)
-    assert set(r["shapes"]) == {"long-prompt", "bursty"}
+    assert set(r["shapes"]) == {"device-pool", "long-prompt", "bursty"}
     for shape in r["shapes"].values():
         assert all(isinstance(shape[g][k], float) for g in groups for k in sched.NEW_KEYS)
     assert r["sim"]["paper"]["p99_ttft_reduction_high_load"] == 0.807

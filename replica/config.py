@@ -36,9 +36,6 @@ class ChameleonParams:
     a: float = Field(0.4, ge=0, description="Weight of the input in a request's WRS.")
     b: float = Field(0.6, ge=0, description="Weight of the output in a request's WRS.")
     k_max: int = Field(4, ge=1, le=8, description="Most queues.")
-    elbow: float = Field(
-        0.1, ge=0, lt=1, description="One more queue must remove this share of the 1-queue WCSS."
-    )
     refresh_s: float = Field(300.0, gt=0, description="T_refresh: seconds between clusterings.")
     min_samples: int = Field(32, ge=1, description="Arrivals seen before the first clustering.")
     window: int = Field(
@@ -49,7 +46,10 @@ class ChameleonParams:
         8, ge=0, description="A request no fit for its adapter is overtaken at most this often."
     )
     starve_s: float | None = Field(
-        None, gt=0, description="Waited this long: admitted first, over quota; unset: slo_s."
+        None,
+        gt=0,
+        description="Waited this long: admitted first, over quota (a starvation guard not "
+        "in the paper); unset: no guard.",
     )
     squash: bool = Field(
         True,

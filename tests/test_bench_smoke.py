@@ -91,7 +91,7 @@ def test_sched_bench_reports_every_key_on_tiny_shapes(tmp_path):
     from loraplex.benchmarks.sched import engine as sched_engine
     from loraplex.benchmarks.sched import sim as sched_sim
     from loraplex.benchmarks.sched.scenarios import SCENARIOS
-    from loraplex.benchmarks.sched.systems import SYSTEM_NAMES
+    from loraplex.benchmarks.sched.systems import SIM_SYSTEMS, SYSTEM_NAMES
 
     tiny = sched_sim.SimShape(
         requests=40, load_factors=(0.25, 1.0, 1.5), scale_minutes=0.5, seeds=2
@@ -122,7 +122,7 @@ def test_sched_bench_reports_every_key_on_tiny_shapes(tmp_path):
         assert isinstance(eng["p99_ttft_reduction_pooled"], float)
     for key in sched.NEW_KEYS:  # the ablation against our own FIFO stays
         assert isinstance(r[key], float)
-    assert set(r["sim"]["systems"]) == set(SYSTEM_NAMES)
+    assert set(r["sim"]["systems"]) == set(SIM_SYSTEMS)
     # a system within the SLO at the top load is named: its throughput is a lower bound
     top = f"{r['sim']['loads_rps'][-1]:.2f}"
     slo, curves = r["sim"]["slo_s"], r["sim"]["systems"]
@@ -130,7 +130,7 @@ def test_sched_bench_reports_every_key_on_tiny_shapes(tmp_path):
         n in r["sim"]["slo_not_crossed"] for n in curves if curves[n][top]["p99_ttft_s_max"] <= slo
     )
     assert set(r["engine"]["systems"]) == set(SYSTEM_NAMES)
-    assert set(r["shapes"]) == {"long-prompt", "bursty"}
+    assert set(r["shapes"]) == {"device-pool", "long-prompt", "bursty"}
     for shape in r["shapes"].values():
         assert all(isinstance(shape[g][k], float) for g in groups for k in sched.NEW_KEYS)
     assert r["sim"]["paper"]["p99_ttft_reduction_high_load"] == 0.807

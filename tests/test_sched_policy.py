@@ -1,5 +1,5 @@
-"""Scheduling policies on hand-built cases: the quota arithmetic, K-means cut-offs with the
-elbow rule, the output predictor, FIFO / SJF-with-aging order, Chameleon's two-phase
+"""Scheduling policies on hand-built cases: the quota arithmetic, K-means cut-offs of
+minimal WCSS, the output predictor, FIFO / SJF-with-aging order, Chameleon's two-phase
 admission and its bypass starvation guard. Expected values are worked out by hand from
 the formulas of seed 004 §4.3."""
 
@@ -23,7 +23,7 @@ from loraplex.replica.scheduling.queue_math import (
 )
 from loraplex.replica.sequence import Sequence
 
-CHAMELEON = ChameleonParams()  # the paper's weights and elbow
+CHAMELEON = ChameleonParams()  # the paper's weights and K_max
 
 
 def seq(rid: str, prompt: int, max_tokens: int, adapter: str | None = None) -> Sequence:
@@ -58,22 +58,20 @@ def test_quota_minimums_follow_the_mm1_bound_and_the_rest_is_split_by_weight():
     # Tok_min = S·D·(1/SLO + λ): 100·2·(0.2 + 1) = 240 and 1000·10·(0.2 + 0.1) = 3000;
     # the remaining 20000 − 3240 = 16760 split 1 : 3 = 4190 : 12570.
     assert token_quotas([small, large], 20_000, slo_s=5.0) == [240 + 4190, 3000 + 12570]
-    # Minimums over the total (3240 > 1620): no queue can meet the SLO, and each gets the
-    # total in proportion to its occupancy weight·D, 1·2 = 2 and 3·10 = 30: 101.25 and
-    # 1518.75, the unit left by rounding down to the larger remainder -> 101 and 1519.
-    # (In proportion to the minimums 240 : 3000 it would be 120 : 1500.)
-    assert token_quotas([small, large], 1620, slo_s=5.0) == [101, 1519]
+    # Minimums over the total (3240 > 1620): every minimum scaled by 1620 / 3240 = 1/2,
+    # the paper's ratio 240 : 3000 kept.
+    assert token_quotas([small, large], 1620, slo_s=5.0) == [120, 1500]
 
 
-def test_overloaded_quotas_follow_occupancy_not_the_largest_request():
-    # Two queues with the same rate, mean size and D; the first has one outlier request
-    # (max 1000 tokens against a mean of 100), the second does not (max = mean = 400 x 1/4
-    # the rate). Occupancy λ·mean·D: 1·100·4 = 400 and 0.25·400·4 = 400 — equal shares.
-    # The minimums (1000·4·(0.2 + 1) = 4800 against 400·4·(0.2 + 0.25) = 720) would have
-    # given the first queue 87% of the pool.
+def test_overloaded_quotas_keep_the_minimums_ratio_whatever_the_weights():
+    # The paper's Tok_min with the minimums over the total: the weights (λ·mean tokens)
+    # play no part, each queue gets its minimum times the same factor. Minimums
+    # 1000·4·(0.2 + 1) = 4800 and 400·4·(0.2 + 0.25) = 720; total 1000: 869.6 and 130.4.
     skewed = QueueLoad(max_size=1000, duration_s=4.0, rate=1.0, weight=1.0 * 100)
     even = QueueLoad(max_size=400, duration_s=4.0, rate=0.25, weight=0.25 * 400)
-    assert token_quotas([skewed, even], 1000, slo_s=5.0) == [500, 500]
+    assert token_quotas([skewed, even], 1000, slo_s=5.0) == [870, 130]
+    heavy = QueueLoad(max_size=400, duration_s=4.0, rate=0.25, weight=1e6)
+    assert token_quotas([skewed, heavy], 1000, slo_s=5.0) == [870, 130]
     assert token_quotas([], 100, 5.0) == []
 
 
@@ -84,26 +82,26 @@ def test_wrs_is_degree_two_in_the_adapter_size():
     assert weighted_request_size(50, 100, 20, 100, 200, 40, *ab) == pytest.approx(2 * base)
 
 
-def test_kmeans_elbow_picks_three_queues_where_minimal_wcss_picks_four():
+def test_k_is_the_one_of_minimal_wcss_as_in_the_paper():
     rng = np.random.default_rng(0)
     sizes = np.concatenate(
         [rng.normal(1.0, 0.1, 300), rng.normal(10.0, 0.5, 100), rng.normal(20.0, 0.5, 50)]
     )
-    cutoffs, wcss = choose_cutoffs(sizes, k_max=4, elbow=0.1)
-    assert len(wcss) == 4 and wcss[3] < wcss[2] < wcss[1] < wcss[0]  # min WCSS: always K = 4
-    assert len(cutoffs) == 2
-    assert cutoffs[0] == pytest.approx((1.0 + 10.0) / 2, abs=0.3)
-    assert cutoffs[1] == pytest.approx((10.0 + 20.0) / 2, abs=0.3)
+    cutoffs, wcss = choose_cutoffs(sizes, k_max=4)
+    # seed 004 §4.3.4: "picks the K that yields minimal WCSS" — here K = 4 (a 10% elbow
+    # would have stopped at 3)
+    assert len(wcss) == 4 and wcss[3] < wcss[2] < wcss[1] < wcss[0]
+    assert len(cutoffs) == 3
     centroids, _ = kmeans_1d(sizes, 3)
     assert centroids == pytest.approx([1.0, 10.0, 20.0], abs=0.2)
 
 
-def test_one_tight_cluster_gets_one_queue():
-    sizes = np.random.default_rng(1).normal(5.0, 0.01, 200)
-    elbow = (CHAMELEON.k_max, CHAMELEON.elbow)
-    assert choose_cutoffs(sizes, *elbow)[0] == []
-    assert choose_cutoffs(np.full(10, 3.0), *elbow)[0] == []
-    assert choose_cutoffs(np.array([]), *elbow)[0] == []
+def test_ties_in_wcss_go_to_the_fewest_queues():
+    # two distinct sizes: K = 2, 3, 4 all reach WCSS 0, and the fewest queues win
+    two = np.array([1.0] * 30 + [4.0] * 10)
+    assert choose_cutoffs(two, CHAMELEON.k_max)[0] == [2.5]
+    assert choose_cutoffs(np.full(10, 3.0), CHAMELEON.k_max)[0] == []
+    assert choose_cutoffs(np.array([]), CHAMELEON.k_max)[0] == []
 
 
 def test_output_predictor_learns_per_adapter_and_caps_at_max_tokens():
@@ -376,3 +374,73 @@ def test_a_request_that_waited_past_starve_s_goes_first_over_quota():
     rec = Recorder(capacity=1)  # one batch slot left
     ch.admit(11.0, rec)
     assert rec.admitted == ["L-old"] and ch.num_starving == 1
+
+
+def test_waiting_lists_requests_in_the_order_admission_takes_them():
+    # queue 0 (10-token requests) has 30 tokens of quota, queue 1 (100-token ones) 100:
+    # admission takes s0-s2 and L0, then, as quota returns, a request per queue in turn.
+    ch = chameleon([30, 100], [0.2])
+    for i in range(5):
+        ch.add(seq(f"s{i}", 5, 5), 0.0)
+    for i in range(2):
+        ch.add(seq(f"L{i}", 50, 50), 0.0)
+    order = [s.request_id for s in ch.waiting()]
+    assert order == ["s0", "s1", "s2", "L0", "s3", "L1", "s4"]
+    rec = Recorder()
+    ch.admit(0.0, rec)  # the oracle: what admission itself takes first
+    assert rec.admitted == order[:4]
+
+
+def test_the_queue_left_empty_gives_its_quota_to_the_next_in_waiting_order():
+    ch = chameleon([30, 100], [0.2])
+    for i in range(5):
+        ch.add(seq(f"s{i}", 5, 5), 0.0)
+    order = [s.request_id for s in ch.waiting()]
+    rec = Recorder()
+    ch.admit(0.0, rec)
+    assert order == rec.admitted == ["s0", "s1", "s2", "s3", "s4"]  # phase 2: the spare
+
+
+def test_wrs_normalises_by_the_workloads_largest_input_and_output():
+    # seed 004 §4.3.1: in / MaxInputSize and out / MaxOutputSize. "p" requests: 1000 in,
+    # 20 out; "o" requests: 100 in, 400 out. By the workload's maxima (1000, 400):
+    # p = 0.4 + 0.6·0.05 = 0.43, o = 0.04 + 0.6 = 0.64 — "o" is the larger. By max_len
+    # (4096) for both, "p" would be: 0.0977 + 0.0029 against 0.0098 + 0.0586.
+    ch = Chameleon(
+        ChameleonParams(refresh_s=1e9, min_samples=10**6),
+        OutputPredictor(min_samples=1),
+        max_len=4096,
+        capacity=lambda: 10**6,
+        adapter_bytes=lambda name: 1,
+        adapter_tokens=lambda name: 0,
+        max_adapter_bytes=lambda: 1,
+    )
+    kinds = (("p", 1000, 20), ("o", 100, 400))
+    for i in range(8):
+        for name, prompt, out in kinds:
+            ch.add(seq(f"{name}{i}", prompt, out, name), 0.0)
+    ch.admit(0.0, Recorder())
+    for s in list(ch.running):
+        s.output_ids = [1] * s.params.max_tokens
+        ch.left(s, 1.0, finished=True)
+    for i in range(8, 12):
+        for name, prompt, out in kinds:
+            ch.add(seq(f"{name}{i}", prompt, out, name), 2.0)
+    ch.refresh(2.0)
+    assert len(ch.cutoffs) == 1
+    assert [{s.adapter for s in q} for q in ch.queues] == [{"p"}, {"o"}]
+    assert (ch.max_in, ch.max_out) == (1000, 400)
+
+
+def test_the_starvation_guard_is_off_unless_set():
+    # not in the paper: by default a request that waited past the SLO gets no precedence
+    assert ChameleonParams().starve_s is None
+    ch = chameleon([20, 100], [0.2])
+    ch.add(seq("L-old", 50, 50), 0.0)
+    ch.admit(0.0, Recorder(capacity=0))
+    ch.used[1] = 100  # the large queue's quota is taken by running requests
+    for i in range(3):
+        ch.add(seq(f"s{i}", 5, 5), 3 * CHAMELEON.slo_s)
+    rec = Recorder(capacity=1)
+    ch.admit(3 * CHAMELEON.slo_s, rec)
+    assert rec.admitted == ["s0"] and ch.num_starving == 0

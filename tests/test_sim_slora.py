@@ -78,6 +78,10 @@ def test_loads_offloads_and_prefetches_follow_s_loras_router_loop():
     )
     first = copies + 2 * PROFILE.load_setup_s + prefill
     assert sim.clock.now == pytest.approx(first, rel=1e-6)
+    # the critical path waited for both copies: mean_load_ms's numerator is each load's
+    # time, critical_wait_ms's this wait over the loads waited for (not the prefetches)
+    assert sim.stats.wait_seconds == pytest.approx(copies + 2 * PROFILE.load_setup_s, rel=1e-6)
+    assert sim.stats.waited_loads == 2
     sim.add(request(3, "C", 10, 5, at=sim.clock.now))
     # decodes 1-2: request 1's third token ends it; A is offloaded, B (in use) stays
     sim.step()
@@ -111,6 +115,7 @@ def test_loads_offloads_and_prefetches_follow_s_loras_router_loop():
         sim.step()
     assert sim.adapters.loaded == {} and sim.stats.evictions == 3
     assert sim.stats.loads == 3 and sim.stats.alloc_failures == 0
+    assert sim.stats.waited_loads == 2  # C, prefetched, was on the device when admitted
     assert [r.request.rid for r in sorted(sim.done, key=lambda r: r.request.rid)] == [1, 2, 3]
 
 

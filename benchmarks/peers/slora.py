@@ -47,7 +47,7 @@ here it is the order of the batch's requests.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -101,6 +101,9 @@ class SLoRAQueue:
         self.running_max_req_size = running_max_req_size
         self.waiting: list[SReq] = []
 
+    def __len__(self) -> int:
+        return len(self.waiting)
+
     def append(self, req: SReq) -> None:
         self.waiting.append(req)
 
@@ -148,7 +151,7 @@ class SLoRAQueue:
         return queue_head(self.waiting, self.batch_max_tokens)
 
 
-def queue_head(waiting: list[SReq], max_tokens: int) -> list[SReq] | None:
+def queue_head(waiting: Iterable[SReq], max_tokens: int) -> list[SReq] | None:
     """The waiting requests from the head whose prompts fit `max_tokens` together (S-LoRA's
     `ReqQueue.next_batch`)."""
     batch, tokens = [], 0
@@ -237,13 +240,16 @@ class SLoRAStats:
     prefetches: int = 0
     evictions: int = 0  # adapters freed by offload_adapters
     bytes_loaded: int = 0  # adapter bytes made resident
-    load_seconds: float = 0.0  # time steps waited for copies
+    load_seconds: float = 0.0  # sum over loads of start -> collected (prefetches included)
+    wait_seconds: float = 0.0  # time steps waited for copies: the critical path
+    waited_loads: int = 0  # copies a step waited for (critical-path loads and prefetches)
     alloc_failures: int = 0  # where S-LoRA's allocator would have raised
 
 
 @dataclass(slots=True, eq=False)
 class _Copy:
     name: str
+    started: float
 
 
 class SLoRAReplica:
@@ -281,10 +287,10 @@ class SLoRAReplica:
 
     @property
     def load(self) -> int:
-        return len(self.running or []) + len(self.queue.waiting)
+        return len(self.running or []) + len(self.queue)
 
     def has_work(self) -> bool:
-        return bool(self.running or self.queue.waiting)
+        return bool(self.running or len(self.queue))
 
     def holds(self, adapter: str) -> bool:
         return adapter in self.adapters.loaded
@@ -315,6 +321,8 @@ class SLoRAReplica:
                 "evictions": s.evictions,
                 "bytes_loaded": s.bytes_loaded,
                 "load_seconds": s.load_seconds,
+                "wait_seconds": s.wait_seconds,
+                "waited_loads": s.waited_loads,
                 "prefetches": s.prefetches,
                 "alloc_failures": s.alloc_failures,
             },
@@ -332,7 +340,7 @@ class SLoRAReplica:
         if self.running is None:
             batch = self.queue.generate_new_batch(None, self._adapter_slots)
             if batch is None:
-                if self.queue.waiting:
+                if len(self.queue):
                     raise RuntimeError(
                         f"S-LoRA cannot admit its queue head alone ({self.queue.waiting[0]})"
                     )
@@ -406,7 +414,7 @@ class SLoRAReplica:
         return list(dict.fromkeys(r.adapter for r in batch if r.adapter is not None))
 
     def _start_copy(self, name: str) -> _Copy:
-        copy = _Copy(name)
+        copy = _Copy(name, self.clock.now)
         nbytes = self.spec[name].nbytes
         self.in_flight[copy] = None
         self.link.submit(copy, COPIES_PER_LOAD * nbytes, lambda: None)
@@ -436,14 +444,16 @@ class SLoRAReplica:
     def _collect_copies(self) -> None:
         for copy in self.link.done():
             self.in_flight.pop(copy, None)
+            self.stats.load_seconds += self.clock.now - copy.started
 
     def _wait_for(self, copies: list[_Copy]) -> None:
         start = self.clock.now
         pending = set(copies)
+        self.stats.waited_loads += len(pending & self.in_flight.keys())
         while pending & self.in_flight.keys():
             self.clock.now = max(self.clock.now + 1e-9, self.link.next_done())
             self._collect_copies()
-        self.stats.load_seconds += self.clock.now - start
+        self.stats.wait_seconds += self.clock.now - start
 
     # -- compute
 
@@ -466,13 +476,16 @@ class SLoRAReplica:
 
     def _prefill(self, batch: list[SReq]) -> None:
         """_prefill_batch: the prompts in one step; each request's first token comes out.
-        Requests done after one token leave (no offload: _handle_finish_req(minibatch))."""
-        self._alloc_kv(sum(r.input_len for r in batch), batch)
-        prompts = [r.input_len for r in batch]
+        Requests done after one token leave (no offload: _handle_finish_req(minibatch)).
+        (A request preempted by Chameleon's squash recomputes its prompt and what it had
+        generated, and goes on from there.)"""
+        prompts = [r.input_len + r.generated for r in batch]
+        self._alloc_kv(sum(prompts), batch)
         self._run(self._step_load(batch, prompts, prompts))
         for r in batch:
-            r.record.first_token = self.clock.now
-            r.generated = 1
+            if r.generated == 0:
+                r.record.first_token = self.clock.now
+            r.generated += 1
         for r in [r for r in batch if r.generated >= r.target]:
             self._finish(r)
         if self.running is batch:

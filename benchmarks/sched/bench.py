@@ -114,7 +114,8 @@ def print_table(r: dict) -> None:
     sim = r["sim"]
     print(
         f"simulator [{sim['scenario']}]: {sim['profile']}, {sim['adapters']} adapters, lengths x "
-        f"{sim['length_scale']:.3f}, SLO {sim['slo_s']:.2f} s, {sim['seeds']} arrival seeds x "
+        f"{sim['length_scale']:.3f}, S-LoRA's pool {sim['slora_pool_slots']} slots, SLO "
+        f"{sim['slo_s']:.2f} s, {sim['seeds']} arrival seeds x "
         f"{sim['requests_per_load']} requests; mean over seeds"
     )
     cols = ("p50_ttft_s", "p99_ttft_s", "p99_tbt_s", "throughput_rps", "hit_rate")
@@ -123,8 +124,13 @@ def print_table(r: dict) -> None:
         for load, row in rows.items():
             print(f"{name:18} {load:>6} " + " ".join(f"{row[c]:14.3f}" for c in cols))
     print(
-        "throughput at SLO (req/s): "
+        "throughput at SLO = sustainable capacity (steady completion rate under overload, "
+        "req/s of the run's mix): "
         + ", ".join(f"{n} {v:.2f}" for n, v in sim["throughput_at_slo_rps"].items())
+    )
+    print(
+        f"P99 TTFT crossing the SLO in runs of {sim['requests_per_load']} (req/s; moves with "
+        "run length): " + ", ".join(f"{n} {v:.2f}" for n, v in sim["crossing_rps"].items())
     )
     if sim["slo_not_crossed"]:
         print(
@@ -132,9 +138,14 @@ def print_table(r: dict) -> None:
             + ", ".join(sim["slo_not_crossed"])
         )
     print(
-        "paper loads (x slora's SLO crossing 6/8.6, 8/8.6, 9/8.6): "
+        "paper loads (x slora's capacity 6/8.6, 8/8.6, 9/8.6): "
         + ", ".join(f"{k} {v:.2f} req/s" for k, v in sim["paper_loads_rps"].items())
     )
+    for level, row in sim["paper_loads_over_capacity"].items():
+        print(
+            f"  {level} load / each system's capacity: "
+            + ", ".join(f"{n} {v:.2f}" for n, v in row.items())
+        )
     print(f"{'metric':48} {'mean':>8} {'std':>7} {'min':>7} {'max':>7}  paper / target")
     for key, target in TARGETS.items():
         value = _get(r, key)
@@ -161,6 +172,14 @@ def print_table(r: dict) -> None:
     print(
         "host link busy at the high load: "
         + ", ".join(f"{n} {row['link_busy']:.3f}" for n, row in high.items())
+    )
+    print(
+        "critical-path loads / mean wait (ms) at the high load (S-LoRA's engine): "
+        + ", ".join(
+            f"{n} {row['critical_loads']:.0f} / {row['critical_wait_ms']:.1f}"
+            for n, row in high.items()
+            if row["critical_loads"] == row["critical_loads"]  # not NaN
+        )
     )
     for name, shape in r["shapes"].items():
         print(

@@ -4,7 +4,9 @@ not tuned on, each built from any Azure-format trace.
 `paper` is seed 004 §5.1 (with §3.2's length rule): an A40 with Llama-7B, 100 adapters of
 ranks 8-128 (20 each; uniform over ranks, power law within one), the conversation
 trace's lengths scaled by the constant that makes its replay peak at the pool's capacity,
-Poisson arrivals. Clients ask for exactly the trace's output (`max_new_tokens` = output
+Poisson arrivals, S-LoRA run with its default token pool (6000 slots: the operating
+point that gives the paper's SLO and S-LoRA's throughput; `device-pool` is the same with
+the device's whole free memory as S-LoRA's pool). Clients ask for exactly the trace's output (`max_new_tokens` = output
 length, `ignore_eos`), as the S-LoRA benchmark client does (S-LoRA benchmarks/run_exp.py);
 S-LoRA reserves memory for it, the others only cap their output predictor with it.
 
@@ -31,6 +33,11 @@ class Scenario:
     prompt_factor: float = 1.0  # on the trace's context lengths, before the paper's scaling
     output_factor: float = 1.0  # on its generated lengths
     cv: float = 1.0  # inter-arrival coefficient of variation: 1 is Poisson
+    # S-LoRA's --max_total_token_num (KV and adapter slots); None: the device's pool. The
+    # paper does not give S-LoRA's flags; 6000 is S-LoRA's default (slora/server/
+    # api_server.py, `--max_total_token_num`). The length rule applies to this pool, and
+    # Chameleon on S-LoRA caches adapters in the device memory it leaves idle.
+    slora_pool: int | None = 6000
 
 
 SCENARIOS = {
@@ -38,6 +45,12 @@ SCENARIOS = {
         "paper",
         "seed 004 §5.1: A40 + Llama-7B, 100 adapters (ranks 8-128), trace lengths scaled "
         "to the pool, Poisson arrivals",
+    ),
+    "device-pool": Scenario(
+        "device-pool",
+        "the paper's, with S-LoRA's pool the device's free memory (not its default 6000 "
+        "tokens): the operating point before calibration",
+        slora_pool=None,
     ),
     "long-prompt": Scenario(
         "long-prompt", "the paper's, with prompts x 4 and outputs / 4", 4.0, 0.25

@@ -23,7 +23,7 @@ import numpy as np
 
 from loraplex.benchmarks.report import log
 from loraplex.benchmarks.sched.scenarios import Scenario, scenario_requests, shape_trace
-from loraplex.benchmarks.sched.systems import SYSTEM_NAMES, systems
+from loraplex.benchmarks.sched.systems import BREAKDOWN, GUARDED, SIM_SYSTEMS, SLORA, systems
 from loraplex.benchmarks.sim.profiles import a40_llama7b
 from loraplex.benchmarks.sim.replica import System
 from loraplex.benchmarks.sim.run import Result, simulate
@@ -42,8 +42,17 @@ PAPER = {
     "p50_ttft_reduction_low_load": 0.139,
 }
 AGAINST_SLORA = {"vs_slora": "chameleon", "loraplex_vs_slora": "loraplex"}
+# Sustainable capacity: the steady completion rate of a run CAPACITY_RUN x the shape's
+# requests long that the system cannot keep up with (`_capacity`).
+OVERLOAD = 2.0
+CAPACITY_RUN = 4
+ESTIMATE_LOAD = 2.0
+KEPT_UP = 0.9
+CAPACITY_TRIES = 4
 # what loraplex's engine alone is worth against slora (FIFO, no cache, like S-LoRA)
 ABLATION = ("fifo_nocache",)
+# against slora too: Chameleon with the starvation guard the paper does not have
+REPORTED = (*AGAINST_SLORA.values(), GUARDED, *BREAKDOWN, *ABLATION)
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +61,7 @@ class SimShape:
     load_factors: tuple[float, ...]  # x the trace's mean arrival rate
     scale_minutes: float  # trace minutes replayed to find the length scale
     seeds: int = 5  # arrival draws
-    systems: tuple[str, ...] = SYSTEM_NAMES
+    systems: tuple[str, ...] = SIM_SYSTEMS
     extras: bool = False  # eviction scores, the starvation guard at SLO/4, N replicas
 
 
@@ -90,7 +99,14 @@ def sim_section(
     rate = len(trace.timestamps) / float(trace.timestamps[-1] - trace.timestamps[0])
     tag = f"sim[{scenario.name}]"
     log(f"{tag}: trace {trace.source} ({len(trace.timestamps)} requests, {rate:.2f} req/s)")
-    scale = memory_scale(trace, profile, adapters, shape, max_len)
+    slot = profile.kv_bytes_per_token()
+    device_slots = profile.pool_bytes // slot
+    pool = scenario.slora_pool or device_slots
+    scale = memory_scale(trace, replace(profile, pool_bytes=pool * slot), adapters, shape, max_len)
+    slora_cfg = replace(SLORA, max_total_token_num=scenario.slora_pool)
+    # Chameleon on S-LoRA: the same token pool, its adapter cache in the rest of the device
+    cham_cfg = replace(slora_cfg, pool_size_lora=device_slots - pool)
+    log(f"{tag}: S-LoRA's token pool {pool} slots (the device's: {device_slots})")
     log(f"{tag}: lengths x {scale:.3f} (peak memory of the trace replay = the pool)")
     seeds = list(range(shape.seeds))
 
@@ -111,12 +127,12 @@ def sim_section(
     loads = [f"{f * rate:.2f}" for f in shape.load_factors]
     # the SLO: 5x the mean execution time of slora at the lowest load, Poisson arrivals
     # (a low-load system, whatever the scenario's burstiness)
-    base = systems(1.0)["slora"]
+    base = systems(1.0, slora=slora_cfg)["slora"]
     poisson = replace(scenario, cv=1.0)
     lowest = {seed: run(base, float(loads[0]), seed, arrivals=poisson) for seed in seeds}
     slo = 5.0 * float(np.mean(np.concatenate([r.e2e for r in lowest.values()])))
     log(f"{tag}: SLO = 5 x mean slora execution at {loads[0]} req/s = {slo:.2f} s")
-    by_system = systems(slo, run_requests=shape.requests)
+    by_system = systems(slo, slora=slora_cfg, run_requests=shape.requests, chameleon_slora=cham_cfg)
     _CONTEXT.update(run=run, by_system=by_system, profile=profile)
     curves: dict[str, dict[int, dict[str, dict]]] = {
         n: {s: {} for s in seeds} for n in shape.systems
@@ -135,8 +151,14 @@ def sim_section(
                 + "  ".join(f"{n} {curves[n][seed][load]['p99_ttft_s']:.2f}" for n in shape.systems)
             )
     rows = {seed: {n: curves[n][seed] for n in shape.systems} for seed in seeds}
-    at_loads = {seed: _paper_loads(rows[seed], loads, slo) for seed in seeds}
-    others = [n for n in ("slora", *AGAINST_SLORA.values(), *ABLATION) if n in shape.systems]
+    capacity = _capacity(shape, rate, seeds, jobs)
+    log(
+        f"{tag}: sustainable capacity (runs of {CAPACITY_RUN * shape.requests} requests it "
+        "cannot keep up with; mean over seeds): "
+        + "  ".join(f"{n} {np.mean([capacity[s][n] for s in seeds]):.2f}" for n in shape.systems)
+    )
+    at_loads = {seed: _paper_loads(capacity[seed]) for seed in seeds}
+    others = [n for n in ("slora", *REPORTED) if n in shape.systems]
     paper_runs = _run_all(
         [(n, load, seed) for seed in seeds for load in at_loads[seed].values() for n in others],
         jobs,
@@ -147,6 +169,7 @@ def sim_section(
             loads,
             slo,
             lambda name, load, s=seed: paper_runs[(name, load, s)],
+            capacity[seed],
         )
         for seed in seeds
     ]
@@ -157,6 +180,8 @@ def sim_section(
         "profile_source": profile.source,
         "trace": trace.source,
         "length_scale": scale,
+        "slora_pool_slots": pool,
+        "device_pool_slots": device_slots,
         "adapters": len(adapters),
         "requests_per_load": shape.requests,
         "seeds": len(seeds),
@@ -181,6 +206,40 @@ def _work(task: tuple[str, float, int]) -> tuple[tuple[str, float, int], dict]:
     return task, _CONTEXT["run"](_CONTEXT["by_system"][name], load, seed).summary()
 
 
+def _capacity(shape: SimShape, rate: float, seeds: list[int], jobs: int) -> dict:
+    """seed -> system -> sustainable capacity: the steady completion rate (in requests of
+    the run's mix) of a run of CAPACITY_RUN x the shape's requests that the system cannot
+    keep up with. The first run is at ESTIMATE_LOAD x the trace's rate; a run that completes
+    more than KEPT_UP of its arrival rate was not overloaded, and is run again at OVERLOAD x
+    its rate (at most CAPACITY_TRIES times; the last run's rate is kept)."""
+    n_long = CAPACITY_RUN * shape.requests
+    load = {(n, seed): ESTIMATE_LOAD * rate for seed in seeds for n in shape.systems}
+    out: dict = {seed: {} for seed in seeds}
+    for _ in range(CAPACITY_TRIES):
+        runs = _run_all([(n, x, seed, n_long) for (n, seed), x in load.items()], jobs, _work_n)
+        again = {}
+        for (n, seed), x in load.items():
+            out[seed][n] = steady = _steady(runs[(n, x, seed, n_long)])
+            if steady > KEPT_UP * x:
+                again[(n, seed)] = OVERLOAD * x
+        if not again:
+            break
+        load = again
+    return out
+
+
+def _steady(summary: dict) -> float:
+    """A run's steady completion rate; its mean rate if the run is too short to have one."""
+    steady = summary["steady_mix_rps"]
+    return steady if math.isfinite(steady) and steady > 0 else summary["throughput_rps"]
+
+
+def _work_n(task: tuple[str, float, int, int]) -> tuple[tuple[str, float, int, int], dict]:
+    """`_work` with `n` arrivals."""
+    name, load, seed, n = task
+    return task, _CONTEXT["run"](_CONTEXT["by_system"][name], load, seed, n=n).summary()
+
+
 def _work_link(task: tuple[str, float, int, int]) -> tuple[tuple[str, float, int, int], dict]:
     """`_work` with the host link `factor` times slower than the profile's."""
     name, load, seed, factor = task
@@ -198,16 +257,24 @@ def _run_all(tasks: list, jobs: int, work=_work) -> dict:
         return dict(pool.imap_unordered(work, tasks))
 
 
-def _paper_loads(rows: dict[str, dict[str, dict]], loads: list[str], slo: float) -> dict:
-    """Seed 004 §5.2's loads relative to where this seed's slora crosses the SLO."""
-    crossing = throughput_at_slo(loads, rows["slora"], slo)
-    return {level: f * crossing for level, f in PAPER_LOADS.items()}
+def _paper_loads(capacity: dict[str, float]) -> dict:
+    """Seed 004 §5.2's loads relative to slora's throughput at SLO (8.6 RPS in the paper),
+    taken as its sustainable capacity."""
+    return {level: f * capacity["slora"] for level, f in PAPER_LOADS.items()}
 
 
-def _seed_keys(rows: dict[str, dict[str, dict]], loads: list[str], slo: float, run) -> dict:
-    """One seed's keys from its curves; `run(name, load_rps)` runs a system at a load."""
+def _seed_keys(
+    rows: dict[str, dict[str, dict]], loads: list[str], slo: float, run, capacity: dict
+) -> dict:
+    """One seed's keys from its curves; `run(name, load_rps)` runs a system at a load;
+    `capacity` is each system's sustainable capacity (the steady completion rate under
+    overload, in requests of the run's mix): its throughput at SLO. The load at which a
+    run's P99 TTFT crosses the SLO (`crossing_rps`) moves with the run's length above
+    capacity — a backlog grows with the run — and is kept for reference."""
     keys: dict = {}
-    tput = {name: throughput_at_slo(loads, rows[name], slo) for name in rows}
+    crossing = {name: throughput_at_slo(loads, rows[name], slo) for name in rows}
+    keys["crossing_rps"] = crossing
+    tput = {name: capacity[name] for name in rows}
     keys["throughput_at_slo_rps"] = tput
     # a system still within the SLO at the top load: its throughput at SLO is a lower bound
     keys["slo_not_crossed"] = [n for n in rows if rows[n][loads[-1]]["p99_ttft_s"] <= slo]
@@ -220,10 +287,12 @@ def _seed_keys(rows: dict[str, dict[str, dict]], loads: list[str], slo: float, r
         keys["p99_ttft_reduction_high_load"] = 1 - ours["p99_ttft_s"] / base["p99_ttft_s"]
         keys["p50_ttft_reduction_high_load"] = 1 - ours["p50_ttft_s"] / base["p50_ttft_s"]
         keys["throughput_at_slo_ratio"] = _ratio(tput["loraplex"], tput["fifo_nocache"])
-    crossing = tput["slora"]
-    paper_loads = _paper_loads(rows, loads, slo)
+    paper_loads = _paper_loads(capacity)
     keys["paper_loads_rps"] = paper_loads
-    others = [n for n in (*AGAINST_SLORA.values(), *ABLATION) if n in rows]
+    keys["paper_loads_over_capacity"] = {
+        level: {name: load / tput[name] for name in rows} for level, load in paper_loads.items()
+    }
+    others = [n for n in REPORTED if n in rows]
     at = {
         level: {name: run(name, load) for name in ("slora", *others)}
         for level, load in paper_loads.items()
@@ -231,7 +300,10 @@ def _seed_keys(rows: dict[str, dict[str, dict]], loads: list[str], slo: float, r
     keys["at_paper_loads"] = at
     against = {}
     for name in others:
-        against[name] = {"throughput_at_slo_ratio": _ratio(tput[name], crossing)}
+        against[name] = {
+            "throughput_at_slo_ratio": _ratio(tput[name], tput["slora"]),
+            "crossing_ratio": _ratio(crossing[name], crossing["slora"]),
+        }
         for level in PAPER_LOADS:
             base, ours = at[level]["slora"], at[level][name]
             for q in ("p99", "p50"):
@@ -270,10 +342,20 @@ def _combine(per_seed: list[dict]) -> dict:
     out["throughput_at_slo_rps"] = {
         n: float(np.mean([s["throughput_at_slo_rps"][n] for s in per_seed])) for n in names
     }
+    out["crossing_rps"] = {
+        n: float(np.mean([s["crossing_rps"][n] for s in per_seed])) for n in names
+    }
     for n in names:
         spread[f"throughput_at_slo_rps.{n}"] = _spread(
             [s["throughput_at_slo_rps"][n] for s in per_seed]
         )
+    out["paper_loads_over_capacity"] = {
+        level: {
+            n: float(np.mean([s["paper_loads_over_capacity"][level][n] for s in per_seed]))
+            for n in names
+        }
+        for level in PAPER_LOADS
+    }
     out["paper_loads_rps"] = {
         level: float(np.mean([s["paper_loads_rps"][level] for s in per_seed]))
         for level in PAPER_LOADS
@@ -289,6 +371,10 @@ def _combine(per_seed: list[dict]) -> dict:
                     "hit_rate",
                     "gb_loaded",
                     "link_busy",
+                    "p99_tbt_s",
+                    "critical_loads",
+                    "critical_wait_ms",
+                    "mean_load_ms",
                 )
             }
             for name in per_seed[0]["at_paper_loads"][level]
@@ -436,7 +522,8 @@ def memory_scale(trace: Trace, profile, adapters, shape: SimShape, max_len: int)
     """The paper's length scaling (seed 004 §3.2, §5.1): the constant factor for which the
     trace, replayed at its own timestamps on FIFO without a cache, peaks at the pool's
     capacity: the smallest factor (bisection, 1% steps) whose peak memory in use (KV +
-    pinned adapters) reaches 95%."""
+    pinned adapters) reaches 95%, at most the factor at which the longest request alone
+    takes 90% of the pool."""
     n = int((trace.timestamps < shape.scale_minutes * 60).sum())
     base = systems(1.0)["fifo_nocache"]
 
@@ -444,7 +531,10 @@ def memory_scale(trace: Trace, profile, adapters, shape: SimShape, max_len: int)
         reqs = replay_requests(trace, adapters, n, 1.0, scale, 4096)
         return simulate(reqs, profile, base, adapters, max_len).peak_memory_fraction
 
-    lo, hi = 0.0, 1.0
+    # no larger than the scale at which the longest request alone fills 90% of the pool
+    # (a request the pool cannot hold would never run)
+    longest = max(r.prompt + r.output for r in replay_requests(trace, adapters, n, 1.0, 1.0, 4096))
+    lo, hi = 0.0, min(1.0, 0.9 * (profile.pool_bytes // profile.kv_bytes_per_token()) / longest)
     if peak(hi) < 0.95:
         return hi
     while hi - lo > 0.01:

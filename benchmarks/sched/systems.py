@@ -6,6 +6,11 @@ adapters loaded on the critical path and prefetched for the queue head):
   slora              S-LoRA as its code does it: adapters freed when no request uses them
   chameleon          Chameleon as seed 004 built it, on S-LoRA: Chameleon's queues (the
                      policy loraplex runs) and its adapter cache (benchmarks/peers/slora_chameleon.py)
+  chameleon_guard    the same with a starvation guard at the SLO (not in the paper: a
+                     request that waited the SLO is admitted first, over quota); simulator only
+  cham_queues_only   seed 004 §5.2.4's breakdown, simulator only: Chameleon's queues on
+                     S-LoRA without the cache (adapters leave as S-LoRA's do)
+  cham_cache_only    ... and the cache with one queue (FIFO admission, every iteration)
 On loraplex's engine (chunked prefill beside decode, admission every step, preemption by
 recompute, adapter copies beside the compute, the adapters of the next 8 queued requests
 prefetched) — the ablation against our own FIFO:
@@ -18,6 +23,8 @@ prefetched) — the ablation against our own FIFO:
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from loraplex.benchmarks.peers.slora import SLoRAConfig
 from loraplex.benchmarks.sim.replica import System
@@ -32,6 +39,9 @@ SYSTEM_NAMES = (
     "chameleon",
     "loraplex",
 )
+GUARDED = "chameleon_guard"
+BREAKDOWN = ("cham_queues_only", "cham_cache_only")
+SIM_SYSTEMS = (*SYSTEM_NAMES, GUARDED, *BREAKDOWN)
 SCHED = {"max_num_seqs": 128, "max_num_batched_tokens": 4096, "max_loras_per_batch": 64}
 # S-LoRA's flags: the pool is the device's (max_total_token_num = its slots), prompts up
 # to the model's context, prefetching on (seed 004 §5.1: "asynchronous adapter
@@ -56,10 +66,12 @@ def systems(
     prefetch: int = 8,
     slora: SLoRAConfig = SLORA,
     run_requests: int = 1200,
+    chameleon_slora: SLoRAConfig | None = None,
 ) -> dict[str, System]:
     """Every system, with Chameleon's quotas sized for `slo_s` and its warm-up for runs of
     `run_requests` arrivals; `sched` caps loraplex's batches, `slora` is S-LoRA's server
-    configuration."""
+    configuration, `chameleon_slora` that of Chameleon on S-LoRA (default: the same)."""
+    on_slora = chameleon_slora or slora
     nocache = CacheConfig(keep_idle=False, prefetch=prefetch, eviction="lru")
     cache = CacheConfig(keep_idle=True, prefetch=prefetch, eviction="chameleon")
     # T_refresh: 60 s instead of the paper's 5 min, for runs of minutes, not hours.
@@ -86,7 +98,25 @@ def systems(
             "chameleon",
             cham,
             CacheConfig(keep_idle=True, prefetch=4096, eviction="chameleon"),
-            slora=slora,
+            slora=on_slora,
         ),
         "loraplex": System("loraplex", cham, cache),
+        "cham_queues_only": System(
+            "cham_queues_only",
+            cham,
+            CacheConfig(keep_idle=False, prefetch=4096, eviction="lru"),
+            slora=on_slora,
+        ),
+        "cham_cache_only": System(
+            "cham_cache_only",
+            replace(cham, chameleon=replace(mlq, k_max=1)),
+            CacheConfig(keep_idle=True, prefetch=4096, eviction="chameleon"),
+            slora=on_slora,
+        ),
+        GUARDED: System(
+            GUARDED,
+            replace(cham, chameleon=replace(mlq, starve_s=slo_s)),
+            CacheConfig(keep_idle=True, prefetch=4096, eviction="chameleon"),
+            slora=on_slora,
+        ),
     }

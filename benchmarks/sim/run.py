@@ -45,7 +45,8 @@ def simulate(
 def _replica(profile, system: System, adapters: list[AdapterSpec], max_len: int) -> Replica:
     if system.slora is not None and system.scheduler.policy == "chameleon":
         params, half_life = system.scheduler.chameleon, system.cache.half_life_s
-        return ChameleonOnSLoRA(profile, system.slora, params, adapters, max_len, half_life)
+        keep = system.cache.keep_idle
+        return ChameleonOnSLoRA(profile, system.slora, params, adapters, max_len, half_life, keep)
     if system.slora is not None:
         return SLoRAReplica(profile, system.slora, adapters, max_len)
     return SimReplica(profile, system, adapters, max_len)
@@ -80,6 +81,8 @@ class Result:
     bypasses: int = 0
     squashes: int = 0
     peak_memory_fraction: float = 0.0
+    arrival: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    size: np.ndarray = field(default_factory=lambda: np.zeros(0))  # prompt + output tokens
 
     @classmethod
     def of(cls, name: str, sims: list[Replica], requests: list[SimRequest]) -> Result:
@@ -115,9 +118,28 @@ class Result:
             bypasses=sum(c.bypasses for c in counters),
             squashes=sum(c.squashes for c in counters),
             peak_memory_fraction=max(c.peak_memory_fraction for c in counters),
+            arrival=arrival,
+            size=np.array([r.request.prompt + r.request.output for r in done]),
         )
 
+    def steady_completion(self) -> tuple[float, float]:
+        """Completions per second between the arrival of the first quarter's last request
+        and the last arrival — under overload, with a backlog throughout, the rate the
+        system sustains — and that rate in requests of the run's mix: times the completed
+        requests' mean tokens (prompt + output) over the mean of every request's, so a
+        policy that finishes small requests first is not credited for their size."""
+        n = len(self.arrival)
+        order = np.argsort(self.arrival, kind="stable")
+        t1, t2 = self.arrival[order[n // 4]], self.arrival[order[-1]]
+        finish = self.arrival + self.e2e
+        window = (finish >= t1) & (finish < t2)
+        if t2 <= t1 or not window.any():
+            return math.nan, math.nan
+        rate = window.sum() / (t2 - t1)
+        return float(rate), float(rate * self.size[window].mean() / self.size.mean())
+
     def summary(self) -> dict:
+        steady, steady_mix = self.steady_completion()
         loads = self.cache.get("loads", 0)
         hits, misses = self.cache.get("hits", 0), self.cache.get("misses", 0)
         return {
@@ -138,5 +160,15 @@ class Result:
             "gb_loaded": self.cache.get("bytes_loaded", 0) / 1e9,
             "evictions": self.cache.get("evictions", 0),
             "mean_load_ms": 1e3 * self.cache.get("load_seconds", 0.0) / max(loads, 1),
+            # S-LoRA's engine (NaN on loraplex's, whose copies run beside the compute):
+            # the loads a step waited for (critical path), and the mean wait per load
+            "critical_loads": self.cache.get("waited_loads", math.nan),
+            "critical_wait_ms": (
+                1e3 * self.cache["wait_seconds"] / max(self.cache["waited_loads"], 1)
+                if "wait_seconds" in self.cache
+                else math.nan
+            ),
             "link_busy": self.link_busy_s / self.duration_s if self.duration_s > 0 else math.nan,
+            "steady_completion_rps": steady,
+            "steady_mix_rps": steady_mix,
         }

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,12 +20,21 @@ from loraplex.replica.scheduling.queue_math import (
 from loraplex.replica.sequence import Sequence
 
 
+@dataclass(frozen=True, slots=True)
+class _Size:
+    """What a request's WRS is made of (seed 004 §4.3.1)."""
+
+    prompt: int
+    output: int  # predicted
+    adapter_bytes: int
+
+
 @dataclass(slots=True)
 class _Entry:
-    wrs: float
+    size: _Size
+    wrs: float  # under the normalisers of the latest refresh
     need: int  # tokens it holds while running: input + predicted output + its adapter
     adapter_need: int  # of which its adapter's
-    predicted: int
     enqueued: float
     queue: int = 0
     started: float = 0.0  # admitted (last, if preempted): D is measured from here
@@ -34,10 +43,37 @@ class _Entry:
     behind: Sequence | None = None  # squashed for this request: requeued right after it
 
 
+class _Heads:
+    """The first request of each queue not yet `taken`, read in order without copying."""
+
+    def __init__(self, queues: list[deque[Sequence]], taken: set[Sequence]):
+        self.its = [iter(q) for q in queues]
+        self.heads: list[Sequence | None] = [None] * len(queues)
+        self.taken = taken
+
+    def peek(self, q: int) -> Sequence | None:
+        seq = self.heads[q]
+        while seq is None or seq in self.taken:
+            seq = next(self.its[q], None)
+            if seq is None:
+                break
+        self.heads[q] = seq
+        return seq
+
+    def pop(self, q: int) -> Sequence | None:
+        seq = self.peek(q)
+        if seq is not None:
+            self.taken.add(seq)
+        return seq
+
+
 class Chameleon:
     """Multi-level queues. `capacity()` is the tokens the pool can hold (the quotas split
     it); `adapter_bytes(name)` and `adapter_tokens(name)` size a request's adapter (None:
-    no adapter); `max_adapter_bytes()` normalises WRS."""
+    no adapter); `max_adapter_bytes()` normalises WRS. The input and output terms of WRS
+    are normalised by the workload's largest input and output (§4.3.1: MaxInputSize,
+    MaxOutputSize): the largest prompt among the recent arrivals and the longest output
+    among the recent finished requests, taken at each refresh (`max_len` until then)."""
 
     name = "chameleon"
 
@@ -65,8 +101,12 @@ class Chameleon:
         self.holders: dict[tuple[int, str | None], int] = {}  # running requests per queue, adapter
         self.entries: dict[Sequence, _Entry] = {}
         self.running: dict[Sequence, _Entry] = {}
-        self.arrivals: deque[tuple[float, float, int]] = deque(maxlen=params.window)
-        self.served: deque[tuple[float, float]] = deque(maxlen=params.window)  # (wrs, s)
+        self.arrivals: deque[tuple[float, _Size, int]] = deque(maxlen=params.window)
+        self.served: deque[tuple[_Size, float]] = deque(maxlen=params.window)  # (size, s)
+        self.outputs: deque[int] = deque(maxlen=params.window)  # finished requests' outputs
+        self.max_in = max_len
+        self.max_out = max_len
+        self.now = 0.0  # the latest admission's: the starvation guard's order in waiting()
         self.last_refresh: float | None = None
         self.wcss: list[float] = []
         self.num_bypasses = 0
@@ -80,24 +120,27 @@ class Chameleon:
     def queue_of(self, wrs: float) -> int:
         return int(np.searchsorted(self.cutoffs, wrs, side="right"))
 
-    def add(self, seq: Sequence, now: float) -> None:
-        predicted = self.predictor.predict(seq.adapter, seq.params.max_tokens)
-        size = self.adapter_bytes(seq.adapter)
-        wrs = weighted_request_size(
-            len(seq.prompt_ids),
-            predicted,
-            size,
-            self.max_len,
-            self.max_len,
+    def wrs(self, size: _Size) -> float:
+        return weighted_request_size(
+            size.prompt,
+            size.output,
+            size.adapter_bytes,
+            self.max_in,
+            self.max_out,
             self.max_adapter_bytes(),
             self.p.a,
             self.p.b,
         )
+
+    def add(self, seq: Sequence, now: float) -> None:
+        predicted = self.predictor.predict(seq.adapter, seq.params.max_tokens)
+        size = _Size(len(seq.prompt_ids), predicted, self.adapter_bytes(seq.adapter))
+        wrs = self.wrs(size)
         adapter_need = self.adapter_tokens(seq.adapter)
-        need = len(seq.prompt_ids) + predicted + adapter_need
-        entry = _Entry(wrs, need, adapter_need, predicted, now, self.queue_of(wrs))
+        need = size.prompt + predicted + adapter_need
+        entry = _Entry(size, wrs, need, adapter_need, now, self.queue_of(wrs))
         self.entries[seq] = entry
-        self.arrivals.append((now, wrs, need))
+        self.arrivals.append((now, size, need))
         self.queues[entry.queue].append(seq)
 
     def requeue(self, seq: Sequence, now: float) -> None:
@@ -118,14 +161,59 @@ class Chameleon:
         self.bypassed.pop(seq, None)
 
     def waiting(self) -> list[Sequence]:
-        return [seq for q in self.queues for seq in q]
+        return list(self.upcoming())
+
+    def upcoming(self) -> Iterator[Sequence]:
+        """The waiting requests in the order admission takes them while memory allows: the
+        starvation guard's (if on), phase 1 (each queue, smallest first, within the room
+        its quota has left), phase 2 (the spare, smallest queue first), then the rest a
+        request per queue in turn, smallest queue first — the queues whose running requests
+        return quota next. Prefetching loads adapters in this order, so it loads what
+        admission takes next. Lazy: a prefetch reads only the head. The queues must not
+        change while it is read."""
+        taken: set[Sequence] = set()
+        if self.p.starve_s is not None:
+            limit = self.now - self.p.starve_s
+            waited = [s for s, e in self.entries.items() if e.enqueued <= limit]
+            for seq in sorted(waited, key=lambda s: self.entries[s].enqueued):
+                taken.add(seq)
+                yield seq
+        heads = _Heads(self.queues, taken)
+        spare = 0
+        for q in range(len(self.queues)):
+            room = self.quotas[q] - self.used[q]
+            consumed = yield from self._take(q, heads, room)
+            if heads.peek(q) is None:
+                spare += max(0, room - consumed)
+        for q in range(len(self.queues)):
+            if spare <= 0:
+                break
+            spare -= yield from self._take(q, heads, spare)
+        while True:
+            turn = [seq for q in range(len(self.queues)) if (seq := heads.pop(q)) is not None]
+            if not turn:
+                return
+            yield from turn
+
+    def _take(self, q: int, heads: _Heads, tokens: int) -> Generator[Sequence, None, int]:
+        """`_put`'s choice with every request admissible: queue q's head while it fits
+        `tokens` (a queue with nothing running may start its head over quota)."""
+        consumed = 0
+        while (seq := heads.peek(q)) is not None:
+            cost = self.cost(seq, self.entries[seq], q)
+            if cost > tokens - consumed and self.used[q] + consumed > 0:
+                break
+            consumed += cost
+            yield heads.pop(q)
+        return consumed
 
     def left(self, seq: Sequence, now: float, finished: bool) -> None:
         entry = self.running.pop(seq)
         self._uncharge(seq, entry)
         if finished:
             self.predictor.observe(seq.adapter, len(seq.output_ids))
-            self.served.append((entry.wrs, now - entry.started))
+            self.served.append((entry.size, now - entry.started))
+            self.outputs.append(len(seq.output_ids))
         else:
             self.entries[seq] = entry
 
@@ -139,20 +227,26 @@ class Chameleon:
             self.refresh(now)
 
     def refresh(self, now: float) -> None:
-        """Re-cluster the recent request sizes, re-file the waiting requests, re-split the
-        token capacity."""
+        """Re-normalise and re-cluster the recent request sizes, re-file the waiting
+        requests, re-split the token capacity."""
         self.last_refresh = now
-        sizes = np.array([w for _, w, _ in self.arrivals])
-        self.cutoffs, self.wcss = choose_cutoffs(sizes, self.p.k_max, self.p.elbow)
+        if self.arrivals:
+            self.max_in = max(size.prompt for _, size, _ in self.arrivals)
+            predicted = max(size.output for _, size, _ in self.arrivals)
+            self.max_out = max(self.outputs, default=predicted)
+        sizes = np.array([self.wrs(size) for _, size, _ in self.arrivals])
+        self.cutoffs, self.wcss = choose_cutoffs(sizes, self.p.k_max)
         k = len(self.cutoffs) + 1
         waiting = sorted(self.entries.items(), key=lambda kv: kv[1].enqueued)
         self.queues = [deque() for _ in range(k)]
         for seq, entry in waiting:
+            entry.wrs = self.wrs(entry.size)
             entry.queue = self.queue_of(entry.wrs)
             self.queues[entry.queue].append(seq)
         self.used = [0] * k
         self.holders = {}
         for seq, entry in self.running.items():
+            entry.wrs = self.wrs(entry.size)
             entry.queue = self.queue_of(entry.wrs)
             self._charge(seq, entry)
         self.quotas = token_quotas(self.queue_loads(now), self.capacity(), self.p.slo_s)
@@ -161,11 +255,11 @@ class Chameleon:
         k = len(self.cutoffs) + 1
         span = max(now - self.arrivals[0][0], 1e-9) if self.arrivals else 1.0
         sizes: list[list[int]] = [[] for _ in range(k)]
-        for _, wrs, need in self.arrivals:
-            sizes[self.queue_of(wrs)].append(need)
+        for _, size, need in self.arrivals:
+            sizes[self.queue_of(self.wrs(size))].append(need)
         durations: list[list[float]] = [[] for _ in range(k)]
-        for wrs, seconds in self.served:
-            durations[self.queue_of(wrs)].append(seconds)
+        for size, seconds in self.served:
+            durations[self.queue_of(self.wrs(size))].append(seconds)
         overall = float(np.mean([s for _, s in self.served])) if self.served else 0.0
         loads = []
         for q in range(k):
@@ -207,12 +301,13 @@ class Chameleon:
     # -- admission
 
     def admit(self, now: float, try_admit: TryAdmit) -> None:
-        """Phase 0 (the starvation guard): requests that waited starve_s, oldest first, over
-        quota — quotas are in tokens, and a busy small queue can still take every batch
-        slot. Phase 1: each queue, smallest first, within its quota; the unused quota of
-        the queues left empty is spare. Phase 2: the spare, smallest queue first."""
+        """Phase 0, only with `starve_s` set (not in the paper, off by default): requests
+        that waited starve_s, oldest first, over quota. Phase 1: each queue, smallest first,
+        within its quota; the unused quota of the queues left empty is spare. Phase 2: the
+        spare, smallest queue first."""
+        self.now = now
         self._maybe_refresh(now)
-        if self._admit_starving(now, try_admit):
+        if self.p.starve_s is not None and self._admit_starving(now, try_admit):
             return
         spare = 0
         for q in range(len(self.queues)):
@@ -232,8 +327,7 @@ class Chameleon:
 
     def _admit_starving(self, now: float, try_admit: TryAdmit) -> bool:
         """True if the batch is full."""
-        limit = self.p.starve_s if self.p.starve_s is not None else self.p.slo_s
-        waited = [s for s, e in self.entries.items() if now - e.enqueued >= limit]
+        waited = [s for s, e in self.entries.items() if now - e.enqueued >= self.p.starve_s]
         # stable: ties keep arrival order (the run is the same every time)
         for seq in sorted(waited, key=lambda s: self.entries[s].enqueued):
             entry = self.entries[seq]
@@ -325,6 +419,7 @@ class Chameleon:
             return False
         # decode steps until some running request (predicted) finishes and frees memory
         eta = min(
-            (max(1, e.predicted - len(s.output_ids)) for s, e in self.running.items()), default=0
+            (max(1, e.size.output - len(s.output_ids)) for s, e in self.running.items()),
+            default=0,
         )
-        return younger.predicted + 1 <= eta
+        return younger.size.output + 1 <= eta

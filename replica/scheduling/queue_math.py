@@ -1,6 +1,6 @@
 """The arithmetic of Chameleon's multi-level queues (seed 004 §4.3), as pure functions:
-output-length prediction, weighted request size, K-means queue cut-offs with the elbow
-rule, and per-queue token quotas from the M/M/1 bound."""
+output-length prediction, weighted request size, K-means queue cut-offs of minimal WCSS,
+and per-queue token quotas from the M/M/1 bound."""
 
 from __future__ import annotations
 
@@ -117,25 +117,18 @@ def _nearest(xs: np.ndarray, centroids: np.ndarray) -> np.ndarray:
     return np.abs(xs[:, None] - centroids[None, :]).argmin(axis=1)
 
 
-def choose_cutoffs(
-    sizes: np.ndarray, k_max: int, elbow: float, tight: float = 0.05
-) -> tuple[list[float], list[float]]:
-    """Queue cut-offs for request sizes: K-means for K = 1..k_max, then the elbow rule —
-    the smallest K after which one more queue removes less than `elbow` of the K = 1 WCSS.
-    (The minimal WCSS alone always picks k_max: WCSS only falls as K grows.) Cut-offs are
-    the midpoints between consecutive centroids. Sizes within `tight` of their mean
-    (coefficient of variation) are one class: one queue. Returns (cut-offs, WCSS per K)."""
+def choose_cutoffs(sizes: np.ndarray, k_max: int) -> tuple[list[float], list[float]]:
+    """Queue cut-offs for request sizes (seed 004 §4.3.4): K-means for K = 1..k_max, and
+    the K of minimal WCSS. WCSS does not grow with K, so this is k_max unless fewer
+    distinct sizes make the larger K no better (ties go to the smaller K). Cut-offs are
+    the midpoints between consecutive centroids. Returns (cut-offs, WCSS per K)."""
     sizes = np.asarray(sizes, dtype=np.float64)
     if len(sizes) == 0:
         return [], []
-    if sizes.std() <= tight * abs(sizes.mean()):
-        return [], [float(((sizes - sizes.mean()) ** 2).sum())]
     fits = [kmeans_1d(sizes, k) for k in range(1, k_max + 1)]
     wcss = [w for _, w in fits]
-    k = next(
-        (i + 1 for i in range(len(fits) - 1) if wcss[i] - wcss[i + 1] < elbow * wcss[0]),
-        len(fits),
-    )
+    best = min(wcss)
+    k = next(i + 1 for i, w in enumerate(wcss) if w <= best + 1e-12 * max(wcss[0], 1.0))
     centroids = fits[k - 1][0]
     return [float(c) for c in (centroids[:-1] + centroids[1:]) / 2], wcss
 
@@ -152,17 +145,16 @@ class QueueLoad:
 
 def token_quotas(queues: list[QueueLoad], total_tokens: int, slo_s: float) -> list[int]:
     """Tok_min = S·D·(1/SLO + λ) per queue (μ = Tok/(S·D) served per second, and
-    1/(μ − λ) <= SLO); the remainder split by weight. If the minimums exceed the total, the
-    SLO cannot be met for every queue, and each gets the total in proportion to its
-    Little's-law occupancy weight·D = λ·(mean tokens)·D — the memory it holds on average to
-    keep up — so every queue is slowed by the same factor. (In proportion to the minimums,
-    whose S is the queue's largest request, a queue with a long-tailed size mix, typically
-    the smallest one, is over-served and the large queue lives on the starvation guard.)"""
+    1/(μ − λ) <= SLO); the remainder split by weight (seed 004 §4.3.5). The paper requires
+    Σ Tok_min <= Tok_total and says nothing of the other case; there, every minimum is
+    scaled by the same factor Tok_total / Σ Tok_min (the quotas in proportion to the
+    minimums): the one split that keeps the paper's ratios between the queues, each queue
+    short of its SLO quota by the same share."""
     if not queues:
         return []
     mins = [q.max_size * q.duration_s * (1.0 / slo_s + q.rate) for q in queues]
     if sum(mins) >= total_tokens:
-        return _split(total_tokens, [q.weight * q.duration_s for q in queues])
+        return _split(total_tokens, mins)
     whole = [math.ceil(m - 1e-9) for m in mins]  # not 241 for 240.00000000000003
     rest = _split(max(0, total_tokens - sum(whole)), [q.weight for q in queues])
     return [m + r for m, r in zip(whole, rest, strict=True)]

@@ -8,7 +8,7 @@ import pytest
 
 from loraplex.registry.models import TenantLimits
 from loraplex.router.limits import IngressLimits
-from loraplex.router.tenant_limiter import RateLimited, TenantLimiter
+from loraplex.router.tenant_limiter import OverLimit, RateLimited, TenantLimiter
 
 
 class Clock:
@@ -71,12 +71,16 @@ def test_tokens_per_minute_reserve_refund_and_refill():
     lim.admit("a", limits).reserve(600)  # refilled to one minute's worth, never more
 
 
-def test_a_request_larger_than_a_minute_reserves_the_whole_bucket():
+def test_a_request_larger_than_a_minute_is_refused_and_takes_nothing():
+    """It used to reserve the whole bucket and run past the limit (301 tokens at 200 a
+    minute); no retry can make it fit, so it is refused (400 at the ingress)."""
     lim, _ = limiter()
     limits = TenantLimits(tokens_per_minute=100)
     ticket = lim.admit("a", limits)
-    ticket.reserve(10_000)  # else it could never run
-    assert ticket.reserved == 100
+    with pytest.raises(OverLimit, match="more than tenant 'a''s limit of 100 tokens"):
+        ticket.reserve(10_000)
+    assert ticket.reserved == 0
+    ticket.reserve(100)  # the bucket is whole
 
 
 def test_a_changed_limit_applies_at_once():

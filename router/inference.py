@@ -161,8 +161,8 @@ def _default_max_tokens(ingress: IngressContext, prompt_tokens: int, request: Re
     tokens per minute leave beside the prompt (at least 1: a prompt over it is refused)."""
     most = ingress.max_model_len - prompt_tokens
     ticket = getattr(request.state, "ticket", None)
-    if ticket is not None and ticket.per_minute is not None:
-        most = min(most, max(1, ticket.per_minute - prompt_tokens))
+    if ticket is not None and ticket.tokens_per_minute is not None:
+        most = min(most, max(1, ticket.tokens_per_minute - prompt_tokens))
     return most
 
 

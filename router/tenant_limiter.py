@@ -138,12 +138,6 @@ class Ticket:
         bucket.level -= need
         self.reserved += need
 
-    @property
-    def per_minute(self) -> int | None:
-        """The tenant's tokens per minute, None when unlimited: the most one request may
-        reserve."""
-        return self.tokens_per_minute
-
     def release(self, used_tokens: int = 0) -> None:
         """The request ended having used `used_tokens` (prompt + generated); idempotent."""
         if self.released:

@@ -171,13 +171,13 @@ class LoraplexConfig(BaseModel):
 
     def registry_api_settings(self, admin_key: str):
         """The tenant API's settings (reads the model's shape for adapter validation)."""
+        from loraplex.model_shape import read_model_shape
         from loraplex.registry.api import RegistryAPISettings
-        from loraplex.registry.validation import BaseModelShape
 
         return RegistryAPISettings(
             admin_key=admin_key,
             base_model_id=self.base_model_id,
-            base_model=BaseModelShape.from_checkpoint(self.require_model()),
+            base_model=read_model_shape(self.require_model()),
             max_lora_rank=self.engine.max_lora_rank,
             **self.registry.model_dump(),
         )

@@ -62,10 +62,10 @@ HTTP_LIMITS = {"http": "h11", "h11_max_incomplete_event_size": MAX_REQUEST_HEAD_
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from loraplex.model_shape import read_model_shape
     from loraplex.registry.api import RegistryAPISettings, create_app
     from loraplex.registry.etcd_process import EtcdProcess
     from loraplex.registry.store import EtcdSettings
-    from loraplex.registry.validation import BaseModelShape
 
     admin_key = os.environ.get(ADMIN_KEY_ENV)
     if admin_key is None:
@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"admin key (set {ADMIN_KEY_ENV} to choose one): {admin_key}", file=sys.stderr)
     named = built(lambda: LoraplexConfig(**flag_values(args, LoraplexConfig, NAMED)))
     try:
-        shape = BaseModelShape.from_checkpoint(args.model)
+        shape = read_model_shape(args.model)
     except ValueError as e:
         raise CLIError(str(e)) from None
     settings = built(

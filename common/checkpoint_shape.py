@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -69,9 +69,27 @@ class ModelShape:
         if self.dtype not in DTYPE_NAMES:
             raise CheckpointError(f"dtype {self.dtype!r} unsupported; supported: {DTYPE_NAMES}")
 
-    def projection_shapes(self) -> dict[str, tuple[int, int]]:
-        """(out_features, in_features) of each LoRA-targetable projection of one layer."""
-        return projection_shapes(self)
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_elems_per_token(self) -> int:
+        """Elements of K and V one token occupies across all layers."""
+        return self.num_layers * 2 * self.kv_size
+
+    def projection_shapes(self) -> dict[str, Projection]:
+        """Each LoRA-targetable projection of one layer."""
+        return projection_shapes(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+        )
 
     @classmethod
     def from_config_dict(cls, raw: dict[str, Any]) -> ModelShape:
@@ -135,30 +153,26 @@ def is_gguf(path: str | os.PathLike[str]) -> bool:
     return str(path).endswith(GGUF_SUFFIX)
 
 
-class _Dimensions(Protocol):
-    @property
-    def hidden_size(self) -> int: ...
-    @property
-    def intermediate_size(self) -> int: ...
-    @property
-    def num_heads(self) -> int: ...
-    @property
-    def num_kv_heads(self) -> int: ...
-    @property
-    def head_dim(self) -> int: ...
+class Projection(NamedTuple):
+    """A linear layer's weight is [out_features, in_features] (torch's `nn.Linear` order);
+    LoRA's A is [rank, in_features] and B is [out_features, rank]."""
+
+    out_features: int
+    in_features: int
 
 
-def projection_shapes(m: _Dimensions) -> dict[str, tuple[int, int]]:
-    """(out_features, in_features) of each LoRA-targetable projection of one layer of a
-    Llama-family model with `m`'s dimensions."""
-    h, i = m.hidden_size, m.intermediate_size
-    q, kv = m.num_heads * m.head_dim, m.num_kv_heads * m.head_dim
+def projection_shapes(
+    *, hidden_size: int, intermediate_size: int, num_heads: int, num_kv_heads: int, head_dim: int
+) -> dict[str, Projection]:
+    """Each LoRA-targetable projection of one layer of a Llama-family model."""
+    h, i = hidden_size, intermediate_size
+    q, kv = num_heads * head_dim, num_kv_heads * head_dim
     return {
-        "q_proj": (q, h),
-        "k_proj": (kv, h),
-        "v_proj": (kv, h),
-        "o_proj": (h, q),
-        "gate_proj": (i, h),
-        "up_proj": (i, h),
-        "down_proj": (h, i),
+        "q_proj": Projection(q, h),
+        "k_proj": Projection(kv, h),
+        "v_proj": Projection(kv, h),
+        "o_proj": Projection(h, q),
+        "gate_proj": Projection(i, h),
+        "up_proj": Projection(i, h),
+        "down_proj": Projection(h, i),
     }

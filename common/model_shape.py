@@ -1,6 +1,6 @@
 """The one reader of a checkpoint's shape: a Hugging Face folder (`config.json`) or a GGUF
 file. Torch-free (the registry validates adapters with it and must not import torch); the
-engine's `ModelConfig`, the registry's `BaseModelShape` and the cluster config all start
+engine's `ModelConfig`, the registry's adapter validation and the cluster config all start
 here.
 """
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from loraplex.checkpoint_shape import ModelShape, Projection, projection_shapes
 from loraplex.demo.assets import DemoAssets
 from loraplex.demo.synthetic_tokenizer import (
     BOS_TOKEN,
@@ -23,7 +24,6 @@ from loraplex.demo.synthetic_tokenizer import (
     write_json,
     write_tokenizer,
 )
-from loraplex.registry.validation import BaseModelShape
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ATTENTION_TARGETS = LORA_TARGETS[:4]
@@ -91,20 +91,25 @@ class ModelSpec:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
-    def shape(self) -> BaseModelShape:
-        """The dimensions adapters for this model are validated against."""
-        return BaseModelShape(
+    def shape(self) -> ModelShape:
+        """The shape of the fp32 checkpoint `write_checkpoint` writes for this spec, read by
+        the one reader of config.json. Needs `vocab_size`: without it the vocab is the
+        tokenizer's, known once written (read that checkpoint with `read_model_shape`)."""
+        if self.vocab_size is None:
+            raise ValueError("ModelSpec.shape needs vocab_size (else it is the tokenizer's)")
+        vocab = self.vocab_size
+        raw = _model_config(self, vocab, special_token_ids(vocab), torch.float32)
+        return ModelShape.from_config_dict(raw)
+
+    def projection_shapes(self) -> dict[str, Projection]:
+        """Each projection of one decoder layer (whatever the vocab)."""
+        return projection_shapes(
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
-            num_layers=self.num_hidden_layers,
             num_heads=self.num_attention_heads,
             num_kv_heads=self.num_key_value_heads,
             head_dim=self.resolved_head_dim,
         )
-
-    def projection_shapes(self) -> dict[str, tuple[int, int]]:
-        """(out_features, in_features) of each projection in one decoder layer."""
-        return self.shape.projection_shapes()
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ from fastapi.responses import PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import ConfigDict, Field, SecretStr
 
+from loraplex.checkpoint_shape import ModelShape
 from loraplex.registry import paths, uploads
 from loraplex.registry.admission import UploadAdmission
 from loraplex.registry.api_errors import RegistryRoute, responses
@@ -71,7 +72,7 @@ from loraplex.registry.request_body import BodyTimeouts, read_capped
 from loraplex.registry.service import RegistryService, collect_garbage_every
 from loraplex.registry.settings import AdapterLimits, RegistrySettings
 from loraplex.registry.store import EtcdSettings, RegistryStore
-from loraplex.registry.validation import BaseModelShape, shown
+from loraplex.registry.validation import shown
 from loraplex.registry.watch import RegistryWatcher
 
 __all__ = ["RegistryAPISettings", "TenantAPI", "collecting_garbage", "create_app", "mount"]
@@ -92,7 +93,7 @@ class RegistryAPISettings(RegistrySettings, AdapterLimits):
     base_model_id: str = Field(
         min_length=1, description="Id of the served base model, written into every record."
     )
-    base_model: BaseModelShape = Field(
+    base_model: ModelShape = Field(
         description="Dimensions of the base model that adapter tensor shapes are checked against."
     )
     max_archive_members: int = Field(

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from loraplex.checkpoint_shape import ModelShape
 from loraplex.registry.artifacts import ArtifactStore, StoredArtifact
 from loraplex.registry.auth import Grant, new_api_key
 from loraplex.registry.errors import (
@@ -37,7 +38,7 @@ from loraplex.registry.errors import (
 from loraplex.registry.isolation import WorkLimits, run_isolated
 from loraplex.registry.models import AdapterRecord, AdapterVersion, Canary, Tenant, TenantLimits
 from loraplex.registry.store import RegistryStore
-from loraplex.registry.validation import BaseModelShape, shown, validate_adapter_dir
+from loraplex.registry.validation import shown, validate_adapter_dir
 from loraplex.registry.view import registry_view
 from loraplex.registry.watch import RegistryWatcher
 
@@ -54,7 +55,7 @@ class ServiceSettings(Protocol):
     @property
     def base_model_id(self) -> str: ...
     @property
-    def base_model(self) -> BaseModelShape: ...
+    def base_model(self) -> ModelShape: ...
     @property
     def max_lora_rank(self) -> int: ...
     @property

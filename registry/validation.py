@@ -11,7 +11,6 @@ server does not accept (unsupported options, rank, dtype, shapes against the bas
 from __future__ import annotations
 
 import math
-import os
 import re
 import struct
 from dataclasses import dataclass
@@ -19,11 +18,9 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
 
 from loraplex import strict_json
-from loraplex.checkpoint_shape import ModelShape, projection_shapes
-from loraplex.model_shape import read_model_shape
+from loraplex.checkpoint_shape import ModelShape
 from loraplex.registry.errors import Invalid, TooLarge, Unacceptable
 
 CONFIG_FILE = "adapter_config.json"
@@ -74,40 +71,6 @@ def shown(value: object) -> str:
     if len(text) <= SHOWN_CHARS:
         return text
     return f"{text[:SHOWN_CHARS]}... ({len(text)} characters)"
-
-
-class BaseModelShape(BaseModel):
-    """Dimensions of the served base model that adapter tensors are checked against."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    hidden_size: int = Field(ge=1, description="Width of the residual stream.")
-    intermediate_size: int = Field(ge=1, description="Width of the SwiGLU MLP.")
-    num_layers: int = Field(ge=1, description="Number of decoder layers.")
-    num_heads: int = Field(ge=1, description="Query heads per layer.")
-    num_kv_heads: int = Field(ge=1, description="Key/value heads per layer (GQA).")
-    head_dim: int = Field(ge=1, description="Width of one attention head.")
-
-    @classmethod
-    def from_checkpoint(cls, path: str | os.PathLike[str]) -> BaseModelShape:
-        """From a Hugging Face folder (config.json) or a .gguf file: `read_model_shape`,
-        the reader the engine uses too. CheckpointError when it cannot be read."""
-        return cls.from_shape(read_model_shape(path))
-
-    @classmethod
-    def from_shape(cls, shape: ModelShape) -> BaseModelShape:
-        return cls(
-            hidden_size=shape.hidden_size,
-            intermediate_size=shape.intermediate_size,
-            num_layers=shape.num_layers,
-            num_heads=shape.num_heads,
-            num_kv_heads=shape.num_kv_heads,
-            head_dim=shape.head_dim,
-        )
-
-    def projection_shapes(self) -> dict[str, tuple[int, int]]:
-        """(out_features, in_features) of each LoRA-targetable projection of one layer."""
-        return projection_shapes(self)
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,7 +297,7 @@ def check_adapter_config(
 
 
 def validate_adapter_dir(
-    path: Path, base: BaseModelShape, max_rank: int, max_bytes: int
+    path: Path, base: ModelShape, max_rank: int, max_bytes: int
 ) -> AdapterSummary:
     """Check a PEFT adapter folder against the base model. Reads the config, the safetensors
     header and the raw weight bits (for NaN/inf); never unpickles anything."""
@@ -370,7 +333,7 @@ def validate_adapter_dir(
 
 
 def _check_tensors(
-    tensors: dict[str, TensorInfo], base: BaseModelShape, rank: int, declared: tuple[str, ...]
+    tensors: dict[str, TensorInfo], base: ModelShape, rank: int, declared: tuple[str, ...]
 ) -> tuple[str, ...]:
     if not tensors:
         raise Unacceptable(f"{WEIGHTS_FILE} holds no tensors")

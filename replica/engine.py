@@ -414,7 +414,9 @@ class LLMEngine:
     def _dense_parameters(self) -> int:
         """Weights one token multiplies through (the projections of every layer)."""
         mc = self.model_config
-        return mc.num_layers * sum(i * o for i, o in mc.projection_shapes().values())
+        return mc.num_layers * sum(
+            p.out_features * p.in_features for p in mc.projection_shapes().values()
+        )
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached block (those running requests hold stay theirs); the pages

@@ -404,7 +404,7 @@ def test_scale_is_folded_into_bt(tmp_path, spec, scale, dtype):
     shapes = model.projection_shapes()
     for (layer, target), (a, bt) in w.modules.items():
         a_file, b_file = raw[key(layer, target, "A")], raw[key(layer, target, "B")]
-        fan_in, fan_out = shapes[target]
+        fan_in, fan_out = shapes[target].in_features, shapes[target].out_features
         assert a.shape == (spec.rank, fan_in) and bt.shape == (spec.rank, fan_out)
         assert a.dtype == bt.dtype == dtype and a.is_contiguous() and bt.is_contiguous()
         assert torch.equal(a, a_file.to(dtype))

@@ -14,7 +14,8 @@ from loraplex.cluster.serve_status import short_ids
 from loraplex.demo.assets import DemoAssets
 from loraplex.demo.behaviours import BEHAVIOURS
 from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter
-from loraplex.registry.validation import BaseModelShape, validate_adapter_dir
+from loraplex.model_shape import read_model_shape
+from loraplex.registry.validation import validate_adapter_dir
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.sampling import SamplingParams
@@ -106,7 +107,7 @@ def test_demo_assets_places_the_real_model_and_its_adapters(
     out = capsys.readouterr().out
     assert str(model) in out and all(n in out for n in names)
     # every adapter passes the registry's validation against the GGUF's shape
-    base = BaseModelShape.from_checkpoint(model)
+    base = read_model_shape(model)
     ranks = {n: validate_adapter_dir(adapters / n, base, 128, 1 << 30).rank for n in names}
     assert ranks == {"json-r8": 8, "pirate-r16": 16, "sql-r8": 8}
     total = sum((adapters / n / "adapter_model.safetensors").stat().st_size for n in names)

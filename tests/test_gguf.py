@@ -21,7 +21,7 @@ from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter, write
 from loraplex.gguf_checkpoint import SUPPORTED_TYPES, open_gguf
 from loraplex.model_shape import read_model_shape
 from loraplex.registry.errors import Unacceptable
-from loraplex.registry.validation import BaseModelShape, validate_adapter_dir
+from loraplex.registry.validation import validate_adapter_dir
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.sampling import SamplingParams
@@ -106,9 +106,7 @@ def test_an_adapter_on_a_gguf_base_is_validated_and_applied_like_peft(checkpoint
     path = write_gguf(checkpoints / "model-lora.gguf", checkpoints / "hf", "Q4_1")
     adapter = tmp_path / "r7"
     write_adapter(adapter, SPEC, AdapterSpec("r7", 7, 14.0, ("q_proj", "k_proj", "down_proj"), 5))
-    summary = validate_adapter_dir(
-        adapter, BaseModelShape.from_checkpoint(path), max_rank=64, max_bytes=1 << 30
-    )
+    summary = validate_adapter_dir(adapter, read_model_shape(path), max_rank=64, max_bytes=1 << 30)
     assert summary.rank == 7
     tokens, logits = _engine_tokens_and_logits(path, adapter)
     want = _oracle_logits(checkpoints, path.name, tokens, adapter)
@@ -117,7 +115,7 @@ def test_an_adapter_on_a_gguf_base_is_validated_and_applied_like_peft(checkpoint
     wrong = tmp_path / "wrong"
     write_adapter(wrong, replace(SPEC, hidden_size=128), AdapterSpec("w", 4, 8.0, ("q_proj",), 6))
     with pytest.raises(Unacceptable, match="q_proj"):
-        validate_adapter_dir(wrong, BaseModelShape.from_checkpoint(path), 64, 1 << 30)
+        validate_adapter_dir(wrong, read_model_shape(path), 64, 1 << 30)
 
 
 @pytest.mark.slow
@@ -207,9 +205,9 @@ def test_the_shape_reader_is_torch_free(checkpoints):
     path = write_gguf(checkpoints / "torchless.gguf", checkpoints / "hf", "Q8_0")
     code = (
         "import sys\n"
-        "from loraplex.registry.validation import BaseModelShape\n"
-        f"BaseModelShape.from_checkpoint({str(path)!r})\n"
-        f"BaseModelShape.from_checkpoint({str(checkpoints / 'hf')!r})\n"
+        "from loraplex.model_shape import read_model_shape\n"
+        f"read_model_shape({str(path)!r})\n"
+        f"read_model_shape({str(checkpoints / 'hf')!r})\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)

@@ -38,12 +38,12 @@ from process_memory import peak_growth
 from prometheus_client.parser import text_string_to_metric_families
 
 from loraplex.demo.assets import DemoAssets
+from loraplex.model_shape import read_model_shape
 from loraplex.net import free_port
 from loraplex.registry.api import RegistryAPISettings
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.etcd_process import find_etcd_binary
 from loraplex.registry.store import RegistryStore
-from loraplex.registry.validation import BaseModelShape
 from loraplex.registry.watch import RegistryWatcher
 from loraplex.replica.async_engine import Engine
 from loraplex.replica.config import EngineConfig
@@ -105,7 +105,7 @@ def ingress_app(engine: Engine, demo_assets: DemoAssets, etcd, tmp: Path):
     settings = RegistryAPISettings(
         admin_key=ADMIN_KEY,
         base_model_id=BASE_ID,
-        base_model=BaseModelShape.from_checkpoint(demo_assets.model),
+        base_model=read_model_shape(demo_assets.model),
         staging_dir=str(tmp),
     )
     handles = RegistryHandles(

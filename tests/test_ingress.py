@@ -28,11 +28,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from starlette.requests import ClientDisconnect
 
 from loraplex.demo.assets import DemoAssets
+from loraplex.model_shape import read_model_shape
 from loraplex.registry.api import RegistryAPISettings
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.models import AdapterRecord
 from loraplex.registry.store import RegistryStore
-from loraplex.registry.validation import CONFIG_FILE, WEIGHTS_FILE, BaseModelShape
+from loraplex.registry.validation import CONFIG_FILE, WEIGHTS_FILE
 from loraplex.registry.watch import RegistryWatcher
 from loraplex.replica.async_engine import Engine
 from loraplex.replica.config import EngineConfig
@@ -146,7 +147,7 @@ def tenants_app(
     settings = RegistryAPISettings(
         admin_key=ADMIN_KEY,
         base_model_id=BASE_ID,
-        base_model=BaseModelShape.from_checkpoint(demo_assets.model),
+        base_model=read_model_shape(demo_assets.model),
         staging_dir=str(tmp / "staging"),
     )
     etcd = shared_etcd_server.settings()

@@ -31,11 +31,11 @@ from http_server import serve
 from test_tenant_api import ADMIN_KEY, api_settings, make_adapter, upload_files
 
 from loraplex.demo.assets import DemoAssets
+from loraplex.model_shape import read_model_shape
 from loraplex.registry.api import create_app
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.etcd_client import EtcdSettings
 from loraplex.registry.store import RegistryStore
-from loraplex.registry.validation import BaseModelShape
 from loraplex.registry.watch import RegistryWatcher
 from loraplex.replica.async_engine import Engine
 from loraplex.replica.config import EngineConfig
@@ -142,7 +142,7 @@ def ingress(shared_etcd_server: EtcdServer, demo_assets: DemoAssets, tmp_path) -
     )
     engine = Engine(config)
     settings = api_settings(tmp_path).model_copy(
-        update={"base_model": BaseModelShape.from_checkpoint(demo_assets.model)}
+        update={"base_model": read_model_shape(demo_assets.model)}
     )
     etcd = etcd_settings(shared_etcd_server)
     handles = RegistryHandles(

@@ -300,7 +300,7 @@ def random_weights(
     for layer in layers:
         for t in targets:
             r = rng.randint(1, rank) if mixed else rank
-            fan_in, fan_out = shapes[t]
+            fan_in, fan_out = shapes[t].in_features, shapes[t].out_features
             a = torch.randn(r, fan_in, generator=gen).to(cfg.dtype)
             bt = torch.randn(r, fan_out, generator=gen).to(cfg.dtype)
             modules[(layer, t)] = (a, bt)
@@ -318,8 +318,8 @@ def fixed_weights(
     shapes = cfg.projection_shapes()
     modules = {
         (layer, t): (
-            torch.randn(rank, shapes[t][0], generator=gen).to(cfg.dtype),
-            torch.randn(rank, shapes[t][1], generator=gen).to(cfg.dtype),
+            torch.randn(rank, shapes[t].in_features, generator=gen).to(cfg.dtype),
+            torch.randn(rank, shapes[t].out_features, generator=gen).to(cfg.dtype),
         )
         for layer in range(cfg.num_layers)
         for t in targets
@@ -648,8 +648,8 @@ def test_llama7b_adapters_waste_under_two_percent_of_2mib_pages():
         shapes = cfg.projection_shapes()
         modules = {
             (layer, t): (
-                torch.empty(rank, shapes[t][0], dtype=cfg.dtype, device="meta"),
-                torch.empty(rank, shapes[t][1], dtype=cfg.dtype, device="meta"),
+                torch.empty(rank, shapes[t].in_features, dtype=cfg.dtype, device="meta"),
+                torch.empty(rank, shapes[t].out_features, dtype=cfg.dtype, device="meta"),
             )
             for layer in range(cfg.num_layers)
             for t in targets

@@ -25,6 +25,7 @@ from tiny_model import BASE, SPEC
 
 from loraplex.checkpoint_shape import ModelShape
 from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
+from loraplex.model_shape import read_model_shape
 from loraplex.registry.api_errors import status_code
 from loraplex.registry.archives import ArchiveLimits, safe_extract_tar_gz
 from loraplex.registry.errors import AdapterRejected
@@ -32,7 +33,6 @@ from loraplex.registry.paths import copy_from_path
 from loraplex.registry.validation import (
     CONFIG_FILE,
     WEIGHTS_FILE,
-    BaseModelShape,
     read_safetensors_header,
     validate_adapter_dir,
 )
@@ -93,7 +93,7 @@ def test_base_shape_from_checkpoint_matches_the_checkpoint_spec(tmp_path):
         vocab_size=64,
     )
     write_checkpoint(tmp_path, spec, with_tokenizer=False)
-    shape = BaseModelShape.from_checkpoint(tmp_path)
+    shape = read_model_shape(tmp_path)
     assert shape.num_layers == 3 and shape.head_dim == 8
     assert shape.projection_shapes() == spec.projection_shapes()
     # head_dim and num_key_value_heads are optional in older configs
@@ -106,7 +106,7 @@ def test_base_shape_from_checkpoint_matches_the_checkpoint_spec(tmp_path):
         "num_attention_heads": 4,
     }
     assert (
-        BaseModelShape.from_shape(ModelShape.from_config_dict(legacy)).projection_shapes()
+        ModelShape.from_config_dict(legacy).projection_shapes()
         == ModelSpec(
             hidden_size=64,
             intermediate_size=128,

@@ -116,9 +116,9 @@ class FairnessIngress:
         self.etcd, self.artifact_root, self.limits = etcd, artifact_root, limits
 
     async def __serve_build_asgi_app__(self):
+        from loraplex.model_shape import read_model_shape
         from loraplex.registry.api import RegistryAPISettings
         from loraplex.registry.artifacts import ArtifactStore
-        from loraplex.registry.validation import BaseModelShape
         from loraplex.registry.watch import RegistryWatcher
         from loraplex.replica.tokenizer import Tokenizer
         from loraplex.router.ingress import RegistryHandles, build_ingress
@@ -128,7 +128,7 @@ class FairnessIngress:
         settings = RegistryAPISettings(
             admin_key=ADMIN_KEY,
             base_model_id="bench",
-            base_model=BaseModelShape.from_checkpoint(self.model_dir),
+            base_model=read_model_shape(self.model_dir),
         )
         registry = RegistryHandles(
             RegistryStore(etcd), RegistryWatcher(etcd), ArtifactStore(self.artifact_root), settings

@@ -128,7 +128,7 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
         p = f"layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        for name, (fan_in, fan_out) in cfg.projection_shapes().items():
+        for name, projection in cfg.projection_shapes().items():
             group = "self_attn" if name[0] in "qkvo" else "mlp"
-            shapes[f"{p}{group}.{name}.weight"] = (fan_out, fan_in)
+            shapes[f"{p}{group}.{name}.weight"] = tuple(projection)
     return shapes

@@ -56,12 +56,13 @@ class ShardPlan:
     def rank_config(self) -> ModelConfig:
         """The shape one rank computes: 1/N of the heads and of the MLP."""
         c, n = self.cfg, self.world
-        return replace(
-            c,
+        part = replace(
+            c.shape,
             num_heads=c.num_heads // n,
             num_kv_heads=c.num_kv_heads // n,
             intermediate_size=c.intermediate_size // n,
         )
+        return replace(c, shape=part)
 
     def _part(self, size: int) -> slice:
         step = size // self.world

@@ -14,11 +14,12 @@ import signal
 import sys
 from pathlib import Path
 
+from loraplex.adapter_format import AdapterLimits
 from loraplex.cluster.config import LoraplexConfig
 from loraplex.cluster.errors import CLIError
 from loraplex.cluster.flags import add_flags, built, flag_values
 from loraplex.cluster.sections import ADMIN_KEY_ENV
-from loraplex.registry.settings import AdapterLimits, RegistrySettings
+from loraplex.registry.settings import RegistrySettings
 
 NAMED = ("model_id", "artifact_root")  # the YAML config's settings of these names
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from loraplex.registry.errors import StagingFull, TooManyUploads
+from loraplex.errors import StagingFull, TooManyUploads
 
 
 def check_staging_budget(

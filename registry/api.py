@@ -11,7 +11,7 @@ tenant's adapter (names never leak across tenants); 409 name taken, or "quota of
 reached" (409, not 429: retrying does not help until an adapter is deleted); 413 over a size
 limit; 415 neither multipart nor JSON; 422 an adapter the server does not accept (rank,
 targets, shapes, dtype, options) or a malformed request body; 429 the tenant's upload
-slots are all in flight; 503 etcd unreachable on a write, or the staging budget in use. The service raises domain errors (registry/errors.py); `api_errors.py` maps them. A
+slots are all in flight; 503 etcd unreachable on a write, or the staging budget in use. The service raises domain errors (common/errors.py); `api_errors.py` maps them. A
 refusal leaves etcd and the artifact root as they were.
 """
 
@@ -32,7 +32,9 @@ from fastapi.responses import PlainTextResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from pydantic import ConfigDict, Field, SecretStr
 
+from loraplex.adapter_format import AdapterLimits, shown
 from loraplex.checkpoint_shape import ModelShape
+from loraplex.errors import Unacceptable
 from loraplex.registry import paths, uploads
 from loraplex.registry.admission import UploadAdmission
 from loraplex.registry.api_errors import RegistryRoute, responses
@@ -58,7 +60,6 @@ from loraplex.registry.api_schemas import (
 from loraplex.registry.archives import ArchiveLimits
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.auth import Authenticator, Grant
-from loraplex.registry.errors import Unacceptable
 from loraplex.registry.isolation import run_isolated
 from loraplex.registry.models import (
     DIGEST_PATTERN,
@@ -70,9 +71,8 @@ from loraplex.registry.models import (
 )
 from loraplex.registry.request_body import BodyTimeouts, read_capped
 from loraplex.registry.service import RegistryService, collect_garbage_every
-from loraplex.registry.settings import AdapterLimits, RegistrySettings
+from loraplex.registry.settings import RegistrySettings
 from loraplex.registry.store import EtcdSettings, RegistryStore
-from loraplex.registry.validation import shown
 from loraplex.registry.watch import RegistryWatcher
 
 __all__ = ["RegistryAPISettings", "TenantAPI", "collecting_garbage", "create_app", "mount"]

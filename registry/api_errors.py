@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
 from starlette.types import Receive, Scope, Send
 
-from loraplex.registry.errors import (
+from loraplex.errors import (
     Busy,
     Conflict,
     Forbidden,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from loraplex.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from loraplex.registry.models import (
     DIGEST_PATTERN,
     NAME_PATTERN,
@@ -13,7 +14,6 @@ from loraplex.registry.models import (
     Tenant,
     TenantLimits,
 )
-from loraplex.registry.validation import CONFIG_FILE, WEIGHTS_FILE
 
 
 class TenantCreate(BaseModel):

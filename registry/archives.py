@@ -12,7 +12,14 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO
 
-from loraplex.registry.errors import Invalid, TooLarge, Unacceptable
+from loraplex.adapter_format import (
+    ADAPTER_FILES,
+    CONFIG_FILE,
+    PICKLE_WEIGHTS_FILE,
+    WEIGHTS_FILE,
+    shown,
+)
+from loraplex.errors import Invalid, TooLarge, Unacceptable
 from loraplex.registry.tar_reader import (
     BLOCK,
     EXTENDED_HEADERS_PER_ENTRY,
@@ -20,13 +27,6 @@ from loraplex.registry.tar_reader import (
     TarFormatError,
     TarReader,
     TarTooLarge,
-)
-from loraplex.registry.validation import (
-    ADAPTER_FILES,
-    CONFIG_FILE,
-    PICKLE_WEIGHTS_FILE,
-    WEIGHTS_FILE,
-    shown,
 )
 
 _STEP_BYTES = 64 << 10

@@ -23,7 +23,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from loraplex.registry.validation import ADAPTER_FILES, WEIGHTS_FILE
+from loraplex.adapter_format import ADAPTER_FILES, WEIGHTS_FILE, frame_digest
 
 _DIGEST = re.compile(r"^[0-9a-f]{64}$")
 _COPY_CHUNK = 1 << 20
@@ -35,22 +35,6 @@ class StoredArtifact:
     path: str  # relative to the artifact root: "sha256/<digest>"
     created: bool  # False when an identical artifact was already stored (deduplicated)
     weights_sha256: str  # sha256 of adapter_model.safetensors alone (what `sha256sum` prints)
-
-
-def contents_digest(contents: dict[str, bytes]) -> str:
-    """An artifact's digest (`_frame`) of adapter file contents already read: what was
-    read is what is hashed."""
-    digest = hashlib.sha256()
-    for name in ADAPTER_FILES:
-        _frame(digest, name, len(contents[name]))
-        digest.update(contents[name])
-    return digest.hexdigest()
-
-
-def _frame(digest: hashlib._Hash, name: str, size: int) -> None:
-    """An artifact's digest is a sha256 over its files in canonical (sorted) order, each
-    framed as `name NUL size(8 bytes, little-endian) content`, so no two file sets share it."""
-    digest.update(name.encode() + b"\0" + size.to_bytes(8, "little"))
 
 
 class ArtifactStore:
@@ -180,7 +164,7 @@ def _copy_hashed(src: Path, dst: Path, name: str, digest: hashlib._Hash) -> str:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
     with src.open("rb") as source, os.fdopen(os.open(dst, flags, 0o444), "wb") as out:
         size = os.fstat(source.fileno()).st_size
-        _frame(digest, name, size)
+        frame_digest(digest, name, size)
         copied = 0
         while chunk := source.read(_COPY_CHUNK):
             digest.update(chunk)

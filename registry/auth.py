@@ -9,7 +9,7 @@ import secrets
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from loraplex.registry.errors import Forbidden, Unauthenticated
+from loraplex.errors import Forbidden, Unauthenticated
 from loraplex.registry.models import Tenant
 from loraplex.registry.view import watched_tenants
 

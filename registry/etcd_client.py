@@ -22,7 +22,7 @@ from aetcd import watcher as aetcd_watcher
 from aetcd.exceptions import UnauthenticatedError
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from loraplex.registry.errors import RegistryUnavailable
+from loraplex.errors import RegistryUnavailable
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -35,13 +35,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from loraplex.registry.errors import AdapterRejected, Invalid, TooLarge
+from loraplex.errors import AdapterRejected, Invalid, TooLarge
 
 T = TypeVar("T")
 
 # What the helper imports once, so that a forked child imports nothing: the modules whose
 # functions run in workers.
-_PRELOAD = ("loraplex.registry.validation", "loraplex.registry.paths", "loraplex.registry.uploads")
+_PRELOAD = ("loraplex.adapter_format", "loraplex.registry.paths", "loraplex.registry.uploads")
 _LENGTH = struct.Struct("<Q")
 _PID = struct.Struct("<q")
 

@@ -18,8 +18,8 @@ import stat
 from collections import deque
 from pathlib import Path
 
-from loraplex.registry.errors import Invalid, TooLarge, Unacceptable
-from loraplex.registry.validation import ADAPTER_FILES, PICKLE_WEIGHTS_FILE, WEIGHTS_FILE, shown
+from loraplex.adapter_format import ADAPTER_FILES, PICKLE_WEIGHTS_FILE, WEIGHTS_FILE, shown
+from loraplex.errors import Invalid, TooLarge, Unacceptable
 
 _MAX_LINKS = 40  # as the kernel's own limit on links followed in one lookup
 _COPY_CHUNK = 1 << 20

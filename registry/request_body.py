@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from starlette.requests import Request
 
 from loraplex import strict_json
-from loraplex.registry.errors import Invalid, TimedOut, TooLarge
+from loraplex.errors import Invalid, TimedOut, TooLarge
 
 # Bodies past this are parsed on a worker thread, so a large one does not hold the event loop.
 _PARSE_ON_LOOP_BYTES = 64 << 10

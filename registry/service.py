@@ -22,10 +22,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from loraplex.adapter_format import shown, validate_adapter_dir
 from loraplex.checkpoint_shape import ModelShape
-from loraplex.registry.artifacts import ArtifactStore, StoredArtifact
-from loraplex.registry.auth import Grant, new_api_key
-from loraplex.registry.errors import (
+from loraplex.errors import (
     AlreadyExists,
     Conflict,
     NotFound,
@@ -35,10 +34,11 @@ from loraplex.registry.errors import (
     Unacceptable,
     Unauthenticated,
 )
+from loraplex.registry.artifacts import ArtifactStore, StoredArtifact
+from loraplex.registry.auth import Grant, new_api_key
 from loraplex.registry.isolation import WorkLimits, run_isolated
 from loraplex.registry.models import AdapterRecord, AdapterVersion, Canary, Tenant, TenantLimits
 from loraplex.registry.store import RegistryStore
-from loraplex.registry.validation import shown, validate_adapter_dir
 from loraplex.registry.view import registry_view
 from loraplex.registry.watch import RegistryWatcher
 
@@ -68,7 +68,7 @@ class ServiceSettings(Protocol):
 
 
 class RegistryService:
-    """The tenant API's operations. Refusals are registry/errors.py's domain errors."""
+    """The tenant API's operations. Refusals are common/errors.py's domain errors."""
 
     def __init__(
         self,

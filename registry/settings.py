@@ -1,9 +1,9 @@
 """The registry's settings, each declared once: what the tenant API accepts and its limits.
 
-`RegistrySettings` is the YAML config's `registry:` section; `AdapterLimits` holds the rank
-limit that the engine shares (replica/config.py takes it from here: replica/ may import
-registry/, not the reverse). `RegistryAPISettings` (registry/api.py) adds the per-process
-rest: the admin key and the base model's shape.
+`RegistrySettings` is the YAML config's `registry:` section (the rank limit the engine
+shares is the adapter format's `AdapterLimits`, common/adapter_format.py).
+`RegistryAPISettings` (registry/api.py) adds the per-process rest: the admin key and the base
+model's shape.
 """
 
 from __future__ import annotations
@@ -12,20 +12,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from loraplex.registry.admission import check_staging_budget
 from loraplex.registry.isolation import WorkLimits
-
-
-class AdapterLimits(BaseModel):
-    """Which adapters are accepted: by the tenant API at registration, and again by every
-    engine that loads one."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_lora_rank: int = Field(
-        128,
-        ge=1,
-        le=1024,
-        description="Largest LoRA rank accepted; the engine sizes its LoRA buffers for it.",
-    )
 
 
 class RegistrySettings(BaseModel):

@@ -18,7 +18,14 @@ from typing import TypeVar
 import aetcd
 from aetcd.utils import prefix_range_end
 
-from .errors import AlreadyExists, NotFound, OwnerChanged, RegistryUnavailable, RevisionConflict
+from loraplex.errors import (
+    AlreadyExists,
+    NotFound,
+    OwnerChanged,
+    RegistryUnavailable,
+    RevisionConflict,
+)
+
 from .etcd_client import EtcdConnection, EtcdSettings
 from .models import (
     ADAPTERS_PREFIX,

@@ -25,16 +25,16 @@ if TYPE_CHECKING:
     from python_multipart.multipart import MultipartCallbacks
 
 from loraplex import strict_json
-from loraplex.registry.admission import Reservation
-from loraplex.registry.archives import ArchiveLimits, safe_extract_tar_gz
-from loraplex.registry.errors import Invalid, TooLarge, Unacceptable
-from loraplex.registry.models import NAME_PATTERN
-from loraplex.registry.request_body import BodyTimeouts, receive
-from loraplex.registry.validation import (
+from loraplex.adapter_format import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     shown,
 )
+from loraplex.errors import Invalid, TooLarge, Unacceptable
+from loraplex.registry.admission import Reservation
+from loraplex.registry.archives import ArchiveLimits, safe_extract_tar_gz
+from loraplex.registry.models import NAME_PATTERN
+from loraplex.registry.request_body import BodyTimeouts, receive
 
 MAX_JSON_BYTES = 64 << 10
 MAX_FORM_FIELD_BYTES = 1 << 10

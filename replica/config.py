@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import Field, TypeAdapter, model_validator
 from pydantic.dataclasses import dataclass
 
-from loraplex.registry.settings import AdapterLimits
+from loraplex.adapter_format import AdapterLimits
 from loraplex.replica.memory.store_reads import ReadModel
 from loraplex.settings import FORBID_EXTRA, KiB, setting
 

@@ -33,7 +33,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from loraplex.registry.errors import RegistryError
+from loraplex.errors import RegistryError
 from loraplex.replica.protocol import GenerateRequest, ReplicaFailed, adapter_id, sampling_params
 from loraplex.replica.tokenizer import ChatTemplateError
 from loraplex.router.admission import admit, holding

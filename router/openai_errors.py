@@ -11,9 +11,9 @@ from typing import Any
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
+from loraplex.adapter_format import shown
+from loraplex.errors import Invalid, RegistryError, RegistryUnavailable
 from loraplex.registry.api_errors import error_headers, status_code
-from loraplex.registry.errors import Invalid, RegistryError, RegistryUnavailable
-from loraplex.registry.validation import shown
 from loraplex.router.tenant_limiter import RateLimited
 
 log = logging.getLogger(__name__)

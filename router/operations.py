@@ -11,9 +11,9 @@ import hmac
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from loraplex.errors import RegistryError, Unauthenticated
 from loraplex.registry.api_errors import error_response
 from loraplex.registry.auth import bearer_token, hash_api_key
-from loraplex.registry.errors import RegistryError, Unauthenticated
 from loraplex.router.context import Ingress
 
 router = APIRouter(tags=["operations"])

@@ -12,4 +12,7 @@ for p in cluster demo replica router registry kernels benchmarks; do ln -s "$PWD
 MYPYPATH="$tree" .venv/bin/mypy \
   -p loraplex.router.policy \
   -p loraplex.replica.memory.pool \
-  -p loraplex.registry
+  -p loraplex.registry \
+  -m loraplex.adapter_format \
+  -m loraplex.errors \
+  -m loraplex.checkpoint_shape

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
+from loraplex.adapter_format import validate_adapter_dir
 from loraplex.cluster.cli import main
 from loraplex.cluster.serve_status import short_ids
 from loraplex.demo.assets import DemoAssets
 from loraplex.demo.behaviours import BEHAVIOURS
 from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter
 from loraplex.model_shape import read_model_shape
-from loraplex.registry.validation import validate_adapter_dir
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.sampling import SamplingParams

@@ -11,11 +11,11 @@ from pathlib import Path
 import annotated_types
 import pytest
 
+from loraplex.adapter_format import AdapterLimits
 from loraplex.cluster import generate, registry_server
 from loraplex.cluster.config import LoraplexConfig
 from loraplex.cluster.errors import CLIError
 from loraplex.cluster.flags import flag, from_flags
-from loraplex.registry.settings import AdapterLimits
 from loraplex.replica.config import build_engine_config
 from loraplex.replica.settings import EngineSettings
 from loraplex.settings import declared_fields

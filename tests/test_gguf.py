@@ -15,13 +15,13 @@ import pytest
 import torch
 from gguf_files import write_gguf
 
+from loraplex.adapter_format import validate_adapter_dir
 from loraplex.checkpoint_shape import CheckpointError
 from loraplex.cluster.cli import main
 from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
+from loraplex.errors import Unacceptable
 from loraplex.gguf_checkpoint import SUPPORTED_TYPES, open_gguf
 from loraplex.model_shape import read_model_shape
-from loraplex.registry.errors import Unacceptable
-from loraplex.registry.validation import validate_adapter_dir
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.sampling import SamplingParams

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from loraplex.registry import errors
+from loraplex import errors
 from loraplex.registry.api_errors import error_headers, status_code
 from loraplex.router.openai_errors import registry_error
 

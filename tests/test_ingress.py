@@ -27,13 +27,13 @@ from http_server import serve
 from prometheus_client.parser import text_string_to_metric_families
 from starlette.requests import ClientDisconnect
 
+from loraplex.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from loraplex.demo.assets import DemoAssets
 from loraplex.model_shape import read_model_shape
 from loraplex.registry.api import RegistryAPISettings
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.models import AdapterRecord
 from loraplex.registry.store import RegistryStore
-from loraplex.registry.validation import CONFIG_FILE, WEIGHTS_FILE
 from loraplex.registry.watch import RegistryWatcher
 from loraplex.replica.async_engine import Engine
 from loraplex.replica.config import EngineConfig

@@ -6,11 +6,12 @@ functions, and under TYPE_CHECKING.
     benchmarks  → replica, router, registry, kernels, demo
     router      → registry, and of replica only its public face: replica.protocol and
                   replica.tokenizer
-    replica     → kernels, registry
-    demo        → registry
-    registry, kernels → nothing of ours
-    and every package may import `loraplex` itself (loraplex/net.py, loraplex/settings.py),
-    which imports none of them.
+    replica     → kernels, and of registry only the watch, the records (models), the
+                  artifact store and the etcd settings: the adapter format is the floor's
+    demo, registry, kernels → nothing of ours
+    and every package may import the common floor, `loraplex` itself (common/: the model
+    shape, the adapter format, the domain errors, settings helpers), which imports none of
+    them.
 """
 
 from __future__ import annotations
@@ -32,13 +33,21 @@ ARROWS = {
     "benchmarks": {"replica", "router", "registry", "kernels", "demo"},
     "router": {"registry", "replica"},
     "replica": {"kernels", "registry"},
-    "demo": {"registry"},
+    "demo": set(),
     "registry": set(),
     "kernels": set(),
 }
 # The modules of replica/ the router may import: what crosses the process boundary (plain
 # dicts and their errors) and the tokenizer the ingress runs.
 REPLICA_PUBLIC_FACE = {"loraplex.replica.protocol", "loraplex.replica.tokenizer"}
+# The modules of registry/ the replica may import: what it needs to follow the registry
+# (the watch and its etcd settings, the records) and to read an adapter's bytes.
+REGISTRY_FACE_FOR_REPLICA = {
+    "loraplex.registry.watch",
+    "loraplex.registry.etcd_client",
+    "loraplex.registry.models",
+    "loraplex.registry.artifacts",
+}
 
 
 def modules() -> dict[str, Path]:
@@ -114,6 +123,13 @@ def test_every_import_follows_the_declared_arrows():
                 wrong.append(f"{module} -> {target} ({source} may not import {dest})")
             elif (source, dest) == ("router", "replica") and target not in REPLICA_PUBLIC_FACE:
                 wrong.append(f"{module} -> {target} (router may import only {REPLICA_PUBLIC_FACE})")
+            elif (source, dest) == (
+                "replica",
+                "registry",
+            ) and target not in REGISTRY_FACE_FOR_REPLICA:
+                wrong.append(
+                    f"{module} -> {target} (replica may import only {REGISTRY_FACE_FOR_REPLICA})"
+                )
     assert not wrong, "imports against the declared layers:\n  " + "\n  ".join(wrong)
 
 

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
+from loraplex.adapter_format import TARGET_MODULES as TARGETS
 from loraplex.benchmarks.sim import profiles as sim_profiles
-from loraplex.registry.validation import TARGET_MODULES as TARGETS
 from loraplex.replica.memory.adapter_cache import AdapterCache, CacheConfig
 from loraplex.replica.memory.adapters import AdapterWeights, ResidentAdapter
 from loraplex.replica.memory.kv_cache import KVCache

@@ -9,8 +9,8 @@ import time
 
 import pytest
 
+from loraplex.errors import AdapterRejected, Unacceptable
 from loraplex.registry.api_errors import status_code
-from loraplex.registry.errors import AdapterRejected, Unacceptable
 from loraplex.registry.isolation import WorkerFailed, WorkLimits, run_isolated
 
 LIMITS = WorkLimits(timeout_s=30, memory_bytes=256 << 20)

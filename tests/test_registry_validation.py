@@ -23,19 +23,19 @@ import torch
 from safetensors.torch import save_file
 from tiny_model import BASE, SPEC
 
-from loraplex.checkpoint_shape import ModelShape
-from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
-from loraplex.model_shape import read_model_shape
-from loraplex.registry.api_errors import status_code
-from loraplex.registry.archives import ArchiveLimits, safe_extract_tar_gz
-from loraplex.registry.errors import AdapterRejected
-from loraplex.registry.paths import copy_from_path
-from loraplex.registry.validation import (
+from loraplex.adapter_format import (
     CONFIG_FILE,
     WEIGHTS_FILE,
     read_safetensors_header,
     validate_adapter_dir,
 )
+from loraplex.checkpoint_shape import ModelShape
+from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
+from loraplex.errors import AdapterRejected
+from loraplex.model_shape import read_model_shape
+from loraplex.registry.api_errors import status_code
+from loraplex.registry.archives import ArchiveLimits, safe_extract_tar_gz
+from loraplex.registry.paths import copy_from_path
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MAX_RANK = 64

@@ -33,6 +33,7 @@ from fastapi.testclient import TestClient
 from http_server import serve
 from tiny_model import BASE, SPEC
 
+from loraplex.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter
 from loraplex.registry.api import RegistryAPISettings, create_app
 from loraplex.registry.artifacts import ArtifactStore
@@ -40,7 +41,6 @@ from loraplex.registry.auth import hash_api_key
 from loraplex.registry.models import AdapterRecord
 from loraplex.registry.service import collect_garbage
 from loraplex.registry.store import RegistryStore
-from loraplex.registry.validation import CONFIG_FILE, WEIGHTS_FILE
 from loraplex.registry.view import StoredView, WatchedView
 
 pytestmark = pytest.mark.etcd

@@ -11,15 +11,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load as load_safetensors
 
-from loraplex.kernels.lora import LoraGroupWeights, LoraOut
-from loraplex.registry.artifacts import contents_digest
-from loraplex.registry.errors import AdapterRejected
-from loraplex.registry.validation import (
+from loraplex.adapter_format import (
     CONFIG_FILE,
     TENSOR_NAME,
     WEIGHTS_FILE,
+    contents_digest,
     validate_adapter_dir,
 )
+from loraplex.errors import AdapterRejected
+from loraplex.kernels.lora import LoraGroupWeights, LoraOut
 from loraplex.replica.memory.pool import PageKind, RowPacker, UnifiedPool, chunk_views
 from loraplex.replica.model.config import ModelConfig
 from loraplex.replica.model.lora_groups import LORA_GROUPS

@@ -1,8 +1,10 @@
-"""Validation of a PEFT LoRA adapter folder before anything is written: safetensors headers
-(never pickle), adapter_config.json, tensor names and shapes against the base model, size
-limits. (Archives and registration paths: `archives.py`.)
+"""The adapter format, shared by the registry (which accepts adapters) and the engine (which
+loads them): a PEFT LoRA adapter folder's file names, its safetensors header reader (never
+pickle), the checks of adapter_config.json and of tensor names and shapes against the base
+model, the limits (`AdapterLimits`), and an artifact's digest. (Archives and registration
+paths: registry/archives.py and registry/paths.py.)
 
-Every rejection is an `AdapterRejected` (registry/errors.py) whose message names what was
+Every rejection is an `AdapterRejected` (common/errors.py) whose message names what was
 wrong and what is accepted: `Invalid` for input that cannot be read (bad JSON, a corrupt
 header), `TooLarge` for input over a size limit, `Unacceptable` for a well-formed adapter the
 server does not accept (unsupported options, rank, dtype, shapes against the base model).
@@ -10,6 +12,7 @@ server does not accept (unsupported options, rank, dtype, shapes against the bas
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import struct
@@ -18,10 +21,11 @@ from pathlib import Path
 from typing import Any, TypeGuard
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
 from loraplex import strict_json
 from loraplex.checkpoint_shape import ModelShape
-from loraplex.registry.errors import Invalid, TooLarge, Unacceptable
+from loraplex.errors import Invalid, TooLarge, Unacceptable
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -90,6 +94,36 @@ class AdapterSummary:
     dtype: str  # safetensors dtype name: F32, F16 or BF16
     size_bytes: int  # adapter_config.json + adapter_model.safetensors
     weights_bytes: int  # adapter_model.safetensors alone
+
+
+class AdapterLimits(BaseModel):
+    """Which adapters are accepted: by the tenant API at registration, and again by every
+    engine that loads one."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_lora_rank: int = Field(
+        128,
+        ge=1,
+        le=1024,
+        description="Largest LoRA rank accepted; the engine sizes its LoRA buffers for it.",
+    )
+
+
+def contents_digest(contents: dict[str, bytes]) -> str:
+    """An artifact's digest (`frame_digest`) of adapter file contents already read: what was
+    read is what is hashed."""
+    digest = hashlib.sha256()
+    for name in ADAPTER_FILES:
+        frame_digest(digest, name, len(contents[name]))
+        digest.update(contents[name])
+    return digest.hexdigest()
+
+
+def frame_digest(digest: hashlib._Hash, name: str, size: int) -> None:
+    """An artifact's digest is a sha256 over its files in canonical (sorted) order, each
+    framed as `name NUL size(8 bytes, little-endian) content`, so no two file sets share it."""
+    digest.update(name.encode() + b"\0" + size.to_bytes(8, "little"))
 
 
 # ---------------------------------------------------------------- safetensors header

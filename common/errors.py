@@ -1,5 +1,6 @@
-"""What the registry refuses, as domain errors: each class is a kind of failure a client can
-act on, and its message says what was wrong and what is accepted. Nothing here knows HTTP:
+"""What loraplex refuses, as domain errors: each class is a kind of failure a client can
+act on, and its message says what was wrong and what is accepted. The registry raises them,
+and the engine raises `AdapterRejected` for an adapter it will not load. Nothing here knows HTTP:
 `registry/api_errors.py` gives each kind its status code and the tenant API's body, and the
 ingress gives the same codes OpenAI's body.
 

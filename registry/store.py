@@ -168,7 +168,9 @@ class RegistryStore:
         succeeded, responses = await self._txn(
             lambda tx: (
                 [tx.create(key) == 0, *_owner_compare(tx, owner, owner_revision)],
-                [tx.put(key, encode(rec)), tx.put(key_of(first).encode(), encode(first))],
+                # the version first: a watcher applies a transaction's events in its
+                # order, so whoever sees the alias already holds the version it names
+                [tx.put(key_of(first).encode(), encode(first)), tx.put(key, encode(rec))],
                 [tx.get(owner), tx.get(key)],
             )
         )
@@ -211,8 +213,9 @@ class RegistryStore:
             compare = [tx.version(key) > 0, tx.mod(key) == expected_revision]
             compare += [tx.version(k) > 0 for k in required]
             compare += _owner_compare(tx, owner, owner_revision) if owned else []
-            success = [tx.put(key, encode(rec))]
-            success += [tx.put(key_of(v).encode(), encode(v)) for v in add]
+            # new versions before the alias that names them (create_adapter says why)
+            success = [tx.put(key_of(v).encode(), encode(v)) for v in add]
+            success += [tx.put(key, encode(rec))]
             success += [tx.delete(version_key(rec.tenant, rec.name, v).encode()) for v in drop]
             failure = [tx.get(owner)] if owned else []
             return compare, success, failure + [tx.get(key)] + [tx.get(k) for k in required]

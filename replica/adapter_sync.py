@@ -157,18 +157,14 @@ class AdapterSync:
                 if adapter not in self._loaded:  # another caller may have loaded it
                     await self._load(adapter)
 
-    def _servable(self, adapter: str) -> AdapterVersion | AdapterRecord | None:
-        """The registry's record of the version `adapter` names: its version record, or
-        (for a name registered before versions existed) the name it is the target of."""
+    def _servable(self, adapter: str) -> AdapterVersion | None:
+        """The registry's record of the version `adapter` names. (The store writes a version
+        before the alias naming it, so an alias is never seen without its version.)"""
         try:
             tenant, name, version = parse_adapter_id(adapter)
         except ValueError:
             return None
-        found = self.watcher.version(tenant, name, version)
-        if found is not None:
-            return found
-        record = self.watcher.adapter(tenant, name)
-        return record if record is not None and record.version == version else None
+        return self.watcher.version(tenant, name, version)
 
     def _is_target(self, adapter: str) -> bool:
         tenant, name, version = parse_adapter_id(adapter)

@@ -288,3 +288,34 @@ def test_etcd_replaced_by_one_with_a_shorter_history_resyncs(etcd_server: EtcdSe
                 replacement.stop(kill=True)
 
     asyncio.run(body())
+
+
+def test_an_alias_is_never_seen_before_the_version_it_names(etcd_server: EtcdServer):
+    """A registration, and a new version, is one transaction whose events a watcher applies
+    one by one in the transaction's order. The version record comes first, so whoever sees
+    the alias (AdapterSync resolving a request, waiting for the write's revision) already
+    sees the version it names: no reader needs a fallback to the alias's own fields."""
+
+    async def body():
+        settings = etcd_server.settings()
+        async with RegistryStore(settings) as store:
+            await store.create_tenant(Tenant(name="o"))
+            watcher = RegistryWatcher(settings)
+            await watcher.start()
+            events = watcher.subscribe()
+            created = await store.create_adapter(record("o", "a"))
+            newer = created.model_copy(update={"version": "ef" * 32, "sha256": "ef" * 32})
+            moved = await store.move_adapter(
+                newer, created.updated_revision, add=[newer.as_version()], drop=[SHA]
+            )
+            assert await watcher.wait_for_revision(moved.updated_revision, 10)
+            await watcher.stop()
+        seen = [events.get_nowait() for _ in range(events.qsize())]
+        keys = [e.key for e in seen]
+        aliases = [i for i, e in enumerate(seen) if isinstance(e.value, AdapterRecord)]
+        assert len(aliases) == 2
+        for i in aliases:
+            named = version_key("o", "a", seen[i].value.version)
+            assert named in keys[:i], f"alias event {i} came before its version: {keys}"
+
+    asyncio.run(body())

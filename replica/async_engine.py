@@ -99,7 +99,9 @@ class Engine:
         tenant: str | None = None,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs step by step. Closing the iterator early (or
+        """Stream a request's outputs step by step; a consumer that falls behind the steps
+        gets the outputs waiting for it as one (`RequestOutput.followed_by`), so a slow relay carries fewer,
+        larger chunks instead of falling further behind. Closing the iterator early (or
         cancelling the task) aborts the request and frees its pages. `tenant` and
         `cache_salt`: see `LLMEngine.add_request`."""
         if self._error is not None or self._closed:
@@ -123,11 +125,19 @@ class Engine:
         seq = await self._locked(add)
         self._work.set()
         finished = False
+        held = None  # taken from the queue while coalescing, not foldable: next to yield
         try:
             while not finished:
-                out = await queue.get()
+                out = held if held is not None else await queue.get()
+                held = None
                 if isinstance(out, BaseException):
                     raise RuntimeError("the engine failed") from out
+                while out.logits is None and not out.finished and not queue.empty():
+                    later = queue.get_nowait()
+                    if isinstance(later, BaseException) or later.logits is not None:
+                        held = later  # an error, or a step's logits, stays its own
+                        break
+                    out = out.followed_by(later)
                 finished = out.finished
                 yield out
         finally:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -97,3 +97,12 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache, not computed
     logits: torch.Tensor | None = None  # [vocab] float32, when params.return_logits
     error: str | None = None  # why this request failed, when finish_reason is "error"
+
+    def followed_by(self, later: RequestOutput) -> RequestOutput:
+        """This output and the `later` one of the same request as one: both steps' new
+        tokens and text, in the later one's state."""
+        return replace(
+            later,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            new_text=self.new_text + later.new_text,
+        )

@@ -258,7 +258,7 @@ async def _generate(
     ticket = getattr(request.state, "ticket", None)
     if ticket is not None:
         try:
-            ticket.reserve(len(ids) + max_tokens)  # RateLimited: over its tokens per minute
+            await ticket.reserve(len(ids) + max_tokens)  # RateLimited: over its tokens per minute
         except OverLimit as e:
             raise OpenAIError(
                 400, e.message, code="tokens_per_minute", param="max_tokens"

@@ -14,6 +14,8 @@ order, each before the work it protects.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field
 
 from loraplex.registry.models import TenantLimits
@@ -59,6 +61,14 @@ class IngressLimits(BaseModel):
         "generated tokens per minute per tenant across the cluster; null: no limit.",
     )
 
+    special_tokens_in_messages: Literal["control", "text"] = Field(
+        "control",
+        description="What a special token typed in a chat message's content becomes: "
+        "'control', the control token (as Hugging Face's apply_chat_template and vLLM read "
+        "it; a caller can write turns of its own conversation), or 'text', the plain text it "
+        "is, so that end-user text in a message cannot forge a system or assistant turn "
+        "(the template's own special tokens stay control tokens).",
+    )
     tenant_ledger_sync_s: float = Field(
         1.0,
         ge=0.05,

@@ -54,6 +54,7 @@ class Ingress:
         from loraplex.registry.watch import RegistryWatcher
         from loraplex.replica.tokenizer import Tokenizer
         from loraplex.router.ingress import RegistryHandles, build_ingress
+        from loraplex.router.ledger_actor import RayLedger
         from loraplex.router.live_routers import routing_snapshot
         from loraplex.router.serve_backend import ServeBackend
 
@@ -75,6 +76,7 @@ class Ingress:
             routing=functools.partial(routing_snapshot, config.router.metrics_top_adapters),
             limits=config.limits,
             metrics_key=self.metrics_key,
+            ledger=RayLedger(config.limits.tenant_ledger_sync_s),
         )
 
 

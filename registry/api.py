@@ -136,7 +136,12 @@ class TenantAPI:
             auth=Authenticator(settings.admin_key.get_secret_value(), store, watcher),
             settings=settings,
             archive_limits=ArchiveLimits(settings.max_archive_members, settings.max_adapter_bytes),
-            admission=UploadAdmission(settings.max_uploads_per_tenant, settings.staging_max_bytes),
+            admission=UploadAdmission(
+                settings.max_uploads_per_tenant,
+                settings.staging_max_bytes,
+                settings.staging_tenant_share,
+                watcher,
+            ),
         )
 
 
@@ -212,6 +217,7 @@ async def list_tenants(api: API) -> TenantList:
 async def delete_tenant(name: str, api: API) -> TenantDeleted:
     """Delete a tenant and all its adapters (one etcd transaction)."""
     adapters = await api.service.delete_tenant(name)
+    api.admission.revoke(name, None)  # its uploads in flight here (elsewhere: the watchers)
     return TenantDeleted(name=name, adapters_deleted=[r.name for r in adapters])
 
 
@@ -232,6 +238,7 @@ async def set_tenant_limits(name: str, body: TenantLimits, api: API) -> TenantVi
 async def issue_key(name: str, api: API, body: KeyRequest | None = None) -> TenantWithKey:
     """Issue another API key (shown only in this response), optionally revoking the others."""
     updated, key = await api.service.issue_key(name, (body or KeyRequest()).revoke_existing)
+    api.admission.revoke(name, updated)  # uploads in flight here under a revoked key
     return TenantWithKey(tenant=TenantView.of(updated), api_key=key)
 
 
@@ -250,7 +257,7 @@ async def register_adapter(request: Request, grant: Granted, api: API) -> Adapte
     """Register a PEFT LoRA adapter: a multipart upload (files `adapter_config` and
     `adapter_model`, or one `archive` tar.gz) or JSON `{name, path}` naming a folder under
     an allowed root. Everything is validated before anything is written."""
-    async with _received(request, grant.tenant, api, None) as (name, pinned, staged):
+    async with _received(request, grant, api, None) as (name, pinned, staged):
         return await api.service.register(grant, name, bool(pinned), staged)
 
 
@@ -271,7 +278,7 @@ async def put_adapter(
     finish on the version they began with; content equal to a retained version moves the
     alias back to it, and the current content changes nothing. Ends any canary."""
     uploads.check_name(name)
-    async with _received(request, grant.tenant, api, name) as (_, pinned, staged):
+    async with _received(request, grant, api, name) as (_, pinned, staged):
         record, created = await api.service.put(grant, name, pinned, staged)
     response.status_code = 201 if created else 200
     return record
@@ -279,18 +286,20 @@ async def put_adapter(
 
 @asynccontextmanager
 async def _received(
-    request: Request, owner: Tenant, api: TenantAPI, path_name: str | None
+    request: Request, grant: Grant, api: TenantAPI, path_name: str | None
 ) -> AsyncIterator[tuple[str, bool | None, FilePath]]:
     """The registration body staged as a PEFT folder: (name, pinned or None if unsent,
-    folder), under the tenant's upload slot and the staging budget. `path_name`: the name
-    the route's path gives (a body may repeat it), None when the body must name it."""
+    folder), under the tenant's upload slot and the staging budget, cancelled (401) if the
+    grant is revoked before the folder is handed over to be committed. `path_name`: the
+    name the route's path gives (a body may repeat it), None when the body must name it."""
+    owner = grant.tenant
     settings = api.settings
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if content_type not in ("multipart/form-data", "application/json"):
         raise HTTPException(
             415, "send multipart/form-data (an upload) or application/json ({name, path})"
         )
-    with api.admission.admit(owner.name) as staging_bytes:
+    with api.admission.admit(grant) as staging_bytes:
         async with uploads.staging(settings.staging_dir) as work:
             staged = work / "adapter"
             pinned: bool | None
@@ -334,6 +343,7 @@ async def _received(
             if path is not None:
                 staging_bytes.take(settings.max_adapter_bytes)
                 await _copy_from_path(api, path, owner.name, staged)
+            staging_bytes.commit()
             yield name, pinned, staged
 
 
@@ -432,11 +442,12 @@ async def load_lora_adapter(body: LoadLoRAAdapterRequest, grant: Granted, api: A
     """vLLM's runtime loading, done as a registration by path: every replica gets it. With
     `load_inplace`, a taken name gets a new version (as `PUT /v1/adapters/{name}`)."""
     owner = grant.tenant
-    with api.admission.admit(owner.name) as staging_bytes:
+    with api.admission.admit(grant) as staging_bytes:
         async with uploads.staging(api.settings.staging_dir) as work:
             staged = work / "adapter"
             staging_bytes.take(api.settings.max_adapter_bytes)
             await _copy_from_path(api, body.lora_path, owner.name, staged)
+            staging_bytes.commit()
             if body.load_inplace:
                 await api.service.put(grant, body.lora_name, None, staged)
             else:

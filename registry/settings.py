@@ -52,11 +52,19 @@ class RegistrySettings(BaseModel):
         2, ge=1, le=1024, description="Registrations one tenant may have in flight (else 429)."
     )
     staging_max_bytes: int = Field(
-        4 << 30,
+        5 << 30,
         ge=1,
         description="Staging bytes all registrations in flight may hold together: each body "
         "as it arrives, plus max_adapter_bytes per archive extracted or path copied; past "
         "it registrations are refused with 503 and Retry-After.",
+    )
+    staging_tenant_share: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="Fraction of staging_max_bytes one tenant's registrations in flight may "
+        "hold (503 past it), so that one tenant's stalled or large uploads leave the rest to "
+        "the others; it must hold one largest upload and its extraction.",
     )
     body_idle_timeout_s: float = Field(
         30.0,
@@ -97,7 +105,12 @@ class RegistrySettings(BaseModel):
 
     @model_validator(mode="after")
     def _one_upload_fits_staging(self) -> RegistrySettings:
-        check_staging_budget(self.staging_max_bytes, self.max_upload_bytes, self.max_adapter_bytes)
+        check_staging_budget(
+            self.staging_max_bytes,
+            self.max_upload_bytes,
+            self.max_adapter_bytes,
+            self.staging_tenant_share,
+        )
         return self
 
     def work_limits(self) -> WorkLimits:

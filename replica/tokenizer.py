@@ -10,6 +10,8 @@
 from __future__ import annotations
 
 import json
+import re
+import secrets
 from pathlib import Path
 
 import jinja2
@@ -58,6 +60,14 @@ class Tokenizer:
         else:
             self._tok, self.bos_token, self.eos_token, template = _from_folder(path)
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        specials = [t.content for t in self._tok.get_added_tokens_decoder().values() if t.special]
+        # longest first: a special token that begins another one never hides it
+        self._specials = (
+            re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
+            if specials
+            else None
+        )
+        self._as_text: HFTokenizer | None = None  # reads special tokens as text; on first use
         self._template = None
         if template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
@@ -95,9 +105,67 @@ class Tokenizer:
         return self._template is not None
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        special_tokens_as_text: bool = False,
     ) -> list[int]:
-        """Token ids of the rendered conversation (the template adds BOS itself)."""
+        """Token ids of the rendered conversation (the template adds BOS itself). Special
+        tokens in the rendered text are control tokens, as Hugging Face's
+        `apply_chat_template(tokenize=True)` has it; with `special_tokens_as_text`, only those
+        the template itself writes are: one typed in a message's content is encoded as the
+        plain text it is (`_as_text_ids`)."""
+        if special_tokens_as_text and self._specials is not None:
+            return self._as_text_ids(messages, add_generation_prompt, self._specials)
+        return self.encode(self._render(messages, add_generation_prompt), add_special_tokens=False)
+
+    def _as_text_ids(
+        self, messages: list[dict], add_generation_prompt: bool, specials: re.Pattern[str]
+    ) -> list[int]:
+        """Each special token in a content is swapped for a mark no text holds (private-use
+        characters around a random nonce), the conversation rendered, and the result read
+        as Hugging Face's tokenizer reads any text: split at its special tokens (now only the
+        template's), each piece between them encoded alone; marks go back to their token's
+        text in the pieces, which are encoded with special tokens read as text. Without a
+        special token in any content the ids are those of the plain path."""
+        nonce = secrets.token_hex(8)
+        mark = re.compile(f"\ue000{nonce}:(\\d+)\ue001")
+        names: dict[str, int] = {}
+
+        def hide(found: re.Match[str]) -> str:
+            index = names.setdefault(found.group(), len(names))
+            return f"\ue000{nonce}:{index}\ue001"
+
+        hidden = [
+            {**m, "content": specials.sub(hide, m["content"])}
+            if isinstance(m.get("content"), str)
+            else m
+            for m in messages
+        ]
+        text = self._render(hidden, add_generation_prompt)
+        tokens = list(names)
+        ids: list[int] = []
+        start = 0
+        for control in [*specials.finditer(text), None]:
+            end = len(text) if control is None else control.start()
+            piece = mark.sub(lambda m: tokens[int(m.group(1))], text[start:end])
+            if piece:
+                ids += self._text_tokenizer().encode_batch([piece], add_special_tokens=False)[0].ids
+            if control is not None:
+                token_id = self._tok.token_to_id(control.group())
+                assert token_id is not None, control.group()
+                ids.append(token_id)
+                start = control.end()
+        return ids
+
+    def _text_tokenizer(self) -> HFTokenizer:
+        if self._as_text is None:
+            tok = HFTokenizer.from_str(self._tok.to_str())
+            tok.encode_special_tokens = True
+            self._as_text = tok
+        return self._as_text
+
+    def _render(self, messages: list[dict], add_generation_prompt: bool) -> str:
         if self._template is None:
             raise ChatTemplateError(
                 "this model has no chat template (none in chat_template.jinja, "
@@ -112,7 +180,7 @@ class Tokenizer:
             )
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from None
-        return self.encode(text, add_special_tokens=False)
+        return text
 
 
 def _from_folder(model_dir: Path):

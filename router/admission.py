@@ -32,7 +32,7 @@ async def admit(request: Request, reads_body: bool) -> Ticket | None:
     ticket = None
     if call.tenant is not None:
         limits = ingress.limits.for_tenant(call.limits)
-        ticket = ingress.limiter.admit(call.tenant, limits)
+        ticket = await ingress.limiter.admit(call.tenant, limits)
     request.state.ticket = ticket
     try:
         timeouts = None if ingress.registry is None else body_timeouts(ingress.registry.settings)

@@ -149,7 +149,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, call: 
     text_bytes = sum(len(m["content"].encode()) for m in messages) + body.stop_bytes()
     _check_prompt_bytes(ingress, text_bytes, "messages")
     try:
-        ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages)
+        as_text = ingress.limits.special_tokens_in_messages == "text"
+        ids = await asyncio.to_thread(tokenizer.apply_chat_template, messages, True, as_text)
     except ChatTemplateError as e:
         raise OpenAIError(400, str(e), param="messages") from None
     max_tokens = body.max_new_tokens or _default_max_tokens(ingress, len(ids), request)
@@ -258,7 +259,7 @@ async def _generate(
     ticket = getattr(request.state, "ticket", None)
     if ticket is not None:
         try:
-            ticket.reserve(len(ids) + max_tokens)  # RateLimited: over its tokens per minute
+            await ticket.reserve(len(ids) + max_tokens)  # RateLimited: over its tokens per minute
         except OverLimit as e:
             raise OpenAIError(
                 400, e.message, code="tokens_per_minute", param="max_tokens"

@@ -9,6 +9,7 @@ aborts it (for streams whatever way the response ends, for whole answers between
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,7 +24,7 @@ from loraplex.router import inference, operations
 from loraplex.router.context import IngressContext, RegistryHandles
 from loraplex.router.limits import IngressLimits
 from loraplex.router.metrics import HTTPMetricsMiddleware, IngressMetrics, RoutingSource
-from loraplex.router.tenant_limiter import TenantLimiter
+from loraplex.router.tenant_limiter import Ledger, TenantLimiter
 
 __all__ = ["RegistryHandles", "build_ingress"]
 
@@ -38,13 +39,16 @@ def build_ingress(
     routing: RoutingSource | None = None,
     limits: IngressLimits | None = None,
     metrics_key: str | None = None,
+    ledger: Ledger | None = None,
 ) -> FastAPI:
     """The ingress app; `app.state.metrics` is its `IngressMetrics`. Without a registry,
     anyone may use the base model (no key needed) and there is no tenant API. An adapter
     named like the base model is shadowed by it. `routing`: the router's view of each
     adapter's rate and homes, for /metrics. `/metrics` answers the bearer of
-    `metrics_key` or of the admin key; with neither (no registry), anyone."""
+    `metrics_key` or of the admin key; with neither (no registry), anyone. `ledger`: the
+    tenants' limits shared by every ingress of the cluster (None: this ingress alone)."""
     metrics = IngressMetrics(routing)
+    limits = limits or IngressLimits()
     auth = None
     metrics_keys = {hash_api_key(metrics_key)} if metrics_key else set()
     if registry is not None:
@@ -66,8 +70,8 @@ def build_ingress(
         auth=auth,
         metrics=metrics,
         started=int(time.time()),
-        limits=limits or IngressLimits(),
-        limiter=TenantLimiter(),
+        limits=limits,
+        limiter=TenantLimiter(ledger, sync_s=limits.tenant_ledger_sync_s),
         metrics_keys=frozenset(metrics_keys),
     )
     app.state.metrics = metrics
@@ -82,14 +86,18 @@ def build_ingress(
 
 @asynccontextmanager
 async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-    """Starts the registry's watcher; stops it and closes the store at shutdown."""
-    registry = app.state.ingress.registry
+    """Starts the registry's watcher and the limiter's reports to the ledger; stops them
+    and closes the store at shutdown."""
+    ingress = app.state.ingress
+    registry = ingress.registry
     watcher = registry.watcher if registry is not None else None
     if watcher is not None:
         await watcher.start()
+    reports = asyncio.create_task(ingress.limiter.run(), name="tenant-ledger-reports")
     try:
         yield
     finally:
+        reports.cancel()
         if registry is not None:
             if watcher is not None:
                 await watcher.stop()

@@ -2,7 +2,8 @@
 order, each before the work it protects.
 
     key          the caller's key, from the headers, before any of the body is read
-    tenant       requests in flight and tokens per minute (router/tenant_limiter.py): 429
+    tenant       requests in flight and tokens per minute, held for the whole cluster
+                 (router/tenant_limiter.py, router/tenant_ledger.py): 429
                  with Retry-After, before the body is read (the token bucket is checked
                  again, with the request's own tokens, once it is tokenized)
     body         `max_body_bytes`, while it arrives (Content-Length or chunked): 413
@@ -12,6 +13,8 @@ order, each before the work it protects.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -48,14 +51,31 @@ class IngressLimits(BaseModel):
         ge=1,
         le=1 << 20,
         description="Default for tenants whose record sets no max_requests_in_flight: "
-        "generation requests one ingress serves at once per tenant; null: no limit.",
+        "generation requests the cluster serves at once per tenant; null: no limit.",
     )
     tenant_tokens_per_minute: int | None = Field(
         None,
         ge=1,
         le=1 << 40,
         description="Default for tenants whose record sets no tokens_per_minute: prompt plus "
-        "generated tokens per minute per tenant at one ingress; null: no limit.",
+        "generated tokens per minute per tenant across the cluster; null: no limit.",
+    )
+
+    special_tokens_in_messages: Literal["control", "text"] = Field(
+        "control",
+        description="What a special token typed in a chat message's content becomes: "
+        "'control', the control token (as Hugging Face's apply_chat_template and vLLM read "
+        "it; a caller can write turns of its own conversation), or 'text', the plain text it "
+        "is, so that end-user text in a message cannot forge a system or assistant turn "
+        "(the template's own special tokens stay control tokens).",
+    )
+    tenant_ledger_sync_s: float = Field(
+        1.0,
+        ge=0.05,
+        le=60,
+        description="How often each ingress reports its tenants' shares of their limits to "
+        "the cluster's ledger and gives back what it does not use; an ingress silent for ten "
+        "of these loses its shares, and one asked for room waits at most one.",
     )
 
     def for_tenant(self, limits: TenantLimits | None) -> TenantLimits:

@@ -5,6 +5,8 @@ and leave every other tenant served promptly (issue 14, items 2, 4 and 5)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gzip
 import io
 import tarfile
@@ -14,6 +16,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -209,8 +212,14 @@ def test_one_tenant_may_hold_only_its_own_upload_slots(live: Live):
     assert register(greedy, "now").status_code == 201, "slots are returned"
 
 
-# The smallest staging budget allowed: one largest upload plus its extraction.
-STAGING = {"staging_max_bytes": (1 << 20) + (200 << 10), "max_uploads_per_tenant": 4}
+# The smallest staging budget allowed: one largest upload plus its extraction, all of it
+# one tenant's to take.
+ONE_UPLOAD = (1 << 20) + (200 << 10)  # max_upload_bytes + max_adapter_bytes
+STAGING = {
+    "staging_max_bytes": ONE_UPLOAD,
+    "staging_tenant_share": 1.0,
+    "max_uploads_per_tenant": 4,
+}
 
 
 @pytest.mark.parametrize("live", [STAGING], indirect=True)
@@ -244,3 +253,147 @@ def test_uploads_in_flight_share_a_staging_budget(live: Live):
         assert held.finish().status_code == 422
     r = archive_upload(live, other, archive, "arch-last")
     assert r.status_code == 201, "the budget is returned when an upload ends"
+
+
+class StalledUpload:
+    """A multipart upload over a raw socket that sends its headers and `size` bytes of a file
+    part, and never the rest; its answer, if the server gives one early, can be read."""
+
+    BOUNDARY = "stalled-boundary"
+
+    def __init__(self, url: str, tenant: dict, size: int) -> None:
+        preamble = (
+            f'--{self.BOUNDARY}\r\nContent-Disposition: form-data; name="adapter_model"; '
+            'filename="m"\r\n\r\n'
+        ).encode()
+        length = len(preamble) + size + len(f"\r\n--{self.BOUNDARY}--\r\n")
+        parts = urlsplit(url)
+        self.loop = asyncio.new_event_loop()
+
+        async def open_() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            reader, writer = await asyncio.open_connection(parts.hostname, parts.port)
+            head = (
+                f"POST /v1/adapters HTTP/1.1\r\nHost: {parts.netloc}\r\n"
+                f"Authorization: {tenant['Authorization']}\r\n"
+                f"Content-Type: multipart/form-data; boundary={self.BOUNDARY}\r\n"
+                f"Content-Length: {length}\r\n\r\n"
+            )
+            writer.write(head.encode() + preamble + bytes(size))
+            await writer.drain()
+            return reader, writer
+
+        self.reader, self.writer = self.loop.run_until_complete(open_())
+
+    def answer_within(self, seconds: float) -> tuple[int, str] | None:
+        """(status, body) if the server answers within `seconds`, else None."""
+
+        async def read() -> tuple[int, str]:
+            head = await self.reader.readuntil(b"\r\n\r\n")
+            status = int(head.split()[1])
+            length = next(
+                int(line.split(b":")[1])
+                for line in head.split(b"\r\n")
+                if line.lower().startswith(b"content-length:")
+            )
+            return status, (await self.reader.readexactly(length)).decode()
+
+        try:
+            return self.loop.run_until_complete(asyncio.wait_for(read(), seconds))
+        except TimeoutError:
+            return None
+
+    def close(self) -> None:
+        self.writer.close()
+        with contextlib.suppress(OSError):
+            self.loop.run_until_complete(self.writer.wait_closed())
+        self.loop.close()
+
+
+def wait_until(condition, what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize("through", ["this API", "another API"])
+@pytest.mark.parametrize("change", ["tenant deleted", "key revoked"])
+def test_a_revoked_upload_is_cancelled_at_once(
+    live: Live, shared_etcd_server: EtcdServer, tmp_path, change: str, through: str
+):
+    """An upload stalled mid-body while its tenant is deleted, or its key revoked, through
+    this API process or another one (a second ingress): answered 401 at once (well before
+    body_idle_timeout_s, 30 s), its staging bytes, slot and folder freed. It used to hold
+    them until its body timed out, and fail only at the commit."""
+    name = f"doomed-{change.split()[0]}-{through.split()[0]}"
+    tenant = live.tenant(name)
+    staging = tmp_path / "staging"
+    stalled = StalledUpload(str(live.client.base_url), tenant, 100_000)
+    try:
+        wait_until(lambda: live.admission.staged >= 100_000, "the upload was never staged")
+        assert any(staging.iterdir())
+        (tmp_path / "other").mkdir()
+        other_app = create_app(  # a second API process over the same etcd (another ingress)
+            api_settings(tmp_path / "other"), shared_etcd_server.settings(), tmp_path / "artifacts"
+        )
+        with serve(other_app) as other_url:
+            admin_url = other_url if through == "another API" else str(live.client.base_url)
+            admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+            with httpx.Client(base_url=admin_url, timeout=30, trust_env=False) as http:
+                started = time.monotonic()
+                if change == "tenant deleted":
+                    r = http.delete(f"/v1/tenants/{name}", headers=admin)
+                else:
+                    r = http.post(
+                        f"/v1/tenants/{name}/keys", json={"revoke_existing": True}, headers=admin
+                    )
+                assert r.status_code in (200, 201), r.text
+            answer = stalled.answer_within(5.0)
+            took = time.monotonic() - started
+        assert answer is not None, "the stalled upload was not cancelled"
+        status, body = answer
+        assert status == 401 and "revoked, or its tenant deleted" in body, answer
+        assert took < 5.0
+        wait_until(lambda: live.admission.staged == 0, "its staging bytes were not freed", 5)
+        assert live.admission.in_flight == {}
+        wait_until(lambda: not any(staging.iterdir()), "its staging folder stayed", 5)
+    finally:
+        stalled.close()
+
+
+SHARED = {
+    "staging_max_bytes": 2 * ONE_UPLOAD,
+    "staging_tenant_share": 0.5,
+    "max_uploads_per_tenant": 4,
+}
+
+
+@pytest.mark.parametrize("live", [SHARED], indirect=True)
+def test_one_tenants_stalled_uploads_hold_only_its_share_of_staging(live: Live):
+    """Tenant A stalls three uploads (1,048,000 + 1,048,000 + 300,000 bytes: within the whole
+    budget of 2,506,752): the second and third pass its half (1,253,376) and are refused
+    with 503; tenant B's archive (its body plus max_adapter_bytes) still registers. Before,
+    A's three held 2,396,000 bytes and B was refused."""
+    hog, other = live.tenant("stalling-co"), live.tenant("punctual-co")
+    url = str(live.client.base_url)
+    stalled = []
+    try:
+        stalled.append(StalledUpload(url, hog, 1_048_000))
+        wait_until(lambda: live.admission.staged >= 1_048_000, "never staged")
+        for size in (1_048_000, 300_000):
+            upload = StalledUpload(url, hog, size)
+            stalled.append(upload)
+            answer = upload.answer_within(10)
+            assert answer is not None and answer[0] == 503, answer
+            assert "staging_tenant_share" in answer[1]
+        assert live.admission.staged < 1_100_000  # the refused uploads gave their bytes back
+        src = make_adapter(live.tmp / "adapters" / "punctual", seed=31)
+        raw = io.BytesIO()
+        with tarfile.open(fileobj=raw, mode="w:gz") as tf:
+            for path in sorted(src.iterdir()):
+                tf.add(path, arcname=path.name)
+        r = archive_upload(live, other, raw.getvalue(), "on-time")
+        assert r.status_code == 201, r.text
+    finally:
+        for upload in stalled:
+            upload.close()

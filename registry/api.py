@@ -63,7 +63,7 @@ from loraplex.registry.auth import Authenticator, Grant
 from loraplex.registry.isolation import run_isolated
 from loraplex.registry.models import (
     DIGEST_PATTERN,
-    AdapterRecord,
+    Adapter,
     AdapterVersion,
     Canary,
     Tenant,
@@ -253,7 +253,7 @@ adapters = APIRouter(route_class=TenantAPIRoute, tags=["adapters"])
     openapi_extra=REGISTRATION_BODY,
     responses=responses(400, 401, 403, 405, 409, 413, 415, 422, 429, 503),
 )
-async def register_adapter(request: Request, grant: Granted, api: API) -> AdapterRecord:
+async def register_adapter(request: Request, grant: Granted, api: API) -> Adapter:
     """Register a PEFT LoRA adapter: a multipart upload (files `adapter_config` and
     `adapter_model`, or one `archive` tar.gz) or JSON `{name, path}` naming a folder under
     an allowed root. Everything is validated before anything is written."""
@@ -266,12 +266,12 @@ async def register_adapter(request: Request, grant: Granted, api: API) -> Adapte
     openapi_extra=REPLACEMENT_BODY,
     responses={
         **responses(400, 401, 403, 405, 409, 413, 415, 422, 429, 503),
-        201: {"model": AdapterRecord, "description": "A new name, at its first version."},
+        201: {"model": Adapter, "description": "A new name, at its first version."},
     },
 )
 async def put_adapter(
     name: str, request: Request, response: Response, grant: Granted, api: API
-) -> AdapterRecord:
+) -> Adapter:
     """Register new content under `name` (bodies as for `POST /v1/adapters`; `name` in the
     body, if sent, must be this one): a new version that the alias moves to in one etcd
     transaction (200), or the name itself if it is new (201). Requests already resolved
@@ -358,11 +358,11 @@ async def get_adapter(name: str, owner: Owner, api: API) -> AdapterDetail:
     """The adapter: the version it serves (its fields), any canary, and its retained
     versions, newest first."""
     record = await api.service.adapter(owner.name, name)
-    return AdapterDetail.of(record, await api.service.versions(owner.name, name))
+    return AdapterDetail.listing(record, await api.service.versions(owner.name, name))
 
 
 @adapters.delete("/v1/adapters/{name}", responses=responses(401, 403, 404, 405, 503))
-async def delete_adapter(name: str, owner: Owner, api: API) -> AdapterRecord:
+async def delete_adapter(name: str, owner: Owner, api: API) -> Adapter:
     """Delete one of the caller's adapters; returns the record as it was."""
     return await api.service.delete(owner.name, name)
 
@@ -402,7 +402,7 @@ async def delete_version(name: str, version: Version, owner: Owner, api: API) ->
 )
 async def rollback(
     name: str, owner: Owner, api: API, body: RollbackRequest | None = None
-) -> AdapterRecord:
+) -> Adapter:
     """Move the alias to a retained version (by default the one registered before the
     current one), in one etcd transaction; ends any canary. New requests get that version
     at once; requests in flight finish on theirs."""
@@ -413,7 +413,7 @@ async def rollback(
 @adapters.put(
     "/v1/adapters/{name}/canary", responses=responses(400, 401, 403, 404, 405, 409, 413, 422, 503)
 )
-async def set_canary(name: str, body: CanaryRequest, owner: Owner, api: API) -> AdapterRecord:
+async def set_canary(name: str, body: CanaryRequest, owner: Owner, api: API) -> Adapter:
     """Serve `weight` of the name's requests with another retained version. Which version a
     request gets depends only on its id, so it is the same on every ingress."""
     canary = Canary(version=body.version, weight=body.weight)
@@ -421,7 +421,7 @@ async def set_canary(name: str, body: CanaryRequest, owner: Owner, api: API) -> 
 
 
 @adapters.delete("/v1/adapters/{name}/canary", responses=responses(401, 403, 404, 405, 409, 503))
-async def end_canary(name: str, owner: Owner, api: API) -> AdapterRecord:
+async def end_canary(name: str, owner: Owner, api: API) -> Adapter:
     """Serve every request with the current version again."""
     return await api.service.set_canary(owner.name, name, None)
 

@@ -9,7 +9,7 @@ from loraplex.adapter_format import CONFIG_FILE, WEIGHTS_FILE
 from loraplex.registry.models import (
     DIGEST_PATTERN,
     NAME_PATTERN,
-    AdapterRecord,
+    Adapter,
     AdapterVersion,
     Tenant,
     TenantLimits,
@@ -126,10 +126,10 @@ class ReplaceByPath(BaseModel):
 
 
 class AdapterList(BaseModel):
-    adapters: list[AdapterRecord]
+    adapters: list[Adapter]
 
 
-class AdapterDetail(AdapterRecord):
+class AdapterDetail(Adapter):
     """An adapter's name, the version it serves, and its retained versions."""
 
     versions: list[AdapterVersion] = Field(
@@ -137,8 +137,8 @@ class AdapterDetail(AdapterRecord):
     )
 
     @classmethod
-    def of(cls, record: AdapterRecord, versions: list[AdapterVersion]) -> AdapterDetail:
-        return cls(**record.model_dump(), versions=versions)
+    def listing(cls, adapter: Adapter, versions: list[AdapterVersion]) -> AdapterDetail:
+        return cls(**adapter.model_dump(), versions=versions)
 
 
 class VersionList(BaseModel):

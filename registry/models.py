@@ -9,9 +9,11 @@ filled from etcd's create_revision / mod_revision when a key is read.
 
 Versions. A registration makes an immutable version, named by the content digest of its
 files (`version`: the artifact store's sha256 over config and weights, so the same bytes
-are the same version everywhere). A name is an alias: its `AdapterRecord` describes the
-version it points to, and may send a share of requests to a second one (`canary`). Alias
-and versions change together, in one transaction that compares the alias's revision.
+are the same version everywhere). A name is an alias: its `AdapterRecord` names the version
+it points to, and may send a share of requests to a second one (`canary`); what a version is
+(rank, targets, artifact, ...) is in its `AdapterVersion` only. Alias and versions change
+together, in one transaction that compares the alias's revision and writes a version before
+the alias that names it. `Adapter` is the two joined, as the tenant API answers.
 
 Models are frozen: the watcher hands the same objects to every request path, so a change is
 a `model_copy(update=...)` written back through the store, never an attribute assignment.
@@ -257,21 +259,43 @@ class Canary(BaseModel):
     )
 
 
-class AdapterRecord(_AdapterFields):
-    """A registered LoRA adapter's name: an alias to the version that serves it (whose
-    fields it carries), and optionally a canary version that serves a share of requests."""
+class AdapterRecord(_Revisioned):
+    """A registered LoRA adapter's name: an alias to the version that serves it, and
+    optionally a canary version that serves a share of requests."""
 
     model_config = ConfigDict(
         frozen=True,
-        json_schema_extra={"examples": [_ADAPTER_EXAMPLE | {"pinned": False, "canary": None}]},
+        extra="forbid",
+        json_schema_extra={
+            "examples": [
+                {
+                    "name": _ADAPTER_EXAMPLE["name"],
+                    "tenant": _ADAPTER_EXAMPLE["tenant"],
+                    "version": _ADAPTER_EXAMPLE["version"],
+                    "pinned": False,
+                    "canary": None,
+                }
+            ]
+        },
     )
 
+    name: str = Field(
+        pattern=NAME_PATTERN,
+        description="Adapter name, unique within its tenant: 1-63 of a-z 0-9 . _ -.",
+    )
+    tenant: str = Field(pattern=NAME_PATTERN, description="Owning tenant.")
+    version: str = Field(pattern=DIGEST_PATTERN, description="The version that serves the name.")
     pinned: bool = Field(
         False, description="Keep resident on replicas instead of evicting when cold."
     )
     canary: Canary | None = Field(
         None, description="Another version that serves a share of this name's requests."
     )
+
+    @classmethod
+    def naming(cls, version: AdapterVersion, pinned: bool = False) -> AdapterRecord:
+        """The alias of a new name, at its first version."""
+        return cls(name=version.name, tenant=version.tenant, version=version.version, pinned=pinned)
 
     def version_for(self, request_id: str) -> str:
         """The version that serves request `request_id`: the canary's for a fixed share of
@@ -286,16 +310,45 @@ class AdapterRecord(_AdapterFields):
         """The versions new requests of this name may get."""
         return frozenset({self.version} | ({self.canary.version} if self.canary else set()))
 
-    def as_version(self, created_at: float | None = None) -> AdapterVersion:
-        fields = self.model_dump(exclude=set(REVISION_FIELDS | {"pinned", "canary"}))
-        if created_at is not None:
-            fields["created_at"] = created_at
-        return AdapterVersion(**fields)
-
     def pointing_to(self, version: AdapterVersion, canary: Canary | None = None) -> AdapterRecord:
         """This alias moved to `version` (keeping its revisions, for a compare-and-set)."""
+        return self.model_copy(update={"version": version.version, "canary": canary})
+
+
+class Adapter(_AdapterFields):
+    """A name as the tenant API answers it: the fields of the version that serves it, the
+    alias's `pinned` and `canary`, and the alias's revisions. Not stored: the alias and its
+    version joined."""
+
+    model_config = ConfigDict(
+        frozen=True,
+        json_schema_extra={"examples": [_ADAPTER_EXAMPLE | {"pinned": False, "canary": None}]},
+    )
+
+    pinned: bool = Field(
+        False, description="Keep resident on replicas instead of evicting when cold."
+    )
+    canary: Canary | None = Field(
+        None, description="Another version that serves a share of this name's requests."
+    )
+
+    @classmethod
+    def of(cls, alias: AdapterRecord, version: AdapterVersion) -> Adapter:
+        assert (alias.tenant, alias.name, alias.version) == (
+            version.tenant,
+            version.name,
+            version.version,
+        ), "an alias is joined with the version it names"
         fields = version.model_dump(exclude=set(REVISION_FIELDS | {"created_at"}))
-        return self.model_copy(update=fields | {"canary": canary})
+        revisions = alias.model_dump(include=set(REVISION_FIELDS))
+        return cls(**fields, **revisions, pinned=alias.pinned, canary=alias.canary)
+
+    @property
+    def alias(self) -> AdapterRecord:
+        """The name's alias record (which version serves which request: `version_for`)."""
+        return AdapterRecord.model_validate(
+            self.model_dump(include=set(AdapterRecord.model_fields))
+        )
 
 
 def canary_draw(request_id: str) -> float:

@@ -37,7 +37,14 @@ from loraplex.errors import (
 from loraplex.registry.artifacts import ArtifactStore, StoredArtifact
 from loraplex.registry.auth import Grant, new_api_key
 from loraplex.registry.isolation import WorkLimits, run_isolated
-from loraplex.registry.models import AdapterRecord, AdapterVersion, Canary, Tenant, TenantLimits
+from loraplex.registry.models import (
+    Adapter,
+    AdapterRecord,
+    AdapterVersion,
+    Canary,
+    Tenant,
+    TenantLimits,
+)
 from loraplex.registry.store import RegistryStore
 from loraplex.registry.view import registry_view
 from loraplex.registry.watch import RegistryWatcher
@@ -85,14 +92,19 @@ class RegistryService:
 
     # reads
 
-    async def adapters(self, tenant: str) -> list[AdapterRecord]:
-        return await self.view.adapters(tenant)
+    async def adapters(self, tenant: str) -> list[Adapter]:
+        return [await self._joined(record) for record in await self.view.adapters(tenant)]
 
-    async def adapter(self, tenant: str, name: str) -> AdapterRecord:
+    async def adapter(self, tenant: str, name: str) -> Adapter:
         record = await self.view.adapter(tenant, name)
         if record is None:
             raise NotFound(f"adapter {shown(name)} not found")
-        return record
+        return await self._joined(record)
+
+    async def _joined(self, record: AdapterRecord) -> Adapter:
+        """The alias with the version it names (written before it: always there)."""
+        versions = await self.view.versions(record.tenant, record.name)
+        return Adapter.of(record, _find(versions, record.name, record.version))
 
     async def versions(self, tenant: str, name: str) -> list[AdapterVersion]:
         """The adapter's retained versions, newest first; NotFound for an unknown name."""
@@ -110,7 +122,7 @@ class RegistryService:
 
     # adapters
 
-    async def register(self, grant: Grant, name: str, pinned: bool, staged: Path) -> AdapterRecord:
+    async def register(self, grant: Grant, name: str, pinned: bool, staged: Path) -> Adapter:
         """Register the adapter folder `staged` (outside the artifact root) as the new name
         `name`; Conflict if it is taken. Commits only while `grant` holds (Unauthenticated
         if its key was revoked or its tenant deleted meanwhile; nothing is written)."""
@@ -121,7 +133,8 @@ class RegistryService:
         version, stored = await self._store_version(tenant, name, staged)
         for _ in range(_ALIAS_ATTEMPTS):
             try:
-                return await self._create(grant, version, pinned, stored, staged)
+                created = await self._create(grant, version, pinned, stored, staged)
+                return Adapter.of(created, version)
             except AlreadyExists:
                 raise Conflict(f"adapter {shown(name)} already exists") from None
             except OwnerChanged:
@@ -130,7 +143,7 @@ class RegistryService:
 
     async def put(
         self, grant: Grant, name: str, pinned: bool | None, staged: Path
-    ) -> tuple[AdapterRecord, bool]:
+    ) -> tuple[Adapter, bool]:
         """Register `staged` under `name`: a new name (True), or a new version of it that the
         alias moves to (False; the same content as a retained version moves the alias back
         to that one, the current content changes nothing). `pinned` None keeps the name's.
@@ -143,7 +156,8 @@ class RegistryService:
             current = await self.store.get_adapter(tenant.name, name)
             if current is None:
                 try:
-                    return await self._create(grant, version, bool(pinned), stored, staged), True
+                    created = await self._create(grant, version, bool(pinned), stored, staged)
+                    return Adapter.of(created, version), True
                 except (AlreadyExists, OwnerChanged):
                     continue
             try:
@@ -153,7 +167,7 @@ class RegistryService:
                 continue
             await self._ensure_stored(stored, staged)
             await self._await_revision(moved.updated_revision)
-            return moved, False
+            return await self._joined(moved), False
         await self.release(stored.path)
         raise _changed_meanwhile(name)
 
@@ -216,8 +230,7 @@ class RegistryService:
         commit (its artifact is released in both: the caller may retry with the same staged
         folder)."""
         owner_revision = await self._authorised(grant, stored)
-        fields = version.model_dump(exclude={"created_at", "created_revision", "updated_revision"})
-        record = AdapterRecord(**fields, pinned=pinned)
+        record = AdapterRecord.naming(version, pinned)
         try:
             created = await self.store.create_adapter(
                 record, version, owner_revision=owner_revision
@@ -280,7 +293,7 @@ class RegistryService:
         excess = len(versions) - self.settings.versions_kept
         return [v for v in versions if v.version not in keep][: max(0, excess)]
 
-    async def rollback(self, tenant: str, name: str, version: str | None) -> AdapterRecord:
+    async def rollback(self, tenant: str, name: str, version: str | None) -> Adapter:
         """Move the alias to the retained `version` (None: the one registered before the
         current one), ending any canary."""
         for _ in range(_ALIAS_ATTEMPTS):
@@ -297,7 +310,7 @@ class RegistryService:
             else:
                 target = _find(retained, name, version)
             if target.version == current.version and current.canary is None:
-                return current
+                return Adapter.of(current, target)
             try:
                 moved = await self.store.move_adapter(
                     current.pointing_to(target),
@@ -309,10 +322,10 @@ class RegistryService:
             except NotFound as e:
                 raise NotFound(f"{e.message}; it may have been deleted meanwhile") from None
             await self._await_revision(moved.updated_revision)
-            return moved
+            return Adapter.of(moved, target)
         raise _changed_meanwhile(name)
 
-    async def set_canary(self, tenant: str, name: str, canary: Canary | None) -> AdapterRecord:
+    async def set_canary(self, tenant: str, name: str, canary: Canary | None) -> Adapter:
         """Send `canary.weight` of the name's requests to `canary.version` (a retained version
         other than the current one); None ends the canary."""
         for _ in range(_ALIAS_ATTEMPTS):
@@ -329,7 +342,7 @@ class RegistryService:
                         "canary needs another of its versions"
                     )
             if current.canary == canary:
-                return current
+                return await self._joined(current)
             require = [] if canary is None else [canary.version]
             try:
                 moved = await self.store.move_adapter(
@@ -340,7 +353,7 @@ class RegistryService:
             except RevisionConflict:
                 continue
             await self._await_revision(moved.updated_revision)
-            return moved
+            return await self._joined(moved)
         raise _changed_meanwhile(name)
 
     async def delete_version(self, tenant: str, name: str, version: str) -> AdapterVersion:
@@ -391,16 +404,16 @@ class RegistryService:
         if not await asyncio.to_thread(self.artifacts.exists, stored.digest):
             await asyncio.to_thread(self.artifacts.put_dir, staged)
 
-    async def delete(self, tenant: str, name: str) -> AdapterRecord:
-        """Delete the name and every version of it."""
+    async def delete(self, tenant: str, name: str) -> Adapter:
+        """Delete the name and every version of it; the name as it was."""
         try:
             record, versions = await self.store.delete_adapter_and_versions(tenant, name)
         except NotFound:
             raise NotFound(f"adapter {shown(name)} not found") from None
-        for artifact in sorted({record.artifact, *(v.artifact for v in versions)}):
+        for artifact in sorted({v.artifact for v in versions}):
             await self.release(artifact)
         await self._await_gone(lambda w: w.adapter(tenant, name))
-        return record
+        return Adapter.of(record, _find(versions, name, record.version))
 
     async def release(self, artifact: str) -> None:
         """Remove an artifact unless a record references it.
@@ -484,7 +497,7 @@ class RegistryService:
             v for record in adapters for v in await self.store.list_versions(name, record.name)
         ]
         await self.store.delete_tenant(name)
-        for artifact in sorted({r.artifact for r in adapters} | {v.artifact for v in versions}):
+        for artifact in sorted({v.artifact for v in versions}):
             await self.release(artifact)
         await self._await_gone(lambda w: w.tenant(name))
         return adapters

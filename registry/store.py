@@ -154,15 +154,14 @@ class RegistryStore:
     async def create_adapter(
         self,
         rec: AdapterRecord,
-        version: AdapterVersion | None = None,
+        first: AdapterVersion,
         *,
         owner_revision: int | None = None,
     ) -> AdapterRecord:
-        """Create-if-absent, with its first version (by default the one `rec` points to); the
+        """Create-if-absent, with its first version `first` (the one `rec` names); the
         tenant must exist in the same transaction (so an adapter never outlives a concurrent
         delete_tenant), and with `owner_revision` its record must still be at that revision
         (OwnerChanged if not: the write was authorised against another record)."""
-        first = rec.as_version() if version is None else version
         assert first.version == rec.version, "an alias starts at its first version"
         key, owner = key_of(rec).encode(), tenant_key(rec.tenant).encode()
         succeeded, responses = await self._txn(
@@ -277,14 +276,9 @@ class RegistryStore:
         return sorted(versions, key=lambda v: v.created_revision)
 
     async def referenced_artifacts(self) -> set[str]:
-        """Artifacts some alias or retained version refers to (two reads)."""
-        refs: set[str] = set()
-        for prefix in (ADAPTERS_PREFIX, VERSIONS_PREFIX):
-            values, _ = await self._call(functools.partial(_read_prefix_of, prefix))
-            refs.update(
-                v.artifact for v in values.values() if isinstance(v, AdapterRecord | AdapterVersion)
-            )
-        return refs
+        """Artifacts some retained version refers to (every alias names one of them)."""
+        values, _ = await self._call(functools.partial(_read_prefix_of, VERSIONS_PREFIX))
+        return {v.artifact for v in values.values() if isinstance(v, AdapterVersion)}
 
     async def get_adapter(self, tenant: str, name: str) -> AdapterRecord | None:
         value = await self._get(adapter_key(tenant, name))

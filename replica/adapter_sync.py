@@ -100,17 +100,11 @@ class AdapterSync:
     @property
     def registered(self) -> frozenset[str]:
         """Every servable version: each can be served here."""
-        ids = {
+        return frozenset(
             adapter_id(v.tenant, v.name, v.version)
             for record in self.watcher.adapters()
             for v in self.watcher.versions(record.tenant, record.name)
-        }
-        ids |= {
-            adapter_id(r.tenant, r.name, version)
-            for r in self.watcher.adapters()
-            for version in r.targets
-        }
-        return frozenset(ids)
+        )
 
     @property
     def host(self) -> frozenset[str]:

@@ -22,7 +22,7 @@ from test_tenant_api import ADMIN_KEY, Env, api_settings, etcd_state, make_adapt
 
 from loraplex.registry.api import create_app
 from loraplex.registry.artifacts import ArtifactStore
-from loraplex.registry.models import AdapterRecord, Canary, canary_draw
+from loraplex.registry.models import Adapter, Canary, canary_draw
 
 KEPT = 3
 
@@ -63,12 +63,12 @@ def test_put_makes_a_new_version_and_moves_the_name(env: Env):
 
     r = put(env, tenant, "sql", one)  # a new name: created at its first version
     assert r.status_code == 201, r.text
-    first = AdapterRecord.model_validate(r.json())
+    first = Adapter.model_validate(r.json())
     assert first.version == v1 and first.canary is None
 
     r = put(env, tenant, "sql", two, pinned="true")
     assert r.status_code == 200, r.text
-    moved = AdapterRecord.model_validate(r.json())
+    moved = Adapter.model_validate(r.json())
     assert (moved.version, moved.rank, moved.pinned) == (v2, 4, True)
     assert moved.artifact == f"sha256/{v2}" and (env.root / moved.artifact).is_dir()
     assert (env.root / first.artifact).is_dir(), "the old version's artifact is kept"
@@ -216,7 +216,7 @@ def test_canary_serves_a_share_by_request_id(env: Env):
         "/v1/adapters/bot/canary", json={"version": v_old, "weight": 0.25}, headers=tenant
     )
     assert r.status_code == 200, r.text
-    record = AdapterRecord.model_validate(r.json())
+    record = Adapter.model_validate(r.json()).alias
     assert record.version == v_new and record.canary == Canary(version=v_old, weight=0.25)
     # the version deleted from under a canary: refused while it serves
     r = env.client.delete(f"/v1/adapters/bot/versions/{v_old}", headers=tenant)
@@ -233,7 +233,7 @@ def test_canary_serves_a_share_by_request_id(env: Env):
 
     r = env.client.delete("/v1/adapters/bot/canary", headers=tenant)
     assert r.status_code == 200 and r.json()["canary"] is None
-    ended = AdapterRecord.model_validate(r.json())
+    ended = Adapter.model_validate(r.json()).alias
     assert {ended.version_for(i) for i in ids} == {v_new}
     # a rollback also ends a canary
     env.client.put(

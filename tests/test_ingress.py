@@ -32,7 +32,7 @@ from loraplex.demo.assets import DemoAssets
 from loraplex.model_shape import read_model_shape
 from loraplex.registry.api import RegistryAPISettings
 from loraplex.registry.artifacts import ArtifactStore
-from loraplex.registry.models import AdapterRecord
+from loraplex.registry.models import Adapter
 from loraplex.registry.store import RegistryStore
 from loraplex.registry.watch import RegistryWatcher
 from loraplex.replica.async_engine import Engine
@@ -323,7 +323,7 @@ def test_adapter_registered_over_http_serves_its_owner_only(
         headers={"Authorization": f"Bearer {acme_key}"},
     )
     assert r.status_code == 201, r.text
-    record = AdapterRecord.model_validate(r.json())
+    record = Adapter.model_validate(r.json())
     acme, globex = tenants_app.client(acme_key), tenants_app.client(keys["globex"])
     ids = tokenizer.encode(PROMPT)
     greedy = {"max_tokens": 24, "temperature": 0}

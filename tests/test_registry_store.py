@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from loraplex.net import free_port
 from loraplex.registry.models import (
     AdapterRecord,
+    AdapterVersion,
     Tenant,
     adapter_key,
     decode,
@@ -36,7 +37,7 @@ from loraplex.registry.store import (
 SHA = "ab" * 32
 
 
-def record(tenant: str, name: str, **overrides) -> AdapterRecord:
+def version_of(tenant: str, name: str, **overrides) -> AdapterVersion:
     fields = dict(
         name=name,
         tenant=tenant,
@@ -50,7 +51,17 @@ def record(tenant: str, name: str, **overrides) -> AdapterRecord:
         artifact=f"sha256/ab/{SHA}",
         version=SHA,
     )
-    return AdapterRecord(**(fields | overrides))
+    return AdapterVersion(**(fields | overrides))
+
+
+def record(tenant: str, name: str, **overrides) -> AdapterRecord:
+    return AdapterRecord(**(dict(name=name, tenant=tenant, version=SHA) | overrides))
+
+
+async def create(store: RegistryStore, tenant: str, name: str, **overrides) -> AdapterRecord:
+    """A name at its first version, as the tenant API writes it."""
+    version = version_of(tenant, name, **overrides)
+    return await store.create_adapter(AdapterRecord.naming(version), version)
 
 
 # models (no etcd)
@@ -79,9 +90,11 @@ def test_models_validate_and_store_without_revisions():
     with pytest.raises(ValidationError, match="pattern"):
         record("acme", "Bad/Name")
     with pytest.raises(ValidationError, match="artifact"):
-        record("acme", "x", artifact="../../etc/passwd")
+        version_of("acme", "x", artifact="../../etc/passwd")
     with pytest.raises(ValidationError):
-        record("acme", "x", sha256="not-a-digest")
+        version_of("acme", "x", sha256="not-a-digest")
+    with pytest.raises(ValidationError, match="extra"):  # an alias names a version, no more
+        record("acme", "x", rank=8)
     with pytest.raises(ValidationError, match="sha256 hex"):
         Tenant(name="acme", api_key_hashes=["secret"])
     rec = record("acme", "x", created_revision=5, updated_revision=7)
@@ -101,14 +114,14 @@ def test_tenant_and_adapter_lifecycle(shared_etcd_server: EtcdServer):
     async def body():
         async with RegistryStore(shared_etcd_server.settings()) as store:
             with pytest.raises(NotFound, match="tenant 'life' not found"):
-                await store.create_adapter(record("life", "a"))
+                await create(store, "life", "a")
             tenant = await store.create_tenant(Tenant(name="life"))
             assert tenant.created_revision == tenant.updated_revision > 0
             with pytest.raises(AlreadyExists):
                 await store.create_tenant(Tenant(name="life"))
             assert await store.get_tenant("life") == tenant
 
-            created = await store.create_adapter(record("life", "a"))
+            created = await create(store, "life", "a")
             assert created.created_revision > tenant.updated_revision
             assert await store.get_adapter("life", "a") == created
 
@@ -139,8 +152,8 @@ def test_concurrent_creates_of_one_name_one_wins(shared_etcd_server: EtcdServer)
             for round_ in range(20):
                 name = f"adapter-{round_}"
                 results = await asyncio.gather(
-                    a.create_adapter(record("race", name, rank=4)),
-                    b.create_adapter(record("race", name, rank=8)),
+                    create(a, "race", name, rank=4),
+                    create(b, "race", name, rank=8),
                     return_exceptions=True,
                 )
                 winners = [r for r in results if isinstance(r, AdapterRecord)]
@@ -156,13 +169,13 @@ def test_stale_revision_conflicts_and_changes_nothing(shared_etcd_server: EtcdSe
     async def body():
         async with RegistryStore(shared_etcd_server.settings()) as store:
             tenant = await store.create_tenant(Tenant(name="cas", adapter_quota=5))
-            first = await store.create_adapter(record("cas", "a"))
+            first = await create(store, "cas", "a")
             second = await store.update_adapter(
-                first.model_copy(update={"rank": 16}), first.updated_revision
+                first.model_copy(update={"pinned": True}), first.updated_revision
             )
             with pytest.raises(RevisionConflict, match=f"at {second.updated_revision}"):
                 await store.update_adapter(
-                    first.model_copy(update={"rank": 32}), first.updated_revision
+                    first.model_copy(update={"pinned": False}), first.updated_revision
                 )
             assert await store.get_adapter("cas", "a") == second
 
@@ -188,7 +201,7 @@ def test_delete_tenant_takes_its_adapters_and_only_them(shared_etcd_server: Etcd
             for tenant in ("del", "del2"):  # "del2" shares the prefix "del"
                 await store.create_tenant(Tenant(name=tenant))
                 for name in ("x", "y", "z"):
-                    await store.create_adapter(record(tenant, name))
+                    await create(store, tenant, name)
             assert [r.name for r in await store.list_adapters("del")] == ["x", "y", "z"]
             everything_before, revision_before = await store.read_all()
 
@@ -220,7 +233,7 @@ def test_etcd_down_raises_unavailable_within_timeout(etcd_server: EtcdServer):
             etcd_server.stop(kill=True)
             calls = [
                 lambda: store.get_tenant("down"),
-                lambda: store.create_adapter(record("down", "a")),
+                lambda: create(store, "down", "a"),
                 lambda: store.list_adapters(),
                 lambda: store.delete_tenant("down"),
             ]

@@ -14,6 +14,7 @@ from etcd_server import EtcdServer, TcpProxy, etcd_server_fixture  # noqa: F401 
 from loraplex.registry.models import (
     PREFIX,
     AdapterRecord,
+    AdapterVersion,
     Tenant,
     adapter_key,
     tenant_key,
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.etcd
 SHA = "cd" * 32
 
 
-def record(tenant: str, name: str, **overrides) -> AdapterRecord:
+def version_of(tenant: str, name: str, **overrides) -> AdapterVersion:
     fields = dict(
         name=name,
         tenant=tenant,
@@ -48,7 +49,13 @@ def record(tenant: str, name: str, **overrides) -> AdapterRecord:
         artifact=f"sha256/cd/{SHA}",
         version=SHA,
     )
-    return AdapterRecord(**(fields | overrides))
+    return AdapterVersion(**(fields | overrides))
+
+
+async def create(store: RegistryStore, tenant: str, name: str) -> AdapterRecord:
+    """A name at its first version, as the tenant API writes it."""
+    version = version_of(tenant, name)
+    return await store.create_adapter(AdapterRecord.naming(version), version)
 
 
 async def until(condition: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -116,7 +123,7 @@ async def churn(store: RegistryStore, tenant: str, tag: str, count: int) -> None
     """Creates, updates and deletes of adapters `tag-*`, retrying through outages."""
     for i in range(count):
         name = f"{tag}-{i}"
-        await persist(lambda name=name: store.create_adapter(record(tenant, name)))
+        await persist(lambda name=name: create(store, tenant, name))
         if i % 3 == 0:
 
             async def pin(name=name):
@@ -137,7 +144,7 @@ def test_three_watchers_see_etcds_history_across_a_restart(etcd_server: EtcdServ
             await store.create_tenant(Tenant(name="t"))
             await store.create_tenant(Tenant(name="u"))
             for name in ("p", "q", "r"):
-                await store.create_adapter(record("u", name))
+                await create(store, "u", name)
             watchers = [RegistryWatcher(settings, reconnect_delay_s=0.05) for _ in range(3)]
             for watcher in watchers:
                 await watcher.start()
@@ -180,7 +187,7 @@ def test_compaction_past_a_disconnected_watcher_resyncs_and_emits_the_difference
         async with RegistryStore(etcd_server.settings()) as store:
             await store.create_tenant(Tenant(name="c"))
             for name in "abc":
-                await store.create_adapter(record("c", name))
+                await create(store, "c", name)
             proxy = await TcpProxy(etcd_server.endpoint).start()
             watcher = RegistryWatcher(
                 EtcdSettings(endpoints=[proxy.endpoint], timeout_s=1.0), reconnect_delay_s=0.05
@@ -195,8 +202,8 @@ def test_compaction_past_a_disconnected_watcher_resyncs_and_emits_the_difference
             a = await store.get_adapter("c", "a")
             await store.update_adapter(a.model_copy(update={"rank": 4}), a.updated_revision)
             await store.delete_adapter("c", "b")
-            await store.create_adapter(record("c", "d"))
-            await store.create_adapter(record("c", "e"))
+            await create(store, "c", "d")
+            await create(store, "c", "e")
             await store.delete_adapter("c", "e")  # came and went: no event for it
             truth, revision = await store.read_all()
             await etcd_server.compact(revision)
@@ -217,7 +224,7 @@ def test_compaction_past_a_disconnected_watcher_resyncs_and_emits_the_difference
             assert [e.revision for e in events] == sorted(e.revision for e in events)
             assert replay(before, events) == truth
 
-            f = await store.create_adapter(record("c", "f"))  # and it follows again
+            f = await create(store, "c", "f")  # and it follows again
             assert await watcher.wait_for_revision(f.updated_revision, 5)
             assert watcher.adapter("c", "f") == f
             assert [e.kind for e in drain(queue)] == ["add", "add"]  # the name, its version
@@ -232,7 +239,7 @@ def test_snapshot_answers_while_etcd_is_down_and_catches_up(etcd_server: EtcdSer
         settings = etcd_server.settings(timeout_s=0.5)
         async with RegistryStore(settings) as store:
             await store.create_tenant(Tenant(name="d"))
-            kept = await store.create_adapter(record("d", "kept"))
+            kept = await create(store, "d", "kept")
             watcher = RegistryWatcher(settings, reconnect_delay_s=0.05)
             await watcher.start()
             assert watcher.adapters("d") == [kept]
@@ -247,7 +254,7 @@ def test_snapshot_answers_while_etcd_is_down_and_catches_up(etcd_server: EtcdSer
                 await RegistryWatcher(settings).start()
 
             await asyncio.to_thread(etcd_server.start)
-            added = await persist(lambda: store.create_adapter(record("d", "added")))
+            added = await persist(lambda: create(store, "d", "added"))
             assert await watcher.wait_for_revision(added.updated_revision, 10)
             assert watcher.adapters("d") == [added, kept]
             assert watcher.connected
@@ -262,7 +269,7 @@ def test_etcd_replaced_by_one_with_a_shorter_history_resyncs(etcd_server: EtcdSe
         async with RegistryStore(settings) as store:
             await store.create_tenant(Tenant(name="old"))
             for i in range(6):
-                await store.create_adapter(record("old", f"a{i}"))
+                await create(store, "old", f"a{i}")
             watcher = RegistryWatcher(settings, reconnect_delay_s=0.05)
             await watcher.start()
             before = dict(watcher.snapshot)
@@ -303,10 +310,10 @@ def test_an_alias_is_never_seen_before_the_version_it_names(etcd_server: EtcdSer
             watcher = RegistryWatcher(settings)
             await watcher.start()
             events = watcher.subscribe()
-            created = await store.create_adapter(record("o", "a"))
-            newer = created.model_copy(update={"version": "ef" * 32, "sha256": "ef" * 32})
+            created = await create(store, "o", "a")
+            newer = version_of("o", "a", version="ef" * 32, sha256="ef" * 32)
             moved = await store.move_adapter(
-                newer, created.updated_revision, add=[newer.as_version()], drop=[SHA]
+                created.pointing_to(newer), created.updated_revision, add=[newer], drop=[SHA]
             )
             assert await watcher.wait_for_revision(moved.updated_revision, 10)
             await watcher.stop()

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from etcd_server import EtcdServer, shared_etcd_server_fixture  # noqa: F401 (fixture)
-from test_serve_replica import record_for, until
+from test_serve_replica import create, record_for, until
 
 from loraplex.demo.assets import DemoAssets
 from loraplex.registry.artifacts import ArtifactStore
@@ -61,7 +61,7 @@ def test_published_tiers_and_reads_are_the_engines_own(
             ids = []
             for name in NAMES:
                 record = record_for(name, source / name, artifacts, TENANT)
-                await store.create_adapter(record)
+                await create(store, record)
                 ids.append(adapter_id(TENANT, name, record.version))
             await until(lambda: _true(watcher.adapter(TENANT, NAMES[-1])), 5, "the watch")
             sync = AdapterSync(engine, watcher, artifacts)

@@ -24,7 +24,7 @@ from etcd_server import EtcdServer, shared_etcd_server_fixture  # noqa: F401 (fi
 from loraplex.demo.assets import DemoAssets
 from loraplex.demo.lean_ray import lean_ray_serve
 from loraplex.registry.artifacts import ArtifactStore
-from loraplex.registry.models import AdapterRecord, Tenant
+from loraplex.registry.models import AdapterRecord, AdapterVersion, Tenant
 from loraplex.registry.store import RegistryStore
 from loraplex.registry.watch import RegistryWatcher
 from loraplex.replica.adapter_sync import AdapterSync
@@ -74,11 +74,12 @@ def request(adapter: str | None, max_tokens: int = MAX_TOKENS) -> GenerateReques
 
 
 def record_for(
-    name: str, source: Path, artifacts: ArtifactStore, tenant: str = TENANT, pinned: bool = False
-) -> AdapterRecord:
+    name: str, source: Path, artifacts: ArtifactStore, tenant: str = TENANT
+) -> AdapterVersion:
+    """The version record of the adapter folder `source`, its artifact stored."""
     stored = artifacts.put_dir(source)
     config = json.loads((source / "adapter_config.json").read_text())
-    return AdapterRecord(
+    return AdapterVersion(
         name=name,
         tenant=tenant,
         base_model="demo",
@@ -91,8 +92,12 @@ def record_for(
         sha256=stored.weights_sha256,
         artifact=stored.path,
         version=stored.digest,
-        pinned=pinned,
     )
+
+
+async def create(store: RegistryStore, version: AdapterVersion, pinned: bool = False):
+    """A name at its first version `version`, as the tenant API writes it."""
+    return await store.create_adapter(AdapterRecord.naming(version, pinned), version)
 
 
 def with_store(settings, fn: Callable[[RegistryStore], Awaitable[Any]]) -> Any:
@@ -148,7 +153,7 @@ def test_adapter_sync_follows_registry(
         async with RegistryStore(settings) as store, RegistryWatcher(settings) as watcher:
             await store.create_tenant(Tenant(name=tenant))
             plain = record_for("plain", source / "sql-r8", artifacts, tenant)
-            await store.create_adapter(plain)
+            await create(store, plain)
             sync = AdapterSync(engine, watcher, artifacts)
             await until(lambda: _true(watcher.adapter(tenant, "plain")), 5, "the watch")
             sync.start()
@@ -158,12 +163,12 @@ def test_adapter_sync_follows_registry(
                 assert reads == [plain_id]
                 assert plain_id in sync.host and not sync.loading
 
-                old = record_for("pinned", source / "chat-r16", artifacts, tenant, pinned=True)
-                created = await store.create_adapter(old)
+                old = record_for("pinned", source / "chat-r16", artifacts, tenant)
+                created = await create(store, old, pinned=True)
                 old_id = adapter_id(tenant, "pinned", old.version)
                 await until(lambda: _true(old_id in sync.host), 10, "the pinned preload")
 
-                new = record_for("pinned", source / "code-r32", artifacts, tenant).as_version()
+                new = record_for("pinned", source / "code-r32", artifacts, tenant)
                 new_id = adapter_id(tenant, "pinned", new.version)
                 assert new_id != old_id
                 async with sync.serving(old_id):  # a request running on the old version
@@ -257,12 +262,12 @@ def cluster(
     source = demo_assets.adapters_dir
     records = [record_for(name, source / name, artifacts) for name in SERVED]
     records += [record_for(name, source / "legal-r8", artifacts) for name in PROBES]
-    records.append(record_for(PINNED, source / PINNED, artifacts, pinned=True))
+    records.append(record_for(PINNED, source / PINNED, artifacts))
 
     async def register(store: RegistryStore):
         await store.create_tenant(Tenant(name=TENANT))
         for record in records:
-            await store.create_adapter(record)
+            await create(store, record, pinned=record.name == PINNED)
 
     with_store(settings, register)
 

@@ -38,7 +38,7 @@ from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter
 from loraplex.registry.api import RegistryAPISettings, create_app
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.auth import hash_api_key
-from loraplex.registry.models import AdapterRecord
+from loraplex.registry.models import Adapter
 from loraplex.registry.service import collect_garbage
 from loraplex.registry.store import RegistryStore
 from loraplex.registry.view import StoredView, WatchedView
@@ -233,7 +233,7 @@ def test_upload_list_get_delete(env: Env):
     )
     r = env.register(tenant, "sql", src, pinned="true")
     assert r.status_code == 201, r.text
-    record = AdapterRecord.model_validate(r.json())
+    record = Adapter.model_validate(r.json())
     assert (record.name, record.tenant, record.base_model) == (
         "sql",
         "life-co",
@@ -258,7 +258,13 @@ def test_upload_list_get_delete(env: Env):
         k: detail[k] for k in ("rank", "artifact", "sha256")
     }
     _, kvs = etcd_state(env.server)
-    assert json.loads(kvs["/loraplex/v1/adapters/life-co/sql"][1])["artifact"] == record.artifact
+    alias = json.loads(kvs["/loraplex/v1/adapters/life-co/sql"][1])  # names its version only
+    assert alias == {"name": "sql", "tenant": "life-co", "version": record.version} | {
+        "pinned": True,
+        "canary": None,
+    }
+    stored_version = json.loads(kvs[f"/loraplex/v1/versions/life-co/sql/{record.version}"][1])
+    assert stored_version["artifact"] == record.artifact
 
     deleted = env.client.delete("/v1/adapters/sql", headers=tenant)
     assert deleted.status_code == 200 and deleted.json()["name"] == "sql"
@@ -901,7 +907,7 @@ def test_tenants_never_see_use_or_delete_each_others_adapters(env: Env):
     assert [None if r is None else (r.tenant, r.name) for r in found] == [
         None, ("iso-acme", "secret-sauce"), ("iso-globex", "shared-name")
     ] * 2  # fmt: skip
-    assert found[2].artifact == globex_record["artifact"]
+    assert found[2].version == globex_record["version"]
 
 
 def test_deleting_a_tenant_deletes_its_adapters_and_keys(env: Env):
@@ -957,7 +963,7 @@ def test_openapi_schema_renders_with_examples(env: Env):
     register = paths["/v1/adapters"]["post"]
     assert set(register["requestBody"]["content"]) == {"multipart/form-data", "application/json"}
     assert {"201", "409", "413", "422", "503"} <= set(register["responses"])
-    assert schema["components"]["schemas"]["AdapterRecord"]["examples"]
+    assert schema["components"]["schemas"]["Adapter"]["examples"]
     assert schema["components"]["securitySchemes"]["HTTPBearer"]["scheme"] == "bearer"
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from loraplex.benchmarks.report import log, write_json
 from loraplex.registry.etcd_process import INSTALL_HINT, EtcdProcess, find_etcd_binary
-from loraplex.registry.models import AdapterRecord, Tenant
+from loraplex.registry.models import AdapterRecord, AdapterVersion, Tenant
 from loraplex.registry.store import EtcdSettings, RegistryStore
 from loraplex.registry.watch import RegistryWatcher
 
@@ -73,8 +73,8 @@ async def _measure(settings: EtcdSettings, shape: Shape) -> dict[str, float | in
     return results
 
 
-def _record(name: str) -> AdapterRecord:
-    return AdapterRecord(
+def _version(name: str) -> AdapterVersion:
+    return AdapterVersion(
         name=name,
         tenant="bench",
         base_model="meta-llama/Llama-3.1-8B-Instruct",
@@ -89,12 +89,18 @@ def _record(name: str) -> AdapterRecord:
     )
 
 
+async def _create(store: RegistryStore, name: str) -> AdapterRecord:
+    """A name at its first version (the tenant API's transaction, without the upload)."""
+    version = _version(name)
+    return await store.create_adapter(AdapterRecord.naming(version), version)
+
+
 async def _create_many(store: RegistryStore, names: list[str], concurrency: int) -> None:
     pending = iter(names)
 
     async def worker() -> None:
         for name in pending:
-            await store.create_adapter(_record(name))
+            await _create(store, name)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
 
@@ -139,10 +145,10 @@ async def _propagation(
     consumers = [asyncio.create_task(consume(w.subscribe())) for w in watchers]
     commits = []
     for i in range(samples):
-        record = _record(f"prop-{i:06d}")
-        key = f"/loraplex/v1/adapters/bench/{record.name}"
+        name = f"prop-{i:06d}"
+        key = f"/loraplex/v1/adapters/bench/{name}"
         sent_at[key] = started = time.perf_counter()
-        await store.create_adapter(record)
+        await _create(store, name)
         commits.append(time.perf_counter() - started)
         await asyncio.sleep(0.005)
     await asyncio.wait_for(seen.wait(), 30)

@@ -24,7 +24,7 @@ from loraplex.demo.synthetic import AdapterSpec, write_adapter, write_checkpoint
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.etcd_client import EtcdSettings
 from loraplex.registry.etcd_process import EtcdProcess
-from loraplex.registry.models import AdapterRecord, Tenant
+from loraplex.registry.models import AdapterRecord, AdapterVersion, Tenant
 from loraplex.registry.store import RegistryStore
 from loraplex.replica.memory.adapters import load_adapter, plan_layout
 from loraplex.replica.model.config import ModelConfig
@@ -140,20 +140,19 @@ async def register(
         for name, source in sources.items():
             stored = artifacts.put_dir(source)
             config = json.loads((source / "adapter_config.json").read_text())
-            await store.create_adapter(
-                AdapterRecord(
-                    name=name,
-                    tenant=TENANT,
-                    base_model="bench-tiny-llama",
-                    rank=config["r"],
-                    alpha=config["lora_alpha"],
-                    target_modules=config["target_modules"],
-                    dtype="float32",
-                    size_bytes=(source / "adapter_model.safetensors").stat().st_size,
-                    sha256=stored.weights_sha256,
-                    artifact=stored.path,
-                    version=stored.digest,
-                )
+            version = AdapterVersion(
+                name=name,
+                tenant=TENANT,
+                base_model="bench-tiny-llama",
+                rank=config["r"],
+                alpha=config["lora_alpha"],
+                target_modules=config["target_modules"],
+                dtype="float32",
+                size_bytes=(source / "adapter_model.safetensors").stat().st_size,
+                sha256=stored.weights_sha256,
+                artifact=stored.path,
+                version=stored.digest,
             )
+            await store.create_adapter(AdapterRecord.naming(version), version)
             paths[adapter_id(TENANT, name, stored.digest)] = str(artifacts.path_of(stored.path))
     return paths

@@ -10,6 +10,7 @@ aborts it (for streams whatever way the response ends, for whole answers between
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -98,6 +99,8 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         yield
     finally:
         reports.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await reports
         if registry is not None:
             if watcher is not None:
                 await watcher.stop()

@@ -189,6 +189,10 @@ class LedgerService:
         """Report; then wait up to `wait_s` for the ledger to want shares back. Returns the
         pools to give back (all that is not in use) in the next message."""
         self.ledger.report(message)
+        for gone in [c for c in self._wake if c not in self.ledger.clients]:  # lease lapsed
+            del self._wake[gone]
+            self._wanted.pop(gone, None)
+            self._told.discard(gone)
         client = message.client
         self._told.discard(client)
         async with self._reported:

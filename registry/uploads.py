@@ -34,12 +34,18 @@ from loraplex.errors import Invalid, TooLarge, Unacceptable
 from loraplex.registry.admission import Reservation
 from loraplex.registry.archives import ArchiveLimits, safe_extract_tar_gz
 from loraplex.registry.models import NAME_PATTERN
-from loraplex.registry.request_body import BodyTimeouts, receive
+from loraplex.registry.request_body import (
+    BodyTimeouts,
+    check_declared_length,
+    read_capped,
+    receive,
+)
 
 MAX_JSON_BYTES = 64 << 10
 MAX_FORM_FIELD_BYTES = 1 << 10
 MAX_BOUNDARY_CHARS = 70  # RFC 2046's limit; clients send 32-40
 _FLUSH_BYTES = 1 << 20
+_UNPARSED = object()
 
 
 @dataclass
@@ -151,7 +157,7 @@ async def receive_multipart(
             f"multipart boundary of {len(boundary)} characters; at most {MAX_BOUNDARY_CHARS} "
             "(RFC 2046)"
         )
-    _check_declared_length(request, max_bytes)
+    check_declared_length(request, max_bytes, "max_upload_bytes")
     form = UploadForm(work)
     parser = MultipartParser(boundary, form.callbacks())
     received = 0
@@ -174,25 +180,19 @@ async def receive_multipart(
     return form
 
 
-def _check_declared_length(request: Request, max_bytes: int) -> None:
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_bytes:
-        raise TooLarge(f"request body of {declared} bytes exceeds {max_bytes} bytes")
-
-
 async def read_json(
     request: Request, model: type[BaseModel], timeouts: BodyTimeouts | None = None
 ) -> Any:
-    _check_declared_length(request, MAX_JSON_BYTES)
-    body = bytearray()
-    async for chunk in receive(request, timeouts):
-        body += chunk
-        if len(body) > MAX_JSON_BYTES:
-            raise TooLarge(f"JSON body exceeds {MAX_JSON_BYTES} bytes")
-    try:
-        value = strict_json.loads(bytes(body))
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # NotStrictJSON too
-        raise Invalid(f"request body is not valid JSON: {str(e)[:200]}") from None
+    """A JSON body of at most MAX_JSON_BYTES as `model`: read (and, with a JSON content type,
+    parsed strictly) by `read_capped`, as every JSON body of the tenant API is; Invalid if it
+    is not JSON, Unacceptable if it is not `model`."""
+    data = await read_capped(request, MAX_JSON_BYTES, "JSON bodies of the tenant API", timeouts)
+    value = getattr(request, "_json", _UNPARSED)  # read_capped parsed a JSON content type
+    if value is _UNPARSED:
+        try:
+            value = strict_json.loads(data)
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:  # NotStrictJSON too
+            raise Invalid(f"request body is not valid JSON: {str(e)[:200]}") from None
     try:
         return model.model_validate(value)
     except ValidationError as e:

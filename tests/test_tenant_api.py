@@ -620,7 +620,7 @@ BAD_CASES = [
     BadCase(
         "upload-too-large",
         413,
-        f"exceeds {MAX_UPLOAD_BYTES} bytes",
+        f"exceeds the limit of {MAX_UPLOAD_BYTES} bytes (max_upload_bytes)",
         lambda env, t: env.client.post(
             "/v1/adapters",
             data={"name": "bad"},

@@ -13,6 +13,7 @@ the cluster runs, on the same prompt ids, adapter folder and greedy settings.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 import os
@@ -116,7 +117,6 @@ class Cluster:
 @pytest.fixture(scope="module")
 def config_file(demo_assets: DemoAssets, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two CPU replicas of the demo model with a small pool, on a free port."""
-    path = tmp_path_factory.mktemp("e2e_config") / "loraplex.yaml"
     settings = {
         "model": str(demo_assets.model),
         "model_id": BASE_ID,
@@ -131,41 +131,63 @@ def config_file(demo_assets: DemoAssets, tmp_path_factory: pytest.TempPathFactor
         "router": {"stats_period_s": 0.5, "rate_window_s": 3.0},
         "http": {"port": free_port()},
     }
+    return yaml_config(tmp_path_factory.mktemp("e2e_config"), settings)
+
+
+def yaml_config(folder: Path, settings: dict[str, Any]) -> Path:
+    """`settings` written as `folder`/loraplex.yaml."""
+    path = folder / "loraplex.yaml"
     path.write_text(yaml.safe_dump(settings))
     return path
 
 
-@pytest.fixture(scope="module")
-def cluster(config_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+@contextlib.contextmanager
+def cluster_up(
+    config_file: Path, state_dir: Path, timeout_s: int = 150
+) -> Iterator[tuple[dict[str, Any], str]]:
+    """`loraplex up --config config_file` with its state in `state_dir`: the running state
+    and what `up` printed; `loraplex down` (`stop_cluster`) on exit, however it exits. Skips
+    without an etcd server binary."""
     if find_etcd_binary() is None:
         pytest.skip(f"no etcd server binary; install one: {INSTALL_HINT}")
-    state_dir = (tmp_path_factory.mktemp("e2e_cluster") / "state").resolve()
     try:
         try:
             up = loraplex(
                 "up", "--state-dir", str(state_dir), "--config", str(config_file),
-                "--timeout", "150",
-                timeout=180,
+                "--timeout", str(timeout_s),
+                timeout=timeout_s + 30,
             )  # fmt: skip
         except subprocess.TimeoutExpired as e:
             pytest.fail(f"`loraplex up` did not return in {e.timeout}s\n{_log_tail(state_dir)}")
         assert up.returncode == 0, f"`loraplex up` failed:\n{up.stderr}\n{_log_tail(state_dir)}"
         state = read_state(state_dir)
         assert state is not None and state["phase"] == "running", state
-        url = state["url"]
-        assert f"loraplex is serving {BASE_ID} at {url} (2 replicas" in up.stdout, up.stdout
-        demo_key = (state_dir / "demo_api_key").read_text().strip()
-        assert demo_key in up.stdout  # the welcome shows the key to try
-        yield Cluster(
-            url=url,
-            state_dir=state_dir,
-            admin_key=(state_dir / "admin_key").read_text().strip(),
-            metrics_key=(state_dir / "metrics_key").read_text().strip(),
-            demo_key=demo_key,
-            ray_address=state["ray_address"],
-        )
+        yield state, up.stdout
     finally:
         stop_cluster(state_dir)
+
+
+def cluster_of(state: dict[str, Any], state_dir: Path) -> Cluster:
+    """The keys and addresses of a running cluster, read from its state folder."""
+    return Cluster(
+        url=state["url"],
+        state_dir=state_dir,
+        admin_key=(state_dir / "admin_key").read_text().strip(),
+        metrics_key=(state_dir / "metrics_key").read_text().strip(),
+        demo_key=(state_dir / "demo_api_key").read_text().strip(),
+        ray_address=state["ray_address"],
+    )
+
+
+@pytest.fixture(scope="module")
+def cluster(config_file: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    state_dir = (tmp_path_factory.mktemp("e2e_cluster") / "state").resolve()
+    with cluster_up(config_file, state_dir) as (state, printed):
+        url = state["url"]
+        assert f"loraplex is serving {BASE_ID} at {url} (2 replicas" in printed, printed
+        running = cluster_of(state, state_dir)
+        assert running.demo_key in printed  # the welcome shows the key to try
+        yield running
 
 
 def stop_cluster(state_dir: Path) -> None:

@@ -31,13 +31,10 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 import pytest
-import yaml
-from test_e2e_cluster import loraplex, stop_cluster
+from test_e2e_cluster import cluster_up, yaml_config
 
-from loraplex.cluster.state import read_state
 from loraplex.demo.assets import DemoAssets
 from loraplex.net import free_port
-from loraplex.registry.etcd_process import INSTALL_HINT, find_etcd_binary
 
 pytestmark = [pytest.mark.ray, pytest.mark.etcd]
 
@@ -53,30 +50,19 @@ ID_FLOOD_IDS = 2_000_000  # a 4 MiB body, the ingress's default cap
 
 @pytest.fixture(scope="module")
 def cluster(demo_assets: DemoAssets, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    if find_etcd_binary() is None:
-        pytest.skip(f"no etcd server binary; install one: {INSTALL_HINT}")
     root = tmp_path_factory.mktemp("e2e_flood")
-    config = root / "loraplex.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "model": str(demo_assets.model),
-                "model_id": MODEL_ID,
-                "engine": {"max_model_len": 512, "pool_mib": 64, "max_num_seqs": SLOTS},
-                "replicas": {"num_replicas": 1, "num_cpus": 1},
-                "http": {"port": free_port()},
-            }
-        )
+    config = yaml_config(
+        root,
+        {
+            "model": str(demo_assets.model),
+            "model_id": MODEL_ID,
+            "engine": {"max_model_len": 512, "pool_mib": 64, "max_num_seqs": SLOTS},
+            "replicas": {"num_replicas": 1, "num_cpus": 1},
+            "http": {"port": free_port()},
+        },
     )
     state_dir = (root / "state").resolve()
-    try:
-        up = loraplex(
-            "up", "--state-dir", str(state_dir), "--config", str(config), "--timeout", "150",
-            timeout=180,
-        )  # fmt: skip
-        assert up.returncode == 0, f"`loraplex up` failed:\n{up.stderr}"
-        state = read_state(state_dir)
-        assert state is not None and state["phase"] == "running", state
+    with cluster_up(config, state_dir) as (state, _):
         admin = (state_dir / "admin_key").read_text().strip()
         with httpx.Client(base_url=state["url"], trust_env=False, timeout=30) as http:
             r = http.post(
@@ -88,8 +74,6 @@ def cluster(demo_assets: DemoAssets, tmp_path_factory: pytest.TempPathFactory) -
             "a": (state_dir / "demo_api_key").read_text().strip(),
             "b": r.json()["api_key"],
         }
-    finally:
-        stop_cluster(state_dir)
 
 
 async def _stream(http: httpx.AsyncClient, key: str, prompt: list[int], max_tokens: int, on_event):

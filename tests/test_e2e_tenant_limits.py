@@ -24,13 +24,10 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-import yaml
-from test_e2e_cluster import loraplex, stop_cluster
+from test_e2e_cluster import cluster_up, yaml_config
 
-from loraplex.cluster.state import read_state
 from loraplex.demo.assets import DemoAssets
 from loraplex.net import free_port
-from loraplex.registry.etcd_process import INSTALL_HINT, find_etcd_binary
 
 pytestmark = [pytest.mark.ray, pytest.mark.etcd]
 
@@ -43,30 +40,19 @@ ANSWER_S = 5.0  # a refusal comes back within this; an admitted held body gets n
 
 @pytest.fixture(scope="module")
 def cluster(demo_assets: DemoAssets, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    if find_etcd_binary() is None:
-        pytest.skip(f"no etcd server binary; install one: {INSTALL_HINT}")
     root = tmp_path_factory.mktemp("e2e_limits")
-    config = root / "loraplex.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "model": str(demo_assets.model),
-                "model_id": MODEL_ID,
-                "engine": {"max_model_len": 256, "pool_mib": 32, "max_num_seqs": 8},
-                "replicas": {"num_replicas": 1, "num_cpus": 1},
-                "http": {"port": free_port(), "ingress_replicas": 2},
-            }
-        )
+    config = yaml_config(
+        root,
+        {
+            "model": str(demo_assets.model),
+            "model_id": MODEL_ID,
+            "engine": {"max_model_len": 256, "pool_mib": 32, "max_num_seqs": 8},
+            "replicas": {"num_replicas": 1, "num_cpus": 1},
+            "http": {"port": free_port(), "ingress_replicas": 2},
+        },
     )
     state_dir = (root / "state").resolve()
-    try:
-        up = loraplex(
-            "up", "--state-dir", str(state_dir), "--config", str(config), "--timeout", "150",
-            timeout=180,
-        )  # fmt: skip
-        assert up.returncode == 0, f"`loraplex up` failed:\n{up.stderr}"
-        state = read_state(state_dir)
-        assert state is not None and state["phase"] == "running", state
+    with cluster_up(config, state_dir) as (state, _):
         admin = {"Authorization": f"Bearer {(state_dir / 'admin_key').read_text().strip()}"}
         keys = {}
         with httpx.Client(base_url=state["url"], trust_env=False, timeout=30) as http:
@@ -81,8 +67,6 @@ def cluster(demo_assets: DemoAssets, tmp_path_factory: pytest.TempPathFactory) -
                 assert r.status_code == 200, r.text
         time.sleep(2)  # the ingresses' registry watchers see the limits
         yield {"url": state["url"], **keys}
-    finally:
-        stop_cluster(state_dir)
 
 
 def _body(max_tokens: int = 1) -> bytes:

@@ -16,14 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import yaml
 from real_model import STEPS
-from test_e2e_cluster import CLIENT_TIMEOUT_S, Cluster, _log_tail, loraplex, stop_cluster
+from test_e2e_cluster import CLIENT_TIMEOUT_S, Cluster, cluster_of, cluster_up, yaml_config
 
 from loraplex.cluster.adapters_cli import Endpoint, add_adapter
 from loraplex.demo.behaviours import BEHAVIOURS
 from loraplex.net import free_port
-from loraplex.registry.etcd_process import INSTALL_HINT, find_etcd_binary
 from loraplex.replica.tokenizer import Tokenizer
 
 pytestmark = [
@@ -41,41 +39,20 @@ ANSWER_TOKENS = 48  # every demo behaviour's answer fits
 
 @pytest.fixture(scope="module")
 def real_cluster(real_assets, tmp_path_factory) -> Iterator[Cluster]:
-    if find_etcd_binary() is None:
-        pytest.skip(f"no etcd server binary; install one: {INSTALL_HINT}")
     root = tmp_path_factory.mktemp("real_cluster")
-    config = root / "loraplex.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "model": str(real_assets.model),
-                "model_id": BASE_ID,
-                "engine": {"max_model_len": 1024, "pool_mib": 256, "max_num_seqs": 32},
-                "replicas": {"num_replicas": 1, "num_cpus": 1},
-                "http": {"port": free_port()},
-            }
-        )
+    config = yaml_config(
+        root,
+        {
+            "model": str(real_assets.model),
+            "model_id": BASE_ID,
+            "engine": {"max_model_len": 1024, "pool_mib": 256, "max_num_seqs": 32},
+            "replicas": {"num_replicas": 1, "num_cpus": 1},
+            "http": {"port": free_port()},
+        },
     )
     state_dir = (root / "state").resolve()
-    try:
-        up = loraplex(
-            "up", "--state-dir", str(state_dir), "--config", str(config), "--timeout", "400",
-            timeout=430,
-        )  # fmt: skip
-        assert up.returncode == 0, f"`loraplex up` failed:\n{up.stderr}\n{_log_tail(state_dir)}"
-        from loraplex.cluster.state import read_state
-
-        state = read_state(state_dir)
-        yield Cluster(
-            url=state["url"],
-            state_dir=state_dir,
-            admin_key=(state_dir / "admin_key").read_text().strip(),
-            metrics_key=(state_dir / "metrics_key").read_text().strip(),
-            demo_key=(state_dir / "demo_api_key").read_text().strip(),
-            ray_address=state["ray_address"],
-        )
-    finally:
-        stop_cluster(state_dir)
+    with cluster_up(config, state_dir, timeout_s=400) as (state, _):
+        yield cluster_of(state, state_dir)
 
 
 @pytest.fixture(scope="module")

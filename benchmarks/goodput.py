@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from loraplex.benchmarks.report import over_repetitions
+
 RAY_ROUTERS = ("pow2", "multiplex")
 SLO_FACTOR = 5.0  # the SLO is 5x the unloaded TTFT
 
@@ -49,7 +51,8 @@ def comparison(
     """The keys every router bench reports per workload, from each router's
     `goodput_at_slo_rps` and its `at_reference` figures (`load_seconds`, and device loads and
     store reads under the names `loads` and `reads`); floors over `distinct` adapters
-    requested, or each run's own `distinct_adapters` when not given."""
+    requested, or each run's own `distinct_adapters` when not given; and affinity's store
+    reads over multiplexing's (`reads_ratio_vs_multiplex`)."""
     good = {r: f["goodput_at_slo_rps"] for r, f in routers.items()}
     at = {r: f["at_reference"] for r, f in routers.items()}
     floor = {
@@ -64,9 +67,29 @@ def comparison(
         ),
         "loads": {r: a[loads] for r, a in at.items()},
         "reads": {r: a[reads] for r, a in at.items()},
+        "reads_ratio_vs_multiplex": _ratio(at, "affinity", "multiplex", reads),
         "loads_vs_floor": {r: a[loads] / floor[r] for r, a in at.items()},
         "reads_vs_floor": {r: a[reads] / floor[r] for r, a in at.items()},
     }
+
+
+def _ratio(at: Mapping[str, Mapping[str, Any]], ours: str, theirs: str, key: str) -> float | None:
+    """`ours`'s figure over `theirs`'s; None where either router did not run or both are 0."""
+    if ours not in at or theirs not in at:
+        return None
+    a, b = at[ours][key], at[theirs][key]
+    if b == 0:
+        return None if a == 0 else math.inf
+    return a / b
+
+
+def repeated(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """One workload's figures over the bench's repetitions (`report.over_repetitions`:
+    medians, and each ratio's 90% bootstrap interval beside it), and under `repetitions`
+    each repetition's own, less its per-router detail."""
+    merged = over_repetitions([{k: v for k, v in r.items() if k != "router_order"} for r in reps])
+    merged["repetitions"] = [{k: v for k, v in r.items() if k != "routers"} for r in reps]
+    return merged
 
 
 def recovery_s(

@@ -3,12 +3,15 @@ the fleet simulator (benchmarks/sim/fleet.py), and the simulator checked against
 
 Fleet (stated values, FULL / QUICK):
     profile      H100 SXM5 80GB + Llama-2-7B fp16 (benchmarks/sim/profiles.py `gpu_profile`)
-    replicas     16 / 8; adapters 2,000 / 500, ranks 8-128 in equal shares, on q/k/v/o
+    replicas     16 / 8; adapters 2,000 / 1,500 (194 / 145 GiB: more than one replica's
+                 host tier holds, less than the fleet's), ranks 8-128 in equal shares, on
+                 q/k/v/o
     engine       max_num_seqs 64, 4,096 batched tokens, 32 adapters per batch, FIFO,
                  Chameleon eviction, copies beside the compute
     host tier    64 GiB per replica (LRU beyond it, read again from the store); multiplex
                  max_num_models_per_replica = what 64 GiB holds of mean-size adapters
-    store        artifact reads at 1 GiB/s after 20 ms (a network store per replica)
+    store        artifact reads at 400 MiB/s after 50 ms (an object store per replica: a
+                 mean adapter in 0.3 s)
     Serve        max_ongoing_requests 128 (2 x the batch) for all routers; routing stats
                  every 1 s; model ids pushed every 0.1 s, at the router 0.05 s later
     affinity     its costs from the profile and store, as replicas would measure them: a
@@ -22,7 +25,7 @@ Fleet (stated values, FULL / QUICK):
 
 Capacity: one replica's throughput under overload (base-model requests of the same lengths)
 times the replicas; offered rates are fractions of it. Each run starts from a warm fleet:
-first a warm-up stream of the workload's adapter picks (8 / 6 per adapter, 16-token
+first a warm-up stream of the workload's adapter picks (8 / 4 per adapter, 16-token
 prompts, 1 output token) at the same rate through the same router, then the measured
 window (60 s / 20 s); only the window's requests and loads are reported.
 
@@ -47,6 +50,11 @@ within it (benchmarks/goodput.py). Per workload (benchmarks/fleet/workloads.py):
     SLO), streams_failed (0: begun streams resume elsewhere), streams_resumed, requests_lost
     (0: requests without a first token are retried)
 Scale sweep: zipf at the reference rate for 8..64 replicas and 500..10,000 adapters.
+
+Repetitions (3 / 2): the whole bench again on other seeds (arrivals, lengths, adapter picks
+and the popularity order; the simulator is deterministic per seed). Every figure is the
+median over them, every ratio also its 90% bootstrap interval (`<key>_ci_low`,
+`<key>_ci_high`, benchmarks/report.py `over_repetitions`); `repetitions` holds each one's.
 """
 
 from __future__ import annotations
@@ -72,12 +80,13 @@ from loraplex.benchmarks.goodput import (
     plot_goodput,
     ratio_vs_best_ray,
     recovery_s,
+    repeated,
     within_slo_rps,
 )
-from loraplex.benchmarks.report import log, write_json
+from loraplex.benchmarks.report import log, over_repetitions, write_json
 from loraplex.benchmarks.sim.fleet import ROUTERS, FleetRun, FleetSetup, simulate_fleet
 from loraplex.benchmarks.sim.fleet_replica import StoreModel
-from loraplex.benchmarks.sim.profiles import GiB, StepLoad, gpu_profile
+from loraplex.benchmarks.sim.profiles import GiB, MiB, StepLoad, gpu_profile
 from loraplex.benchmarks.sim.replica import System
 from loraplex.benchmarks.sim.run import simulate
 from loraplex.benchmarks.sim.workload import AdapterSpec, SimRequest, Trace, read_trace
@@ -87,7 +96,9 @@ from loraplex.router.policy import AffinityConfig
 
 SCHED = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096, max_loras_per_batch=32)
 HOST_BYTES = 64 * GiB
-STORE = StoreModel(bytes_per_s=float(GiB), latency_s=0.02)
+# an object store read per replica: a mean adapter (99 MiB) in 0.3 s, rank 8 in 0.09 s,
+# rank 128 in 0.69 s (the issue's regime: reads of 200-500 ms)
+STORE = StoreModel(bytes_per_s=400.0 * MiB, latency_s=0.05)
 MAX_TOKENS = 1024
 RECOVERY_WINDOW_S = 5.0
 KILL_REPLACE_S = 30.0  # Serve starts the replacement; a 7B replica loads in about that
@@ -103,6 +114,7 @@ class FleetShape:
     reference_factor: float  # one of rate_factors: loads, load seconds and failover
     scale_points: tuple[tuple[int, int], ...]  # (replicas, adapters)
     scale_window_s: float
+    repeats: int  # each a different seed (the simulator is deterministic per seed)
     profile: tuple[str, str] = ("h100", "llama2-7b")
 
 
@@ -115,16 +127,18 @@ FULL = FleetShape(
     reference_factor=0.65,
     scale_points=((8, 500), (16, 2000), (32, 5000), (64, 10000)),
     scale_window_s=30.0,
+    repeats=3,
 )
 QUICK = FleetShape(
     replicas=8,
-    adapters=500,
+    adapters=1500,  # 145 GiB: 2.3 x one replica's host tier, 0.28 x the fleet's
     window_s=15.0,
-    warmup_per_adapter=6,
+    warmup_per_adapter=4,
     rate_factors=(0.3, 0.6, 0.9, 1.05),
     reference_factor=0.6,
-    scale_points=((8, 500), (16, 1000)),
+    scale_points=((8, 1500), (16, 3000)),
     scale_window_s=10.0,
+    repeats=2,
 )
 
 
@@ -168,20 +182,29 @@ class Fleet:
         )
 
     def requests(
-        self, workload: str, adapters: list[AdapterSpec], rate: float, window_s: float, seed: int
+        self,
+        workload: str,
+        adapters: list[AdapterSpec],
+        rate: float,
+        window_s: float,
+        seed: int,
+        repetition: int = 0,
     ) -> tuple[list[SimRequest], int]:
-        """The warm-up stream then the measured window; the first measured rid."""
+        """The warm-up stream then the measured window; the first measured rid. Each
+        repetition draws its own popularity order (which adapters, of which sizes, are hot)."""
         names = [a.name for a in adapters]
         warm_n = int(self.shape.warmup_per_adapter * len(adapters))
         popularity = "zipf" if workload in ("shift", "failover") else workload
-        warm = fw.requests(
-            popularity, names, warm_n, rate, fw.Lengths(prompt=(16, 16), output=(1, 1)), seed + 1
-        )
+        order = {"popularity_seed": repetition}
+        warm_lengths = fw.Lengths(prompt=(16, 16), output=(1, 1))
+        warm = fw.requests(popularity, names, warm_n, rate, warm_lengths, seed + 1, **order)
         start = warm[-1].arrival + 1.0
         n = max(1, round(rate * window_s))
         trace = self.trace if n <= len(self.trace.timestamps) else None
         lengths = fw.Lengths(trace=self.trace, max_tokens=MAX_TOKENS)
-        measured = fw.requests(workload, names, n, rate, lengths, seed, arrivals_trace=trace)
+        measured = fw.requests(
+            workload, names, n, rate, lengths, seed, arrivals_trace=trace, **order
+        )
         measured = [
             dataclasses.replace(r, rid=warm_n + r.rid, arrival=start + r.arrival) for r in measured
         ]
@@ -246,10 +269,13 @@ def measure(shape: FleetShape, trace_path: Path | None = None) -> dict[str, Any]
         f"cost {fleet.busy_cost_s * 1e3:.2f} ms; "
         f"trace {fleet.trace.source}"
     )
-    workloads: dict[str, Any] = {}
-    for workload in fw.WORKLOADS:
-        slo = workloads["zipf"]["slo_s"] if workload == "failover" else None
-        workloads[workload] = sweep(fleet, workload, adapters, slo)
+    reps: list[dict[str, Any]] = []
+    for rep in range(shape.repeats):
+        workloads: dict[str, Any] = {}
+        for workload in fw.WORKLOADS:
+            slo = workloads["zipf"]["slo_s"] if workload == "failover" else None
+            workloads[workload] = sweep(fleet, workload, adapters, slo, rep)
+        reps.append(workloads)
     return {
         "profile": fleet.profile.name,
         "profile_source": fleet.profile.source,
@@ -262,8 +288,9 @@ def measure(shape: FleetShape, trace_path: Path | None = None) -> dict[str, Any]
         "host_bytes_per_replica": HOST_BYTES,
         "window_s": shape.window_s,
         "trace": fleet.trace.source,
-        "workloads": workloads,
-        "scale": scale_sweep(fleet),
+        "repeats": shape.repeats,
+        "workloads": {w: repeated([rep[w] for rep in reps]) for w in fw.WORKLOADS},
+        "scale": over_repetitions([scale_sweep(fleet, rep) for rep in range(shape.repeats)]),
     }
 
 
@@ -293,8 +320,15 @@ def calibrate(shape: FleetShape, trace: Trace) -> Fleet:
 
 
 def sweep(
-    fleet: Fleet, workload: str, adapters: list[AdapterSpec], slo: float | None
+    fleet: Fleet,
+    workload: str,
+    adapters: list[AdapterSpec],
+    slo: float | None,
+    repetition: int = 0,
 ) -> dict[str, Any]:
+    """Every rate through every router, on repetition `repetition`'s seeds. The routers
+    run one after another on the same stream; in the simulator their order changes
+    nothing (each run is its own fleet)."""
     shape = fleet.shape
     catalog = {a.name: a for a in adapters}
     capacity = fleet.capacity_per_replica * shape.replicas
@@ -302,12 +336,13 @@ def sweep(
     runs: dict[str, list[FleetRun]] = {r: [] for r in ROUTERS}
     kills: list[float | None] = []
     for i, rate in enumerate(rates):
-        reqs, first = fleet.requests(workload, adapters, rate, shape.window_s, seed=100 * i)
+        seed = 100 * i + 10_000 * repetition
+        reqs, first = fleet.requests(workload, adapters, rate, shape.window_s, seed, repetition)
         if i == 0:
             unloaded = unloaded_ttft_s(fleet.profile, reqs[first:], catalog)
         kill = fw.kill_at(reqs[first:]) if workload == "failover" else None
         kills.append(kill)
-        setup = fleet.setup(shape.replicas, adapters, kill_at_s=kill, seed=i)
+        setup = fleet.setup(shape.replicas, adapters, kill_at_s=kill, seed=i + 100 * repetition)
         for router in ROUTERS:
             t0 = time.perf_counter()
             run = simulate_fleet(router, reqs, catalog, setup, measured_from=first)
@@ -379,15 +414,16 @@ def _keys(routers: dict, rates: list[float], slo: float, ref: int) -> dict[str, 
     }
 
 
-def scale_sweep(fleet: Fleet) -> dict[str, Any]:
+def scale_sweep(fleet: Fleet, repetition: int = 0) -> dict[str, Any]:
     shape = fleet.shape
     points = []
     for replicas, n in shape.scale_points:
         adapters = fw.catalog(n, fleet.profile.adapter_bytes)
         catalog = {a.name: a for a in adapters}
         rate = shape.reference_factor * fleet.capacity_per_replica * replicas
-        reqs, first = fleet.requests("zipf", adapters, rate, shape.scale_window_s, seed=7)
-        setup = fleet.setup(replicas, adapters)
+        seed = 7 + 10_000 * repetition
+        reqs, first = fleet.requests("zipf", adapters, rate, shape.scale_window_s, seed, repetition)
+        setup = fleet.setup(replicas, adapters, seed=100 * repetition)
         per_router = {}
         for router in ROUTERS:
             t0 = time.perf_counter()

@@ -235,6 +235,20 @@ def test_busy_cost_moves_a_request_before_the_batch_is_full(queue, chosen):
     assert policy(load_cost_s=0.05).choose("a", replicas)[0] == "warm"  # batching is free
 
 
+@pytest.mark.parametrize(("tokens", "chosen"), [(0, "warm"), (4_000, "warm"), (6_000, "idle")])
+def test_prompt_tokens_a_replica_has_yet_to_prefill_are_part_of_its_wait(tokens, chosen):
+    # Free slots on both, batching free: only the warm replica's queued prompts differ,
+    # 0.1 ms a token: 0.4 s of prefills lose to nothing against the idle one's 0.5 s load,
+    # 0.6 s win it the request
+    warm = replace(replica("warm", device={"a"}), queued_prefill_tokens=tokens)
+    p = policy(load_cost_s=0.5, host_load_cost_s=0.0, prefill_token_cost_s=1e-4)
+    assert p.choose("a", [warm, replica("idle")])[0] == chosen
+    # a base-model request waits behind them too: the emptier replica by its prefills
+    short = replace(replica("short", queue=1), queued_prefill_tokens=tokens)
+    expected = "short" if tokens == 0 else "long"
+    assert p.choose(None, [short, replica("long", queue=2)])[0] == expected
+
+
 def test_measured_costs_replace_the_configured_ones_pooled_over_replicas():
     # Configured: batching is free and a host load costs 50 ms, so the warm replica keeps
     # every request. Measured: 10 ms per running request, so 6 running (60 ms) lose to an
@@ -473,11 +487,15 @@ def test_routing_stats_contract():
         "host_adapters": ["c"],
         "loading_adapters": ["d"],
         "queue_len": 3,
+        "queued_prefill_tokens": 700,
         "max_concurrency": 32,
         "free_pages": 100,
     }
-    assert ReplicaStats.from_routing_stats("r", stats, age_s=1.5) == replica(
+    expected = replica(
         "r", device={"a", "b"}, host={"c"}, loading={"d"}, queue=3, slots=32, pages=100, age_s=1.5
+    )
+    assert ReplicaStats.from_routing_stats("r", stats, age_s=1.5) == replace(
+        expected, queued_prefill_tokens=700
     )
     assert ReplicaStats.from_routing_stats("r", {}) == ReplicaStats("r")
     assert ReplicaStats("r").max_concurrency == 1
@@ -505,6 +523,8 @@ def test_config_is_validated(bad):
 def test_replica_stats_are_validated():
     with pytest.raises(ValueError, match="queue_len"):
         ReplicaStats("r", queue_len=-1)
+    with pytest.raises(ValueError, match="queued_prefill_tokens"):
+        ReplicaStats("r", queued_prefill_tokens=-1)
 
 
 # ---------------------------------------------------------------- prefix affinity

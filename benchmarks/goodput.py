@@ -5,7 +5,7 @@ and the goodput figure."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +71,28 @@ def comparison(
         "loads_vs_floor": {r: a[loads] / floor[r] for r, a in at.items()},
         "reads_vs_floor": {r: a[reads] / floor[r] for r, a in at.items()},
     }
+
+
+def fewest_replicas(holds: Callable[[int], bool], start: int, most: int) -> int | None:
+    """The fewest replicas n in [1, most] for which `holds(n)` (the SLO held with n), found
+    by doubling from `start` until it holds, then bisecting; None if `most` does not hold.
+    Holding is taken to be monotone in n (more replicas never hurt)."""
+    assert 1 <= start <= most
+    lo, hi, n = 0, None, start  # lo: known not to hold (0: none), hi: known to hold
+    while hi is None:
+        if holds(n):
+            hi = n
+        elif n == most:
+            return None
+        else:
+            lo, n = n, min(2 * n, most)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if holds(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
 
 
 def _ratio(at: Mapping[str, Mapping[str, Any]], ours: str, theirs: str, key: str) -> float | None:

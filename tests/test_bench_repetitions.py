@@ -76,3 +76,19 @@ def test_nested_figures_merge_into_medians_with_every_ratio_interval():
     assert out["errors"] == [[], ["TimeoutError()"], []]  # they differ: each one's
     assert out["profile"] == "h100"
     assert not any(k.endswith("_ci_low") for k in out["goodput_rps"])  # not ratios
+
+
+def test_the_fewest_replicas_holding_the_slo_are_found_with_few_runs():
+    from loraplex.benchmarks.goodput import fewest_replicas
+
+    for start in (1, 8, 16):
+        for need in range(1, 33):
+            runs: list[int] = []
+
+            def holds(n: int, need: int = need, runs: list[int] = runs) -> bool:
+                runs.append(n)
+                return n >= need
+
+            assert fewest_replicas(holds, start, 32) == need, (start, need)
+            assert len(runs) <= 2 * math.ceil(math.log2(32)) + 1, (start, need, runs)
+        assert fewest_replicas(lambda n: False, start, 32) is None

@@ -203,6 +203,17 @@ def test_bench_fleet_reports_every_key_on_a_tiny_shape():
             low, high = min(ratios), max(ratios)
             assert w["goodput_ratio_vs_best_ray_router_ci_low"] == low, name
             assert w["goodput_ratio_vs_best_ray_router_ci_high"] == high, name
+    for name in bench_fleet.REPLICAS_NEEDED_WORKLOADS:
+        w = out["workloads"][name]
+        assert set(w["replicas_needed"]) == set(ROUTERS)
+        assert "replicas_needed_ratio_vs_best_ray_router_ci_low" in w
+        for rep in w["repetitions"]:
+            needed = rep["replicas_needed"]
+            assert all(n is None or 1 <= n <= 4 * tiny.replicas for n in needed.values())
+            ray = [needed[r] for r in ("pow2", "multiplex") if needed[r] is not None]
+            if needed["affinity"] is not None and ray:
+                ratio = rep["replicas_needed_ratio_vs_best_ray_router"]
+                assert ratio == needed["affinity"] / min(ray), (name, needed)
     fail = out["workloads"]["failover"]
     assert fail["requests_lost"] == 0 and set(fail["streams_failed"]) == set(ROUTERS)
     assert out["repeats"] == 2

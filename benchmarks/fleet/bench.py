@@ -17,7 +17,8 @@ Fleet (stated values, FULL / QUICK):
     affinity     its costs from the profile and store, as replicas would measure them: a
                  cold load is a mean adapter's read and copy, a host load the copy;
                  busy_cost_s 2 x what one more decode row adds to a step of 32 at the
-                 trace's mean context; request_time_s = max_num_seqs / one replica's
+                 trace's mean context; prefill_token_cost_s a full prefill step's time
+                 per token (what a replica's queued prompt tokens cost); request_time_s = max_num_seqs / one replica's
                  throughput (how long a request holds a slot of a full batch);
                  max_homes_per_adapter = replicas
     requests     the Azure conversation trace's lengths (output capped at 1,024) and
@@ -46,6 +47,11 @@ within it (benchmarks/goodput.py). Per workload (benchmarks/fleet/workloads.py):
     on that replica's device or host tier, the share that waited for a store read; None
     for power of two, which has no view), distinct_adapters_held (on the devices and host
     tiers at the end of the run)
+    zipf and shift: replicas_needed_ratio_vs_best_ray_router, the fewest replicas whose p99
+    TTFT holds the SLO at the reference rate (an offered load of reference_factor x the
+    fleet's capacity, `replicas_needed_rate_rps`), found by doubling then bisecting on the
+    reference run's stream, affinity's / the better Ray router's (`replicas_needed` per
+    router; None: not even 4 x the fleet)
     failover: recovery_s (the kill until p99 TTFT of every later 5 s window is within the
     SLO), streams_failed (0: begun streams resume elsewhere), streams_resumed, requests_lost
     (0: requests without a first token are retried)
@@ -76,6 +82,7 @@ from loraplex.benchmarks.fleet.report import print_table, print_validation, titl
 from loraplex.benchmarks.goodput import (
     SLO_FACTOR,
     comparison,
+    fewest_replicas,
     goodput,
     plot_goodput,
     ratio_vs_best_ray,
@@ -101,6 +108,7 @@ HOST_BYTES = 64 * GiB
 STORE = StoreModel(bytes_per_s=400.0 * MiB, latency_s=0.05)
 MAX_TOKENS = 1024
 RECOVERY_WINDOW_S = 5.0
+REPLICAS_NEEDED_WORKLOADS = ("zipf", "shift")
 KILL_REPLACE_S = 30.0  # Serve starts the replacement; a 7B replica loads in about that
 
 
@@ -150,6 +158,7 @@ class Fleet:
     trace: Trace
     capacity_per_replica: float  # requests/s
     busy_cost_s: float  # TTFT one more running request adds
+    prefill_token_cost_s: float  # a full prefill step's time per token
     shape: FleetShape
 
     @property
@@ -165,6 +174,7 @@ class Fleet:
             host_load_cost_s=copy,
             request_time_s=self.request_time_s,
             busy_cost_s=self.busy_cost_s,
+            prefill_token_cost_s=self.prefill_token_cost_s,
             max_homes_per_adapter=replicas,
             use_measured_costs=False,
         )
@@ -284,6 +294,7 @@ def measure(shape: FleetShape, trace_path: Path | None = None) -> dict[str, Any]
         "capacity_rps": fleet.capacity_per_replica * shape.replicas,
         "request_time_s": fleet.request_time_s,
         "busy_cost_s": fleet.busy_cost_s,
+        "prefill_token_cost_s": fleet.prefill_token_cost_s,
         "store": dataclasses.asdict(STORE),
         "host_bytes_per_replica": HOST_BYTES,
         "window_s": shape.window_s,
@@ -316,7 +327,9 @@ def calibrate(shape: FleetShape, trace: Trace) -> Fleet:
         return profile.step_time(StepLoad(rows, rows * context, 0, 0))
 
     busy = 2 * (decode_step(32) - decode_step(31))
-    return Fleet(profile, trace, capacity, busy, shape)
+    chunk = SCHED.max_num_batched_tokens
+    per_token = profile.step_time(StepLoad(chunk, chunk, 0, 0)) / chunk
+    return Fleet(profile, trace, capacity, busy, per_token, shape)
 
 
 def sweep(
@@ -335,9 +348,11 @@ def sweep(
     rates = [f * capacity for f in shape.rate_factors]
     runs: dict[str, list[FleetRun]] = {r: [] for r in ROUTERS}
     kills: list[float | None] = []
+    streams = []
     for i, rate in enumerate(rates):
         seed = 100 * i + 10_000 * repetition
         reqs, first = fleet.requests(workload, adapters, rate, shape.window_s, seed, repetition)
+        streams.append((reqs, first))
         if i == 0:
             unloaded = unloaded_ttft_s(fleet.profile, reqs[first:], catalog)
         kill = fw.kill_at(reqs[first:]) if workload == "failover" else None
@@ -383,7 +398,47 @@ def sweep(
             r: f["at_reference"]["streams_resumed"] for r, f in routers.items()
         }
         out["requests_lost"] = 0  # simulate_fleet asserts it
+    if workload in REPLICAS_NEEDED_WORKLOADS:
+        p99s = {r: f["p99_ttft_s"][ref] for r, f in routers.items()}
+        holds = {r: p99 is not None and p99 <= slo for r, p99 in p99s.items()}
+        reqs, first = streams[ref]
+        out.update(replicas_needed(fleet, reqs, first, catalog, slo, holds, ref, repetition))
+        out["replicas_needed_rate_rps"] = rates[ref]
     return out
+
+
+def replicas_needed(
+    fleet: Fleet,
+    reqs: list[SimRequest],
+    first: int,
+    catalog: dict[str, AdapterSpec],
+    slo: float,
+    holds_at_shape: dict[str, bool],
+    ref: int,
+    repetition: int,
+) -> dict[str, Any]:
+    """The cost a user pays: per router, the fewest replicas whose p99 TTFT on the reference
+    run's stream stays within the SLO (`goodput.fewest_replicas`, up to 4 x the fleet; None
+    beyond), and affinity's over the best Ray router's. `holds_at_shape`: the reference
+    runs' verdicts, at the fleet's own size."""
+    shape, adapters = fleet.shape, list(catalog.values())
+    needed: dict[str, int | None] = {}
+    for router in ROUTERS:
+
+        def holds(n: int, router: str = router) -> bool:
+            if n == shape.replicas:
+                return holds_at_shape[router]
+            setup = fleet.setup(n, adapters, seed=ref + 100 * repetition)
+            run = simulate_fleet(router, reqs, catalog, setup, measured_from=first)
+            p99 = _pct(run.ttft, 99)
+            log(f"fleet replicas needed {router:9}: {n:3d} replicas, p99 {p99:.3f} s")
+            return p99 is not None and p99 <= slo
+
+        needed[router] = fewest_replicas(holds, shape.replicas, 4 * shape.replicas)
+    return {
+        "replicas_needed": needed,
+        "replicas_needed_ratio_vs_best_ray_router": ratio_vs_best_ray(needed, False),
+    }
 
 
 def unloaded_ttft_s(profile, reqs: list[SimRequest], catalog: dict[str, AdapterSpec]) -> float:

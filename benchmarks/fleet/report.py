@@ -33,6 +33,12 @@ def print_table(results: dict) -> None:
             f"{_ci(w, 'load_seconds_ratio_vs_best_ray_router')}"
             + ("" if name != "zipf" else " (target <= 0.5)")
         )
+        if "replicas_needed" in w:
+            print(
+                f"{name:9} replicas needed at {w['replicas_needed_rate_rps']:.0f} req/s "
+                f"{w['replicas_needed']}: ratio "
+                f"{_ci(w, 'replicas_needed_ratio_vs_best_ray_router')} (target <= 0.7)"
+            )
     fail = f["workloads"]["failover"]
     print(
         f"failover: recovery {fail['recovery_s']}  streams failed {fail['streams_failed']}, "

@@ -72,6 +72,8 @@ HEADLINES = [
     # fleet (issue 22): the simulator at 16 x H100 / 7B; medians over seeds
     Headline("fleet", "fleet.workloads.zipf.goodput_ratio_vs_best_ray_router", ">= 1.5", "Ray Serve's routers, modelled from source"),
     Headline("fleet", "fleet.workloads.shift.goodput_ratio_vs_best_ray_router", ">= 1.5", "Ray Serve's routers, modelled from source"),
+    Headline("fleet", "fleet.workloads.zipf.replicas_needed_ratio_vs_best_ray_router", "<= 0.7", "the replicas the better Ray router needs for the SLO"),
+    Headline("fleet", "fleet.workloads.shift.replicas_needed_ratio_vs_best_ray_router", "<= 0.7", "the replicas the better Ray router needs for the SLO"),
     Headline("fleet", "fleet.workloads.zipf.placement_miss_rate.affinity", "<= 0.05", "placements the router predicted warm that read from the store"),
     Headline("fleet", "fleet.validation.p99_ttft_error", "<= 0.25", "a real run of the same workload"),
     Headline("fleet", "fleet.validation.loads_error", "<= 0.10", "a real run of the same workload"),

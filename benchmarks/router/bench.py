@@ -37,8 +37,9 @@ is the median over the repetitions, every ratio also its 90% bootstrap interval
 Wall time of `--quick` on a quiet 2-core machine, from the last single run (8 s windows:
 a run took ~9.7 s with its counters, a workload's three warm-ups ~12 s, three apps ~5 s
 each to start): per repetition 3 x (6 runs + warm-ups) + failover (3 x ~26 s + warm-ups)
-~ 300 s, two repetitions ~ 600 s, 9 app sets started and deleted ~ 90 s, assets, costs and
-Ray ~ 25 s, then the fairness and prefix sections ~ 150 s: ~ 14-15 minutes.
+~ 300 s, two repetitions ~ 600 s, 9 app sets (8 workloads' and the capacity burst's)
+started together and deleted ~ 15 s each, assets, costs and Ray ~ 25 s, then the fairness
+and prefix sections ~ 150 s: ~ 15 minutes.
 
 Before the runs one engine of the replicas' configuration measures (benchmarks/router/costs.py)
 the costs the affinity router is told and the unloaded TTFT (a request alone on an idle

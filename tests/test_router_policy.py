@@ -644,7 +644,8 @@ def test_a_cold_adapter_goes_home_unless_its_wait_exceeds_the_least_by_a_store_r
     """Stage 2 (cold_walk_reads = 1): with busy_cost_s > 0 every queue length makes a
     different TTFT, but a cold adapter goes to its walk home while the home's wait is
     within one store read (200 ms) of the least loaded replica's, and spills down its walk
-    past that. Off, it goes to the shortest queue: its home one time in eight, by chance."""
+    past that (the default). Off, it goes to the shortest queue: its home one time in
+    eight, by chance."""
     p = policy(
         load_cost_s=0.2,
         host_load_cost_s=0.0,
@@ -660,8 +661,15 @@ def test_a_cold_adapter_goes_home_unless_its_wait_exceeds_the_least_by_a_store_r
         assert p.choose(adapter, [replica(rid, queue=queues[rid]) for rid in ids])[0] == walk[0]
         queues = {rid: 25 if rid == walk[0] else 0 for rid in ids}  # 250 ms > one read
         assert p.choose(adapter, [replica(rid, queue=queues[rid]) for rid in ids])[0] == walk[1]
-    # Off (the default), the least TTFT takes it.
-    off = policy(load_cost_s=0.2, host_load_cost_s=0.0, busy_cost_s=0.01, bounded_adapters_c=100)
+    assert AffinityConfig().cold_walk_reads == 1.0  # on by default
+    # Off, the least TTFT takes it.
+    off = policy(
+        load_cost_s=0.2,
+        host_load_cost_s=0.0,
+        busy_cost_s=0.01,
+        bounded_adapters_c=100,
+        cold_walk_reads=0.0,
+    )
     queues = {rid: 0 if rid == walk[3] else 1 for rid in ids}
     assert off.choose(adapter, [replica(rid, queue=queues[rid]) for rid in ids])[0] == walk[3]
     # Within the load bound (6 < ceil(1.25 * 42 / 8) = 7), 250 ms more wait at home: past

@@ -1,6 +1,7 @@
 """The benches' figures over repetitions (benchmarks/report.py): the median, and each ratio's
 90% bootstrap interval, against the exact bootstrap distribution of a median worked out
-with the binomial law, and the merge of a bench's nested figures."""
+with the binomial law, and the merge of a bench's nested figures; and the search for the
+fewest replicas holding the SLO (benchmarks/goodput.py) against a threshold."""
 
 from __future__ import annotations
 

@@ -149,13 +149,13 @@ class AffinityConfig:
         "evicted it).",
     )
     cold_walk_reads: float = Field(
-        1.0,
+        0.0,
         ge=0,
         le=100,
         description="A cold adapter goes to the first replica on its walk, within the load "
         "bound, whose TTFT is within this many store reads of the least such replica's; 0: "
-        "to the least TTFT (measured in the fleet simulator over 3 seeds: 1 raised shift's "
-        "goodput 13%, zipf's -1.5% and hot's +0.2%, medians).",
+        "to the least TTFT (measured in the fleet simulator over 5 seeds: 1 helped shift on "
+        "3, hurt zipf on 3 and hot on all 5, by 1-4%).",
     )
     seed: int = Field(0, ge=0, le=2**63 - 1, description="Seeds tie-breaks between replicas.")
 
@@ -477,7 +477,7 @@ class AffinityPolicy:
         read: float,
         capacity: int,
     ) -> None:
-        """Stage 2 of the decision (cold_walk_reads > 0, on by default): among the fresh replicas
+        """Stage 2 of the decision (with cold_walk_reads > 0): among the fresh replicas
         below the load bound that would read the adapter from the store (COLD, CROWDED, no
         host copy), those whose TTFT is within cold_walk_reads store reads (the replicas'
         measured read time, pooled, or the configured one) of the least are levelled to the
@@ -490,10 +490,12 @@ class AffinityPolicy:
         Before replicas published their queued prefill tokens it hurt shift (p99 0.371 ->
         0.662 s in the fleet simulator): adapters that turn hot share a walk home, and the
         wait model priced that home at 54 of 64 slots at 27 ms where its prefills queued
-        for ~0.8 s. With them priced (`_wait_s`), affinity's goodput at the quick fleet
-        shape (8 x H100/7B, 1,500 adapters, seeds 0-2, req/s) went: shift 60.4 / 71.0 /
-        66.6 -> 63.6 / 75.4 / 75.3, zipf 75.8 / 79.7 / 78.3 -> 79.3 / 77.1 / 75.6, hot
-        84.1 / 80.5 / 82.0 -> 83.5 / 80.6 / 82.2."""
+        for ~0.8 s. With them priced (`_wait_s`) it is still off: at the quick fleet shape
+        (8 x H100/7B, 1,500 adapters) affinity's goodput over seeds 0-2 (req/s) went shift
+        60.4 / 71.0 / 66.6 -> 63.6 / 75.4 / 75.3, zipf 75.8 / 79.7 / 78.3 -> 79.3 / 77.1 /
+        75.6, hot 84.1 / 80.5 / 82.0 -> 83.5 / 80.6 / 82.2, and on the bench's own two
+        seeds (with the pricing) shift 61.8 / 69.6 -> 60.8 / 65.2, hot 85.5 / 82.3 -> 83.5
+        / 81.6: not better over the seeds."""
         if self.config.cold_walk_reads == 0:
             return
         by_id = {r.replica_id: r for r in replicas}

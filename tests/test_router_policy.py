@@ -644,7 +644,7 @@ def test_a_cold_adapter_goes_home_unless_its_wait_exceeds_the_least_by_a_store_r
     """Stage 2 (cold_walk_reads = 1): with busy_cost_s > 0 every queue length makes a
     different TTFT, but a cold adapter goes to its walk home while the home's wait is
     within one store read (200 ms) of the least loaded replica's, and spills down its walk
-    past that (the default). Off, it goes to the shortest queue: its home one time in
+    past that. Off (the default), it goes to the shortest queue: its home one time in
     eight, by chance."""
     p = policy(
         load_cost_s=0.2,
@@ -661,7 +661,6 @@ def test_a_cold_adapter_goes_home_unless_its_wait_exceeds_the_least_by_a_store_r
         assert p.choose(adapter, [replica(rid, queue=queues[rid]) for rid in ids])[0] == walk[0]
         queues = {rid: 25 if rid == walk[0] else 0 for rid in ids}  # 250 ms > one read
         assert p.choose(adapter, [replica(rid, queue=queues[rid]) for rid in ids])[0] == walk[1]
-    assert AffinityConfig().cold_walk_reads == 1.0  # on by default
     # Off, the least TTFT takes it.
     off = policy(
         load_cost_s=0.2,

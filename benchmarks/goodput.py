@@ -5,11 +5,13 @@ and the goodput figure."""
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from loraplex.benchmarks.report import over_repetitions
 
 RAY_ROUTERS = ("pow2", "multiplex")
 SLO_FACTOR = 5.0  # the SLO is 5x the unloaded TTFT
@@ -49,7 +51,8 @@ def comparison(
     """The keys every router bench reports per workload, from each router's
     `goodput_at_slo_rps` and its `at_reference` figures (`load_seconds`, and device loads and
     store reads under the names `loads` and `reads`); floors over `distinct` adapters
-    requested, or each run's own `distinct_adapters` when not given."""
+    requested, or each run's own `distinct_adapters` when not given; and affinity's store
+    reads over multiplexing's (`reads_ratio_vs_multiplex`)."""
     good = {r: f["goodput_at_slo_rps"] for r, f in routers.items()}
     at = {r: f["at_reference"] for r, f in routers.items()}
     floor = {
@@ -64,9 +67,51 @@ def comparison(
         ),
         "loads": {r: a[loads] for r, a in at.items()},
         "reads": {r: a[reads] for r, a in at.items()},
+        "reads_ratio_vs_multiplex": _ratio(at, "affinity", "multiplex", reads),
         "loads_vs_floor": {r: a[loads] / floor[r] for r, a in at.items()},
         "reads_vs_floor": {r: a[reads] / floor[r] for r, a in at.items()},
     }
+
+
+def fewest_replicas(holds: Callable[[int], bool], start: int, most: int) -> int | None:
+    """The fewest replicas n in [1, most] for which `holds(n)` (the SLO held with n), found
+    by doubling from `start` until it holds, then bisecting; None if `most` does not hold.
+    Holding is taken to be monotone in n (more replicas never hurt)."""
+    assert 1 <= start <= most
+    lo, hi, n = 0, None, start  # lo: known not to hold (0: none), hi: known to hold
+    while hi is None:
+        if holds(n):
+            hi = n
+        elif n == most:
+            return None
+        else:
+            lo, n = n, min(2 * n, most)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if holds(mid):
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def _ratio(at: Mapping[str, Mapping[str, Any]], ours: str, theirs: str, key: str) -> float | None:
+    """`ours`'s figure over `theirs`'s; None where either router did not run or both are 0."""
+    if ours not in at or theirs not in at:
+        return None
+    a, b = at[ours][key], at[theirs][key]
+    if b == 0:
+        return None if a == 0 else math.inf
+    return a / b
+
+
+def repeated(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """One workload's figures over the bench's repetitions (`report.over_repetitions`:
+    medians, and each ratio's 90% bootstrap interval beside it), and under `repetitions`
+    each repetition's own, less its per-router detail."""
+    merged = over_repetitions([{k: v for k, v in r.items() if k != "router_order"} for r in reps])
+    merged["repetitions"] = [{k: v for k, v in r.items() if k != "routers"} for r in reps]
+    return merged
 
 
 def recovery_s(

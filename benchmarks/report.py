@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 # when the bench began (this module is imported as it starts): the run's metadata
 _STARTED = (datetime.datetime.now(datetime.UTC), os.getloadavg())
 
@@ -59,3 +61,57 @@ def write_json(path: Path | None, results: dict) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2, allow_nan=False) + "\n")
     log(f"wrote {path}")
+
+
+def median_interval(
+    values: list[float], level: float = 0.9, resamples: int = 10_000
+) -> tuple[float, float, float]:
+    """The median of `values` (one per repetition) and its `level` bootstrap interval: the
+    medians of `resamples` draws of as many values with replacement, their (1 - level) / 2
+    and (1 + level) / 2 quantiles taken at an order statistic (no interpolation, so an
+    infinite ratio stays infinite). Seeded: the same values give the same interval. With 2
+    or 3 repetitions the interval is their range (a draw of all the smallest is not rare)."""
+    x = np.asarray(values, dtype=float)
+    assert x.ndim == 1 and len(x) > 0 and not np.isnan(x).any(), values
+    draws = np.median(x[np.random.default_rng(0).integers(0, len(x), (resamples, len(x)))], axis=1)
+    tail = (1.0 - level) / 2
+    return (
+        float(np.median(x)),
+        float(np.quantile(draws, tail, method="lower")),
+        float(np.quantile(draws, 1.0 - tail, method="higher")),
+    )
+
+
+def over_repetitions(reps: list[Any]) -> Any:
+    """Figures of the same shape from each repetition, as one: a number is the median over
+    the repetitions that have one (None where none has); beside every ratio (a key with
+    "ratio" in its name) its 90% bootstrap interval as `<key>_ci_low` and `<key>_ci_high`;
+    dicts by key and lists of one length by position; anything else the repetitions'
+    common value, or the list of each repetition's where they differ."""
+    first = reps[0]
+    if all(isinstance(r, dict) for r in reps):
+        out: dict[str, Any] = {}
+        for k in dict.fromkeys(k for r in reps for k in r):
+            have = [r[k] for r in reps if k in r]
+            out[k] = over_repetitions(have)
+            if "ratio" in k and _numbers(have):
+                values = [v for v in have if v is not None]
+                out[k], out[f"{k}_ci_low"], out[f"{k}_ci_high"] = median_interval(values)
+        return out
+    if all(isinstance(r, list) for r in reps) and len({len(r) for r in reps}) == 1:
+        return [over_repetitions(list(column)) for column in zip(*reps, strict=True)]
+    if _numbers(reps):
+        values = [v for v in reps if v is not None]
+        if not values:
+            return None
+        median = float(np.median(values))
+        whole = all(isinstance(v, int) for v in values) and median.is_integer()
+        return int(median) if whole else median
+    return first if all(r == first for r in reps) else list(reps)
+
+
+def _numbers(values: list[Any]) -> bool:
+    """Numbers or None, not all None, no bools."""
+    return any(v is not None for v in values) and all(
+        v is None or (isinstance(v, int | float) and not isinstance(v, bool)) for v in values
+    )

@@ -457,6 +457,7 @@ class LLMEngine:
                 **{f: getattr(self.adapters.stats, f) for f in self.adapters.stats.__slots__},
             },
             "waiting": len(self.scheduler.policy),
+            "queued_prefill_tokens": queued_prefill_tokens(self.scheduler),
             "policy": self.scheduler.policy.name,
             "running": len(self.scheduler.running),
             "preemptions": self.scheduler.num_preemptions,
@@ -475,6 +476,16 @@ class LLMEngine:
                 },
             },
         }
+
+
+def queued_prefill_tokens(scheduler: Scheduler) -> int:
+    """Prompt tokens the scheduler has yet to prefill: the waiting requests' and what is left
+    of the running ones' (a prefill in chunks). A new request's prefill queues behind them
+    under FIFO (the router prices them, router/policy.py `wait`)."""
+    return sum(
+        max(0, len(seq.prompt_ids) - seq.num_computed)
+        for seq in (*scheduler.policy.waiting(), *scheduler.running)
+    )
 
 
 def _final(seq: Sequence) -> RequestOutput:

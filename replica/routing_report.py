@@ -101,6 +101,7 @@ def routing_stats(
         "host_adapters": tiers["host"],
         "loading_adapters": tiers["loading"],
         "queue_len": in_flight,
+        "queued_prefill_tokens": stats["queued_prefill_tokens"],
         "max_concurrency": max_concurrency,
         "free_pages": stats["pool"]["free_pages"],
         "num_pages": stats["pool"]["num_pages"],

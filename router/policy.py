@@ -124,7 +124,8 @@ class AffinityConfig:
         ge=0,
         le=1,
         description="Prefill time per prompt token, seconds: what each token found in a "
-        "replica's prefix cache saves (replicas' measurements replace it as for busy_cost_s).",
+        "replica's prefix cache saves, and what each token its engine has yet to prefill adds "
+        "to a new request's wait (replicas' measurements replace it as for busy_cost_s).",
     )
     prefix_blocks: int = Field(
         128,
@@ -153,7 +154,8 @@ class AffinityConfig:
         le=100,
         description="A cold adapter goes to the first replica on its walk, within the load "
         "bound, whose TTFT is within this many store reads of the least such replica's; 0: "
-        "to the least TTFT (measured: 1 helped hot and hurt shift in the fleet simulator).",
+        "to the least TTFT (measured in the fleet simulator over 5 seeds: 1 helped shift on "
+        "3, hurt zipf on 3 and hot on all 5, by 1-4%).",
     )
     seed: int = Field(0, ge=0, le=2**63 - 1, description="Seeds tie-breaks between replicas.")
 
@@ -183,12 +185,15 @@ class AffinityPolicy:
 
         wait(r)  = max(0, queue_len - max_concurrency + 1) / max_concurrency * request_time_s
                    + queue_len * busy_cost_s
+                   + queued_prefill_tokens * prefill_token_cost_s
                    (seconds until a batch slot frees: slots free at max_concurrency per
                    request_time_s; 0 while one is free, since continuous batching admits
                    at the next step. busy_cost_s is what each request already there adds
                    to the steps a new one waits through: about 0 on a GPU, whose decode
                    step time hardly grows with the batch, but a compute-bound CPU step
-                   grows with every sequence in it)
+                   grows with every sequence in it. The prompt tokens r's engine has yet
+                   to prefill come first: a replica that just took a burst of long prompts
+                   has a free slot and a short queue, and its prefills still take seconds)
         reads(r) = store reads queued on r: adapters it is loading that it holds neither
                    on the device nor in the host tier, and those this router sent it since
                    its stats that it held nowhere (a replica reads one adapter after
@@ -357,20 +362,24 @@ class AffinityPolicy:
             return []
         with self._lock:
             busy = self._pooled([r.busy_cost_s for r in replicas], self.config.busy_cost_s)
-            saved = self._prefill_saved(replicas, prefix)
+            per_token = self._pooled(
+                [r.prefill_token_cost_s for r in replicas], self.config.prefill_token_cost_s
+            )
+            wait = {r.replica_id: self._wait_s(r, busy, per_token) for r in replicas}
+            saved = self._prefill_saved(replicas, prefix, per_token)
             if adapter is None:
                 return [
                     r.replica_id
-                    for r in sorted(replicas, key=lambda r: self._base_key(r, busy, saved))
+                    for r in sorted(replicas, key=lambda r: self._base_key(r, wait, saved))
                 ]
-            return self._choose(adapter, replicas, ids, busy, saved)
+            return self._choose(adapter, replicas, ids, wait, saved)
 
     def _choose(
         self,
         adapter: str,
         replicas: Sequence[ReplicaStats],
         ids: tuple[str, ...],
-        busy: float,
+        wait: dict[str, float],
         saved: dict[str, float],
     ) -> list[str]:
         c = self.config
@@ -439,7 +448,7 @@ class AffinityPolicy:
 
         affinities = {r.replica_id: affinity(r) for r in replicas}
         ttft = {
-            r.replica_id: self._wait_s(r, busy)
+            r.replica_id: wait[r.replica_id]
             + load_s(r, affinities[r.replica_id])
             - saved.get(r.replica_id, 0.0)
             for r in replicas
@@ -478,11 +487,15 @@ class AffinityPolicy:
         request adds (busy_cost_s, or a batch slot's share of request_time_s once the batch
         is full). Without it any busy_cost_s > 0 sends a cold adapter to the shortest queue.
 
-        Off by default: in the fleet simulator (--quick, reference rate) it cut hot's p99
-        TTFT from 0.456 to 0.344 s but raised shift's from 0.371 to 0.662 s: adapters that
-        turn hot share a walk home, and their holder then takes their requests because the
-        wait model (busy_cost_s per request, a slot share past a full batch) prices a home
-        at 54 of 64 slots at 27 ms where its prefills queue for ~0.8 s."""
+        Before replicas published their queued prefill tokens it hurt shift (p99 0.371 ->
+        0.662 s in the fleet simulator): adapters that turn hot share a walk home, and the
+        wait model priced that home at 54 of 64 slots at 27 ms where its prefills queued
+        for ~0.8 s. With them priced (`_wait_s`) it is still off: at the quick fleet shape
+        (8 x H100/7B, 1,500 adapters) affinity's goodput over seeds 0-2 (req/s) went shift
+        60.4 / 71.0 / 66.6 -> 63.6 / 75.4 / 75.3, zipf 75.8 / 79.7 / 78.3 -> 79.3 / 77.1 /
+        75.6, hot 84.1 / 80.5 / 82.0 -> 83.5 / 80.6 / 82.2, and on the bench's own two
+        seeds (with the pricing) shift 61.8 / 69.6 -> 60.8 / 65.2, hot 85.5 / 82.3 -> 83.5
+        / 81.6: not better over the seeds."""
         if self.config.cold_walk_reads == 0:
             return
         by_id = {r.replica_id: r for r in replicas}
@@ -553,7 +566,7 @@ class AffinityPolicy:
         return frozenset(homes)
 
     def _prefill_saved(
-        self, replicas: Sequence[ReplicaStats], prefix: Sequence[bytes]
+        self, replicas: Sequence[ReplicaStats], prefix: Sequence[bytes], per_token: float
     ) -> dict[str, float]:
         """saved(r) for the replicas that match some of `prefix`."""
         prefix = prefix[: self.config.prefix_blocks]
@@ -565,9 +578,6 @@ class AffinityPolicy:
         matched = self.prefixes.matched(prefix, (r.replica_id for r in replicas), self.clock())
         if not matched:
             return {}
-        per_token = self._pooled(
-            [r.prefill_token_cost_s for r in replicas], self.config.prefill_token_cost_s
-        )
         blocks = {r.replica_id: r.prefix_block_size for r in replicas}
         return {rid: n * blocks[rid] * per_token for rid, n in matched.items()}
 
@@ -600,10 +610,11 @@ class AffinityPolicy:
         at = self._placed.get(r.replica_id, {}).get(adapter)
         return at is not None and at > now - r.stats_age_s
 
-    def _wait_s(self, r: ReplicaStats, busy_cost_s: float) -> float:
+    def _wait_s(self, r: ReplicaStats, busy_cost_s: float, prefill_token_cost_s: float) -> float:
         queued_behind = max(0, r.queue_len - r.max_concurrency + 1)
         slot = queued_behind / r.max_concurrency * self.config.request_time_s
-        return slot + r.queue_len * busy_cost_s
+        prefills = r.queued_prefill_tokens * prefill_token_cost_s
+        return slot + r.queue_len * busy_cost_s + prefills
 
     def _pooled(self, published: Sequence[float | None], configured: float) -> float:
         """The mean of the replicas' measured costs, or the configured cost."""
@@ -615,7 +626,7 @@ class AffinityPolicy:
     def _stale(self, r: ReplicaStats) -> bool:
         return r.stats_age_s > self.config.stale_after_s
 
-    def _base_key(self, r: ReplicaStats, busy_cost_s: float, saved: dict[str, float]) -> tuple:
+    def _base_key(self, r: ReplicaStats, wait: dict[str, float], saved: dict[str, float]) -> tuple:
         utilisation = r.queue_len / r.max_concurrency
-        cost = self._wait_s(r, busy_cost_s) - saved.get(r.replica_id, 0.0)
+        cost = wait[r.replica_id] - saved.get(r.replica_id, 0.0)
         return (self._stale(r), cost, utilisation, -r.free_pages, self._rng.random())

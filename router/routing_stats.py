@@ -12,6 +12,8 @@ not published yet is routable:
     queue_len         int        requests the replica holds (waiting for a read, queued,
                                  running)
     adapter_queue     dict[str, int]  those requests per adapter (optional)
+    queued_prefill_tokens int    prompt tokens its engine has yet to prefill (waiting
+                                 requests', and what is left of running ones'; optional)
     store_reads_queued int       store reads in flight: loading adapters without a host copy
     store_read_s      float      measured: mean time of one store read (optional)
     read_queue_s      float      when the reads in flight are expected to be done, seconds
@@ -46,6 +48,7 @@ class RoutingStats(TypedDict, total=False):
     loading_adapters: list[str]
     queue_len: int
     adapter_queue: dict[str, int]
+    queued_prefill_tokens: int
     store_reads_queued: int
     store_read_s: float
     read_queue_s: float
@@ -74,15 +77,22 @@ class ReplicaStats:
     prefix_block_size: int = 0  # 0: no prefix cache
     prefix_share_base: bool = False
     adapter_queue: Mapping[str, int] = field(default_factory=dict)  # requests per adapter
+    queued_prefill_tokens: int = 0
     store_reads_queued: int = 0
     store_read_s: float | None = None  # measured by the replica; None: not yet
     read_queue_s: float = 0.0
 
     def __post_init__(self):
-        if self.queue_len < 0 or self.max_concurrency < 1 or not self.stats_age_s >= 0:
+        if (
+            self.queue_len < 0
+            or self.queued_prefill_tokens < 0
+            or self.max_concurrency < 1
+            or not self.stats_age_s >= 0
+        ):
             raise ValueError(
-                f"replica {self.replica_id!r}: need queue_len >= 0, max_concurrency >= 1 and "
-                f"stats_age_s >= 0, got {self.queue_len}, {self.max_concurrency}, {self.stats_age_s}"
+                f"replica {self.replica_id!r}: need queue_len >= 0, queued_prefill_tokens >= 0, "
+                f"max_concurrency >= 1 and stats_age_s >= 0, got {self.queue_len}, "
+                f"{self.queued_prefill_tokens}, {self.max_concurrency}, {self.stats_age_s}"
             )
         if self.prefix_block_size < 0:
             raise ValueError(f"replica {self.replica_id!r}: prefix_block_size must be >= 0")
@@ -110,6 +120,7 @@ class ReplicaStats:
             prefix_block_size=int(stats.get("prefix_block_size") or 0),
             prefix_share_base=bool(stats.get("prefix_share_base")),
             adapter_queue=dict(stats.get("adapter_queue") or {}),
+            queued_prefill_tokens=int(stats.get("queued_prefill_tokens") or 0),
             store_reads_queued=int(stats.get("store_reads_queued") or 0),
             store_read_s=_optional_float(stats.get("store_read_s")),
             read_queue_s=float(stats.get("read_queue_s") or 0.0),

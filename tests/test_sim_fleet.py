@@ -174,13 +174,18 @@ def test_bench_fleet_reports_every_key_on_a_tiny_shape():
         reference_factor=0.3,
         scale_points=((2, 20),),
         scale_window_s=2.0,
+        repeats=2,
     )
     out = bench_fleet.measure(tiny, None)
     for name in fw.WORKLOADS:
         w = out["workloads"][name]
         for key in (
             "goodput_ratio_vs_best_ray_router",
+            "goodput_ratio_vs_best_ray_router_ci_low",
+            "goodput_ratio_vs_best_ray_router_ci_high",
             "load_seconds_ratio_vs_best_ray_router",
+            "load_seconds_ratio_vs_best_ray_router_ci_low",
+            "reads_ratio_vs_multiplex",
             "loads_vs_floor",
             "slo_s",
             "goodput_rps",
@@ -190,9 +195,30 @@ def test_bench_fleet_reports_every_key_on_a_tiny_shape():
         ):
             assert key in w, (name, key)
         assert set(w["routers"]) == set(ROUTERS)
+        # each repetition is its own seed: its own stream, so its own figures
+        first, second = w["repetitions"]
+        assert first["goodput_rps"] != second["goodput_rps"] or first["reads"] != second["reads"]
+        ratios = [r["goodput_ratio_vs_best_ray_router"] for r in w["repetitions"]]
+        if None not in ratios:
+            low, high = min(ratios), max(ratios)
+            assert w["goodput_ratio_vs_best_ray_router_ci_low"] == low, name
+            assert w["goodput_ratio_vs_best_ray_router_ci_high"] == high, name
+    for name in bench_fleet.REPLICAS_NEEDED_WORKLOADS:
+        w = out["workloads"][name]
+        assert set(w["replicas_needed"]) == set(ROUTERS)
+        assert "replicas_needed_ratio_vs_best_ray_router_ci_low" in w
+        for rep in w["repetitions"]:
+            needed = rep["replicas_needed"]
+            assert all(n is None or 1 <= n <= 4 * tiny.replicas for n in needed.values())
+            ray = [needed[r] for r in ("pow2", "multiplex") if needed[r] is not None]
+            if needed["affinity"] is not None and ray:
+                ratio = rep["replicas_needed_ratio_vs_best_ray_router"]
+                assert ratio == needed["affinity"] / min(ray), (name, needed)
     fail = out["workloads"]["failover"]
     assert fail["requests_lost"] == 0 and set(fail["streams_failed"]) == set(ROUTERS)
+    assert out["repeats"] == 2
     assert out["scale"]["points"][0]["replicas"] == 2
+    assert "p99_ratio_best_ray_over_affinity_ci_low" in out["scale"]["points"][0]
     assert "synthetic" in read_trace(None).source  # the stated stand-in without a trace
 
 

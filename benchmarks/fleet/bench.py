@@ -3,18 +3,22 @@ the fleet simulator (benchmarks/sim/fleet.py), and the simulator checked against
 
 Fleet (stated values, FULL / QUICK):
     profile      H100 SXM5 80GB + Llama-2-7B fp16 (benchmarks/sim/profiles.py `gpu_profile`)
-    replicas     16 / 8; adapters 2,000 / 500, ranks 8-128 in equal shares, on q/k/v/o
+    replicas     16 / 8; adapters 2,000 / 1,500 (194 / 145 GiB: more than one replica's
+                 host tier holds, less than the fleet's), ranks 8-128 in equal shares, on
+                 q/k/v/o
     engine       max_num_seqs 64, 4,096 batched tokens, 32 adapters per batch, FIFO,
                  Chameleon eviction, copies beside the compute
     host tier    64 GiB per replica (LRU beyond it, read again from the store); multiplex
                  max_num_models_per_replica = what 64 GiB holds of mean-size adapters
-    store        artifact reads at 1 GiB/s after 20 ms (a network store per replica)
+    store        artifact reads at 400 MiB/s after 50 ms (an object store per replica: a
+                 mean adapter in 0.3 s)
     Serve        max_ongoing_requests 128 (2 x the batch) for all routers; routing stats
                  every 1 s; model ids pushed every 0.1 s, at the router 0.05 s later
     affinity     its costs from the profile and store, as replicas would measure them: a
                  cold load is a mean adapter's read and copy, a host load the copy;
                  busy_cost_s 2 x what one more decode row adds to a step of 32 at the
-                 trace's mean context; request_time_s = max_num_seqs / one replica's
+                 trace's mean context; prefill_token_cost_s a full prefill step's time
+                 per token (what a replica's queued prompt tokens cost); request_time_s = max_num_seqs / one replica's
                  throughput (how long a request holds a slot of a full batch);
                  max_homes_per_adapter = replicas
     requests     the Azure conversation trace's lengths (output capped at 1,024) and
@@ -22,7 +26,7 @@ Fleet (stated values, FULL / QUICK):
 
 Capacity: one replica's throughput under overload (base-model requests of the same lengths)
 times the replicas; offered rates are fractions of it. Each run starts from a warm fleet:
-first a warm-up stream of the workload's adapter picks (8 / 6 per adapter, 16-token
+first a warm-up stream of the workload's adapter picks (8 / 4 per adapter, 16-token
 prompts, 1 output token) at the same rate through the same router, then the measured
 window (60 s / 20 s); only the window's requests and loads are reported.
 
@@ -43,10 +47,20 @@ within it (benchmarks/goodput.py). Per workload (benchmarks/fleet/workloads.py):
     on that replica's device or host tier, the share that waited for a store read; None
     for power of two, which has no view), distinct_adapters_held (on the devices and host
     tiers at the end of the run)
+    zipf and shift: replicas_needed_ratio_vs_best_ray_router, the fewest replicas whose p99
+    TTFT holds the SLO at the reference rate (an offered load of reference_factor x the
+    fleet's capacity, `replicas_needed_rate_rps`), found by doubling then bisecting on the
+    reference run's stream, affinity's / the better Ray router's (`replicas_needed` per
+    router; None: not even 4 x the fleet)
     failover: recovery_s (the kill until p99 TTFT of every later 5 s window is within the
     SLO), streams_failed (0: begun streams resume elsewhere), streams_resumed, requests_lost
     (0: requests without a first token are retried)
 Scale sweep: zipf at the reference rate for 8..64 replicas and 500..10,000 adapters.
+
+Repetitions (3 / 2): the whole bench again on other seeds (arrivals, lengths, adapter picks
+and the popularity order; the simulator is deterministic per seed). Every figure is the
+median over them, every ratio also its 90% bootstrap interval (`<key>_ci_low`,
+`<key>_ci_high`, benchmarks/report.py `over_repetitions`); `repetitions` holds each one's.
 """
 
 from __future__ import annotations
@@ -68,16 +82,18 @@ from loraplex.benchmarks.fleet.report import print_table, print_validation, titl
 from loraplex.benchmarks.goodput import (
     SLO_FACTOR,
     comparison,
+    fewest_replicas,
     goodput,
     plot_goodput,
     ratio_vs_best_ray,
     recovery_s,
+    repeated,
     within_slo_rps,
 )
-from loraplex.benchmarks.report import log, write_json
+from loraplex.benchmarks.report import log, over_repetitions, write_json
 from loraplex.benchmarks.sim.fleet import ROUTERS, FleetRun, FleetSetup, simulate_fleet
 from loraplex.benchmarks.sim.fleet_replica import StoreModel
-from loraplex.benchmarks.sim.profiles import GiB, StepLoad, gpu_profile
+from loraplex.benchmarks.sim.profiles import GiB, MiB, StepLoad, gpu_profile
 from loraplex.benchmarks.sim.replica import System
 from loraplex.benchmarks.sim.run import simulate
 from loraplex.benchmarks.sim.workload import AdapterSpec, SimRequest, Trace, read_trace
@@ -87,9 +103,12 @@ from loraplex.router.policy import AffinityConfig
 
 SCHED = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096, max_loras_per_batch=32)
 HOST_BYTES = 64 * GiB
-STORE = StoreModel(bytes_per_s=float(GiB), latency_s=0.02)
+# an object store read per replica: a mean adapter (99 MiB) in 0.3 s, rank 8 in 0.09 s,
+# rank 128 in 0.69 s (the issue's regime: reads of 200-500 ms)
+STORE = StoreModel(bytes_per_s=400.0 * MiB, latency_s=0.05)
 MAX_TOKENS = 1024
 RECOVERY_WINDOW_S = 5.0
+REPLICAS_NEEDED_WORKLOADS = ("zipf", "shift")
 KILL_REPLACE_S = 30.0  # Serve starts the replacement; a 7B replica loads in about that
 
 
@@ -103,6 +122,7 @@ class FleetShape:
     reference_factor: float  # one of rate_factors: loads, load seconds and failover
     scale_points: tuple[tuple[int, int], ...]  # (replicas, adapters)
     scale_window_s: float
+    repeats: int  # each a different seed (the simulator is deterministic per seed)
     profile: tuple[str, str] = ("h100", "llama2-7b")
 
 
@@ -115,16 +135,18 @@ FULL = FleetShape(
     reference_factor=0.65,
     scale_points=((8, 500), (16, 2000), (32, 5000), (64, 10000)),
     scale_window_s=30.0,
+    repeats=3,
 )
 QUICK = FleetShape(
     replicas=8,
-    adapters=500,
+    adapters=1500,  # 145 GiB: 2.3 x one replica's host tier, 0.28 x the fleet's
     window_s=15.0,
-    warmup_per_adapter=6,
+    warmup_per_adapter=4,
     rate_factors=(0.3, 0.6, 0.9, 1.05),
     reference_factor=0.6,
-    scale_points=((8, 500), (16, 1000)),
+    scale_points=((8, 1500), (16, 3000)),
     scale_window_s=10.0,
+    repeats=2,
 )
 
 
@@ -136,6 +158,7 @@ class Fleet:
     trace: Trace
     capacity_per_replica: float  # requests/s
     busy_cost_s: float  # TTFT one more running request adds
+    prefill_token_cost_s: float  # a full prefill step's time per token
     shape: FleetShape
 
     @property
@@ -151,6 +174,7 @@ class Fleet:
             host_load_cost_s=copy,
             request_time_s=self.request_time_s,
             busy_cost_s=self.busy_cost_s,
+            prefill_token_cost_s=self.prefill_token_cost_s,
             max_homes_per_adapter=replicas,
             use_measured_costs=False,
         )
@@ -168,20 +192,29 @@ class Fleet:
         )
 
     def requests(
-        self, workload: str, adapters: list[AdapterSpec], rate: float, window_s: float, seed: int
+        self,
+        workload: str,
+        adapters: list[AdapterSpec],
+        rate: float,
+        window_s: float,
+        seed: int,
+        repetition: int = 0,
     ) -> tuple[list[SimRequest], int]:
-        """The warm-up stream then the measured window; the first measured rid."""
+        """The warm-up stream then the measured window; the first measured rid. Each
+        repetition draws its own popularity order (which adapters, of which sizes, are hot)."""
         names = [a.name for a in adapters]
         warm_n = int(self.shape.warmup_per_adapter * len(adapters))
         popularity = "zipf" if workload in ("shift", "failover") else workload
-        warm = fw.requests(
-            popularity, names, warm_n, rate, fw.Lengths(prompt=(16, 16), output=(1, 1)), seed + 1
-        )
+        order = {"popularity_seed": repetition}
+        warm_lengths = fw.Lengths(prompt=(16, 16), output=(1, 1))
+        warm = fw.requests(popularity, names, warm_n, rate, warm_lengths, seed + 1, **order)
         start = warm[-1].arrival + 1.0
         n = max(1, round(rate * window_s))
         trace = self.trace if n <= len(self.trace.timestamps) else None
         lengths = fw.Lengths(trace=self.trace, max_tokens=MAX_TOKENS)
-        measured = fw.requests(workload, names, n, rate, lengths, seed, arrivals_trace=trace)
+        measured = fw.requests(
+            workload, names, n, rate, lengths, seed, arrivals_trace=trace, **order
+        )
         measured = [
             dataclasses.replace(r, rid=warm_n + r.rid, arrival=start + r.arrival) for r in measured
         ]
@@ -246,10 +279,13 @@ def measure(shape: FleetShape, trace_path: Path | None = None) -> dict[str, Any]
         f"cost {fleet.busy_cost_s * 1e3:.2f} ms; "
         f"trace {fleet.trace.source}"
     )
-    workloads: dict[str, Any] = {}
-    for workload in fw.WORKLOADS:
-        slo = workloads["zipf"]["slo_s"] if workload == "failover" else None
-        workloads[workload] = sweep(fleet, workload, adapters, slo)
+    reps: list[dict[str, Any]] = []
+    for rep in range(shape.repeats):
+        workloads: dict[str, Any] = {}
+        for workload in fw.WORKLOADS:
+            slo = workloads["zipf"]["slo_s"] if workload == "failover" else None
+            workloads[workload] = sweep(fleet, workload, adapters, slo, rep)
+        reps.append(workloads)
     return {
         "profile": fleet.profile.name,
         "profile_source": fleet.profile.source,
@@ -258,12 +294,14 @@ def measure(shape: FleetShape, trace_path: Path | None = None) -> dict[str, Any]
         "capacity_rps": fleet.capacity_per_replica * shape.replicas,
         "request_time_s": fleet.request_time_s,
         "busy_cost_s": fleet.busy_cost_s,
+        "prefill_token_cost_s": fleet.prefill_token_cost_s,
         "store": dataclasses.asdict(STORE),
         "host_bytes_per_replica": HOST_BYTES,
         "window_s": shape.window_s,
         "trace": fleet.trace.source,
-        "workloads": workloads,
-        "scale": scale_sweep(fleet),
+        "repeats": shape.repeats,
+        "workloads": {w: repeated([rep[w] for rep in reps]) for w in fw.WORKLOADS},
+        "scale": over_repetitions([scale_sweep(fleet, rep) for rep in range(shape.repeats)]),
     }
 
 
@@ -289,25 +327,37 @@ def calibrate(shape: FleetShape, trace: Trace) -> Fleet:
         return profile.step_time(StepLoad(rows, rows * context, 0, 0))
 
     busy = 2 * (decode_step(32) - decode_step(31))
-    return Fleet(profile, trace, capacity, busy, shape)
+    chunk = SCHED.max_num_batched_tokens
+    per_token = profile.step_time(StepLoad(chunk, chunk, 0, 0)) / chunk
+    return Fleet(profile, trace, capacity, busy, per_token, shape)
 
 
 def sweep(
-    fleet: Fleet, workload: str, adapters: list[AdapterSpec], slo: float | None
+    fleet: Fleet,
+    workload: str,
+    adapters: list[AdapterSpec],
+    slo: float | None,
+    repetition: int = 0,
 ) -> dict[str, Any]:
+    """Every rate through every router, on repetition `repetition`'s seeds. The routers
+    run one after another on the same stream; in the simulator their order changes
+    nothing (each run is its own fleet)."""
     shape = fleet.shape
     catalog = {a.name: a for a in adapters}
     capacity = fleet.capacity_per_replica * shape.replicas
     rates = [f * capacity for f in shape.rate_factors]
     runs: dict[str, list[FleetRun]] = {r: [] for r in ROUTERS}
     kills: list[float | None] = []
+    streams = []
     for i, rate in enumerate(rates):
-        reqs, first = fleet.requests(workload, adapters, rate, shape.window_s, seed=100 * i)
+        seed = 100 * i + 10_000 * repetition
+        reqs, first = fleet.requests(workload, adapters, rate, shape.window_s, seed, repetition)
+        streams.append((reqs, first))
         if i == 0:
             unloaded = unloaded_ttft_s(fleet.profile, reqs[first:], catalog)
         kill = fw.kill_at(reqs[first:]) if workload == "failover" else None
         kills.append(kill)
-        setup = fleet.setup(shape.replicas, adapters, kill_at_s=kill, seed=i)
+        setup = fleet.setup(shape.replicas, adapters, kill_at_s=kill, seed=i + 100 * repetition)
         for router in ROUTERS:
             t0 = time.perf_counter()
             run = simulate_fleet(router, reqs, catalog, setup, measured_from=first)
@@ -348,7 +398,47 @@ def sweep(
             r: f["at_reference"]["streams_resumed"] for r, f in routers.items()
         }
         out["requests_lost"] = 0  # simulate_fleet asserts it
+    if workload in REPLICAS_NEEDED_WORKLOADS:
+        p99s = {r: f["p99_ttft_s"][ref] for r, f in routers.items()}
+        holds = {r: p99 is not None and p99 <= slo for r, p99 in p99s.items()}
+        reqs, first = streams[ref]
+        out.update(replicas_needed(fleet, reqs, first, catalog, slo, holds, ref, repetition))
+        out["replicas_needed_rate_rps"] = rates[ref]
     return out
+
+
+def replicas_needed(
+    fleet: Fleet,
+    reqs: list[SimRequest],
+    first: int,
+    catalog: dict[str, AdapterSpec],
+    slo: float,
+    holds_at_shape: dict[str, bool],
+    ref: int,
+    repetition: int,
+) -> dict[str, Any]:
+    """The cost a user pays: per router, the fewest replicas whose p99 TTFT on the reference
+    run's stream stays within the SLO (`goodput.fewest_replicas`, up to 4 x the fleet; None
+    beyond), and affinity's over the best Ray router's. `holds_at_shape`: the reference
+    runs' verdicts, at the fleet's own size."""
+    shape, adapters = fleet.shape, list(catalog.values())
+    needed: dict[str, int | None] = {}
+    for router in ROUTERS:
+
+        def holds(n: int, router: str = router) -> bool:
+            if n == shape.replicas:
+                return holds_at_shape[router]
+            setup = fleet.setup(n, adapters, seed=ref + 100 * repetition)
+            run = simulate_fleet(router, reqs, catalog, setup, measured_from=first)
+            p99 = _pct(run.ttft, 99)
+            log(f"fleet replicas needed {router:9}: {n:3d} replicas, p99 {p99:.3f} s")
+            return p99 is not None and p99 <= slo
+
+        needed[router] = fewest_replicas(holds, shape.replicas, 4 * shape.replicas)
+    return {
+        "replicas_needed": needed,
+        "replicas_needed_ratio_vs_best_ray_router": ratio_vs_best_ray(needed, False),
+    }
 
 
 def unloaded_ttft_s(profile, reqs: list[SimRequest], catalog: dict[str, AdapterSpec]) -> float:
@@ -379,15 +469,16 @@ def _keys(routers: dict, rates: list[float], slo: float, ref: int) -> dict[str, 
     }
 
 
-def scale_sweep(fleet: Fleet) -> dict[str, Any]:
+def scale_sweep(fleet: Fleet, repetition: int = 0) -> dict[str, Any]:
     shape = fleet.shape
     points = []
     for replicas, n in shape.scale_points:
         adapters = fw.catalog(n, fleet.profile.adapter_bytes)
         catalog = {a.name: a for a in adapters}
         rate = shape.reference_factor * fleet.capacity_per_replica * replicas
-        reqs, first = fleet.requests("zipf", adapters, rate, shape.scale_window_s, seed=7)
-        setup = fleet.setup(replicas, adapters)
+        seed = 7 + 10_000 * repetition
+        reqs, first = fleet.requests("zipf", adapters, rate, shape.scale_window_s, seed, repetition)
+        setup = fleet.setup(replicas, adapters, seed=100 * repetition)
         per_router = {}
         for router in ROUTERS:
             t0 = time.perf_counter()

@@ -6,13 +6,17 @@ from __future__ import annotations
 def title(fleet: dict) -> str:
     return (
         f"fleet simulator: {fleet['replicas']} x {fleet['profile']}, {fleet['adapters']} "
-        f"adapters, store 1 GiB/s + 20 ms"
+        f"adapters, store {fleet['store']['bytes_per_s'] / 2**20:.0f} MiB/s + "
+        f"{fleet['store']['latency_s'] * 1e3:.0f} ms"
     )
 
 
 def print_table(results: dict) -> None:
     f = results["fleet"]
-    print(f"{title(f)}; capacity {f['capacity_rps']:.0f} req/s; window {f['window_s']:.0f} s")
+    print(
+        f"{title(f)}; capacity {f['capacity_rps']:.0f} req/s; window {f['window_s']:.0f} s; "
+        f"medians of {f['repeats']} seeds, ratios with their 90% bootstrap interval"
+    )
     print(
         f"{'workload':9} {'router':9} {'goodput':>8} {'p99@ref':>8} {'loads':>6} {'reads':>6} {'load s':>7}"
     )
@@ -21,13 +25,20 @@ def print_table(results: dict) -> None:
             ref = r["at_reference"]
             print(
                 f"{name:9} {router:9} {r['goodput_at_slo_rps']:8.1f} {ref['p99_ttft_s']:8.3f} "
-                f"{ref['device_loads']:6d} {ref['store_reads']:6d} {ref['load_seconds']:7.1f}"
+                f"{ref['device_loads']:6.0f} {ref['store_reads']:6.0f} {ref['load_seconds']:7.1f}"
             )
         print(
-            f"{name:9} SLO {w['slo_s']:.3f} s  goodput ratio {_fmt(w['goodput_ratio_vs_best_ray_router'])}"
-            f" (target >= 1.5)  load-seconds ratio {_fmt(w['load_seconds_ratio_vs_best_ray_router'])}"
+            f"{name:9} SLO {w['slo_s']:.3f} s  goodput ratio "
+            f"{_ci(w, 'goodput_ratio_vs_best_ray_router')} (target >= 1.5)  load-seconds ratio "
+            f"{_ci(w, 'load_seconds_ratio_vs_best_ray_router')}"
             + ("" if name != "zipf" else " (target <= 0.5)")
         )
+        if "replicas_needed" in w:
+            print(
+                f"{name:9} replicas needed at {w['replicas_needed_rate_rps']:.0f} req/s "
+                f"{w['replicas_needed']}: ratio "
+                f"{_ci(w, 'replicas_needed_ratio_vs_best_ray_router')} (target <= 0.7)"
+            )
     fail = f["workloads"]["failover"]
     print(
         f"failover: recovery {fail['recovery_s']}  streams failed {fail['streams_failed']}, "
@@ -49,6 +60,12 @@ def print_validation(v: dict) -> None:
         f"loads_error {_fmt(v['loads_error'])} (target <= 0.10)"
         + (f"; {v['skipped']}" if v.get("skipped") else "")
     )
+
+
+def _ci(figures: dict, key: str) -> str:
+    """A ratio as its median over the repetitions and its 90% bootstrap interval."""
+    low, high = figures.get(f"{key}_ci_low"), figures.get(f"{key}_ci_high")
+    return f"{_fmt(figures[key])} [{_fmt(low)}, {_fmt(high)}]"
 
 
 def _fmt(x: float | None) -> str:

@@ -37,7 +37,7 @@ from loraplex.router.policy import AffinityConfig
 
 def validate(quick: bool) -> dict[str, Any]:
     base = bench_router.QUICK if quick else bench_router.FULL
-    w = replace(base, rate_factors=(base.reference_factor,))
+    w = replace(base, rate_factors=(base.reference_factor,), repeats=1)
     measured = bench_router.run_measured(w, workloads=("zipf",))
     real = measured.figures["workloads"]["zipf"]
     profile = cpu_profile(measured, w)
@@ -47,7 +47,7 @@ def validate(quick: bool) -> dict[str, Any]:
     }
     routers: dict[str, Any] = {}
     for router in ROUTERS:
-        requests, first = _replay(measured.requests["zipf"], router)
+        requests, first = _replay(measured.requests[0]["zipf"], router)
         run = simulate_fleet(router, requests, catalog, setup, measured_from=first)
         sim = run.summary()
         at = real["routers"][router]["at_reference"]

@@ -2,7 +2,7 @@
 multiplexing routers, on a real local Ray, etcd and artifact store, with adapter reads paced
 as from a network store.
 
-Three Serve apps run side by side, each `num_replicas` replicas of one engine configuration:
+Three Serve apps, one per router, each `num_replicas` replicas of one engine configuration:
 
     affinity   ReplicaDeployment behind AffinityRequestRouter (replica/deployment.py)
     pow2       the same deployment behind Ray Serve's default power-of-two-choices router
@@ -19,11 +19,27 @@ max_ongoing_requests is 2 x max_num_seqs for all three.
 Workloads (benchmarks/fleet/workloads.py) over one registered catalog (`num_adapters`,
 ranks 8-128, targets in turn), each with its own popularity order: zipf, hot, shift,
 failover (a replica killed a third of the way through each run; Serve replaces it).
-Arrivals are Poisson. For each workload the three apps first take a warm-up stream (one
-1-token request per adapter, drawn from the workload's popularity), then a run at each
-offered rate, the rates ascending and the routers interleaved at each rate, so all three
-see the same machine load. A run's figures are its requests' and the replicas' counters
-over it.
+Arrivals are Poisson. Each workload gets three fresh apps (deployed together, deleted after
+it: no workload inherits another's resident adapters or replaced replicas); they first take
+a warm-up stream (one 1-token request per adapter, drawn from the workload's popularity),
+then a run at each offered rate, the rates ascending and the routers interleaved at each
+rate, so all three see the same machine load. A run's figures are its requests' and the
+replicas' counters over it; a run holds `min_requests` at least (FULL: 1,000, so that a p99
+rests on its 10 slowest; QUICK: the window's, ~320 and ~640 at 114 req/s of capacity).
+
+Repetitions (`repeats`, FULL 3, QUICK 2): all of it again on other seeds (arrivals,
+lengths, picks, popularity order), the router order rotated by one each time (the first
+router of a rate runs on a machine the previous rate's last one just loaded). Every figure
+is the median over the repetitions, every ratio also its 90% bootstrap interval
+(`<key>_ci_low`, `<key>_ci_high`, benchmarks/report.py `over_repetitions`);
+`workloads.<w>.repetitions` holds each one's figures and router order.
+
+Wall time of `--quick` on a quiet 2-core machine, from the last single run (8 s windows:
+a run took ~9.7 s with its counters, a workload's three warm-ups ~12 s, three apps ~5 s
+each to start): per repetition 3 x (6 runs + warm-ups) + failover (3 x ~26 s + warm-ups)
+~ 300 s, two repetitions ~ 600 s, 9 app sets (8 workloads' and the capacity burst's)
+started together and deleted ~ 15 s each, assets, costs and Ray ~ 25 s, then the fairness
+and prefix sections ~ 150 s: ~ 15 minutes.
 
 Before the runs one engine of the replicas' configuration measures (benchmarks/router/costs.py)
 the costs the affinity router is told and the unloaded TTFT (a request alone on an idle
@@ -44,8 +60,10 @@ beside one sending short requests, through the ingress and one replica;
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -91,6 +109,8 @@ FULL = Workload(
     rate_factors=(0.3, 0.5, 0.7, 0.9),
     reference_factor=0.5,
     failover_factors=(0.5,),
+    repeats=3,
+    min_requests=1000,  # a p99 over the 10 slowest at least
 )
 QUICK = replace(
     FULL,
@@ -102,13 +122,15 @@ QUICK = replace(
     rate_factors=(0.35, 0.7),
     reference_factor=0.35,
     failover_factors=(0.35,),
+    repeats=2,
+    min_requests=0,  # ~320 and ~640 requests per run at 114 req/s of capacity
 )
 
 
 def measure(
     w: Workload, routers: tuple[str, ...] = ROUTERS, workloads: tuple[str, ...] = fw.WORKLOADS
 ) -> dict[str, Any]:
-    """Every workload through every router; the figures and the raw per-run outcomes."""
+    """Every workload through every router, `w.repeats` times; the figures."""
     return run_measured(w, routers, workloads).figures
 
 
@@ -121,7 +143,14 @@ class Measured:
     costs: dict[str, float]
     calibration: dict[str, Any]
     adapters: dict[str, tuple[int, int]]  # adapter id -> (rank, weight bytes)
-    requests: dict[str, dict[str, list]]  # workload -> {"warm-up": [...], "runs": [[...]]}
+    # per repetition: workload -> {"warm-up": [...], "runs": [[...]], "offsets_s": {...}}
+    requests: list[dict[str, dict[str, Any]]]
+
+
+@dataclass(frozen=True, slots=True)
+class App:
+    name: str  # the Serve app; its deployment is named after the router
+    backend: ServeBackend
 
 
 def run_measured(
@@ -131,19 +160,22 @@ def run_measured(
 
     logging.getLogger("ray.serve").setLevel(logging.ERROR)  # queue-probe warnings on 2 cores
     with bench_cluster(w, "router") as cluster:
-        apps = _start_apps(routers, w, cluster)
         calibration = dict(cluster.calibration)
-        calibration["capacity_rps"] = _capacity(next(iter(apps.values())), w)
+        calibration["capacity_rps"] = _capacity(routers[0], w, cluster)
         log(f"capacity: {calibration['capacity_rps']:.1f} req/s (base model, saturated)")
         names = list(cluster.paths)  # version ids, in catalog order
-        runs = {
-            workload: _sweep(workload, i, names, w, apps, calibration)
-            for i, workload in enumerate(workloads)
-        }
-    requests = {name: run.pop("requests") for name, run in runs.items()}
+        reps = []
+        for rep in range(w.repeats):
+            order = routers[rep % len(routers) :] + routers[: rep % len(routers)]
+            runs = {}
+            for i, workload in enumerate(workloads):
+                with _fresh_apps(order, w, cluster, f"{workload}-{rep}") as apps:
+                    runs[workload] = _sweep(workload, i, rep, names, w, apps, calibration)
+            reps.append(runs)
+    requests = [{name: run.pop("requests") for name, run in runs.items()} for runs in reps]
     costs = cluster.costs
     return Measured(
-        summary(w, cluster.engine_config, costs, calibration, runs),
+        summary(w, cluster.engine_config, costs, calibration, reps),
         cluster.engine_config,
         costs,
         calibration,
@@ -152,89 +184,112 @@ def run_measured(
     )
 
 
-def _start_apps(
-    routers: tuple[str, ...], w: Workload, cluster: BenchCluster
-) -> dict[str, ServeBackend]:
+@contextlib.contextmanager
+def _fresh_apps(
+    order: tuple[str, ...], w: Workload, cluster: BenchCluster, tag: str
+) -> Iterator[dict[str, App]]:
+    """One new Serve app per router, deployed together, in `order`; deleted on exit, so
+    that no workload inherits another's resident adapters, replaced replicas or queues."""
     from ray import serve
 
-    apps = {}
-    for router in routers:
-        started = time.perf_counter()
-        app = build_app(
-            router,
-            w,
-            cluster.engine_config,
-            cluster.settings,
-            cluster.artifacts,
-            cluster.paths,
-            cluster.costs,
+    started = time.perf_counter()
+    targets = [
+        serve.RunTarget(
+            build_app(
+                router,
+                w,
+                cluster.engine_config,
+                cluster.settings,
+                cluster.artifacts,
+                cluster.paths,
+                cluster.costs,
+            ),
+            name=f"bench-{router}-{tag}",
+            route_prefix=None,
         )
-        handle = serve.run(app, name=f"bench-{router}", route_prefix=None)
-        apps[router] = ServeBackend(handle, retries=1)
-        log(f"{router}: {w.num_replicas} replicas up in {time.perf_counter() - started:.1f}s")
-    return apps
+        for router in order
+    ]
+    handles = serve.run_many(targets)
+    apps = {
+        router: App(t.name, ServeBackend(h, retries=1))
+        for router, t, h in zip(order, targets, handles, strict=True)
+    }
+    log(f"{tag}: {len(apps)} apps of {w.num_replicas} up in {time.perf_counter() - started:.1f}s")
+    try:
+        yield apps
+    finally:
+        for app in apps.values():
+            serve.delete(app.name)
 
 
-def _capacity(backend: ServeBackend, w: Workload) -> float:
+def _capacity(router: str, w: Workload, cluster: BenchCluster) -> float:
     """What the replicas serve when saturated: 10 full batches' worth of base-model
-    requests of mean lengths, all at once, through one app; completions per second."""
+    requests of mean lengths, all at once, through one app of its own; completions per
+    second."""
     n = 10 * w.num_replicas * w.max_num_seqs
     prompt = ordinary_ids(sum(w.prompt_tokens) // 2, w.model.vocab_size)
     out = sum(w.output_tokens) // 2
     burst = [BenchRequest(0.0, None, prompt, out) for _ in range(n)]
-    outcomes, elapsed = asyncio.run(drive(backend, burst, "capacity", w.request_timeout_s))
+    with _fresh_apps((router,), w, cluster, "capacity") as apps:
+        backend = apps[router].backend
+        outcomes, elapsed = asyncio.run(drive(backend, burst, "capacity", w.request_timeout_s))
     return sum(o.error is None for o in outcomes) / elapsed
 
 
 def _sweep(
     workload: str,
     index: int,
+    rep: int,
     names: list[str],
     w: Workload,
-    apps: dict[str, ServeBackend],
+    apps: dict[str, App],
     calibration: dict[str, Any],
 ) -> dict[str, Any]:
-    """The warm-up, then one run per rate and router; per router, a list over rates."""
+    """The warm-up, then one run per rate and router, the routers in the apps' order;
+    per router, a list over rates. Repetition `rep` draws its own streams (arrivals,
+    lengths, picks and the popularity order)."""
     capacity = calibration["capacity_rps"]
     failover = workload == "failover"
     factors = w.failover_factors if failover else w.rate_factors
     window = w.failover_window_s if failover else w.window_s
     popularity = "zipf" if workload in ("shift", "failover") else workload
+    order = 1000 * rep + index  # the popularity order's seed
     warm = fw.requests(
         popularity,
         names,
         len(names),
         factors[0] * capacity,
         fw.Lengths(prompt=(16, 16), output=(1, 1)),
-        seed=10 * index,
-        popularity_seed=index,
+        seed=10 * index + 100_000 * rep,
+        popularity_seed=order,
     )
     began: dict[str, list[float]] = {r: [] for r in apps}  # each stream's start, per router
-    for router, backend in apps.items():
+    for router, app in apps.items():
         began[router].append(time.perf_counter())
         outcomes, _ = asyncio.run(
-            drive(backend, _bench(warm, w), f"warm-{workload}-{router}", w.request_timeout_s)
+            drive(app.backend, _bench(warm, w), f"warm-{app.name}", w.request_timeout_s)
         )
         log(f"{workload} warm-up {router}: {sum(o.error is None for o in outcomes)} served")
-    per_router: dict[str, list[dict]] = {r: [] for r in apps}
+    per_router: dict[str, list[dict]] = {r: [] for r in ROUTERS if r in apps}
     requests = []
     for i, factor in enumerate(factors):
         rate = factor * capacity
         reqs = fw.requests(
             workload,
             names,
-            max(1, round(rate * window)),
+            w.run_requests(rate, window),
             rate,
             fw.Lengths(prompt=w.prompt_tokens, output=w.output_tokens),
-            seed=1000 * index + i,
-            popularity_seed=index,
+            seed=1000 * index + i + 100_000 * rep,
+            popularity_seed=order,
         )
         requests.append(reqs)
         kill_at = fw.kill_at(reqs) if failover else None
-        for router, backend in apps.items():
+        for router, app in apps.items():
             began[router].append(time.perf_counter())
-            per_router[router].append(_run(router, backend, reqs, w, workload, rate, kill_at))
+            per_router[router].append(_run(router, app, reqs, w, workload, rate, kill_at))
     return {
+        "router_order": list(apps),
         "rates_rps": [f * capacity for f in factors],
         "distinct_adapters": [len({r.adapter for r in reqs}) for reqs in requests],
         "kill_at_s": [fw.kill_at(reqs) for reqs in requests] if failover else None,
@@ -248,20 +303,18 @@ def _sweep(
     }
 
 
-def _run(router, backend, reqs, w: Workload, workload: str, rate: float, kill_at) -> dict:
-    app = f"bench-{router}"
+def _run(router: str, app: App, reqs, w: Workload, workload: str, rate: float, kill_at) -> dict:
     load_avg = os.getloadavg()[0]
-    before = counters(app, router)
-    kill = None if kill_at is None else (kill_at, lambda: kill_one(app, router, w.seed))
+    before = counters(app.name, router)
+    kill = None if kill_at is None else (kill_at, lambda: kill_one(app.name, router, w.seed))
+    tag = f"{app.name}-{rate:.1f}"
     outcomes, elapsed = asyncio.run(
-        drive(
-            backend, _bench(reqs, w), f"{workload}-{router}-{rate:.1f}", w.request_timeout_s, kill
-        )
+        drive(app.backend, _bench(reqs, w), tag, w.request_timeout_s, kill)
     )
     if kill_at is not None:
-        waited = wait_for_replicas(app, router, w.num_replicas)
+        waited = wait_for_replicas(app.name, router, w.num_replicas)
         log(f"{router}: replaced its killed replica ({waited:.1f} s after the run)")
-    figures = run_figures(outcomes, elapsed, delta(before, counters(app, router)))
+    figures = run_figures(outcomes, elapsed, delta(before, counters(app.name, router)))
     figures["load_avg_1m"] = [load_avg, os.getloadavg()[0]]
     log(
         f"{workload} {rate:5.1f} req/s {router:9}: p50 {_ms(figures['p50_ttft_s'])} p99 "

@@ -12,6 +12,7 @@ from loraplex.benchmarks.goodput import (
     comparison,
     goodput,
     recovery_s,
+    repeated,
     within_slo_rps,
 )
 from loraplex.benchmarks.router.workload import workload_dict
@@ -60,11 +61,17 @@ def summary(
     engine_config: dict[str, Any],
     costs: dict[str, float],
     calibration: dict[str, Any],
-    runs: dict[str, dict],
+    reps: list[dict[str, dict]],
 ) -> dict[str, Any]:
+    """The figures of every repetition's sweeps (`reps[i][workload]`), each workload's as
+    medians over the repetitions with every ratio's 90% bootstrap interval."""
     slo = SLO_FACTOR * calibration["unloaded_ttft_s"]
-    workloads = {name: _workload(name, sweep, w, slo) for name, sweep in runs.items()}
+    per_rep = [
+        {name: _workload(name, sweep, w, slo) for name, sweep in runs.items()} for runs in reps
+    ]
+    workloads = {name: repeated([rep[name] for rep in per_rep]) for name in per_rep[0]}
     return {
+        "repeats": len(reps),
         "workload": workload_dict(w),
         "capacity": (
             f"{w.adapters_per_replica} adapters of mean size per replica on the device beside a "
@@ -108,6 +115,7 @@ def _workload(name: str, sweep: dict, w: Workload, slo: float) -> dict[str, Any]
     distinct = sweep["distinct_adapters"][ref]
     at = {r: f["at_reference"] for r, f in routers.items()}
     out: dict[str, Any] = {
+        "router_order": sweep["router_order"],
         "rates_rps": rates,
         "reference_rate_rps": rates[ref],
         "slo_s": slo,
@@ -139,6 +147,10 @@ def _workload(name: str, sweep: dict, w: Workload, slo: float) -> dict[str, Any]
 def print_table(r: dict[str, Any]) -> None:
     w = r["workload"]
     print(
+        f"medians of {r['repeats']} repetitions (fresh apps, router order rotated); ratios "
+        f"with their 90% bootstrap interval"
+    )
+    print(
         f"{w['num_replicas']} replicas, {w['num_adapters']} adapters, reads "
         f"{w['read_bandwidth_mib_s']:g} MiB/s + {w['read_latency_ms']:g} ms; SLO "
         f"{r['slo_s'] * 1e3:.0f} ms (5 x unloaded {r['unloaded_ttft_s'] * 1e3:.0f} ms); nominal "
@@ -162,10 +174,9 @@ def print_table(r: dict[str, Any]) -> None:
                 )
             )
         print(
-            f"{name:9} goodput ratio {_fmt(wl['goodput_ratio_vs_best_ray_router'])}"
-            f"{' (target >= 1.3)' if name == 'hot' else ''}, load-seconds ratio "
-            f"{_fmt(wl['load_seconds_ratio_vs_best_ray_router'])}"
-            f"{' (target <= 0.5)' if name == 'zipf' else ''}, loads vs floor "
+            f"{name:9} goodput ratio {_ci(wl, 'goodput_ratio_vs_best_ray_router')} (target: "
+            f"ci_low >= 1.0{', median >= 1.2' if name in ('zipf', 'shift') else ''}), "
+            f"load-seconds ratio {_ci(wl, 'load_seconds_ratio_vs_best_ray_router')}, loads vs floor "
             + ", ".join(f"{k} {v:.2f}" for k, v in wl["loads_vs_floor"].items())
         )
         if name == "failover":
@@ -179,6 +190,12 @@ def print_table(r: dict[str, Any]) -> None:
 
 def _ms(value: float | None) -> str:
     return f"{'n/a':>8}" if value is None else f"{value * 1e3:6.0f}ms"
+
+
+def _ci(figures: dict, key: str) -> str:
+    """A ratio as its median over the repetitions and its 90% bootstrap interval."""
+    low, high = figures.get(f"{key}_ci_low"), figures.get(f"{key}_ci_high")
+    return f"{_fmt(figures[key])} [{_fmt(low)}, {_fmt(high)}]"
 
 
 def _fmt(value: float | None) -> str:

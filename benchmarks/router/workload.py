@@ -30,6 +30,12 @@ class Workload:
     routing_stats_period_s: float = 1.0
     request_timeout_s: float = 120.0
     seed: int = 0
+    repeats: int = 3  # the whole comparison again, fresh apps, the router order rotated
+    min_requests: int = 0  # a run's arrivals span at least this many requests
+
+    def run_requests(self, rate: float, window_s: float) -> int:
+        """Requests in one run at `rate`: its window's, and at least `min_requests`."""
+        return max(1, self.min_requests, round(rate * window_s))
 
     def __post_init__(self):
         if not 1 <= self.adapters_per_replica < self.num_adapters:
@@ -39,8 +45,8 @@ class Workload:
             )
         if self.reference_factor not in self.rate_factors:
             raise ValueError("reference_factor must be one of rate_factors")
-        if self.num_replicas < 1 or self.window_s <= 0:
-            raise ValueError("num_replicas and window_s must be > 0")
+        if self.num_replicas < 1 or self.window_s <= 0 or self.repeats < 1:
+            raise ValueError("num_replicas, window_s and repeats must be > 0")
 
 
 def workload_dict(w: Workload) -> dict[str, Any]:

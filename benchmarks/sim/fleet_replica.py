@@ -34,6 +34,7 @@ from loraplex.benchmarks.sim.replica import (
     System,
 )
 from loraplex.benchmarks.sim.workload import AdapterSpec, SimRequest
+from loraplex.replica.engine import queued_prefill_tokens
 from loraplex.replica.routing_report import routing_stats
 
 
@@ -353,6 +354,7 @@ class FleetReplica:
             "pool": {"free_pages": self.sim.pool.num_free, "num_pages": self.sim.pool.num_pages},
             "step_costs": None if costs is None else dataclasses.asdict(costs),
             "prefix_cache": {"enabled": False},
+            "queued_prefill_tokens": queued_prefill_tokens(self.sim.scheduler),
         }
 
     def model_ids(self) -> frozenset[str]:

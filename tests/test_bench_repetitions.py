@@ -1,0 +1,95 @@
+"""The benches' figures over repetitions (benchmarks/report.py): the median, and each ratio's
+90% bootstrap interval, against the exact bootstrap distribution of a median worked out
+with the binomial law, and the merge of a bench's nested figures; and the search for the
+fewest replicas holding the SLO (benchmarks/goodput.py) against a threshold."""
+
+from __future__ import annotations
+
+import math
+
+from loraplex.benchmarks.report import median_interval, over_repetitions
+
+
+def _median_cdf(values: list[float], v: float) -> float:
+    """P(median of a draw of len(values) with replacement <= v), len odd: at least half
+    plus one of the draws are <= v, each with probability p."""
+    n = len(values)
+    p = sum(x <= v for x in values) / n
+    return sum(math.comb(n, k) * p**k * (1 - p) ** (n - k) for k in range(n // 2 + 1, n + 1))
+
+
+def test_the_interval_is_the_exact_bootstrap_distributions_5_and_95_percent_points():
+    values = [3.0, 7.0, 1.0, 5.0, 2.0, 6.0, 4.0]
+    # the exact quantiles: the smallest value whose CDF reaches the level (none sits near
+    # 0.05 or 0.95, so 10,000 draws find the same: CDF(1) 0.014, CDF(2) 0.10, CDF(5) 0.90,
+    # CDF(6) 0.986)
+    low = min(v for v in values if _median_cdf(values, v) >= 0.05)
+    high = min(v for v in values if _median_cdf(values, v) >= 0.95)
+    assert (low, high) == (2.0, 6.0)
+    assert median_interval(values) == (4.0, low, high)
+
+
+def test_two_or_three_repetitions_give_their_range_and_an_infinite_ratio_stays_infinite():
+    assert median_interval([1.4, 0.9]) == (1.15, 0.9, 1.4)
+    assert median_interval([1.1, 1.3, 0.8]) == (1.1, 0.8, 1.3)
+    median, low, high = median_interval([math.inf, 2.0, math.inf])
+    assert (median, low, high) == (math.inf, 2.0, math.inf)
+    assert median_interval([1.2]) == (1.2, 1.2, 1.2)
+
+
+def test_nested_figures_merge_into_medians_with_every_ratio_interval():
+    reps = [
+        {
+            "goodput_ratio_vs_best_ray_router": 1.5,
+            "goodput_rps": {"affinity": 30.0, "pow2": 20},
+            "p99_ttft_s": [0.2, 0.5],
+            "reads": 10,
+            "recovery_s": None,
+            "errors": [],
+            "profile": "h100",
+        },
+        {
+            "goodput_ratio_vs_best_ray_router": 1.1,
+            "goodput_rps": {"affinity": 22.0, "pow2": 20},
+            "p99_ttft_s": [0.4, 0.9],
+            "reads": 13,
+            "recovery_s": 4.0,
+            "errors": ["TimeoutError()"],
+            "profile": "h100",
+        },
+        {
+            "goodput_ratio_vs_best_ray_router": None,  # 0 / 0: left out
+            "goodput_rps": {"affinity": 0.0, "pow2": 0},
+            "p99_ttft_s": [0.3, 0.6],
+            "reads": 12,
+            "recovery_s": 6.0,
+            "errors": [],
+            "profile": "h100",
+        },
+    ]
+    out = over_repetitions(reps)
+    ratio = "goodput_ratio_vs_best_ray_router"
+    assert (out[ratio], out[f"{ratio}_ci_low"], out[f"{ratio}_ci_high"]) == (1.3, 1.1, 1.5)
+    assert out["goodput_rps"] == {"affinity": 22.0, "pow2": 20}
+    assert out["p99_ttft_s"] == [0.3, 0.6]
+    assert out["reads"] == 12 and isinstance(out["reads"], int)
+    assert out["recovery_s"] == 5.0  # over the repetitions that have one
+    assert out["errors"] == [[], ["TimeoutError()"], []]  # they differ: each one's
+    assert out["profile"] == "h100"
+    assert not any(k.endswith("_ci_low") for k in out["goodput_rps"])  # not ratios
+
+
+def test_the_fewest_replicas_holding_the_slo_are_found_with_few_runs():
+    from loraplex.benchmarks.goodput import fewest_replicas
+
+    for start in (1, 8, 16):
+        for need in range(1, 33):
+            runs: list[int] = []
+
+            def holds(n: int, need: int = need, runs: list[int] = runs) -> bool:
+                runs.append(n)
+                return n >= need
+
+            assert fewest_replicas(holds, start, 32) == need, (start, need)
+            assert len(runs) <= 2 * math.ceil(math.log2(32)) + 1, (start, need, runs)
+        assert fewest_replicas(lambda n: False, start, 32) is None

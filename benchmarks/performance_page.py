@@ -106,8 +106,11 @@ paper's baseline by its own default token pool (`--max_total_token_num 6000`,
 capacity ~10 req/s, its finite-run crossing ~8.6–9.0 req/s (the paper's 8.6). Loads are
 stated as load ÷ S-LoRA's capacity; reductions are 1 − the system's P99 (P50) TTFT ÷
 S-LoRA's at the high load; throughput at the SLO is each system's sustainable capacity (its
-steady completion rate under overload). The engine section replays the same arrivals
-through the real engine with a CPU cost profile.""",
+steady completion rate under overload). Chameleon runs as the paper has it: no starvation
+guard (reported apart as `chameleon_guard`), quotas scaled in proportion to the M/M/1
+minimums when these exceed the pool. The engine section replays the same arrivals through
+the real engine with a CPU cost profile; Chameleon on S-LoRA there admits every iteration,
+with bypass, squash and prefetch, as in the simulator.""",
     "router": """\
 `loraplex bench router` (`benchmarks/router/bench.py`): a real local Ray and etcd, three Serve apps
 side by side — the affinity router, Ray Serve's power of two and Ray Serve multiplexing —

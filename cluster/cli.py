@@ -62,6 +62,12 @@ def main(argv: list[str] | None = None) -> int:
         "--jobs", type=int, default=1, help="sched: processes running the simulations (1)"
     )
     bench.add_argument(
+        "--seeds",
+        type=int,
+        help="sched: arrival draws of the simulator's main scenario (default: 5, --quick 2; "
+        "the trace shapes run at most this many)",
+    )
+    bench.add_argument(
         "--json-dir",
         type=Path,
         default=Path("docs/bench"),

@@ -84,6 +84,18 @@ def test_trace_lengths_are_scaled_and_capped(tmp_path):
     assert lengths == [(24, 6), (4, 6)]  # 6400/64 capped at 24; 64/64 raised to the floor of 4
 
 
+def test_sched_seeds_flag_cuts_the_main_scenario_and_caps_the_shapes():
+    from loraplex.benchmarks.sched import bench as sched
+
+    cut = sched.with_seeds(sched.FULL_BENCH, 2)
+    assert (cut.sim.seeds, cut.shapes.seeds) == (2, 2)
+    assert cut.sim.requests == sched.FULL_BENCH.sim.requests  # only the draws change
+    more = sched.with_seeds(sched.QUICK_BENCH, 5)
+    assert (more.sim.seeds, more.shapes.seeds) == (5, sched.QUICK_BENCH.shapes.seeds)
+    with pytest.raises(ValueError, match="at least 1"):
+        sched.with_seeds(sched.FULL_BENCH, 0)
+
+
 def test_sched_bench_reports_every_key_on_tiny_shapes(tmp_path):
     """Every system on the same arrivals, two seeds, every trace shape, the real engine with
     S-LoRA's rules, and the plot: the keys issue 13 names are all there."""

@@ -234,6 +234,27 @@ def test_a_finished_request_returns_its_quota():
     assert "c" in rec.admitted
 
 
+def test_a_queue_whose_quota_is_below_one_request_still_runs_one_at_a_time():
+    """Scaled quotas (minimums over the pool) can leave a queue less than one of its
+    requests; seed 004's put_batch would then never admit it. A queue with nothing
+    running starts its head over quota, and only its head: one request's worth."""
+    ch = chameleon([30, 60], [0.2])  # queue 1's quota, 60, is below a request's 100
+    big = [seq(f"L{i}", 50, 50) for i in range(3)]
+    for s in big:
+        ch.add(s, 0.0)
+    assert [s.request_id for s in ch.upcoming()][:1] == ["L0"]  # prefetch agrees
+    rec = Recorder()
+    ch.admit(0.0, rec)
+    assert rec.admitted == ["L0"] and ch.used == [0, 100]
+    rec = Recorder()
+    ch.admit(1.0, rec)
+    assert rec.admitted == []  # L1 waits while L0 holds more than the quota
+    ch.left(big[0], 2.0, finished=True)
+    rec = Recorder()
+    ch.admit(2.0, rec)
+    assert rec.admitted == ["L1"]
+
+
 def test_requests_sharing_an_adapter_charge_its_tokens_to_their_queue_once():
     """An adapter's memory is held once however many running requests use it; the paper's
     per-request charge (share_adapter_tokens=False) counts it once per request."""

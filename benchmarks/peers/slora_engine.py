@@ -20,9 +20,14 @@ and adapter cache:
   unless a prefetch asked for it (`want`: S-LoRA's prefetch tag); when the batch empties
   every idle adapter leaves.
 
-With Chameleon's parameters it is Chameleon as seed 004 built it on S-LoRA (as
-benchmarks/peers/slora_chameleon.py): admission by Chameleon's queues (`ChameleonQueue`),
-each pick still passing S-LoRA's memory check, and the cache with keep_idle on.
+With Chameleon's parameters it is Chameleon as seed 004 built it on S-LoRA, what
+benchmarks/peers/slora_chameleon.py models: admission by Chameleon's queues
+(`ChameleonQueue`, bypass included), each pick still passing S-LoRA's memory check, tried
+every iteration (§4.1) instead of after 10 decode steps; the squash of a bypasser once the
+request it overtook would fit without it (the squashed request is preempted and later
+recomputes its prompt and output); every iteration with a running batch, the adapters of
+what admission takes next are prefetched, evicting idle cached adapters that batch does
+not use (the cache with keep_idle on).
 """
 
 from __future__ import annotations
@@ -85,6 +90,7 @@ class SLoRAScheduler:
                 max_len,
                 clock,
             )
+        self.chameleon = chameleon is not None
         self.policy = _Waiting(self.queue)
         self.running: list[Sequence] = []
         self.req: dict[Sequence, SReq] = {}
@@ -123,18 +129,21 @@ class SLoRAScheduler:
             self.failed.append(seq)
         for seq in self.running:
             self.req[seq].generated = len(seq.output_ids)
+        if self.running and self.chameleon:
+            self._squash()
+            if self.running and self.cfg.prefetch:
+                self._prefetch_upcoming()
         if not self.running:
             batch = self.queue.generate_new_batch(None, self._slots)
             if batch is None:
                 return []
             self.has_wait_tokens = 0
             return self._start(batch)
-        wait = self.cfg.max_wait_tokens
+        wait = 1 if self.chameleon else self.cfg.max_wait_tokens
         if self.has_wait_tokens < wait:
-            if self.cfg.prefetch and self.has_wait_tokens in (wait // 2, wait - 3):
-                upcoming = self.queue.next_batch() or []
-                self.adapters.want(r.adapter for r in upcoming if r.adapter is not None)
-                self.adapters.prefetch()
+            prefetch_at = () if self.chameleon else (wait // 2, wait - 3)  # S-LoRA's
+            if self.cfg.prefetch and self.has_wait_tokens in prefetch_at:
+                self._prefetch_upcoming()
             self.has_wait_tokens += 1
             return self._decode()
         mini = self.queue.generate_new_batch([self.req[s] for s in self.running], self._slots)
@@ -143,8 +152,34 @@ class SLoRAScheduler:
         self.has_wait_tokens = 0
         return self._start(mini)
 
+    def _squash(self) -> None:
+        """Chameleon's squash (seed 004 §4.3.3) over S-LoRA's memory check: the bypassers
+        whose leaving lets the request they overtook run are preempted, to recompute."""
+        assert isinstance(self.queue, ChameleonQueue)
+        for req in self.queue.to_squash([self.req[s] for s in self.running], self._slots):
+            seq = self.seq[req]
+            self.running.remove(seq)
+            self.kv.free(seq)
+            if seq.lora is not None:
+                self.adapters.release(seq.lora)
+                seq.lora = None
+            seq.num_computed = seq.num_committed = 0
+            seq.status = SeqStatus.WAITING
+            seq.num_preemptions += 1
+            self.num_preemptions += 1
+            self.queue.preempt(req)
+
+    def _prefetch_upcoming(self) -> None:
+        """The adapters of what admission takes next (up to the prompt budget); for
+        Chameleon's cache, evicting idle cached adapters that batch does not use (a
+        prefetch evicts only adapters not `want`ed)."""
+        upcoming = self.queue.next_batch() or []
+        self.adapters.want(r.adapter for r in upcoming if r.adapter is not None)
+        self.adapters.prefetch()
+
     def _start(self, batch: list[SReq]) -> list[tuple[Sequence, int]]:
-        """Load the batch's adapters (the step waits), then prefill its prompts."""
+        """Load the batch's adapters (the step waits), then prefill its prompts (a squashed
+        request's prompt and output: it recomputes both)."""
         seqs = [self.seq[r] for r in batch]
         for seq in seqs:
             if seq.adapter is None:
@@ -159,11 +194,11 @@ class SLoRAScheduler:
             seq.lora = lora
         scheduled = []
         for seq in seqs:
-            ok = self.kv.ensure(seq, len(seq.prompt_ids))
+            ok = self.kv.ensure(seq, seq.num_tokens)
             assert ok, "S-LoRA's admission reserved this request's KV"
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            scheduled.append((seq, len(seq.prompt_ids)))
+            scheduled.append((seq, seq.num_tokens))
         return scheduled
 
     def _decode(self) -> list[tuple[Sequence, int]]:

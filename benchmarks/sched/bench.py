@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -62,6 +62,8 @@ def run_bench(args: argparse.Namespace) -> int:
     torch.set_num_threads(1)
     start = time.perf_counter()
     bench = QUICK_BENCH if args.quick else FULL_BENCH
+    if args.seeds is not None:
+        bench = with_seeds(bench, args.seeds)
     scenario = SCENARIOS[args.scenario]
     results = {"quick": bool(args.quick)}
     trace = args.trace or DEFAULT_TRACE
@@ -70,6 +72,18 @@ def run_bench(args: argparse.Namespace) -> int:
     print_table(results)
     write_json(args.json, results)
     return 0
+
+
+def with_seeds(bench: BenchShape, seeds: int) -> BenchShape:
+    """`bench` with `seeds` arrival draws in the main scenario, at most as many in the
+    trace shapes (a run cut to fit the time it has: the JSON's command says so)."""
+    if seeds < 1:
+        raise ValueError(f"--seeds must be at least 1, got {seeds}")
+    return replace(
+        bench,
+        sim=replace(bench.sim, seeds=seeds),
+        shapes=replace(bench.shapes, seeds=min(seeds, bench.shapes.seeds)),
+    )
 
 
 def collect(

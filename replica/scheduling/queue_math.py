@@ -149,7 +149,10 @@ def token_quotas(queues: list[QueueLoad], total_tokens: int, slo_s: float) -> li
     Σ Tok_min <= Tok_total and says nothing of the other case; there, every minimum is
     scaled by the same factor Tok_total / Σ Tok_min (the quotas in proportion to the
     minimums): the one split that keeps the paper's ratios between the queues, each queue
-    short of its SLO quota by the same share."""
+    short of its SLO quota by the same share. A quota scaled below S still runs one
+    request at a time: admission starts the head of a queue with nothing running over
+    quota (Chameleon._put). A floor of S here would add nothing to that queue (S is about
+    one of its requests) and take the difference from the others."""
     if not queues:
         return []
     mins = [q.max_size * q.duration_s * (1.0 / slo_s + q.rate) for q in queues]

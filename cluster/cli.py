@@ -42,6 +42,12 @@ def main(argv: list[str] | None = None) -> int:
         help="sched, fleet: the simulator sections only (fleet: no validation run)",
     )
     bench.add_argument(
+        "--section",
+        choices=["autoscale"],
+        help="fleet: this section alone, written to its own JSON (autoscale: a simulated day "
+        "under Ray Serve's autoscaler)",
+    )
+    bench.add_argument(
         "--validation-only",
         action="store_true",
         help="fleet: only the simulator's validation against a real run",

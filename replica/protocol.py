@@ -170,3 +170,23 @@ AUTOSCALE_REQUESTS = "requests"  # generate calls held: running, waiting, readin
 AUTOSCALE_SLOTS = "slots"  # max_num_seqs
 AUTOSCALE_READS_PER_S = "store_reads_per_s"  # adapters read from the store per second
 AUTOSCALE_READ_S = "store_read_s"  # the mean store read, seconds (0 before the first)
+
+
+def autoscaling_stats(
+    *,
+    requests: int,
+    slots: int,
+    reads: int,
+    reads_before: int,
+    elapsed_s: float,
+    read_seconds: float,
+) -> dict[str, float]:
+    """One report (the deployment's `record_autoscaling_stats` and the fleet simulator's):
+    `reads` store reads so far, `reads_before` at the last report `elapsed_s` ago,
+    `read_seconds` the time those reads took in all."""
+    return {
+        AUTOSCALE_REQUESTS: float(requests),
+        AUTOSCALE_SLOTS: float(slots),
+        AUTOSCALE_READS_PER_S: (reads - reads_before) / max(elapsed_s, 1e-3),
+        AUTOSCALE_READ_S: read_seconds / reads if reads else 0.0,
+    }

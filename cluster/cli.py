@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
             from loraplex.benchmarks.router.suite import run_bench
         elif args.suite == "sched":
             from loraplex.benchmarks.sched.bench import run_bench
+        elif args.suite == "fleet" and args.section == "autoscale":
+            from loraplex.benchmarks.fleet.autoscale import run_section as run_bench
         elif args.suite == "fleet":
             from loraplex.benchmarks.fleet.bench import run_bench
         else:

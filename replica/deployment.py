@@ -182,6 +182,7 @@ class ReplicaDeployment:
             reads_before=reads_before,
             elapsed_s=now - since,
             read_seconds=read_seconds,
+            adapter_queue=self.sync.requests if self.sync else {},
         )
 
     def _tiers(self, stats: dict[str, Any]) -> dict[str, list[str]]:

@@ -9,12 +9,15 @@ from typing import Any
 
 import pytest
 
+from loraplex.replica.protocol import AUTOSCALE_ADAPTER
 from loraplex.router.autoscaling import (
     READ_S,
     READS_PER_S,
     REQUESTS,
     SLOTS,
+    Homes,
     LoraAutoscalingPolicy,
+    serve_autoscaling_config,
 )
 
 
@@ -146,3 +149,32 @@ def test_the_yaml_names_the_policy_and_serve_accepts_it():
         LoraplexConfig(
             model="m", replicas={"autoscaling": {"policy": "lora", "lora": {"read_busy": 3}}}
         )
+
+
+def test_a_hot_adapter_wanting_more_homes_adds_replicas_up_to_the_routers_bound():
+    # one replica of 16 slots holds 10 requests, 9 of one adapter: by load ceil(10 / 11.2)
+    # = 1, but the router gives an adapter a home per home_utilisation x slots = 4 requests:
+    # ceil(9 / 4) = 3 homes wanted, up to max_homes_per_adapter
+    ctx = context(1, 10, current_time=0)
+    ctx.aggregated_metrics[AUTOSCALE_ADAPTER + "hot"] = {"r0": 9.0}
+    ctx.aggregated_metrics[AUTOSCALE_ADAPTER + "cold"] = {"r0": 1.0}
+    homes = {"home_utilisation": 0.25, "downscale_delay_s": 60, "cooldown_s": 30}
+    target, state = LoraAutoscalingPolicy(max_homes_per_adapter=8, **homes)(ctx)
+    assert target == 3 and "hot adapter wants 3 homes" in state["why"]
+    assert LoraAutoscalingPolicy(max_homes_per_adapter=2, **homes)(ctx)[0] == 2
+    assert POLICY(ctx)[0] == 1  # without the router's bound: the load count alone
+
+
+def test_a_hot_adapter_held_across_replicas_counts_once_summed():
+    # 2 replicas hold 5 requests each of the same adapter: 10 of it, ceil(10 / 4) = 3 homes
+    ctx = context(2, 12, current_time=0)
+    ctx.aggregated_metrics[AUTOSCALE_ADAPTER + "hot"] = {"r0": 5.0, "r1": 5.0}
+    policy = LoraAutoscalingPolicy(home_utilisation=0.25, max_homes_per_adapter=4)
+    assert policy(ctx)[0] == 3
+
+
+def test_the_router_bound_on_homes_reaches_the_policy_through_serves_config():
+    config = serve_autoscaling_config({"policy": "lora"}, Homes(0.5, 4))
+    kwargs = config["policy"]["policy_kwargs"]
+    assert kwargs["home_utilisation"] == 0.5 and kwargs["max_homes_per_adapter"] == 4
+    LoraAutoscalingPolicy(**kwargs)  # Serve builds it with them

@@ -54,7 +54,7 @@ from loraplex.benchmarks.goodput import SLO_FACTOR
 from loraplex.benchmarks.report import log, write_json
 from loraplex.benchmarks.sim.scaling import Scaling, ScalingRecord, model_load_s, simulate_scaling
 from loraplex.benchmarks.sim.workload import SimRequest, Trace, read_trace
-from loraplex.router.autoscaling import serve_autoscaling_config
+from loraplex.router.autoscaling import Homes, serve_autoscaling_config
 
 PEAK_TO_TROUGH = 5.0
 REFERENCE_LOAD = 0.65  # of a replica's capacity: the fleet bench's reference rate
@@ -121,7 +121,8 @@ def measure(quick: bool, trace_path: Path | None = None) -> dict[str, Any]:
 
     def day(name: str, autoscaling: dict[str, Any], replicas: int = 1) -> dict[str, Any]:
         t0 = time.perf_counter()
-        scaling = Scaling(serve_autoscaling_config(autoscaling), startup)
+        homes = Homes(setup.affinity.home_utilisation, setup.affinity.max_homes_per_adapter)
+        scaling = Scaling(serve_autoscaling_config(autoscaling, homes), startup)
         run, record = simulate_scaling(
             "affinity", reqs, catalog, dataclasses.replace(setup, num_replicas=replicas), scaling
         )

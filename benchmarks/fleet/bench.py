@@ -191,10 +191,6 @@ class Fleet:
 def run_bench(args: argparse.Namespace) -> int:
     shape = QUICK if args.quick else FULL
     started = time.perf_counter()
-    if getattr(args, "section", None) == "autoscale":
-        from loraplex.benchmarks.fleet.autoscale import run_section
-
-        return run_section(args)
     if getattr(args, "validation_only", False):
         results: dict[str, Any] = {
             "quick": bool(args.quick),

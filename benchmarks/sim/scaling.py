@@ -149,6 +149,7 @@ class ScalingFleetSim(FleetSim):
                 reads_before=before,
                 elapsed_s=self.now - since,
                 read_seconds=replica.read_seconds,
+                adapter_queue=replica.adapter_queue(),
             )
         ongoing = sum(r.in_flight for r in self.replicas.values()) + len(self.pending)
         self.samples.append((self.now, float(ongoing), per_replica))

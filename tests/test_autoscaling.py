@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from loraplex.replica.protocol import AUTOSCALE_ADAPTER
+from loraplex.replica.protocol import AUTOSCALE_ADAPTER, HOT_ADAPTERS_REPORTED, autoscaling_stats
 from loraplex.router.autoscaling import (
     READ_S,
     READS_PER_S,
@@ -17,6 +17,7 @@ from loraplex.router.autoscaling import (
     SLOTS,
     Homes,
     LoraAutoscalingPolicy,
+    reports_of,
     serve_autoscaling_config,
 )
 
@@ -178,3 +179,24 @@ def test_the_router_bound_on_homes_reaches_the_policy_through_serves_config():
     kwargs = config["policy"]["policy_kwargs"]
     assert kwargs["home_utilisation"] == 0.5 and kwargs["max_homes_per_adapter"] == 4
     LoraAutoscalingPolicy(**kwargs)  # Serve builds it with them
+
+
+def test_a_replica_reports_its_hottest_adapters_by_name_and_the_policy_reads_them_back():
+    queue = {"a": 1, "b": 7, "c": 3, "d": 0, "e": 5, "f": 2}
+    report = autoscaling_stats(
+        requests=18,
+        slots=16,
+        reads=10,
+        reads_before=4,
+        elapsed_s=2.0,
+        read_seconds=3.0,
+        adapter_queue=queue,
+    )
+    hottest = sorted(queue, key=queue.get, reverse=True)[:HOT_ADAPTERS_REPORTED]
+    assert {k for k in report if k.startswith(AUTOSCALE_ADAPTER)} == {
+        AUTOSCALE_ADAPTER + a for a in hottest
+    }
+    assert report[READS_PER_S] == 3.0 and report[READ_S] == 0.3
+    ctx = Context(["r0"], {name: {"r0": v} for name, v in report.items()}, current_time=0)
+    (replica,) = reports_of(ctx)
+    assert replica.adapters == {a: float(queue[a]) for a in hottest}

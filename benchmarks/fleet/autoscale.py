@@ -31,6 +31,7 @@ SLO: the fleet bench's, 5 x the mean unloaded TTFT of the day's requests. Keys:
     autoscale.replica_hours_ratio_vs_ray_default   lora's replica-hours / ray_default's best
     autoscale.replica_hours_ratio_vs_static        lora's / the static fleet's
     autoscale.slo_attainment.<policy>              share of requests with TTFT within the SLO
+    autoscale.slo_attainment_vs_ray_default        lora's attainment - ray_default's
     autoscale.requests_lost                        requests that never finished (0: asserted)
     autoscale.scale_events_per_hour.<policy>       changes of Serve's target count per hour
 Replica-hours count a replica from the moment Serve asks for it until it has stopped.
@@ -169,6 +170,9 @@ def measure(quick: bool, trace_path: Path | None = None) -> dict[str, Any]:
         "replica_hours_ratio_vs_ray_default": hours["lora"] / hours["ray_default"],
         "replica_hours_ratio_vs_static": hours["lora"] / hours["static"],
         "slo_attainment": {p: r["slo_attainment"] for p, r in policies.items()},
+        "slo_attainment_vs_ray_default": (
+            policies["lora"]["slo_attainment"] - policies["ray_default"]["slo_attainment"]
+        ),
         "requests_lost": sum(r["requests_lost"] for r in [*policies.values(), *sweep.values()]),
         "scale_events_per_hour": {p: r["scale_events_per_hour"] for p, r in policies.items()},
         "policies": policies,

@@ -183,15 +183,16 @@ class LoraAutoscalingPolicy:
         decision = wanted(reports_of(ctx), current, s, self.homes)
         target = min(max(decision.replicas, low), high)
         last_event = max(ctx.last_scale_up_time or 0.0, ctx.last_scale_down_time or 0.0)
-        if current == 0 or target > current:
-            state.pop("lower_since", None)
-        elif target < current:
-            since = state.setdefault("lower_since", now)
-            if now - since < s.downscale_delay_s or now - last_event < s.cooldown_s:
+        if target < current and current > 0:
+            # since when fewer than `current` have been wanted; kept once the delay has
+            # passed: Serve's own delay logic needs the lower count on every loop until it
+            # acts, and one loop at `current` would restart its timer
+            if state.get("lower_from") != current:
+                state["lower_from"], state["lower_since"] = current, now
+            if now - state["lower_since"] < s.downscale_delay_s or now - last_event < s.cooldown_s:
                 target = current
-            else:
-                state.pop("lower_since", None)
         else:
+            state.pop("lower_from", None)
             state.pop("lower_since", None)
         state["why"] = decision.why
         return target, state

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from ray.serve.autoscaling_policy import _apply_delay_logic
+from ray.serve.config import AutoscalingConfig
 
 from loraplex.replica.protocol import AUTOSCALE_ADAPTER, HOT_ADAPTERS_REPORTED, autoscaling_stats
 from loraplex.router.autoscaling import (
@@ -200,3 +202,23 @@ def test_a_replica_reports_its_hottest_adapters_by_name_and_the_policy_reads_the
     ctx = Context(["r0"], {name: {"r0": v} for name, v in report.items()}, current_time=0)
     (replica,) = reports_of(ctx)
     assert replica.adapters == {a: float(queue[a]) for a in hottest}
+
+
+def test_once_its_delay_has_passed_the_policy_keeps_wanting_fewer_under_serves_own_delay():
+    # Serve wraps every policy in its own delay logic (ray/serve/autoscaling_policy.py
+    # `_apply_delay_logic`): a scale-down needs the lower count asked for on every control
+    # loop for Serve's downscale_delay_s. Once the policy's own delay has passed it must keep
+    # asking, not fall back to the current count (which resets Serve's timer, for ever).
+    config = AutoscalingConfig(min_replicas=1, max_replicas=8, downscale_delay_s=30)
+    state: dict[str, Any] = {}
+    current, target = 6, 6
+    for tick in range(400):  # a control loop a second; 6 replicas, load for 1
+        now = float(tick)
+        ctx = context(current, 5, current_time=now, policy_state=state)
+        wanted, state = POLICY(ctx)
+        target, internal = _apply_delay_logic(wanted, target, config, dict(state), _now=now)
+        state.update(internal)
+        if target != current:
+            break
+    # the policy's 60 s then Serve's 30 s, one loop apart
+    assert target == 1 and now == pytest.approx(60 + 30, abs=2)

@@ -81,7 +81,8 @@ def test_a_replica_is_removed_only_after_the_delay_and_the_cooldown():
             last_down = float(t)
         n = target
         seen.append(target)
-    assert seen[:6] == [3] * 6 and seen[6:] == [1] * 14, seen  # after 60 s of wanting fewer
+    # 60 s of wanting fewer, then one replica at a time, each after its own 60 s
+    assert seen == [3] * 6 + [2] * 7 + [1] * 7, seen
 
 
 def test_no_scale_down_within_the_cooldown_of_a_scale_up():
@@ -220,5 +221,15 @@ def test_once_its_delay_has_passed_the_policy_keeps_wanting_fewer_under_serves_o
         state.update(internal)
         if target != current:
             break
-    # the policy's 60 s then Serve's 30 s, one loop apart
-    assert target == 1 and now == pytest.approx(60 + 30, abs=2)
+    # the policy's 60 s then Serve's 30 s, one loop apart; one replica at a time
+    assert target == 5 and now == pytest.approx(60 + 30, abs=2)
+
+
+def test_scale_down_removes_one_replica_at_a_time():
+    # 6 replicas holding load for 1: after the delay 5, and 4 only after the cooldown
+    state: dict[str, Any] = {}
+    for now in (0.0, 61.0):
+        target, state = POLICY(context(6, 5, current_time=now, policy_state=state))
+    assert target == 5
+    after = context(5, 5, current_time=70.0, policy_state=state, last_scale_down_time=62.0)
+    assert POLICY(after)[0] == 5  # within the cooldown, and a new delay for 5

@@ -5,13 +5,13 @@ with Ray's default policy, loraplex's `lora` policy and a static fleet sized for
 The day (stated values, FULL / QUICK):
     fleet        benchmarks/fleet/bench.py's (H100 SXM5 + Llama-2-7B, its engine, host tier,
                  store and router settings); replicas start in `model_load_s` (21.7 s)
-    arrivals     the Azure conversation trace's arrival process (its own gaps, repeated as
-                 often as the day needs), time-warped onto a diurnal rate: trough at the
+    arrivals     the Azure conversation trace's arrival process (its own gaps, then gaps drawn
+                 from them as the day needs), time-warped onto a diurnal rate: trough at the
                  start and end, peak at the middle, PEAK_TO_TROUGH = 5 x; the peak is
-                 PEAK_REPLICAS x the fleet bench's reference load (0.65 of a replica's
-                 capacity) x PEAK_REPLICAS. Without the trace, Poisson arrivals (the trace
+                 peak_replicas (12 / 4) x the fleet bench's reference load (0.65 of a
+                 replica's capacity). Without the trace, Poisson arrivals (the trace
                  reader's stated stand-in) warped the same way
-    day          DAY_S of simulated time: 4 h / 1 h (a day compressed: Serve's delays are
+    day          day_s of simulated time: 4 h / 1 h (a day compressed: Serve's delays are
                  not, so the compressed day is the harder case for every policy)
     adapters     10,000 / 2,000, ranks 8-128, Zipf(1) popularity; at the middle of the
                  requests (the peak) the ranking rotates by half the catalog (the fleet
@@ -19,13 +19,13 @@ The day (stated values, FULL / QUICK):
     lengths      the trace's, output capped at 1,024
     Serve        the same autoscaling_config for both autoscaled policies: Serve's defaults
                  (look_back_period_s 30, upscale_delay_s 30, downscale_delay_s 600),
-                 min_replicas 1, max_replicas 2 x PEAK_REPLICAS, initial_replicas 1
+                 min_replicas 1, max_replicas 2 x peak_replicas, initial_replicas 1
     ray_default  Ray's `replica_queue_length_autoscaling_policy`, run as-is, at each
                  `target_ongoing_requests` of TARGETS; its best: the fewest replica-hours
                  among the settings with SLO attainment >= 0.99 (else the highest
                  attainment)
     lora         `LoraAutoscalingPolicy` with its default settings (untuned)
-    static       PEAK_REPLICAS replicas all day
+    static       peak_replicas all day (Serve's min = max)
 
 SLO: the fleet bench's, 5 x the mean unloaded TTFT of the day's requests. Keys:
     autoscale.replica_hours_ratio_vs_ray_default   lora's replica-hours / ray_default's best

@@ -23,7 +23,7 @@ ray/serve/autoscaling_policy.py, ray/serve/_private/constants.py):
                   resumed elsewhere as the ingress resumes a dead replica's streams
                   (router/serve_backend.py). Nothing is lost (FleetSim asserts it).
 
-The static fleet is the same simulator with no autoscaler.
+A static fleet is the same simulator with min_replicas = max_replicas.
 """
 
 from __future__ import annotations

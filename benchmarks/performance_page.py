@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SUITES = ("engine", "registry", "sched", "router", "fleet")
+SUITES = ("engine", "registry", "sched", "router", "fleet", "autoscale")
 _OPS = {">=": operator.ge, "<=": operator.le, "<": operator.lt, ">": operator.gt}
 
 
@@ -77,6 +77,13 @@ HEADLINES = [
     Headline("fleet", "fleet.workloads.zipf.placement_miss_rate.affinity", "<= 0.05", "placements the router predicted warm that read from the store"),
     Headline("fleet", "fleet.validation.p99_ttft_error", "<= 0.25", "a real run of the same workload"),
     Headline("fleet", "fleet.validation.loads_error", "<= 0.10", "a real run of the same workload"),
+    # autoscale (issue 26): a simulated day under Ray Serve's autoscaler (bench fleet --section autoscale)
+    Headline("autoscale", "autoscale.replica_hours_ratio_vs_ray_default", "<= 0.8", "Ray's default policy, target_ongoing_requests swept to its best"),
+    Headline("autoscale", "autoscale.slo_attainment.lora", ">= 0.99", "requests within the SLO (5 x the unloaded TTFT)"),
+    Headline("autoscale", "autoscale.slo_attainment_vs_ray_default", ">= 0", "Ray's default policy at its best setting"),
+    Headline("autoscale", "autoscale.replica_hours_ratio_vs_static", "<= 0.6", "a static fleet sized for the peak"),
+    Headline("autoscale", "autoscale.requests_lost", "<= 0", "every scale-down of every policy"),
+    Headline("autoscale", "autoscale.scale_events_per_hour.lora", "<= 6", "changes of Serve's target count"),
 ]  # fmt: skip
 
 METHODS = {
@@ -129,6 +136,16 @@ routers modelled from Ray 2.60's source. The catalog is larger than one replica'
 tier and smaller than the fleet's, store reads take ~0.3 s; every figure is the median over
 seeds (3, `--quick` 2) and each ratio has its 90% bootstrap interval. `validation.*` compares
 the simulator configured like a real run with that run.""",
+    "autoscale": """\
+`loraplex bench fleet --section autoscale` (`benchmarks/fleet/autoscale.py`): the fleet
+simulator under Ray Serve's autoscaler (`benchmarks/sim/scaling.py`: Ray 2.60's
+AutoscalingContext, delay logic and bounds on the simulated clock, replicas that start in
+their model's load time and leave by draining) over a compressed day: the Azure conv
+trace's arrivals warped onto a diurnal rate with a 5x peak-to-trough swing and one
+popularity shift at the peak, 2,000-10,000 adapters, H100 / 7B, the affinity router. Ray's
+default policy is swept over target_ongoing_requests and its best setting kept; loraplex's
+`lora` policy runs with its defaults; the static fleet is sized for the peak. Replica-hours
+count a replica from Serve's asking for it until it has stopped.""",
 }
 
 

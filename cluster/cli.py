@@ -42,6 +42,12 @@ def main(argv: list[str] | None = None) -> int:
         help="sched, fleet: the simulator sections only (fleet: no validation run)",
     )
     bench.add_argument(
+        "--section",
+        choices=["autoscale"],
+        help="fleet: this section alone, written to its own JSON (autoscale: a simulated day "
+        "under Ray Serve's autoscaler)",
+    )
+    bench.add_argument(
         "--validation-only",
         action="store_true",
         help="fleet: only the simulator's validation against a real run",
@@ -106,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
             from loraplex.benchmarks.router.suite import run_bench
         elif args.suite == "sched":
             from loraplex.benchmarks.sched.bench import run_bench
+        elif args.suite == "fleet" and args.section == "autoscale":
+            from loraplex.benchmarks.fleet.autoscale import run_section as run_bench
         elif args.suite == "fleet":
             from loraplex.benchmarks.fleet.bench import run_bench
         else:

@@ -32,7 +32,7 @@ from loraplex.replica.config import (
     plain_engine_config,
 )
 from loraplex.replica.settings import EngineSettings
-from loraplex.router.autoscaling import serve_autoscaling_config
+from loraplex.router.autoscaling import Homes, serve_autoscaling_config
 from loraplex.router.limits import IngressLimits
 from loraplex.router.settings import RouterSettings
 from loraplex.settings import describe, setting
@@ -206,7 +206,8 @@ class LoraplexConfig(BaseModel):
             options["placement_group_strategy"] = "STRICT_PACK"
         if r.autoscaling is not None:
             options["num_replicas"] = "auto"
-            options["autoscaling_config"] = serve_autoscaling_config(r.autoscaling)
+            homes = Homes(self.router.home_utilisation, self.router.max_homes_per_adapter)
+            options["autoscaling_config"] = serve_autoscaling_config(r.autoscaling, homes)
         else:
             options["num_replicas"] = r.num_replicas
         return options

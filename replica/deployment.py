@@ -37,13 +37,10 @@ from loraplex.replica.async_engine import Engine
 from loraplex.replica.config import build_engine_config
 from loraplex.replica.memory.adapter_cache import UnknownAdapter
 from loraplex.replica.protocol import (
-    AUTOSCALE_READ_S,
-    AUTOSCALE_READS_PER_S,
-    AUTOSCALE_REQUESTS,
-    AUTOSCALE_SLOTS,
     AdapterNotFound,
     GenerateChunk,
     GenerateRequest,
+    autoscaling_stats,
     cache_salts,
     chunk,
     continuation,
@@ -178,12 +175,15 @@ class ReplicaDeployment:
         now = time.monotonic()
         since, reads_before = self._autoscale_mark
         self._autoscale_mark = (now, reads)
-        return {
-            AUTOSCALE_REQUESTS: float(self.in_flight),
-            AUTOSCALE_SLOTS: float(self.max_concurrency),
-            AUTOSCALE_READS_PER_S: (reads - reads_before) / max(now - since, 1e-3),
-            AUTOSCALE_READ_S: read_seconds / reads if reads else 0.0,
-        }
+        return autoscaling_stats(
+            requests=self.in_flight,
+            slots=self.max_concurrency,
+            reads=reads,
+            reads_before=reads_before,
+            elapsed_s=now - since,
+            read_seconds=read_seconds,
+            adapter_queue=self.sync.requests if self.sync else {},
+        )
 
     def _tiers(self, stats: dict[str, Any]) -> dict[str, list[str]]:
         return published_tiers(stats["adapters"], self.sync.loading if self.sync else ())

@@ -17,7 +17,7 @@ prefix cache keys its blocks with the same functions.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, NotRequired, Protocol, TypedDict
 
 from loraplex.replica.prefix_keys import extend_block_keys as extend_block_keys  # re-exported
@@ -170,3 +170,29 @@ AUTOSCALE_REQUESTS = "requests"  # generate calls held: running, waiting, readin
 AUTOSCALE_SLOTS = "slots"  # max_num_seqs
 AUTOSCALE_READS_PER_S = "store_reads_per_s"  # adapters read from the store per second
 AUTOSCALE_READ_S = "store_read_s"  # the mean store read, seconds (0 before the first)
+AUTOSCALE_ADAPTER = "adapter_requests:"  # + an adapter's name: its requests held here
+HOT_ADAPTERS_REPORTED = 4  # the adapters with most requests held, each reported by name
+
+
+def autoscaling_stats(
+    *,
+    requests: int,
+    slots: int,
+    reads: int,
+    reads_before: int,
+    elapsed_s: float,
+    read_seconds: float,
+    adapter_queue: Mapping[str, int],
+) -> dict[str, float]:
+    """One report (the deployment's `record_autoscaling_stats` and the fleet simulator's):
+    `reads` store reads so far, `reads_before` at the last report `elapsed_s` ago,
+    `read_seconds` the time those reads took in all; `adapter_queue` the requests held per
+    adapter, of which the HOT_ADAPTERS_REPORTED largest are reported by name."""
+    hot = sorted(((n, a) for a, n in adapter_queue.items() if n > 0), reverse=True)
+    return {
+        AUTOSCALE_REQUESTS: float(requests),
+        AUTOSCALE_SLOTS: float(slots),
+        AUTOSCALE_READS_PER_S: (reads - reads_before) / max(elapsed_s, 1e-3),
+        AUTOSCALE_READ_S: read_seconds / reads if reads else 0.0,
+        **{AUTOSCALE_ADAPTER + a: float(n) for n, a in hot[:HOT_ADAPTERS_REPORTED]},
+    }

@@ -8,13 +8,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from ray.serve.autoscaling_policy import _apply_delay_logic
+from ray.serve.config import AutoscalingConfig
 
+from loraplex.replica.protocol import AUTOSCALE_ADAPTER, HOT_ADAPTERS_REPORTED, autoscaling_stats
 from loraplex.router.autoscaling import (
     READ_S,
     READS_PER_S,
     REQUESTS,
     SLOTS,
+    Homes,
     LoraAutoscalingPolicy,
+    reports_of,
+    serve_autoscaling_config,
 )
 
 
@@ -75,7 +81,8 @@ def test_a_replica_is_removed_only_after_the_delay_and_the_cooldown():
             last_down = float(t)
         n = target
         seen.append(target)
-    assert seen[:6] == [3] * 6 and seen[6:] == [1] * 14, seen  # after 60 s of wanting fewer
+    # 60 s of wanting fewer, then one replica at a time, each after its own 60 s
+    assert seen == [3] * 6 + [2] * 7 + [1] * 7, seen
 
 
 def test_no_scale_down_within_the_cooldown_of_a_scale_up():
@@ -146,3 +153,83 @@ def test_the_yaml_names_the_policy_and_serve_accepts_it():
         LoraplexConfig(
             model="m", replicas={"autoscaling": {"policy": "lora", "lora": {"read_busy": 3}}}
         )
+
+
+def test_a_hot_adapter_wanting_more_homes_adds_replicas_up_to_the_routers_bound():
+    # one replica of 16 slots holds 10 requests, 9 of one adapter: by load ceil(10 / 11.2)
+    # = 1, but the router gives an adapter a home per home_utilisation x slots = 4 requests:
+    # ceil(9 / 4) = 3 homes wanted, up to max_homes_per_adapter
+    ctx = context(1, 10, current_time=0)
+    ctx.aggregated_metrics[AUTOSCALE_ADAPTER + "hot"] = {"r0": 9.0}
+    ctx.aggregated_metrics[AUTOSCALE_ADAPTER + "cold"] = {"r0": 1.0}
+    homes = {"home_utilisation": 0.25, "downscale_delay_s": 60, "cooldown_s": 30}
+    target, state = LoraAutoscalingPolicy(max_homes_per_adapter=8, **homes)(ctx)
+    assert target == 3 and "hot adapter wants 3 homes" in state["why"]
+    assert LoraAutoscalingPolicy(max_homes_per_adapter=2, **homes)(ctx)[0] == 2
+    assert POLICY(ctx)[0] == 1  # without the router's bound: the load count alone
+
+
+def test_a_hot_adapter_held_across_replicas_counts_once_summed():
+    # 2 replicas hold 5 requests each of the same adapter: 10 of it, ceil(10 / 4) = 3 homes
+    ctx = context(2, 12, current_time=0)
+    ctx.aggregated_metrics[AUTOSCALE_ADAPTER + "hot"] = {"r0": 5.0, "r1": 5.0}
+    policy = LoraAutoscalingPolicy(home_utilisation=0.25, max_homes_per_adapter=4)
+    assert policy(ctx)[0] == 3
+
+
+def test_the_router_bound_on_homes_reaches_the_policy_through_serves_config():
+    config = serve_autoscaling_config({"policy": "lora"}, Homes(0.5, 4))
+    kwargs = config["policy"]["policy_kwargs"]
+    assert kwargs["home_utilisation"] == 0.5 and kwargs["max_homes_per_adapter"] == 4
+    LoraAutoscalingPolicy(**kwargs)  # Serve builds it with them
+
+
+def test_a_replica_reports_its_hottest_adapters_by_name_and_the_policy_reads_them_back():
+    queue = {"a": 1, "b": 7, "c": 3, "d": 0, "e": 5, "f": 2}
+    report = autoscaling_stats(
+        requests=18,
+        slots=16,
+        reads=10,
+        reads_before=4,
+        elapsed_s=2.0,
+        read_seconds=3.0,
+        adapter_queue=queue,
+    )
+    hottest = sorted(queue, key=queue.get, reverse=True)[:HOT_ADAPTERS_REPORTED]
+    assert {k for k in report if k.startswith(AUTOSCALE_ADAPTER)} == {
+        AUTOSCALE_ADAPTER + a for a in hottest
+    }
+    assert report[READS_PER_S] == 3.0 and report[READ_S] == 0.3
+    ctx = Context(["r0"], {name: {"r0": v} for name, v in report.items()}, current_time=0)
+    (replica,) = reports_of(ctx)
+    assert replica.adapters == {a: float(queue[a]) for a in hottest}
+
+
+def test_once_its_delay_has_passed_the_policy_keeps_wanting_fewer_under_serves_own_delay():
+    # Serve wraps every policy in its own delay logic (ray/serve/autoscaling_policy.py
+    # `_apply_delay_logic`): a scale-down needs the lower count asked for on every control
+    # loop for Serve's downscale_delay_s. Once the policy's own delay has passed it must keep
+    # asking, not fall back to the current count (which resets Serve's timer, for ever).
+    config = AutoscalingConfig(min_replicas=1, max_replicas=8, downscale_delay_s=30)
+    state: dict[str, Any] = {}
+    current, target = 6, 6
+    for tick in range(400):  # a control loop a second; 6 replicas, load for 1
+        now = float(tick)
+        ctx = context(current, 5, current_time=now, policy_state=state)
+        wanted, state = POLICY(ctx)
+        target, internal = _apply_delay_logic(wanted, target, config, dict(state), _now=now)
+        state.update(internal)
+        if target != current:
+            break
+    # the policy's 60 s then Serve's 30 s, one loop apart; one replica at a time
+    assert target == 5 and now == pytest.approx(60 + 30, abs=2)
+
+
+def test_scale_down_removes_one_replica_at_a_time():
+    # 6 replicas holding load for 1: after the delay 5, and 4 only after the cooldown
+    state: dict[str, Any] = {}
+    for now in (0.0, 61.0):
+        target, state = POLICY(context(6, 5, current_time=now, policy_state=state))
+    assert target == 5
+    after = context(5, 5, current_time=70.0, policy_state=state, last_scale_down_time=62.0)
+    assert POLICY(after)[0] == 5  # within the cooldown, and a new delay for 5

@@ -138,6 +138,8 @@ class FleetRun:
 
 
 class FleetSim:
+    recurring = _STATS_EVENTS  # events that recur only while there is other work
+
     def __init__(
         self,
         router: str,
@@ -160,6 +162,7 @@ class FleetSim:
         self._work = 0  # events in the heap other than _STATS_EVENTS
         self.replicas: dict[str, FleetReplica] = {}
         self.dead: list[FleetReplica] = []
+        self.draining: dict[str, FleetReplica] = {}  # routed no more, finishing (scaling.py)
         self.pending: list[Pending] = []
         self.stats: dict[str, tuple[float, ReplicaStats]] = {}  # affinity's view
         self.model_ids: dict[str, frozenset[str]] = {}  # Ray's view
@@ -189,18 +192,18 @@ class FleetSim:
             self._push(self.setup.kill_at_s, "kill", None)
         while self.events:
             t, _, kind, payload = heapq.heappop(self.events)
-            if kind not in _STATS_EVENTS:
+            if kind not in self.recurring:
                 self._work -= 1
-            for replica in self.replicas.values():
+            for replica in [*self.replicas.values(), *self.draining.values()]:
                 replica.advance_until(t)
             self.now = t
             getattr(self, f"_on_{kind}")(payload)
-        for replica in self.replicas.values():
+        for replica in [*self.replicas.values(), *self.draining.values()]:
             replica.advance_until(math.inf)
         return self._result()
 
     def _push(self, t: float, kind: str, payload) -> None:
-        if kind not in _STATS_EVENTS:
+        if kind not in self.recurring:
             self._work += 1
         heapq.heappush(self.events, (t, next(self._seq), kind, payload))
 
@@ -275,9 +278,16 @@ class FleetSim:
         # its own draw: the same replica dies whichever router runs
         victim = random.Random(self.setup.seed).choice(sorted(self.replicas))
         replica = self.replicas.pop(victim)
-        self.dead.append(replica)
         self.stats.pop(victim, None)
         self.model_ids.pop(victim, None)
+        self._fail(replica)
+        self._push(self.now + self.setup.replace_after_s, "replace", None)
+        self._start_routing()
+
+    def _fail(self, replica: FleetReplica) -> None:
+        """The replica stops with requests on it: begun streams resume elsewhere, the rest
+        are retried (router/serve_backend.py)."""
+        self.dead.append(replica)
         started, retry = replica.kill()
         self.retried += len(retry)
         for req, first_token, streamed in started:
@@ -293,8 +303,6 @@ class FleetSim:
             self.pending.append(Pending(rest, RoutingContext(req.adapter, self.now)))
         for req in retry:
             self.pending.append(Pending(req, RoutingContext(req.adapter, self.now)))
-        self._push(self.now + self.setup.replace_after_s, "replace", None)
-        self._start_routing()
 
     def _on_mark(self, _) -> None:
         self.baseline = {rid: r.counters() for rid, r in self.replicas.items()}
@@ -308,10 +316,12 @@ class FleetSim:
     def _start_routing(self) -> None:
         """Routing tasks for the oldest pending requests that have none (Serve's cap)."""
         tasks = min(MAX_ROUTING_TASKS, 2 * max(1, len(self.replicas)))
-        for pending in self.pending[:tasks]:
-            if pending.next_try is None:
-                pending.next_try = self.now
-                self._attempt(pending)
+        while True:  # a request routed frees its task for the next one waiting
+            fresh = next((p for p in self.pending[:tasks] if p.next_try is None), None)
+            if fresh is None:
+                return
+            fresh.next_try = self.now
+            self._attempt(fresh)
 
     def _attempt(self, pending: Pending) -> None:
         while pending in self.pending:
@@ -375,8 +385,11 @@ class FleetSim:
 
     # -- results
 
+    def _every_replica(self) -> list[FleetReplica]:
+        return [*self.replicas.values(), *self.draining.values(), *self.dead]
+
     def _result(self) -> FleetRun:
-        records = [r for rep in [*self.replicas.values(), *self.dead] for r in rep.sim.done]
+        records = [r for rep in self._every_replica() for r in rep.sim.done]
         by_rid = {r.request.rid: r for r in records}
         original = {req.rid: req for req in self.requests}
         lost = len(self.requests) - len(by_rid) - self.failed_streams
@@ -390,12 +403,12 @@ class FleetSim:
         first = np.array([self.first_token.get(r.request.rid, r.first_token) for r in done])
         finish = np.array([r.finish for r in done])
         where = {}
-        for rep in [*self.replicas.values(), *self.dead]:
+        for rep in self._every_replica():
             for r in rep.sim.done:
                 where[r.request.rid] = rep.replica_id
         counters: dict = {}
         per_replica = {}
-        for rep in [*self.replicas.values(), *self.dead]:
+        for rep in self._every_replica():
             before = self.baseline.get(rep.replica_id, {})
             c = {k: v - before.get(k, 0) for k, v in rep.counters().items()}
             per_replica[rep.replica_id] = c

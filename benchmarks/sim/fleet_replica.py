@@ -333,12 +333,16 @@ class FleetReplica:
             reading=self.reading,
             read_s=self.read_seconds / self.first_reads if self.first_reads else None,
             in_flight=self.in_flight,
-            adapter_queue=Counter(r.adapter for r in self._routed.values() if r.adapter),
+            adapter_queue=self.adapter_queue(),
             max_concurrency=self.max_concurrency,
             recorded_at=self.clock.now,
         )
         published["requests_total"] = self.requests_total
         return published
+
+    def adapter_queue(self) -> Counter[str]:
+        """Requests held per adapter."""
+        return Counter(r.adapter for r in self._routed.values() if r.adapter)
 
     def engine_stats(self) -> dict:
         """What the engine's `stats()` (replica/engine.py) holds of what routing reads."""

@@ -1,0 +1,255 @@
+"""`loraplex bench fleet --section autoscale`: Ray Serve's autoscaler over a simulated day,
+with Ray's default policy, loraplex's `lora` policy and a static fleet sized for the peak
+(benchmarks/sim/scaling.py runs the policies as Serve does; the affinity router routes).
+
+The day (stated values, FULL / QUICK):
+    fleet        benchmarks/fleet/bench.py's (H100 SXM5 + Llama-2-7B, its engine, host tier,
+                 store and router settings); replicas start in `model_load_s` (21.7 s)
+    arrivals     the Azure conversation trace's arrival process (its own gaps, then gaps drawn
+                 from them as the day needs), time-warped onto a diurnal rate: trough at the
+                 start and end, peak at the middle, PEAK_TO_TROUGH = 5 x; the peak is
+                 peak_replicas (12 / 4) x the fleet bench's reference load (0.65 of a
+                 replica's capacity). Without the trace, Poisson arrivals (the trace
+                 reader's stated stand-in) warped the same way
+    day          day_s of simulated time: 4 h / 1 h (a day compressed: Serve's delays are
+                 not, so the compressed day is the harder case for every policy)
+    adapters     10,000 / 2,000, ranks 8-128, Zipf(1) popularity; at the middle of the
+                 requests (the peak) the ranking rotates by half the catalog (the fleet
+                 bench's `shift` workload)
+    lengths      the trace's, output capped at 1,024
+    Serve        the same autoscaling_config for both autoscaled policies: Serve's defaults
+                 (look_back_period_s 30, upscale_delay_s 30, downscale_delay_s 600),
+                 min_replicas 1, max_replicas 2 x peak_replicas, initial_replicas 1
+    ray_default  Ray's `replica_queue_length_autoscaling_policy`, run as-is, at each
+                 `target_ongoing_requests` of TARGETS; its best: the fewest replica-hours
+                 among the settings with SLO attainment >= 0.99 (else the highest
+                 attainment)
+    lora         `LoraAutoscalingPolicy` with its default settings (untuned)
+    static       peak_replicas all day (Serve's min = max)
+
+SLO: the fleet bench's, 5 x the mean unloaded TTFT of the day's requests. Keys:
+    autoscale.replica_hours_ratio_vs_ray_default   lora's replica-hours / ray_default's best
+    autoscale.replica_hours_ratio_vs_static        lora's / the static fleet's
+    autoscale.slo_attainment.<policy>              share of requests with TTFT within the SLO
+    autoscale.slo_attainment_vs_ray_default        lora's attainment - ray_default's
+    autoscale.requests_lost                        requests that never finished (0: asserted)
+    autoscale.scale_events_per_hour.<policy>       changes of Serve's target count per hour
+Replica-hours count a replica from the moment Serve asks for it until it has stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loraplex.benchmarks.engine.bench import DEFAULT_TRACE
+from loraplex.benchmarks.fleet import bench as fb
+from loraplex.benchmarks.fleet import workloads as fw
+from loraplex.benchmarks.goodput import SLO_FACTOR
+from loraplex.benchmarks.report import log, write_json
+from loraplex.benchmarks.sim.scaling import Scaling, ScalingRecord, model_load_s, simulate_scaling
+from loraplex.benchmarks.sim.workload import SimRequest, Trace, read_trace
+from loraplex.router.autoscaling import Homes, serve_autoscaling_config
+
+PEAK_TO_TROUGH = 5.0
+REFERENCE_LOAD = 0.65  # of a replica's capacity: the fleet bench's reference rate
+WINDOW_S = 300.0  # the figure's P99 TTFT windows
+
+
+@dataclass(frozen=True, slots=True)
+class DayShape:
+    day_s: float
+    adapters: int
+    peak_replicas: int
+    targets: tuple[float, ...]  # Ray's target_ongoing_requests swept
+
+
+FULL = DayShape(day_s=4 * 3600.0, adapters=10_000, peak_replicas=12, targets=(16, 24, 32, 48, 64))
+QUICK = DayShape(day_s=3600.0, adapters=2_000, peak_replicas=4, targets=(16, 32, 48))
+
+
+def diurnal_arrivals(trace: Trace, day_s: float, peak_rps: float, seed: int) -> np.ndarray:
+    """The trace's arrival process warped onto rate(t) = trough + (peak - trough) x
+    (1 - cos 2 pi t / day) / 2: unit-rate trace times s (the trace repeated as needed) are
+    mapped to t with Lambda(t) = s, Lambda the rate's integral."""
+    trough = peak_rps / PEAK_TO_TROUGH
+    grid = np.linspace(0.0, day_s, 100_001)
+    rate = trough + (peak_rps - trough) * (1 - np.cos(2 * np.pi * grid / day_s)) / 2
+    cumulative = np.concatenate([[0.0], np.cumsum((rate[1:] + rate[:-1]) / 2 * np.diff(grid))])
+    gaps = np.diff(trace.timestamps)
+    gaps = gaps / gaps.mean()  # unit rate
+    need = int(cumulative[-1] * 1.2) + 10
+    draws = np.random.default_rng(seed).integers(0, len(gaps), max(0, need - len(gaps)))
+    unit = np.cumsum(np.concatenate([gaps, gaps[draws]])[:need])
+    unit = unit[unit < cumulative[-1]]
+    return np.interp(unit, cumulative, grid)
+
+
+def day_requests(
+    fleet: fb.Fleet, shape: DayShape, names: list[str], seed: int
+) -> tuple[list[SimRequest], float]:
+    peak = shape.peak_replicas * REFERENCE_LOAD * fleet.capacity_per_replica
+    at = diurnal_arrivals(fleet.trace, shape.day_s, peak, seed)
+    lengths = fw.Lengths(trace=fleet.trace, max_tokens=fb.MAX_TOKENS)
+    reqs = fw.requests("shift", names, len(at), float(len(at)) / shape.day_s, lengths, seed)
+    return [dataclasses.replace(r, arrival=float(t)) for r, t in zip(reqs, at, strict=True)], peak
+
+
+def measure(quick: bool, trace_path: Path | None = None) -> dict[str, Any]:
+    shape = QUICK if quick else FULL
+    fleet = fb.calibrate(fb.QUICK if quick else fb.FULL, read_trace(trace_path or DEFAULT_TRACE))
+    adapters = fw.catalog(shape.adapters, fleet.profile.adapter_bytes)
+    catalog = {a.name: a for a in adapters}
+    reqs, peak = day_requests(fleet, shape, [a.name for a in adapters], seed=26)
+    sample = reqs[:: max(1, len(reqs) // 5000)]
+    slo = SLO_FACTOR * fb.unloaded_ttft_s(fleet.profile, sample, catalog)
+    startup = model_load_s(fleet.profile)
+    log(
+        f"autoscale: {len(reqs)} requests over {shape.day_s / 3600:.1f} h, peak {peak:.1f} req/s, "
+        f"{shape.adapters} adapters, SLO {slo:.3f} s, replica start-up {startup:.1f} s; "
+        f"trace {fleet.trace.source}"
+    )
+    setup = fleet.setup(
+        2 * shape.peak_replicas, adapters
+    )  # max_homes_per_adapter: the most replicas
+    serve = {"min_replicas": 1, "max_replicas": 2 * shape.peak_replicas, "initial_replicas": 1}
+
+    def day(name: str, autoscaling: dict[str, Any], replicas: int = 1) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        homes = Homes(setup.affinity.home_utilisation, setup.affinity.max_homes_per_adapter)
+        scaling = Scaling(serve_autoscaling_config(autoscaling, homes), startup)
+        run, record = simulate_scaling(
+            "affinity", reqs, catalog, dataclasses.replace(setup, num_replicas=replicas), scaling
+        )
+        out = summarize(run, record, slo, shape.day_s)
+        log(
+            f"autoscale {name:22}: {out['replica_hours']:.2f} replica-h, SLO attainment "
+            f"{out['slo_attainment']:.4f}, p99 {out['p99_ttft_s']:.3f} s, "
+            f"{out['scale_events_per_hour']:.1f} events/h ({time.perf_counter() - t0:.0f} s, "
+            f"load avg {os.getloadavg()[0]:.1f})"
+        )
+        return out
+
+    sweep = {
+        str(target): day(
+            f"ray_default target {target}",
+            {**serve, "policy": "requests", "target_ongoing_requests": target},
+        )
+        for target in shape.targets
+    }
+    best = best_setting(sweep)
+    policies = {
+        "ray_default": sweep[best],
+        "lora": day("lora", {**serve, "policy": "lora"}),
+        "static": day(
+            "static",
+            {"min_replicas": shape.peak_replicas, "max_replicas": shape.peak_replicas},
+            shape.peak_replicas,
+        ),
+    }
+    hours = {p: r["replica_hours"] for p, r in policies.items()}
+    return {
+        "profile": fleet.profile.name,
+        "trace": fleet.trace.source,
+        "day_s": shape.day_s,
+        "adapters": shape.adapters,
+        "requests": len(reqs),
+        "peak_rps": peak,
+        "peak_to_trough": PEAK_TO_TROUGH,
+        "slo_s": slo,
+        "replica_startup_s": startup,
+        "static_replicas": shape.peak_replicas,
+        "ray_default_target_ongoing_requests": float(best),
+        "ray_default_sweep": {t: _brief(r) for t, r in sweep.items()},
+        "replica_hours_ratio_vs_ray_default": hours["lora"] / hours["ray_default"],
+        "replica_hours_ratio_vs_static": hours["lora"] / hours["static"],
+        "slo_attainment": {p: r["slo_attainment"] for p, r in policies.items()},
+        "slo_attainment_vs_ray_default": (
+            policies["lora"]["slo_attainment"] - policies["ray_default"]["slo_attainment"]
+        ),
+        "requests_lost": sum(r["requests_lost"] for r in [*policies.values(), *sweep.values()]),
+        "scale_events_per_hour": {p: r["scale_events_per_hour"] for p, r in policies.items()},
+        "policies": policies,
+    }
+
+
+def best_setting(sweep: dict[str, dict[str, Any]]) -> str:
+    meeting = [t for t, r in sweep.items() if r["slo_attainment"] >= 0.99]
+    if meeting:
+        return min(meeting, key=lambda t: sweep[t]["replica_hours"])
+    return max(sweep, key=lambda t: sweep[t]["slo_attainment"])
+
+
+def summarize(run, record: ScalingRecord, slo: float, day_s: float) -> dict[str, Any]:
+    ttft = run.ttft
+    windows = []
+    for start in np.arange(0.0, day_s, WINDOW_S):
+        inside = (run.arrival >= start) & (run.arrival < start + WINDOW_S)
+        p99 = float(np.percentile(ttft[inside], 99)) if inside.any() else None
+        windows.append({"t_s": float(start), "p99_ttft_s": p99})
+    return {
+        "replica_hours": record.replica_seconds / 3600,
+        "slo_attainment": float(np.mean(ttft <= slo)),
+        "p99_ttft_s": float(np.percentile(ttft, 99)),
+        "requests": run.requests,
+        "requests_lost": run.requests - len(ttft),
+        "streams_resumed": run.streams_resumed,
+        "stopped_with_requests": record.stopped_with_requests,
+        "store_reads": run.counters.get("store_reads", 0),
+        "scale_events": record.scale_events,
+        "scale_events_per_hour": record.scale_events / (day_s / 3600),
+        "max_replicas": max(n for _, n in record.timeline),
+        "replicas_timeline": [[round(t, 1), n] for t, n in record.timeline],
+        "p99_ttft_windows": windows,
+    }
+
+
+def _brief(r: dict[str, Any]) -> dict[str, Any]:
+    keys = ("replica_hours", "slo_attainment", "p99_ttft_s", "scale_events_per_hour")
+    return {k: r[k] for k in keys}
+
+
+def timeline_table(results: dict[str, Any], rows: int = 12) -> str:
+    """The most replicas held and the worst window's P99 TTFT, per policy, in each of `rows`
+    slices of the day, as a markdown table."""
+    policies = results["policies"]
+    every = results["day_s"] / rows
+    header = " | ".join(f"{p} replicas | {p} P99 TTFT (s)" for p in policies)
+    lines = [f"| t (min) | {header} |", "|" + "---|" * (1 + 2 * len(policies))]
+    for t in np.arange(0.0, results["day_s"], every):
+        cells = [f"{t / 60:.0f}"]
+        for r in policies.values():
+            timeline = r["replicas_timeline"]
+            before = [n for at, n in timeline if at <= t][-1:]
+            held = before + [n for at, n in timeline if t < at < t + every]
+            p99 = [
+                w["p99_ttft_s"]
+                for w in r["p99_ttft_windows"]
+                if t <= w["t_s"] < t + every and w["p99_ttft_s"] is not None
+            ]
+            cells.append(str(max(held)) if held else "-")
+            cells.append(f"{max(p99):.2f}" if p99 else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run_section(args) -> int:
+    started = time.perf_counter()
+    results = measure(bool(args.quick), args.trace)
+    out = {"quick": bool(args.quick), "autoscale": results}
+    out["seconds"] = time.perf_counter() - started
+    print(timeline_table(results))
+    for key in ("replica_hours_ratio_vs_ray_default", "replica_hours_ratio_vs_static"):
+        print(f"autoscale.{key}: {results[key]:.3f}")
+    for key in ("slo_attainment", "scale_events_per_hour"):
+        for policy, value in results[key].items():
+            print(f"autoscale.{key}.{policy}: {value:.4g}")
+    print(f"autoscale.requests_lost: {results['requests_lost']}")
+    write_json(args.json, out)
+    return 0

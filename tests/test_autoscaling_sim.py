@@ -1,0 +1,141 @@
+"""The fleet simulator under Ray Serve's autoscaler (benchmarks/sim/scaling.py): replicas
+start after their load time, a leaving replica is routed nothing new while its requests
+finish, and the policies are Ray's own functions, wrapped as Serve wraps them."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from ray.serve._private.autoscaling_state import _resolve_policy_callable
+from ray.serve.autoscaling_policy import _apply_autoscaling_config
+
+from loraplex.benchmarks.fleet import autoscale
+from loraplex.benchmarks.fleet import bench as fb
+from loraplex.benchmarks.fleet import workloads as fw
+from loraplex.benchmarks.sim.fleet import FleetSetup
+from loraplex.benchmarks.sim.scaling import (
+    Scaling,
+    ScalingFleetSim,
+    model_load_s,
+)
+from loraplex.benchmarks.sim.workload import Trace, read_trace
+from loraplex.router.autoscaling import serve_autoscaling_config
+
+STARTUP_S = 20.0
+SHORT = fw.Lengths(prompt=(64, 128), output=(150, 250))  # ~6 s a stream
+
+
+@pytest.fixture(scope="module")
+def fleet() -> fb.Fleet:
+    return fb.calibrate(fb.QUICK, read_trace(None))
+
+
+def burst(fleet: fb.Fleet, rate: float, seconds: float, start: float = 0.0, seed: int = 0):
+    adapters = fw.catalog(20, fleet.profile.adapter_bytes)
+    names = [a.name for a in adapters]
+    reqs = fw.requests("zipf", names, round(rate * seconds), rate, SHORT, seed)
+    return [dataclasses.replace(r, arrival=start + r.arrival) for r in reqs], adapters
+
+
+def one_replica(fleet: fb.Fleet, adapters) -> FleetSetup:
+    """The bench's fleet, starting with one replica (homes bounded by the most, 4)."""
+    return dataclasses.replace(fleet.setup(4, adapters), num_replicas=1)
+
+
+def scaling(**config) -> Scaling:
+    base = {"min_replicas": 1, "max_replicas": 4, "upscale_delay_s": 0, "downscale_delay_s": 30}
+    return Scaling(serve_autoscaling_config({**base, **config}), STARTUP_S)
+
+
+def test_a_replica_serves_only_after_its_load_time_and_a_leaving_one_loses_nothing(fleet):
+    # 60 s at twice one replica's capacity, then 2 minutes of one request in 10 s
+    reqs, adapters = burst(fleet, 2 * fleet.capacity_per_replica, 60)
+    tail, _ = burst(fleet, 0.1, 120, start=60, seed=1)
+    reqs += [dataclasses.replace(r, rid=len(reqs) + r.rid) for r in tail]
+    catalog = {a.name: a for a in adapters}
+    sim = ScalingFleetSim(
+        "affinity", reqs, catalog, one_replica(fleet, adapters), scaling(target_ongoing_requests=16)
+    )
+    run = sim.run()
+    record = sim.finish(run)
+    assert len(run.ttft) == len(reqs)  # nothing lost (FleetSim asserts it too)
+    held = [n for _, n in record.timeline]
+    assert max(held) > 1 and held[-1] == 1, record.timeline  # up, then back to one
+    asked = record.timeline[1][0]  # the first scale-up
+    first_elsewhere = min(
+        a for a, where in zip(run.arrival, run.replica, strict=True) if where != "replica-0"
+    )
+    # the arrival a new replica first served came after its start-up
+    assert first_elsewhere >= asked + STARTUP_S - 1e-9
+    # every replica that left stopped after its last request: routed nothing after it left
+    for replica in sim.dead:
+        assert not replica.in_flight
+    assert run.streams_resumed == record.stopped_with_requests == 0
+
+
+def test_the_policy_decides_as_serves_own_wrapper_decides(fleet):
+    # with no delays, time.time() in Serve's wrapper cannot matter: the two agree exactly
+    reqs, adapters = burst(fleet, 1.5 * fleet.capacity_per_replica, 40)
+    catalog = {a.name: a for a in adapters}
+    for policy in ("requests", "lora"):
+        s = scaling(policy=policy, target_ongoing_requests=8, downscale_delay_s=0)
+        sim = ScalingFleetSim("affinity", reqs, catalog, one_replica(fleet, adapters), s)
+        serve = _apply_autoscaling_config(_resolve_policy_callable(s.config().policy))
+        seen = []
+        decide = sim._decide
+
+        def both(ctx, decide=decide, serve=serve, seen=seen):
+            ours = decide(ctx)
+            theirs = serve(ctx)
+            seen.append((ours[0], theirs[0]))
+            return ours
+
+        sim._decide = both
+        sim.run()
+        assert seen and all(a == b for a, b in seen), policy
+        assert any(a > 1 for a, _ in seen), policy  # the load did ask for more
+
+
+def test_a_stopping_replica_past_the_graceful_timeout_resumes_its_streams(fleet):
+    # 2,000-token streams (~50 s) outlive Serve's 20 s graceful shutdown: 3 replicas, and
+    # 30 s after the first report Serve wants 1 (the load is far under the target)
+    long = fw.Lengths(prompt=(64, 64), output=(2000, 2000), max_tokens=2000)
+    adapters = fw.catalog(4, fleet.profile.adapter_bytes)
+    reqs = fw.requests("zipf", [a.name for a in adapters], 200, 8.0, long, 0)
+    catalog = {a.name: a for a in adapters}
+    config = {"min_replicas": 1, "max_replicas": 4, "initial_replicas": 3}
+    config |= {"upscale_delay_s": 0, "downscale_delay_s": 30, "target_ongoing_requests": 400}
+    setup = dataclasses.replace(fleet.setup(4, adapters), num_replicas=3)
+    sim = ScalingFleetSim(
+        "affinity", reqs, catalog, setup, Scaling(serve_autoscaling_config(config), STARTUP_S)
+    )
+    run = sim.run()
+    record = sim.finish(run)
+    assert [n for _, n in record.timeline][-1] == 1
+    assert len(run.ttft) == len(reqs)
+    assert record.stopped_with_requests == 2 and run.streams_resumed > 0
+
+
+def test_the_day_swings_five_to_one_around_the_trace_arrivals():
+    rng = np.random.default_rng(0)
+    trace = Trace("test", np.cumsum(rng.exponential(1.0, 5000)), np.ones(5000), np.ones(5000))
+    day, peak = 3600.0, 20.0
+    at = autoscale.diurnal_arrivals(trace, day, peak, seed=0)
+    # the rate's integral: (trough + peak) / 2 x day
+    assert len(at) == pytest.approx((peak / 5 + peak) / 2 * day, rel=0.03)
+    edge = np.sum(at < 180) + np.sum(at > day - 180)
+    middle = np.sum(np.abs(at - day / 2) < 180)
+
+    def mean_rate(x0: float, x1: float) -> float:  # the stated curve's mean over [x0, x1]
+        t = np.linspace(x0, x1, 10_001)
+        return float(np.mean(peak / 5 + (peak - peak / 5) * (1 - np.cos(2 * np.pi * t / day)) / 2))
+
+    assert middle / edge == pytest.approx(
+        mean_rate(day / 2 - 180, day / 2 + 180) / mean_rate(0, 180), rel=0.1
+    )
+
+
+def test_model_load_is_the_weights_read_and_the_engine_start(fleet):
+    assert model_load_s(fleet.profile) == pytest.approx(13.48e9 / 2e9 + 15.0)

@@ -68,6 +68,13 @@ def main(argv: list[str] | None = None) -> int:
         "--jobs", type=int, default=1, help="sched: processes running the simulations (1)"
     )
     bench.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="engine: rounds of the whole bench; with more than one, the figures are their "
+        "medians with 90%% bootstrap intervals and every round's are kept",
+    )
+    bench.add_argument(
         "--seeds",
         type=int,
         help="sched: arrival draws of the simulator's main scenario (default: 5, --quick 2; "
@@ -102,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
             return registry_server.run(args)
         if args.command == "generate":
             return generate.run_generate(args)
+        if args.repeat < 1 or (args.repeat > 1 and args.suite != "engine"):
+            raise CLIError(f"--repeat {args.repeat}: engine only, at least 1")
         if args.suite == "report":
             from loraplex.benchmarks.performance_page import run_report
 

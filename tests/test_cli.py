@@ -480,3 +480,10 @@ def test_status_shows_version_ids_as_git_shows_commits():
     assert short_ids(line) == f"  r1  0  10/20  acme/sql@{version[:12]}, acme/json@{'a' * 12}  -  -"
     assert short_ids(f"sha256/{version}") == f"sha256/{version}"
     assert short_ids(f"x@{version}1") == f"x@{version}1"  # not a 64-hex id
+
+
+@pytest.mark.parametrize("argv", [["engine", "--repeat", "0"], ["router", "--repeat", "2"]])
+def test_bench_repeat_is_the_engine_benchs_and_at_least_one(argv, capsys):
+    assert main(["bench", *argv, "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("loraplex: error: --repeat") and "engine only" in err, err

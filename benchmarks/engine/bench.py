@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.benchmarks.engine.prefix import print_prefix, run_prefix
-from loraplex.benchmarks.report import log, write_json
+from loraplex.benchmarks.report import log, over_repetitions, write_json
 from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
@@ -114,6 +114,24 @@ ROUNDS = 3  # alternating loraplex / peft rounds of the serving workload
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    """The whole bench `args.repeat` times (each round a fresh build of models and engines);
+    with more than one round the figures are the rounds' medians, each ratio with its 90%
+    bootstrap interval, and every round's figures are kept under `repetitions`."""
+    rounds = []
+    for i in range(args.repeat):
+        if args.repeat > 1:
+            log(f"round {i + 1} of {args.repeat}")
+        rounds.append(_one_round(args))
+    results = rounds[0] if len(rounds) == 1 else over_repetitions(rounds)
+    if len(rounds) > 1:
+        results["repetitions"] = rounds
+    _print_table(results)
+    print_prefix(results["prefix"])
+    write_json(args.json, results)
+    return 0
+
+
+def _one_round(args: argparse.Namespace) -> dict:
     shape = QUICK if args.quick else FULL
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="loraplex-bench-") as tmp:
@@ -127,10 +145,7 @@ def run_bench(args: argparse.Namespace) -> int:
         results["real"] = _real_model(root / "real", shape, args.trace)
         results["detok"] = _detok_cost(root / "real", shape.timed_steps)
         results["prefix"] = run_prefix(root, args.quick)
-    _print_table(results)
-    print_prefix(results["prefix"])
-    write_json(args.json, results)
-    return 0
+    return results
 
 
 def _params(spec: ModelSpec, tied: bool = False) -> int:

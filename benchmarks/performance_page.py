@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import operator
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,6 +184,8 @@ def render(runs: dict[str, dict[str, Any]]) -> str:
     for h in HEADLINES:
         run = runs.get(h.suite)
         value = None if run is None else lookup(run, h.key)
+        if value is None and run is not None:
+            value = _non_finite(run, h.key)
         met = h.met(value)
         mark = {True: "yes", False: "**no**", None: "—"}[met]
         shown = "not run" if run is None else _value(value)
@@ -200,9 +203,18 @@ def render(runs: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+def _non_finite(run: dict[str, Any], key: str) -> float | None:
+    """A figure the JSON holds as null because it was infinite (`report.write_json` names
+    it in `non_finite`): a ratio over a baseline's 0."""
+    why = (run.get("non_finite") or {}).get(key, "")
+    return float(why.split(":")[0]) if why.startswith(("inf", "-inf")) else None
+
+
 def _value(value: Any) -> str:
     if value is None:
         return "— (not in this run)"
+    if isinstance(value, float) and math.isinf(value):
+        return "∞ (the baseline's figure was 0)" if value > 0 else "−∞"
     if isinstance(value, float):
         return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
     return str(value)

@@ -75,3 +75,30 @@ def test_the_headline_table_marks_targets_and_runs(tmp_path):
     assert "2026-11-26 quick" in rows["| `registry` `register_per_s`"]
     assert "not run" in rows["| `engine` `speedup_vs_peft`"]
     assert all(f"### {suite}" in page for suite in SUITES)
+
+
+def test_an_infinite_ratio_is_shown_as_such_not_as_missing(tmp_path):
+    """A goodput ratio over a baseline's 0 is written as null with its reason; the page
+    shows it as infinite (and a >= target as met), not as a figure the run lacks."""
+    results = {
+        "workloads": {
+            "hot": {
+                "goodput_ratio_vs_best_ray_router": math.inf,
+                "goodput_ratio_vs_best_ray_router_ci_low": 1.3,
+            }
+        },
+        "quick": True,
+    }
+    write_json(tmp_path / "router.json", results)
+    page = render(read_runs(tmp_path))
+    rows = {line.split(" | ")[0]: line for line in page.splitlines() if line.startswith("| `")}
+    key = "| `router` `workloads.hot.goodput_ratio_vs_best_ray_router_ci_low`"
+    assert "| 1.3 | >= 1.0 | yes |" in rows[key]
+    infinite = rows.get("| `router` `workloads.shift.goodput_ratio_vs_best_ray_router`")
+    assert infinite is not None and "not in this run" in infinite  # absent: said so
+    results["workloads"]["shift"] = {"goodput_ratio_vs_best_ray_router": math.inf}
+    write_json(tmp_path / "router.json", results)
+    page = render(read_runs(tmp_path))
+    rows = {line.split(" | ")[0]: line for line in page.splitlines() if line.startswith("| `")}
+    shown = rows["| `router` `workloads.shift.goodput_ratio_vs_best_ray_router`"]
+    assert "∞" in shown and "| >= 1.2 | yes |" in shown, shown

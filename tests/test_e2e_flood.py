@@ -273,8 +273,8 @@ def _id_flood(url: str, key: str, sent, stop) -> None:
     reason="json.loads of each 4 MiB body (2M ints, ~0.1 s at load 5-6) holds the GIL: it "
     "runs on a worker thread now (bodies over 64 KiB), but the ingress's event loop waits for "
     "the interpreter all the same, and b's p50 TTFT stays near 1 s (3.52 s before the length "
-    "check, 0.017 s alone). Needs a body cap sized to what a request can use (context x 11 "
-    "bytes of ids).",
+    "check, 0.017 s alone). The body cap cannot simply shrink (a 1 MiB text prompt may be up "
+    "to 6x that as escaped JSON); counting ids while parsing would, which json.loads cannot.",
 )
 def test_an_id_flood_keeps_another_tenants_ttft_small(cluster: dict):
     """Issue 27, item 3: 8 loops posting 2M-id prompts (4 MiB each) moved another tenant's

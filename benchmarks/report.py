@@ -97,6 +97,9 @@ def over_repetitions(reps: list[Any]) -> Any:
             if "ratio" in k and _numbers(have):
                 values = [v for v in have if v is not None]
                 out[k], out[f"{k}_ci_low"], out[f"{k}_ci_high"] = median_interval(values)
+            elif "ratio" in k and all(v is None for v in have):
+                # undefined in every repetition (0 / 0): the interval is too, and says so
+                out[f"{k}_ci_low"] = out[f"{k}_ci_high"] = None
         return out
     if all(isinstance(r, list) for r in reps) and len({len(r) for r in reps}) == 1:
         return [over_repetitions(list(column)) for column in zip(*reps, strict=True)]

@@ -93,3 +93,14 @@ def test_the_fewest_replicas_holding_the_slo_are_found_with_few_runs():
             assert fewest_replicas(holds, start, 32) == need, (start, need)
             assert len(runs) <= 2 * math.ceil(math.log2(32)) + 1, (start, need, runs)
         assert fewest_replicas(lambda n: False, start, 32) is None
+
+
+def test_a_ratio_undefined_in_every_repetition_still_has_its_interval_keys():
+    """0 / 0 in every repetition (no router held the SLO at any rate): the median and its
+    interval are None, and the keys are there for readers that expect them."""
+    merged = over_repetitions([{"goodput_ratio": None}, {"goodput_ratio": None}])
+    assert merged == {
+        "goodput_ratio": None,
+        "goodput_ratio_ci_low": None,
+        "goodput_ratio_ci_high": None,
+    }

@@ -8,7 +8,7 @@ rows (one new token) and extend rows (a prefill chunk), each padded only to its 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -28,6 +28,18 @@ class AttentionGroup:
     ctx_lens: torch.Tensor  # [B] int32 keys in the cache after this step's writes
     decode: bool  # one query per row (Q == 1)
 
+    def to(self, device: torch.device) -> AttentionGroup:
+        return replace(self, **_moved(self, device))
+
+
+def _moved(obj, device: torch.device) -> dict:
+    """The tensor fields of a dataclass, on `device`."""
+    return {
+        f.name: getattr(obj, f.name).to(device)
+        for f in fields(obj)
+        if isinstance(getattr(obj, f.name), torch.Tensor)
+    }
+
 
 @dataclass(frozen=True, slots=True)
 class StepBatch:
@@ -40,6 +52,15 @@ class StepBatch:
     sliding_window: int | None
     sample_idx: torch.Tensor  # [S] rows whose logits are needed
     sampled: tuple[Sequence, ...]  # the sequences those rows belong to, in order
+
+    def to(self, device: torch.device) -> StepBatch:
+        """This batch with its tensors on `device` (itself when they are there already): it
+        is built on the host, and each process of a tensor-parallel group moves it to its own
+        device."""
+        if self.input_ids.device == device:
+            return self
+        groups = tuple(g.to(device) for g in self.groups)
+        return replace(self, groups=groups, **_moved(self, device))
 
     def attention(
         self, q: torch.Tensor, k_cache, v_cache, scale: float, decode_kernel: Callable | None

@@ -307,6 +307,11 @@ class LLMEngine:
             seq.num_computed += n
             self.kv.commit(seq)
         greedy = greedy_tokens(logits)
+        if logits.device.type != "cpu" and any(
+            not s.params.greedy or s.params.return_logits for s in batch.sampled
+        ):  # sampled with each request's own generator (on the host, so a stream resumed on
+            # another replica draws the same tokens), and logits leave the replica on the host
+            logits = logits.cpu()
         self.step_costs.record_step(
             sum(n for _, n in scheduled),
             len({seq.adapter for seq, _ in scheduled if seq.adapter is not None}),

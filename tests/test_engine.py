@@ -9,10 +9,12 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import torch
 from tokenizers import Tokenizer
 
 from loraplex.demo.assets import DemoAssets
 from loraplex.replica.async_engine import Engine
+from loraplex.replica.batch import build_step_batch
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine, RequestError
 from loraplex.replica.memory.adapter_cache import UnknownAdapter
@@ -652,3 +654,24 @@ def test_async_add_adapter_from_any_folder_then_generate_and_remove(
         return outs
 
     assert run_async(main())[-1].token_ids == expected
+
+
+def test_a_step_batch_moves_every_tensor_to_the_model_device(assets: DemoAssets):
+    """The batch is built on the host; on a GPU the model moves it, all of it, to its device
+    (a tensor left behind fails the first CUDA step: index on cpu, weights on cuda)."""
+    engine = make_engine(assets, "chat-r16")
+    engine.add_request([5, 17, 99, 3], SamplingParams(max_tokens=2), "chat-r16")
+    engine.add_request([11], SamplingParams(max_tokens=2), None)
+    engine.step()  # both prefilled; the next step mixes nothing new: decode rows only
+    engine.add_request(list(range(30, 60)), SamplingParams(max_tokens=2), None)
+    batch = build_step_batch(engine.scheduler.schedule(), engine.kv, None)
+    assert {g.decode for g in batch.groups} == {True, False}
+    meta = torch.device("meta")
+    moved = batch.to(meta)
+    tensors = [
+        v for v in (getattr(moved, f) for f in moved.__slots__) if isinstance(v, torch.Tensor)
+    ]
+    for g in moved.groups:
+        tensors += [v for v in (getattr(g, f) for f in g.__slots__) if isinstance(v, torch.Tensor)]
+    assert len(tensors) == 4 + 6 * 2 and all(t.device == meta for t in tensors)
+    assert batch.to(torch.device("cpu")) is batch

@@ -95,6 +95,7 @@ class LlamaModel:
         kv_rows: the same memory as [rows, kv_heads * head_dim], where new K/V are written.
         """
         cfg, ops = self.cfg, self.ops
+        batch = batch.to(self.w["embed"].device)
         t = batch.input_ids.shape[0]
         loras = ops.kernels.prepare(batch.lora_runs, t, batch.decode)
         h = self.w["embed"][batch.input_ids]

@@ -34,7 +34,7 @@ ones), the expand and shrink run per run of tokens instead (one matmul per run a
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -47,6 +47,9 @@ from loraplex.kernels.lora_tables import AdapterTables, HasLoraGroups, LoraLayou
 # gathered vs 0.20-0.25 in place; 32 of ranks 8-64 on all projections, one token each,
 # ~190 KiB per op saved, 1.3-1.6 gathered vs 0.5-0.7 in place.
 GATHER_BYTES_PER_SAVED_OP = 96 * 1024
+# Gathered rows kept across the steps of one set of adapters (a copy of what the step's
+# adapters hold in the pool, up to this much; the rest is gathered per step).
+GATHERED_KEEP_BYTES = 256 << 20
 
 
 def rows_of(arena: torch.Tensor, width: int) -> torch.Tensor:
@@ -65,6 +68,30 @@ class GroupPlan:
     b_idx: tuple[torch.Tensor, ...]  # J x [S * r] int64
     cols: tuple[tuple[int, int], ...]  # J x (first, end) columns of y
     rank_mask: torch.Tensor | None  # [S, 1, J * r]
+    # the rows above, gathered once while the step's set of adapters repeats (see
+    # GatheredPlanner); None: gathered by each step
+    a: torch.Tensor | None = None  # [S, J * r, in]
+    bts: tuple[torch.Tensor, ...] | None = None  # J x [S, r, out_j]
+
+    def gather_a(self, arena: torch.Tensor, num_slots: int) -> torch.Tensor:
+        if self.a is not None:
+            return self.a
+        a = rows_of(arena, self.in_width).index_select(0, self.a_idx)
+        return a.view(num_slots, -1, self.in_width)
+
+    def gather_bts(self, arena: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, ...]:
+        if self.bts is not None:
+            return self.bts
+        return tuple(
+            rows_of(arena, end - start).index_select(0, idx).view(num_slots, self.rank, -1)
+            for (start, end), idx in zip(self.cols, self.b_idx, strict=True)
+        )
+
+    @property
+    def gathered_elems(self) -> int:
+        return self.a_idx.numel() * self.in_width + sum(
+            i.numel() * (end - start) for i, (start, end) in zip(self.b_idx, self.cols, strict=True)
+        )
 
     def covers(self, width: int) -> bool:
         """Whether the targets' columns are [0, width) in order."""
@@ -128,8 +155,7 @@ def gathered_shrink(x: torch.Tensor, args: GatheredArgs) -> list[torch.Tensor]:
     hs: list[torch.Tensor] = []
     for g, t in args.parts:
         assert x.shape[1] == g.in_width, f"x has {x.shape[1]} features, A has {g.in_width}"
-        a = rows_of(args.arena, g.in_width).index_select(0, g.a_idx)
-        a = a.view(t.num_slots, -1, g.in_width)  # [S, J * r, in]
+        a = g.gather_a(args.arena, t.num_slots)  # [S, J * r, in]
         if not t.batched:
             for s, e, slot in t.runs:
                 h = x[s:e] @ a[slot].T
@@ -164,10 +190,7 @@ def _expand_part(
     y: torch.Tensor, hs: list[torch.Tensor], arena: torch.Tensor, g: GroupPlan, t: TokenPlan
 ) -> None:
     r = g.rank
-    bts = [
-        rows_of(arena, end - start).index_select(0, idx).view(t.num_slots, r, end - start)
-        for (start, end), idx in zip(g.cols, g.b_idx, strict=True)
-    ]  # J x [S, r, out_j]
+    bts = g.gather_bts(arena, t.num_slots)  # J x [S, r, out_j]
     if not t.batched:
         for h, (s, e, slot) in zip(hs, t.runs, strict=True):
             for j, ((start, end), bt) in enumerate(zip(g.cols, bts, strict=True)):
@@ -267,6 +290,28 @@ class GatheredPlanner:
             [self._reads_in_place(residents, layer, g) for g in range(len(per_layer))]
             for layer, per_layer in enumerate(self._groups[0])
         ]
+        self._keep_gathered(len(residents))
+
+    def _keep_gathered(self, num_slots: int) -> None:
+        """Gather the gathered groups' rows now, once for every step that repeats this set
+        of adapters (decode steps of a running batch mostly do), instead of once per step:
+        the copy was most of LoRA's cost on a CPU (SmolLM2, 8 adapters r16 on q/k/v/o, batch
+        32: 41 ms of index_select against 20 ms of base matmuls over 4 steps). Rows of a
+        resident adapter never change, and `_residents` keeps the key's adapters alive.
+        Up to GATHERED_KEEP_BYTES; past that, steps gather as before."""
+        budget = GATHERED_KEEP_BYTES // self.arena.element_size()
+        for b, plans in enumerate(self._groups):
+            slots = len(self._buckets[b])
+            for layer, per_layer in enumerate(plans):
+                for g, plan in enumerate(per_layer):
+                    if plan is None or self._in_place[layer][g] or plan.gathered_elems > budget:
+                        continue
+                    budget -= plan.gathered_elems
+                    per_layer[g] = replace(
+                        plan,
+                        a=plan.gather_a(self.arena, slots),
+                        bts=plan.gather_bts(self.arena, slots),
+                    )
 
     def _reads_in_place(self, residents: list[HasLoraGroups], layer: int, group: int) -> bool:
         """Whether the reference's ops on the pool's views beat gathering (see
@@ -277,13 +322,7 @@ class GatheredPlanner:
         weights = [w for r in residents if (w := r.groups[layer][group]) is not None]
         in_place_ops = sum(len(w.a) + sum(len(t.bt) for t in w.outs) for w in weights)
         gathered_ops = sum(4 + 2 * len(p.cols) for p in plans)
-        gathered_bytes = self.arena.element_size() * sum(
-            p.a_idx.numel() * p.in_width
-            + sum(
-                i.numel() * (end - start) for i, (start, end) in zip(p.b_idx, p.cols, strict=True)
-            )
-            for p in plans
-        )
+        gathered_bytes = self.arena.element_size() * sum(p.gathered_elems for p in plans)
         saved = in_place_ops - gathered_ops
         return saved <= 0 or gathered_bytes > saved * GATHER_BYTES_PER_SAVED_OP
 

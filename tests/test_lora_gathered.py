@@ -44,11 +44,13 @@ def _backend(arena, widths):
 @pytest.mark.parametrize("kind", ["qkv", "gate_up", "o", "down"])
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("plan", ["decode", "decode_in_order", "prefill", "long_prefill"])
-@pytest.mark.parametrize("gather", [True, False])
+@pytest.mark.parametrize("gather", ["kept", "per_step", False])
 def test_gathered_ops_equal_the_reference(
-    kind: str, tp: int, plan: str, gather: bool, monkeypatch: pytest.MonkeyPatch
+    kind: str, tp: int, plan: str, gather: str | bool, monkeypatch: pytest.MonkeyPatch
 ):
     monkeypatch.setattr(lora_gathered, "GATHER_BYTES_PER_SAVED_OP", 1 << 40 if gather else 0)
+    if gather == "per_step":
+        monkeypatch.setattr(lora_gathered, "GATHERED_KEEP_BYTES", 0)
     fan_in, widths = group_shape(kind, tp)
     arena, residents = scattered_adapters(fan_in, widths, RANKS[len(widths)], torch.float32)
     arena[arena == 0] = float("nan")  # everything outside the adapters
@@ -70,7 +72,7 @@ def test_gathered_ops_equal_the_reference(
     for _ in range(2):  # a second step of the same adapters reuses the row offsets
         args = backend.prepare(adapter_runs, num_tokens, plan.startswith("decode"))[0][0]
         if not gather or plan == "decode":  # (fewer ops than buckets: read in place)
-            assert (args.in_place is None) == gather
+            assert (args.in_place is None) == bool(gather)
         out = y.clone()
         backend.expand(out, backend.shrink(x, args), args)
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
@@ -115,3 +117,44 @@ def test_a_group_costs_the_same_ops_whatever_the_adapters_and_chunks():
     few = _ops_per_step(4, page_elems=1 << 16)  # each matrix in one page
     many = _ops_per_step(8, page_elems=1024)  # 8 adapters, A over 48 row-chunks each
     assert many == few, (few, many)
+
+
+class _RecordOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_steps_of_the_same_adapters_gather_their_rows_once(
+    keep: bool, monkeypatch: pytest.MonkeyPatch
+):
+    """The rows of a repeating set of adapters are gathered when the set first appears,
+    not by every step (the copy was most of LoRA's per-step cost on a CPU); a new set is
+    gathered anew, and a set seen before gives the reference's result again."""
+    if not keep:
+        monkeypatch.setattr(lora_gathered, "GATHERED_KEEP_BYTES", 0)
+    fan_in, widths = group_shape("qkv", 1)
+    ranks = [(16, 16, 16)] * 4
+    arena, residents = scattered_adapters(fan_in, widths, ranks, torch.float32)
+    backend = _backend(arena, widths)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(8, fan_in, generator=g), torch.randn(8, sum(widths), generator=g)
+    for step, pair in enumerate(((0, 1), (0, 1), (2, 3), (0, 1))):
+        repeat = step == 1
+        runs, num_tokens = _runs([(1, pair[i % 2]) for i in range(8)], residents)
+        expected = y.clone()
+        lora_sgmv(expected, x, segments_of(runs))
+        with _RecordOps() as record:
+            args = backend.prepare(runs, num_tokens, True)[0][0]
+            out = y.clone()
+            backend.expand(out, backend.shrink(x, args), args)
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+        # tokens alternate between the two adapters: one index_select gathers them; the
+        # rows of A and of each target's Bt are 1 + 3 more, unless kept from the last step
+        gathers = record.names.count("index_select.default")
+        assert gathers == (1 if keep and repeat else 5), (step, record.names)

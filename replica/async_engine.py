@@ -100,10 +100,12 @@ class Engine:
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs step by step; a consumer that falls behind the steps
-        gets the outputs waiting for it as one (`RequestOutput.followed_by`), so a slow relay carries fewer,
-        larger chunks instead of falling further behind. Closing the iterator early (or
-        cancelling the task) aborts the request and frees its pages. `tenant` and
-        `cache_salt`: see `LLMEngine.add_request`."""
+        gets the outputs waiting for it as one (`RequestOutput.followed_by`), so a slow relay
+        carries fewer, larger chunks instead of falling further behind. Past
+        `stream_events_per_s` (all streams together), chunks after the first are spaced so
+        that the replica stays within it, each carrying what was made meanwhile. Closing the
+        iterator early (or cancelling the task) aborts the request and frees its pages.
+        `tenant` and `cache_salt`: see `LLMEngine.add_request`."""
         if self._error is not None or self._closed:
             raise RuntimeError(f"the engine is stopped: {self._error!r}")
         queue: asyncio.Queue = asyncio.Queue()
@@ -126,12 +128,17 @@ class Engine:
         self._work.set()
         finished = False
         held = None  # taken from the queue while coalescing, not foldable: next to yield
+        last_yield: float | None = None  # None until the first output: it is never held
         try:
             while not finished:
                 out = held if held is not None else await queue.get()
                 held = None
                 if isinstance(out, BaseException):
                     raise RuntimeError("the engine failed") from out
+                if last_yield is not None and out.logits is None and not out.finished:
+                    wait = last_yield + self._stream_gap() - loop.time()
+                    if wait > 0:  # the outputs made meanwhile are folded in below
+                        await asyncio.sleep(wait)
                 while out.logits is None and not out.finished and not queue.empty():
                     later = queue.get_nowait()
                     if isinstance(later, BaseException) or later.logits is not None:
@@ -140,11 +147,19 @@ class Engine:
                     out = out.followed_by(later)
                 finished = out.finished
                 yield out
+                last_yield = loop.time()
         finally:
             self._streams.pop(seq.request_id, None)
             if not finished:
                 self.abort(seq.request_id)  # queued first: a cancellation cannot lose it
                 await self._locked(self._drain_aborts)  # then wait until it is applied
+
+    def _stream_gap(self) -> float:
+        """Seconds between one stream's chunks that keep this replica's chunks within
+        `stream_events_per_s`: the streams that make tokens (the running sequences; queued
+        ones send nothing) share it."""
+        budget = self.core.cfg.stream_events_per_s
+        return len(self.core.scheduler.running) / budget if budget > 0 else 0.0
 
     async def stats(self) -> dict:
         return await self._locked(self.core.stats)

@@ -217,6 +217,16 @@ class EngineConfig:
     seed: int = Field(
         0, ge=0, le=2**63 - 1, description="Seeds the sampling of requests that set no seed."
     )
+    stream_events_per_s: float = Field(
+        500.0,
+        ge=0,
+        description="Streamed chunks per second this replica sends, all streams together "
+        "(0: one per step per stream). Past it, each stream's chunks are spaced by running "
+        "streams / this and carry the tokens made meanwhile; a first token and a stream's end are never "
+        "held. Every chunk costs CPU in the replica, the ingress and the HTTP proxy (~1.6 ms "
+        "together on the demo's 2 cores), so an unbounded flood of streams takes the CPU "
+        "another tenant's first token needs.",
+    )
     kernels: Kernels = Field(
         "auto",
         description="LoRA and attention kernels: auto (Triton on CUDA, torch references "

@@ -545,6 +545,43 @@ def test_a_consumer_behind_the_steps_gets_the_outputs_waiting_for_it_as_one(asyn
     assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
 
 
+@pytest.mark.parametrize("budget", [0.0, 40.0])
+def test_a_replica_streams_within_its_chunk_budget_and_never_holds_a_first_token(
+    assets: DemoAssets, budget: float
+):
+    """Eight streams of 300 tokens against 40 chunks a second: each stream's chunks are
+    spaced by 8 / 40 = 0.2 s and carry the tokens made meanwhile, the first chunk comes at
+    once, the text is the same, and without a budget every step is a chunk."""
+    engine = Engine(config(assets.model, stream_events_per_s=budget))
+
+    async def one(i: int):
+        outs, times = [], []
+        start = time.perf_counter()
+        async for out in engine.generate(PROMPTS[i % 2], greedy(300, ignore_eos=True)):
+            outs.append(out)
+            times.append(time.perf_counter() - start)
+        return outs, times
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(8)))
+
+    try:
+        results = run_async(main())
+    finally:
+        engine.shutdown()
+    for outs, times in results:
+        assert sum(len(o.new_token_ids) for o in outs) == 300
+        assert "".join(o.new_text for o in outs) == outs[-1].text
+        assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
+        assert times[0] < 0.2  # the first token is not held
+        gaps = [b - a for a, b in zip(times[1:-1], times[2:-1], strict=False)]
+        if budget:
+            assert len(gaps) >= 3 and all(g >= 0.2 - 0.02 for g in gaps), gaps
+            assert len(outs) <= 2 + times[-1] / 0.2  # the first, the last, one per 0.2 s
+        else:
+            assert len(outs) > 150  # a step each, bar what a busy consumer coalesced
+
+
 def test_cancelling_the_consumer_aborts_the_request_and_frees_its_pages(async_engine: Engine):
     async def main():
         seen = []

@@ -93,6 +93,7 @@ def test_generate_flags_make_the_engine_the_yaml_config_makes(tmp_path: Path):
         "kernels": "torch",
         "enable_prefix_caching": False,
         "share_base_prefix": True,
+        "stream_events_per_s": 120.0,
     }
     assert set(values) == set(declared_fields(EngineSettings))  # every setting, not defaults
     argv = [*REQUIRED, "--tp", "2"]

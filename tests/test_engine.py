@@ -623,7 +623,8 @@ def test_closing_the_stream_early_aborts_the_request(async_engine: Engine):
         assert stats["running"] == 0 and stats["pool"]["kv_pages"] == 0
         assert "closed" not in async_engine.core.requests
         again = await collect(async_engine, PROMPTS[2], greedy(3, ignore_eos=True))
-        assert len(again) == 3 and again[-1].finished
+        # steps may come coalesced when this consumer lags the engine (a busy host)
+        assert sum(len(o.new_token_ids) for o in again) == 3 and again[-1].finished
 
     run_async(main())
 

@@ -16,8 +16,9 @@ from starlette.requests import Request
 
 from loraplex import strict_json
 from loraplex.errors import Invalid, TimedOut, TooLarge
+from loraplex.json_process import JsonProcess
 
-# Bodies past this are parsed on a worker thread, so a large one does not hold the event loop.
+# Bodies past this are parsed off the event loop (a child process, or a worker thread).
 _PARSE_ON_LOOP_BYTES = 64 << 10
 
 
@@ -68,11 +69,15 @@ async def receive(request: Request, timeouts: BodyTimeouts | None) -> AsyncItera
 
 
 async def read_capped(
-    request: Request, max_bytes: int, setting: str, timeouts: BodyTimeouts | None = None
+    request: Request,
+    max_bytes: int,
+    setting: str,
+    timeouts: BodyTimeouts | None = None,
+    parser: JsonProcess | None = None,
 ) -> bytes:
     """The whole body, at most `max_bytes` of it (TooLarge past that, naming `setting`), kept
     on the request so that `request.body()` (FastAPI's body parsing) returns it; TimedOut
-    past `timeouts`."""
+    past `timeouts`. `parser`: where a JSON body over 64 KiB is parsed (else a thread)."""
     check_declared_length(request, max_bytes, setting)
     body = bytearray()
     async for chunk in receive(request, timeouts):
@@ -82,16 +87,19 @@ async def read_capped(
     data = bytes(body)
     request._body = data  # Starlette's cache of the body: body() and stream() return it
     if _is_json(request.headers.get("content-type")):
-        await parse_json(request, data)
+        await parse_json(request, data, parser)
     return data
 
 
-async def parse_json(request: Request, data: bytes) -> None:
+async def parse_json(request: Request, data: bytes, parser: JsonProcess | None = None) -> None:
     """Parse `data` as standard JSON (`loraplex.strict_json`) into Starlette's cache, which
     FastAPI's body parsing reads: Invalid for NaN, Infinity, numbers out of range, duplicate
-    keys or lone surrogates. Text that is not JSON at all is left for FastAPI to refuse."""
+    keys, lone surrogates, or (with `parser`) an array longer than it allows. Text that is
+    not JSON at all is left for FastAPI to refuse."""
     try:
-        if len(data) > _PARSE_ON_LOOP_BYTES:
+        if len(data) > _PARSE_ON_LOOP_BYTES and parser is not None:
+            value = await parser.loads(data)
+        elif len(data) > _PARSE_ON_LOOP_BYTES:
             value = await asyncio.to_thread(strict_json.loads, data)
         else:
             value = strict_json.loads(data)

@@ -36,7 +36,13 @@ async def admit(request: Request, reads_body: bool) -> Ticket | None:
     request.state.ticket = ticket
     try:
         timeouts = None if ingress.registry is None else body_timeouts(ingress.registry.settings)
-        await read_capped(request, ingress.limits.max_body_bytes, "limits.max_body_bytes", timeouts)
+        await read_capped(
+            request,
+            ingress.limits.max_body_bytes,
+            "limits.max_body_bytes",
+            timeouts,
+            ingress.json_parser,
+        )
     except BaseException:
         if ticket is not None:
             ticket.release()

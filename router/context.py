@@ -7,6 +7,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from loraplex.json_process import JsonProcess
 from loraplex.registry.api import RegistryAPISettings
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.auth import Authenticator
@@ -48,7 +49,9 @@ class IngressContext:
     limits         caps on bodies and prompts, and the tenants' default limits
     limiter        each tenant's requests in flight and token bucket at this ingress
     metrics_keys   sha256 digests of the keys /metrics accepts (empty: /metrics is open)
-    started        creation time of the model cards (Unix seconds)"""
+    started        creation time of the model cards (Unix seconds)
+    json_parser    where large bodies are parsed: a child process, arrays capped at the
+                   context window (or the messages' limit, if larger)"""
 
     backend: Backend
     tokenizer: Tokenizer
@@ -61,6 +64,7 @@ class IngressContext:
     limits: IngressLimits
     limiter: TenantLimiter
     metrics_keys: frozenset[str]
+    json_parser: JsonProcess
 
 
 async def ingress_context(request: Request) -> IngressContext:

@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from loraplex.json_process import JsonProcess
 from loraplex.registry import api as tenant_api
 from loraplex.registry.auth import Authenticator, hash_api_key
 from loraplex.replica.protocol import Backend
@@ -74,6 +75,10 @@ def build_ingress(
         limits=limits,
         limiter=TenantLimiter(ledger, sync_s=limits.tenant_ledger_sync_s),
         metrics_keys=frozenset(metrics_keys),
+        json_parser=JsonProcess(
+            max(max_model_len, limits.max_messages),
+            " (this model's context window, or limits.max_messages if larger)",
+        ),
     )
     app.state.metrics = metrics
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)
@@ -101,6 +106,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         reports.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await reports
+        await ingress.json_parser.close()
         if registry is not None:
             if watcher is not None:
                 await watcher.stop()

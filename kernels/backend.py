@@ -25,7 +25,20 @@ from loraplex.kernels.lora_gathered import (
     gathered_expand,
     gathered_shrink,
 )
-from loraplex.kernels.lora_tables import HasLoraGroups, LoraArgs, LoraLayout, LoraTableBuilder
+from loraplex.kernels.lora_tables import (
+    HasLoraGroups,
+    LoraArgs,
+    LoraLayout,
+    LoraStepMeta,
+    LoraTableBuilder,
+)
+from loraplex.kernels.triton_check import (
+    check,
+    check_expand_tables,
+    check_segments,
+    check_shrink_tables,
+    check_token_slot,
+)
 
 KernelChoice = Literal["auto", "torch", "triton"]
 KERNEL_CHOICES = ("auto", "torch", "triton")
@@ -84,6 +97,7 @@ class TritonBackend:
 
         self._k = (triton_bgmv_shrink, triton_bgmv_expand, triton_sgmv_shrink, triton_sgmv_expand)
         self.decode_attention = triton_paged_attention.paged_attention_decode
+        check(arena.is_contiguous(), "the arena must be contiguous")
         self.arena = arena
         self.tables = LoraTableBuilder(arena, layout)
         self.scales = torch.ones(layout.max_loras, dtype=torch.float32, device=arena.device)
@@ -93,10 +107,29 @@ class TritonBackend:
 
     def prepare(self, runs: list[Run], num_tokens: int, decode: bool) -> list[list[Any]]:
         meta = self.tables.build(runs, num_tokens, decode)
+        self._check_step(meta)
         return [
             [LoraArgs(meta, layer, g) for g in range(self.num_groups)]
             for layer in range(self.num_layers)
         ]
+
+    def _check_step(self, meta: LoraStepMeta) -> None:
+        """The launchers' checks of the step's tables, once per step and group: every layer
+        reads views of the same stacked tables, and x, y and h come from the model's fixed
+        shapes. Checked per launch they cost ~6 ms of a 38 ms decode step of a 1.1B model
+        on an H100 (14 tensor checks x 2 launches x 4 groups x 16 layers)."""
+        t, dev = meta.tables, self.arena.device
+        if meta.decode:
+            check_token_slot(meta.token_slot, meta.num_tokens, dev)
+        else:
+            check_segments(meta.seg_start, meta.seg_len, meta.seg_slot, dev)
+        h = torch.empty(0, max(meta.max_r, 1), dtype=torch.float32, device=dev)
+        scales = self.scales[: t.t_rank.shape[0]]
+        for g in range(self.num_groups):
+            check_shrink_tables(t.ranks[:, 0, g], t.a_rows[:, 0, g], meta.max_r, h)
+            check_expand_tables(
+                t.t_rank[:, 0, g], t.t_hoff[:, 0, g], t.b_rows[:, 0, g], meta.cols[g], scales, dev
+            )
 
     def shrink(self, x: torch.Tensor, args: LoraArgs) -> list[torch.Tensor]:
         m, t = args.meta, args.meta.tables
@@ -104,11 +137,13 @@ class TritonBackend:
         h = torch.empty(x.shape[0], max(m.max_r, 1), dtype=torch.float32, device=x.device)
         bgmv_shrink, _, sgmv_shrink, _ = self._k
         if m.decode:
-            bgmv_shrink.bgmv_shrink(h, x, self.arena, m.token_slot, ranks, a_rows, m.max_r)
+            bgmv_shrink.bgmv_shrink(
+                h, x, self.arena, m.token_slot, ranks, a_rows, m.max_r, validate=False
+            )
         else:
             sgmv_shrink.sgmv_shrink(
                 h, x, self.arena, m.seg_start, m.seg_len, m.seg_slot, ranks, a_rows,
-                m.max_seg_len, m.max_r,
+                m.max_seg_len, m.max_r, validate=False,
             )  # fmt: skip
         return [h]
 
@@ -122,12 +157,12 @@ class TritonBackend:
         if m.decode:
             bgmv_expand.bgmv_expand(
                 y, h, self.arena, m.token_slot, t_rank, t_hoff, b_rows, cols, scales,
-                self.max_width,
+                self.max_width, validate=False,
             )  # fmt: skip
         else:
             sgmv_expand.sgmv_expand(
                 y, h, self.arena, m.seg_start, m.seg_len, m.seg_slot, t_rank, t_hoff, b_rows,
-                cols, scales, m.max_seg_len, self.max_width,
+                cols, scales, m.max_seg_len, self.max_width, validate=False,
             )  # fmt: skip
 
 

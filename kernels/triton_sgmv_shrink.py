@@ -93,10 +93,12 @@ def sgmv_shrink(
     a_rows: torch.Tensor,  # [S, R_cap] int64 (last dim contiguous)
     max_seg_len: int,
     max_rank: int,  # >= every ranks[w] used (sizes the grid)
+    validate: bool = True,  # False: the caller checked this step's tables (TritonBackend)
 ) -> None:
-    check_lora_io("x", x, h, arena)
-    check_segments(seg_start, seg_len, seg_slot, x.device)
-    check_shrink_tables(ranks, a_rows, max_rank, h)
+    if validate:
+        check_lora_io("x", x, h, arena)
+        check_segments(seg_start, seg_len, seg_slot, x.device)
+        check_shrink_tables(ranks, a_rows, max_rank, h)
     num_segs = seg_start.shape[0]
     if num_segs == 0 or max_seg_len == 0 or max_rank == 0:
         return

@@ -72,6 +72,39 @@ def scattered_adapters(
     return arena, residents
 
 
+def to_device(
+    arena: torch.Tensor, residents: list[Resident], device: torch.device
+) -> tuple[torch.Tensor, list[Resident]]:
+    """The arena on `device`, and the residents' views re-made over it."""
+    moved = arena.to(device)
+
+    def on(v: torch.Tensor) -> torch.Tensor:
+        return moved.as_strided(v.shape, v.stride(), v.storage_offset())
+
+    out = []
+    for r in residents:
+        groups = []
+        for per_layer in r.groups:
+            groups.append(
+                [
+                    None
+                    if w is None
+                    else LoraGroupWeights(
+                        tuple(on(v) for v in w.a),
+                        tuple(
+                            LoraOut(
+                                o.col_start, o.col_end, o.h_start, o.h_end, tuple(map(on, o.bt))
+                            )
+                            for o in w.outs
+                        ),
+                    )
+                    for w in per_layer
+                ]
+            )
+        out.append(Resident(groups))
+    return moved, out
+
+
 def layout_for(widths: tuple[int, ...], max_rank: int, max_tokens: int, max_loras: int):
     cols, start = [], 0
     for w in widths:

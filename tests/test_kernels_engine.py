@@ -19,19 +19,9 @@ ADAPTERS = ("chat-r16", "math-r64", "sql-r8")
 
 
 def _run(demo_assets, kernels: str) -> tuple[list[list[int]], list[torch.Tensor]]:
-    engine = LLMEngine(
-        EngineConfig(
-            model=str(demo_assets.model),
-            dtype="float32",
-            pool_bytes=16 << 20,
-            page_bytes=64 * 1024,
-            kernels=kernels,
-            device="cuda" if torch.cuda.is_available() else "cpu",  # else: the interpreter
-        )
-    )
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # else: the interpreter
+    engine = _engine(demo_assets, device, kernels)
     assert engine.kernels == kernels
-    for name in ADAPTERS:
-        engine.add_adapter(name, demo_assets.adapters_dir / name)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, return_logits=True)
     prompts = [[5, 17, 99, 3, 42, 7, 8], [11, 12], [200, 201, 202, 9, 1], [64, 65, 66]]
     adapters = ["chat-r16", None, "math-r64", "chat-r16"]

@@ -186,7 +186,7 @@ class AffinityPolicy:
 
         wait(r)  = max(0, queue_len - max_concurrency + 1) / max_concurrency * request_time_s
                    + queue_len * busy_cost_s
-                   + (queued_prefill_tokens + sent_tokens(r)) * prefill_token_cost_s
+                   + prefills(r)
                    (seconds until a batch slot frees: slots free at max_concurrency per
                    request_time_s; 0 while one is free, since continuous batching admits
                    at the next step. busy_cost_s is what each request already there adds
@@ -195,11 +195,16 @@ class AffinityPolicy:
                    grows with every sequence in it. The prompt tokens r's engine has yet
                    to prefill come first: a replica that just took a burst of long prompts
                    has a free slot and a short queue, and its prefills still take seconds)
-        sent_tokens(r) = prompt tokens of the requests this router sent r since r recorded
-                   its stats (`observe(..., prompt_tokens=)`). queue_len is the caller's
-                   own count (Serve's queue-length cache), but queued_prefill_tokens is a
-                   stats period old: without them every request of a period would see the
-                   same backlogs and go to the replica that published the least
+        prefills(r) = the prefill time ahead of a new request: queued_prefill_tokens (what
+                   r's engine had yet to prefill when it recorded its stats) and the prompt
+                   tokens of each request this router sent r since (`observe(...,
+                   prompt_tokens=)`), at prefill_token_cost_s a token, drained at that rate
+                   from the stats' time and each send's until now. queue_len is the
+                   caller's own count (Serve's queue-length cache), but queued_prefill_tokens
+                   is a stats period old: without the sends every request of a period would
+                   see the same backlogs and go to the replica that published the least, and
+                   without the drain a backlog long prefilled would still send requests away
+                   from their adapter
         reads(r) = store reads queued on r: adapters it is loading that it holds neither
                    on the device nor in the host tier, and those this router sent it since
                    its stats that it held nowhere (a replica reads one adapter after
@@ -635,24 +640,29 @@ class AffinityPolicy:
     ) -> float:
         queued_behind = max(0, r.queue_len - r.max_concurrency + 1)
         slot = queued_behind / r.max_concurrency * self.config.request_time_s
-        prefills = (r.queued_prefill_tokens + self._tokens_sent_since(r, now)) * (
-            prefill_token_cost_s
-        )
+        prefills = self._prefill_backlog_s(r, now, prefill_token_cost_s)
         return slot + r.queue_len * busy_cost_s + prefills
 
-    def _tokens_sent_since(self, r: ReplicaStats, now: float) -> int:
-        """sent_tokens(r): prompt tokens this router sent r after r recorded its stats.
+    def _prefill_backlog_s(self, r: ReplicaStats, now: float, per_token: float) -> float:
+        """prefills(r): the published backlog, and each prompt this router sent r after r
+        recorded its stats, drained at one token per `per_token` from then until now.
         A send is matched to the stats by time (the stats' age against this clock). Serve
         reports a request routed once the replica has accepted it, so stats recorded after
         that include it; stats recorded between its arrival and that report count it
         twice, until the next stats (a period at most)."""
+        if per_token == 0:
+            return 0.0
         recorded_at = now - r.stats_age_s
-        total = 0
+        since = []
         for at, tokens in reversed(self._sent_tokens.get(r.replica_id, ())):
             if at <= recorded_at:
                 break
-            total += tokens
-        return total
+            since.append((at, tokens))
+        backlog, t = r.queued_prefill_tokens * per_token, recorded_at
+        for at, tokens in reversed(since):
+            backlog = max(0.0, backlog - (at - t)) + tokens * per_token
+            t = at
+        return max(0.0, backlog - (now - t))
 
     def _pooled(self, published: Sequence[float | None], configured: float) -> float:
         """The mean of the replicas' measured costs, or the configured cost."""

@@ -288,6 +288,16 @@ def test_a_burst_between_two_stats_pushes_is_shared_by_the_prompts_sent_since(ad
     assert p.choose(adapter, fresh)[0] == "r0"
 
 
+@pytest.mark.parametrize(("age_s", "chosen"), [(0.0, "idle"), (0.05, "idle"), (0.2, "warm")])
+def test_a_published_prefill_backlog_drains_at_the_prefill_rate_as_the_stats_age(age_s, chosen):
+    # 6,000 tokens at 0.1 ms: 0.6 s of prefill when recorded, against the idle replica's 0.5 s
+    # load. The replica has prefilled since: 0.55 s are left after 50 ms (still dearer), 0.4 s
+    # after 200 ms, and the adapter stays where it is warm.
+    warm = replace(replica("warm", device={"a"}, age_s=age_s), queued_prefill_tokens=6_000)
+    p = policy(load_cost_s=0.5, host_load_cost_s=0.0, prefill_token_cost_s=1e-4)
+    assert p.choose("a", [warm, replica("idle")])[0] == chosen
+
+
 def test_measured_costs_replace_the_configured_ones_pooled_over_replicas():
     # Configured: batching is free and a host load costs 50 ms, so the warm replica keeps
     # every request. Measured: 10 ms per running request, so 6 running (60 ms) lose to an

@@ -19,6 +19,7 @@ look dearer or cheaper than the rest).
 
 from __future__ import annotations
 
+import collections
 import math
 import random
 import threading
@@ -185,7 +186,7 @@ class AffinityPolicy:
 
         wait(r)  = max(0, queue_len - max_concurrency + 1) / max_concurrency * request_time_s
                    + queue_len * busy_cost_s
-                   + queued_prefill_tokens * prefill_token_cost_s
+                   + prefills(r)
                    (seconds until a batch slot frees: slots free at max_concurrency per
                    request_time_s; 0 while one is free, since continuous batching admits
                    at the next step. busy_cost_s is what each request already there adds
@@ -194,6 +195,16 @@ class AffinityPolicy:
                    grows with every sequence in it. The prompt tokens r's engine has yet
                    to prefill come first: a replica that just took a burst of long prompts
                    has a free slot and a short queue, and its prefills still take seconds)
+        prefills(r) = the prefill time ahead of a new request: queued_prefill_tokens (what
+                   r's engine had yet to prefill when it recorded its stats) and the prompt
+                   tokens of each request this router sent r since (`observe(...,
+                   prompt_tokens=)`), at prefill_token_cost_s a token, drained at that rate
+                   from the stats' time and each send's until now. queue_len is the
+                   caller's own count (Serve's queue-length cache), but queued_prefill_tokens
+                   is a stats period old: without the sends every request of a period would
+                   see the same backlogs and go to the replica that published the least, and
+                   without the drain a backlog long prefilled would still send requests away
+                   from their adapter
         reads(r) = store reads queued on r: adapters it is loading that it holds neither
                    on the device nor in the host tier, and those this router sent it since
                    its stats that it held nowhere (a replica reads one adapter after
@@ -290,19 +301,32 @@ class AffinityPolicy:
         self._rates = RateEstimator(config.rate_window_s, clock())
         self._heat = HeldHeat(self._rates)
         self._placed: dict[str, dict[str, float]] = {}  # replica -> {adapter: sent at}
+        # replica -> (sent at, prompt tokens) of each request sent it, oldest first
+        self._sent_tokens: dict[str, collections.deque[tuple[float, int]]] = {}
         self._homes: dict[str, list[str]] = {}  # hot (or formerly hot) adapter -> homes
         self.prefixes = PrefixIndex(config.prefix_index_keys, config.prefix_ttl_s)
         self._lock = threading.Lock()
 
     def observe(
-        self, adapter: str | None, replica_id: str | None = None, prefix: Sequence[bytes] = ()
+        self,
+        adapter: str | None,
+        replica_id: str | None = None,
+        prefix: Sequence[bytes] = (),
+        prompt_tokens: int = 0,
     ) -> None:
         """Count one request of `adapter` now, sent to `replica_id` when given, its prompt
-        starting with the blocks `prefix`; base-model requests' rates are not tracked."""
+        `prompt_tokens` long and starting with the blocks `prefix`; base-model requests'
+        rates are not tracked."""
         with self._lock:
             now = self.clock()
-            if prefix and replica_id is not None:
-                self.prefixes.record(prefix[: self.config.prefix_blocks], replica_id, now)
+            if replica_id is not None:
+                if prefix:
+                    self.prefixes.record(prefix[: self.config.prefix_blocks], replica_id, now)
+                if prompt_tokens:
+                    sends = self._sent_tokens.setdefault(replica_id, collections.deque())
+                    while sends and now - sends[0][0] > self.config.stale_after_s:
+                        sends.popleft()  # stats fresher than this have long arrived
+                    sends.append((now, prompt_tokens))
             if adapter is None:
                 return
             self._heat.counted(adapter, self._rates.add(adapter, now))
@@ -365,7 +389,8 @@ class AffinityPolicy:
             per_token = self._pooled(
                 [r.prefill_token_cost_s for r in replicas], self.config.prefill_token_cost_s
             )
-            wait = {r.replica_id: self._wait_s(r, busy, per_token) for r in replicas}
+            now = self.clock()
+            wait = {r.replica_id: self._wait_s(r, now, busy, per_token) for r in replicas}
             saved = self._prefill_saved(replicas, prefix, per_token)
             if adapter is None:
                 return [
@@ -610,11 +635,34 @@ class AffinityPolicy:
         at = self._placed.get(r.replica_id, {}).get(adapter)
         return at is not None and at > now - r.stats_age_s
 
-    def _wait_s(self, r: ReplicaStats, busy_cost_s: float, prefill_token_cost_s: float) -> float:
+    def _wait_s(
+        self, r: ReplicaStats, now: float, busy_cost_s: float, prefill_token_cost_s: float
+    ) -> float:
         queued_behind = max(0, r.queue_len - r.max_concurrency + 1)
         slot = queued_behind / r.max_concurrency * self.config.request_time_s
-        prefills = r.queued_prefill_tokens * prefill_token_cost_s
+        prefills = self._prefill_backlog_s(r, now, prefill_token_cost_s)
         return slot + r.queue_len * busy_cost_s + prefills
+
+    def _prefill_backlog_s(self, r: ReplicaStats, now: float, per_token: float) -> float:
+        """prefills(r): the published backlog, and each prompt this router sent r after r
+        recorded its stats, drained at one token per `per_token` from then until now.
+        A send is matched to the stats by time (the stats' age against this clock). Serve
+        reports a request routed once the replica has accepted it, so stats recorded after
+        that include it; stats recorded between its arrival and that report count it
+        twice, until the next stats (a period at most)."""
+        if per_token == 0:
+            return 0.0
+        recorded_at = now - r.stats_age_s
+        since = []
+        for at, tokens in reversed(self._sent_tokens.get(r.replica_id, ())):
+            if at <= recorded_at:
+                break
+            since.append((at, tokens))
+        backlog, t = r.queued_prefill_tokens * per_token, recorded_at
+        for at, tokens in reversed(since):
+            backlog = max(0.0, backlog - (at - t)) + tokens * per_token
+            t = at
+        return max(0.0, backlog - (now - t))
 
     def _pooled(self, published: Sequence[float | None], configured: float) -> float:
         """The mean of the replicas' measured costs, or the configured cost."""

@@ -76,7 +76,9 @@ class AffinityRequestRouter(RequestRouter):
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
         prefix = self._prefixes.pop(pending_request.metadata.request_id, ())
-        self.policy.observe(_adapter(pending_request), replica_id.unique_id, prefix)
+        self.policy.observe(
+            _adapter(pending_request), replica_id.unique_id, prefix, _prompt_tokens(pending_request)
+        )
 
     def _prefix(
         self, pending_request: PendingRequest | None, stats: Sequence[ReplicaStats]
@@ -130,6 +132,14 @@ def prompt_prefix_keys(
     tokens = request["prompt_token_ids"]
     n = min(len(tokens) // block_size, max_blocks)
     return tuple(extend_block_keys([], root, tokens, block_size, n))
+
+
+def _prompt_tokens(pending_request: PendingRequest) -> int:
+    """The request's prompt length (0 for a request of another form)."""
+    request = pending_request.args[0] if pending_request.args else None
+    if not isinstance(request, dict):
+        return 0
+    return len(request.get("prompt_token_ids") or ())
 
 
 def _adapter(pending_request: PendingRequest | None) -> str | None:

@@ -249,6 +249,55 @@ def test_prompt_tokens_a_replica_has_yet_to_prefill_are_part_of_its_wait(tokens,
     assert p.choose(None, [short, replica("long", queue=2)])[0] == expected
 
 
+@pytest.mark.parametrize("adapter", ["a", None])
+def test_a_burst_between_two_stats_pushes_is_shared_by_the_prompts_sent_since(adapter):
+    # Both replicas hold "a" with free slots, batching free: only their prompt backlogs
+    # differ, and the stats showing them are a period old. The caller's queue lengths follow
+    # its own sends (Serve's cache), the published prefill backlog does not: each replica's
+    # wait must count the prompts this router sent it since, or the whole burst goes to r0.
+    clock = FakeClock()
+    clock.advance(10.0)
+    p = policy(clock, load_cost_s=0.5, host_load_cost_s=0.0, prefill_token_cost_s=1e-4)
+    published = {"r0": 0, "r1": 2_000}
+    queue = {"r0": 0, "r1": 0}
+    sent = {"r0": 0, "r1": 0}
+    for _ in range(12):
+        clock.advance(0.01)
+        views = [
+            replace(
+                replica(rid, device={"a"}, queue=queue[rid], age_s=clock.now - 10.0),
+                queued_prefill_tokens=published[rid],
+            )
+            for rid in published
+        ]
+        chosen = p.choose(adapter, views)[0]
+        p.observe(adapter, chosen, prompt_tokens=1_000)
+        queue[chosen] += 1
+        sent[chosen] += 1
+    # 12,000 tokens sent over 2,000 published: 7,000 each when balanced, within one prompt
+    backlog = {rid: published[rid] + 1_000 * sent[rid] for rid in published}
+    assert abs(backlog["r0"] - backlog["r1"]) <= 1_000, sent
+
+    # Stats recorded after the burst include it: the sends no longer count, so a replica
+    # that has prefilled its share meanwhile is the emptier one again.
+    clock.advance(0.01)
+    fresh = [
+        replace(replica("r0", device={"a"}, queue=queue["r0"]), queued_prefill_tokens=0),
+        replace(replica("r1", device={"a"}, queue=queue["r1"]), queued_prefill_tokens=3_000),
+    ]
+    assert p.choose(adapter, fresh)[0] == "r0"
+
+
+@pytest.mark.parametrize(("age_s", "chosen"), [(0.0, "idle"), (0.05, "idle"), (0.2, "warm")])
+def test_a_published_prefill_backlog_drains_at_the_prefill_rate_as_the_stats_age(age_s, chosen):
+    # 6,000 tokens at 0.1 ms: 0.6 s of prefill when recorded, against the idle replica's 0.5 s
+    # load. The replica has prefilled since: 0.55 s are left after 50 ms (still dearer), 0.4 s
+    # after 200 ms, and the adapter stays where it is warm.
+    warm = replace(replica("warm", device={"a"}, age_s=age_s), queued_prefill_tokens=6_000)
+    p = policy(load_cost_s=0.5, host_load_cost_s=0.0, prefill_token_cost_s=1e-4)
+    assert p.choose("a", [warm, replica("idle")])[0] == chosen
+
+
 def test_measured_costs_replace_the_configured_ones_pooled_over_replicas():
     # Configured: batching is free and a host load costs 50 ms, so the warm replica keeps
     # every request. Measured: 10 ms per running request, so 6 running (60 ms) lose to an

@@ -219,6 +219,14 @@ def test_bench_fleet_reports_every_key_on_a_tiny_shape():
     assert out["repeats"] == 2
     assert out["scale"]["points"][0]["replicas"] == 2
     assert "p99_ratio_best_ray_over_affinity_ci_low" in out["scale"]["points"][0]
+    eviction = out["eviction"]
+    factor = bench_fleet.NODE_HOST_BYTES // bench_fleet.HOST_BYTES
+    assert eviction["adapters"] == factor * tiny.adapters
+    assert eviction["host_bytes_per_replica"] == factor * tiny.host_bytes
+    assert set(eviction["routers"]) == set(ROUTERS)
+    for figures in eviction["routers"].values():
+        assert {"evictions", "host_hits", "store_reads", "device_loads"} <= set(figures)
+    assert "reads_ratio_vs_multiplex_ci_low" in eviction
     assert "synthetic" in read_trace(None).source  # the stated stand-in without a trace
 
 

@@ -56,6 +56,10 @@ within it (benchmarks/goodput.py). Per workload (benchmarks/fleet/workloads.py):
     SLO), streams_failed (0: begun streams resume elsewhere), streams_resumed, requests_lost
     (0: requests without a first token are retried)
 Scale sweep: zipf at the reference rate for 8..64 replicas and 500..10,000 adapters.
+Eviction (`evicting`): zipf at the reference rate where device pools evict: each host tier
+256 GiB (a DGX H100 node's 2 TiB over its 8 GPUs) and the catalog 4 x as large (8,000 /
+6,000 adapters); per router evictions, host_hits and store reads, and
+reads_ratio_vs_multiplex.
 
 Repetitions (3 / 2): the whole bench again on other seeds (arrivals, lengths, adapter picks
 and the popularity order; the simulator is deterministic per seed). Every figure is the
@@ -103,6 +107,9 @@ from loraplex.router.policy import AffinityConfig
 
 SCHED = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=4096, max_loras_per_batch=32)
 HOST_BYTES = 64 * GiB
+# The eviction section's host tier: what a DGX H100 node (2 TiB of memory, 8 GPUs) gives one
+# GPU's replica, 4 x HOST_BYTES; its catalog grows by the same factor
+NODE_HOST_BYTES = 256 * GiB
 # an object store read per replica: a mean adapter (99 MiB) in 0.3 s, rank 8 in 0.09 s,
 # rank 128 in 0.69 s (the issue's regime: reads of 200-500 ms)
 STORE = StoreModel(bytes_per_s=400.0 * MiB, latency_s=0.05)
@@ -124,6 +131,7 @@ class FleetShape:
     scale_window_s: float
     repeats: int  # each a different seed (the simulator is deterministic per seed)
     profile: tuple[str, str] = ("h100", "llama2-7b")
+    host_bytes: int = HOST_BYTES  # per replica
 
 
 FULL = FleetShape(
@@ -181,11 +189,13 @@ class Fleet:
         return FleetSetup(
             profile=self.profile,
             num_replicas=replicas,
-            system=System("fifo", SCHED, CacheConfig(loading="thread", host_bytes=HOST_BYTES)),
+            system=System(
+                "fifo", SCHED, CacheConfig(loading="thread", host_bytes=self.shape.host_bytes)
+            ),
             store=STORE,
             affinity=affinity,
             max_ongoing_requests=2 * SCHED.max_num_seqs,
-            models_per_replica=max(1, int(HOST_BYTES // mean)),
+            models_per_replica=max(1, int(self.shape.host_bytes // mean)),
             replace_after_s=KILL_REPLACE_S,
             max_len=self.profile.model["max_position_embeddings"],
             **extra,
@@ -296,12 +306,15 @@ def measure(shape: FleetShape, trace_path: Path | None = None) -> dict[str, Any]
         "busy_cost_s": fleet.busy_cost_s,
         "prefill_token_cost_s": fleet.prefill_token_cost_s,
         "store": dataclasses.asdict(STORE),
-        "host_bytes_per_replica": HOST_BYTES,
+        "host_bytes_per_replica": shape.host_bytes,
         "window_s": shape.window_s,
         "trace": fleet.trace.source,
         "repeats": shape.repeats,
         "workloads": {w: repeated([rep[w] for rep in reps]) for w in fw.WORKLOADS},
         "scale": over_repetitions([scale_sweep(fleet, rep) for rep in range(shape.repeats)]),
+        "eviction": over_repetitions(
+            [eviction_run(evicting(fleet), rep) for rep in range(shape.repeats)]
+        ),
     }
 
 
@@ -500,6 +513,63 @@ def scale_sweep(fleet: Fleet, repetition: int = 0) -> dict[str, Any]:
             }
         )
     return {"workload": "zipf", "rate_factor": shape.reference_factor, "points": points}
+
+
+def evicting(fleet: Fleet) -> Fleet:
+    """The fleet on the shape whose device pools evict: each replica's host tier what a
+    DGX H100 node gives one GPU (NODE_HOST_BYTES, 4 x the main shape's) and the catalog 4 x
+    as large, so it keeps its ratio to one host tier and to the fleet's, while a replica's
+    share of it (quick: 6,000 adapters / 8 x 99 MiB = 73 GiB) outgrows its device pool
+    (63 GiB, shared with the KV cache). At the main shape a replica's share (18 GiB) fits
+    its device pool, nothing is evicted in the window, and no load comes from a host copy."""
+    factor = NODE_HOST_BYTES // HOST_BYTES
+    shape = fleet.shape
+    bigger = dataclasses.replace(
+        shape, adapters=factor * shape.adapters, host_bytes=factor * shape.host_bytes
+    )
+    return dataclasses.replace(fleet, shape=bigger)
+
+
+def eviction_run(fleet: Fleet, repetition: int = 0) -> dict[str, Any]:
+    """zipf at the reference rate through every router on `fleet` (`evicting`), with the
+    main sweep's warm-up rule, window and seeds: per router the device evictions, the
+    loads from a host copy (host_hits) and the store reads, and affinity's reads over
+    multiplexing's."""
+    shape = fleet.shape
+    adapters = fw.catalog(shape.adapters, fleet.profile.adapter_bytes)
+    catalog = {a.name: a for a in adapters}
+    ref = shape.rate_factors.index(shape.reference_factor)
+    rate = shape.reference_factor * fleet.capacity_per_replica * shape.replicas
+    seed = 100 * ref + 10_000 * repetition
+    reqs, first = fleet.requests("zipf", adapters, rate, shape.window_s, seed, repetition)
+    slo = SLO_FACTOR * unloaded_ttft_s(fleet.profile, reqs[first:], catalog)
+    setup = fleet.setup(shape.replicas, adapters, seed=ref + 100 * repetition)
+    keys = ("p99_ttft_s", "device_loads", "store_reads", "host_hits", "evictions")
+    routers = {}
+    for router in ROUTERS:
+        t0 = time.perf_counter()
+        s = simulate_fleet(router, reqs, catalog, setup, measured_from=first).summary()
+        routers[router] = {
+            k: s[k] for k in (*keys, "placement_miss_rate", "distinct_adapters_held")
+        }
+        log(
+            f"fleet eviction {shape.adapters} adapters {router:9}: p99 {s['p99_ttft_s']:.3f} s, "
+            f"{s['evictions']} evictions, {s['host_hits']} host hits, {s['store_reads']} reads "
+            f"({time.perf_counter() - t0:.0f} s, load avg {os.getloadavg()[0]:.1f})"
+        )
+    reads = {r: f["store_reads"] for r, f in routers.items()}
+    return {
+        "workload": "zipf",
+        "replicas": shape.replicas,
+        "adapters": shape.adapters,
+        "host_bytes_per_replica": shape.host_bytes,
+        "rate_rps": rate,
+        "slo_s": slo,
+        "routers": routers,
+        "reads_ratio_vs_multiplex": (
+            reads["affinity"] / reads["multiplex"] if reads["multiplex"] else None
+        ),
+    }
 
 
 def _inverse(x: float | None) -> float | None:

@@ -50,6 +50,15 @@ def print_table(results: dict) -> None:
             f"{_fmt(p['p99_ratio_best_ray_over_affinity'])}, load-seconds ratio "
             f"{_fmt(p['load_seconds_ratio_vs_best_ray_router'])}"
         )
+    if "eviction" in f:
+        e = f["eviction"]
+        for router, r in e["routers"].items():
+            print(
+                f"eviction {e['adapters']} adapters {router:9}: p99 {_fmt(r['p99_ttft_s'])} s, "
+                f"{r['evictions']} evictions, {r['host_hits']} host hits, "
+                f"{r['store_reads']} reads"
+            )
+        print(f"eviction reads ratio vs multiplex {_ci(e, 'reads_ratio_vs_multiplex')}")
     if "validation" in f:
         print_validation(f["validation"])
 

@@ -362,7 +362,7 @@ class FleetSim:
         adapter = pending.request.adapter
         for rid in self.policy.choose(adapter, views):
             if self.replicas[rid].in_flight < self.setup.max_ongoing_requests:
-                self.policy.observe(adapter, rid)
+                self.policy.observe(adapter, rid, prompt_tokens=pending.request.prompt)
                 seen = self.stats.get(rid)
                 pending.predicted_held = seen is not None and (
                     adapter in seen[1].device_adapters or adapter in seen[1].host_adapters

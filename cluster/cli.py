@@ -33,7 +33,11 @@ def main(argv: list[str] | None = None) -> int:
         choices=["engine", "fleet", "registry", "router", "sched", "report"],
         help="a bench, or `report`: docs/performance.md from the benches' committed JSON",
     )
-    bench.add_argument("--quick", action="store_true", help="smaller model and workload (< 2 min)")
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="smaller model and workload: every key, in a fraction of the full run (engine ~2 min, fleet ~10-20 min, router ~16 min on 2 quiet cores)",
+    )
     bench.add_argument("--json", type=Path, help="write the figures here")
     bench.add_argument("--trace", type=Path, help="engine, sched: Azure LLM inference trace CSV")
     bench.add_argument(

@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument(
         "--quick",
         action="store_true",
-        help="smaller model and workload: every key, in a fraction of the full run (engine ~2 min, fleet ~10-20 min, router ~16 min on 2 quiet cores)",
+        help="smaller model and workload: every key, in a fraction of the full run (on two "
+        "quiet cores: engine ~2 min, fleet 10-20 min, router ~16 min)",
     )
     bench.add_argument("--json", type=Path, help="write the figures here")
     bench.add_argument("--trace", type=Path, help="engine, sched: Azure LLM inference trace CSV")

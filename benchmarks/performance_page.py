@@ -114,9 +114,13 @@ paper's baseline by its own default token pool (`--max_total_token_num 6000`,
 capacity ~10 req/s, its finite-run crossing ~8.6–9.0 req/s (the paper's 8.6). Loads are
 stated as load ÷ S-LoRA's capacity; reductions are 1 − the system's P99 (P50) TTFT ÷
 S-LoRA's at the high load; throughput at the SLO is each system's sustainable capacity (its
-steady completion rate under overload). Chameleon runs as the paper has it: no starvation
-guard (reported apart as `chameleon_guard`), quotas scaled in proportion to the M/M/1
-minimums when these exceed the pool. The engine section replays the same arrivals through
+steady completion rate under overload); the sweep runs each system past it (0.7, 0.8, …
+x its capacity until its P99 TTFT crosses the SLO in every seed, at most 1.5x), and
+`crossing_over_capacity` is each finite-run crossing ÷ capacity. `reduction_curves` (and
+`*.p99_ttft_reduction_max`, beside the headline keys) give the P99 reduction against S-LoRA
+over the grid and the paper's loads, each as load ÷ each system's own capacity. Chameleon
+runs as the paper has it: no starvation guard (reported apart as `chameleon_guard`), quotas
+scaled in proportion to the M/M/1 minimums when these exceed the pool. The engine section replays the same arrivals through
 the real engine with a CPU cost profile; Chameleon on S-LoRA there admits every iteration,
 with bypass, squash and prefetch, as in the simulator.""",
     "router": """\

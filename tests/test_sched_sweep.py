@@ -9,6 +9,7 @@ import pytest
 from loraplex.benchmarks.sched import sim as sched_sim
 from loraplex.benchmarks.sched.scenarios import SCENARIOS
 from loraplex.benchmarks.sched.sweep import EXTEND_AT, extend_past_crossing, loads_of
+from loraplex.benchmarks.sim.workload import RANKS
 
 
 def test_the_sweep_finds_each_systems_crossing_past_a_grid_below_every_capacity():
@@ -36,6 +37,10 @@ def test_the_sweep_finds_each_systems_crossing_past_a_grid_below_every_capacity(
         # raised one step at a time, stopped at the first load past the SLO
         assert [curve[k]["p99_ttft_s"] > slo for k in past] == [False] * (len(past) - 1) + [True]
         assert float(past[-1]) <= EXTEND_AT[-1] * capacity[name] + 0.01
+    for name, row in out["at_paper_loads"]["high"].items():
+        ranks = [row[f"p99_ttft_s_rank{r}"] for r in RANKS]
+        # the whole run's P99 lies between its ranks' (a mixture's quantile does)
+        assert min(ranks) - 1e-3 <= row["p99_ttft_s"] <= max(ranks) + 1e-3, name
     for name in ("chameleon", "loraplex"):
         assert out["crossing_over_capacity"][name] == crossing[name] / capacity[name]
         curve = out["reduction_curves"][name]

@@ -199,6 +199,12 @@ def print_table(r: dict) -> None:
         )
         print(f"  {name:18} {cells}  x{row['throughput_at_slo_ratio']:.2f}")
     high = sim["at_paper_loads"]["high"]
+    for name in ("slora", "chameleon"):
+        ranks = {k.split("_rank")[1]: v for k, v in high.get(name, {}).items() if "_rank" in k}
+        print(
+            f"P99 TTFT by adapter rank at the high load, {name}: "
+            + ", ".join(f"r{r} {v:.2f} s" for r, v in ranks.items())
+        )
     print(
         "host link busy at the high load: "
         + ", ".join(f"{n} {row['link_busy']:.3f}" for n, row in high.items())

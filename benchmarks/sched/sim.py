@@ -32,6 +32,7 @@ from loraplex.benchmarks.sched.sweep import (
     loads_of,
     mean_curve,
     reduction_curve,
+    with_ranks,
 )
 from loraplex.benchmarks.sched.systems import BREAKDOWN, GUARDED, SIM_SYSTEMS, SLORA, systems
 from loraplex.benchmarks.sim.profiles import a40_llama7b
@@ -151,7 +152,7 @@ def sim_section(
     if scenario.cv == 1.0:  # the SLO's runs are the sweep's lowest slora points
         sweep = [t for t in sweep if not (t[0] == "slora" and t[1] == float(loads[0]))]
         for seed in seeds:
-            curves["slora"][seed][loads[0]] = lowest[seed].summary()
+            curves["slora"][seed][loads[0]] = with_ranks(lowest[seed])
     for (name, load, seed), summary in _run_all(sweep, jobs).items():
         curves[name][seed][f"{load:.2f}"] = summary
     for seed in seeds:
@@ -226,7 +227,7 @@ _CONTEXT: dict = {}  # what forked workers run with: `run` and `by_system`
 
 def _work(task: tuple[str, float, int]) -> tuple[tuple[str, float, int], dict]:
     name, load, seed = task
-    return task, _CONTEXT["run"](_CONTEXT["by_system"][name], load, seed).summary()
+    return task, with_ranks(_CONTEXT["run"](_CONTEXT["by_system"][name], load, seed))
 
 
 def _capacity(shape: SimShape, rate: float, seeds: list[int], jobs: int) -> dict:
@@ -414,6 +415,7 @@ def _combine(per_seed: list[dict]) -> dict:
                     "critical_loads",
                     "critical_wait_ms",
                     "mean_load_ms",
+                    *(k for k in per_seed[0]["at_paper_loads"][level][name] if "_rank" in k),
                 )
             }
             for name in per_seed[0]["at_paper_loads"][level]

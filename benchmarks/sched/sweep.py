@@ -11,9 +11,13 @@ the SLO in every seed, or the load reaches EXTEND_AT[-1] x its capacity (the cap
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import numpy as np
+
+from loraplex.benchmarks.sim.run import Result
+from loraplex.benchmarks.sim.workload import RANKS
 
 # x the system's sustainable capacity (the mean over seeds); the last is the cap. At 1.5x
 # capacity a run of n requests ends with a backlog of about n / 3 of them, n / (3 x
@@ -21,6 +25,17 @@ import numpy as np
 EXTEND_AT = (0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5)
 
 RunAll = Callable[[list[tuple[str, float, int]]], dict[tuple[str, float, int], dict]]
+
+
+def with_ranks(result: Result) -> dict:
+    """`result`'s summary with the P99 TTFT of each adapter rank's requests: a FIFO's tail
+    is every rank's, Chameleon's the largest queue's (rank 128 holds most of its slowest
+    requests at the high load)."""
+    out = result.summary()
+    for rank in RANKS:  # every run has the same keys; NaN for a rank a short run lacks
+        ttft = result.ttft[result.ranks == rank]
+        out[f"p99_ttft_s_rank{rank}"] = float(np.percentile(ttft, 99)) if len(ttft) else math.nan
+    return out
 
 
 def crossed(curve: dict[str, dict], slo: float) -> bool:

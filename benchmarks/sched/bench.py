@@ -146,10 +146,24 @@ def print_table(r: dict) -> None:
         f"P99 TTFT crossing the SLO in runs of {sim['requests_per_load']} (req/s; moves with "
         "run length): " + ", ".join(f"{n} {v:.2f}" for n, v in sim["crossing_rps"].items())
     )
+    print(
+        "crossing / capacity: "
+        + ", ".join(f"{n} {v:.2f}" for n, v in sim["crossing_over_capacity"].items())
+    )
     if sim["slo_not_crossed"]:
         print(
-            "within the SLO at the top swept load (throughput at SLO a lower bound): "
+            "within the SLO at the top load, past the cap (crossing a lower bound): "
             + ", ".join(sim["slo_not_crossed"])
+        )
+    for name, curve in sim["reduction_curves"].items():
+        print(
+            f"{name} vs slora on the grid (req/s: load / {name}'s capacity, / slora's: P99 "
+            "TTFT reduction): "
+            + "  ".join(
+                f"{p['load_rps']:.2f}: {p['load_over_capacity']:.2f}, "
+                f"{p['load_over_slora_capacity']:.2f}: {p['p99_ttft_reduction']:.2f}"
+                for p in curve
+            )
         )
     print(
         "paper loads (x slora's capacity 6/8.6, 8/8.6, 9/8.6): "
@@ -168,6 +182,8 @@ def print_table(r: dict) -> None:
         note = f"{paper} / {target}" if paper is not None else target
         print(f"{key:48} {value:8.3f} {s['std']:7.3f} {s['min']:7.3f} {s['max']:7.3f}  {note}")
     for group in AGAINST:
+        for key in ("p99_ttft_reduction_max", "p99_ttft_reduction_max_at_load_over_capacity"):
+            print(f"{group + '.' + key:48} {sim[group][key]:8.3f}")
         for level in ("low", "medium"):
             for q in ("p99", "p50"):
                 key = f"{q}_ttft_reduction_{level}_load"
@@ -183,6 +199,12 @@ def print_table(r: dict) -> None:
         )
         print(f"  {name:18} {cells}  x{row['throughput_at_slo_ratio']:.2f}")
     high = sim["at_paper_loads"]["high"]
+    for name in ("slora", "chameleon"):
+        ranks = {k.split("_rank")[1]: v for k, v in high.get(name, {}).items() if "_rank" in k}
+        print(
+            f"P99 TTFT by adapter rank at the high load, {name}: "
+            + ", ".join(f"r{r} {v:.2f} s" for r, v in ranks.items())
+        )
     print(
         "host link busy at the high load: "
         + ", ".join(f"{n} {row['link_busy']:.3f}" for n, row in high.items())

@@ -25,10 +25,10 @@ def plot_p99_ttft(sim: dict, out_dir: Path) -> Path:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
-    loads = sim["loads_rps"]
     for name, rows in sim["systems"].items():
         color, marker = STYLE.get(name, ("black", "."))
-        keys = list(rows)
+        keys = sorted(rows, key=float)  # the grid and the system's own points past it
+        loads = [float(k) for k in keys]
         p99 = [rows[k]["p99_ttft_s"] for k in keys]
         ax.plot(loads, p99, marker=marker, color=color, label=name, linewidth=1.4, markersize=4)
         lo = [rows[k]["p99_ttft_s_min"] for k in keys]
@@ -36,6 +36,7 @@ def plot_p99_ttft(sim: dict, out_dir: Path) -> Path:
         ax.fill_between(loads, lo, hi, color=color, alpha=0.12, linewidth=0)
     ax.axhline(sim["slo_s"], color="red", linestyle="--", linewidth=1, label="SLO")
     ax.set_yscale("log")
+    ax.set_xscale("log")
     ax.set_xlabel(
         "load (requests / s, Poisson)" if sim["scenario"] != "bursty" else "load (requests / s)"
     )

@@ -1,11 +1,13 @@
 """The simulator section of `loraplex bench sched`: seed 004's experiment, every system on the
 same arrivals, over several arrival seeds.
 
-Per seed: every system at every swept load; the SLO is 5x the mean execution time of
-`slora` (the paper's baseline) at the lowest load; a system's throughput at SLO is the
-load at which its P99 TTFT crosses the SLO. The paper's low, medium and high loads (6, 8
-and 9 RPS against S-LoRA's SLO crossing at 8.6 RPS, §5.2) are taken relative to this
-seed's `slora` crossing, and `slora`, `chameleon` and `loraplex` run there. Keys are
+Per seed: every system at every load of the grid, then each system past the grid until its
+P99 TTFT crosses the SLO (benchmarks/sched/sweep.py); the SLO is 5x the mean execution time
+of `slora` (the paper's baseline) at the lowest load; a system's throughput at SLO is its
+sustainable capacity (`_capacity`), the load at which its P99 TTFT crosses the SLO is kept
+beside it. The paper's low, medium and high loads (6, 8 and 9 RPS against S-LoRA's SLO
+crossing at 8.6 RPS, §5.2) are taken relative to this seed's `slora` capacity, and `slora`
+and the systems compared with it run there. Keys are
 computed per seed and reported as their mean, with the spread over seeds beside them.
 The existing keys (`p99_ttft_reduction_high_load`, ...) are the ablation against our own
 FIFO: `loraplex` (Chameleon's queues and cache on loraplex's engine) against
@@ -23,6 +25,15 @@ import numpy as np
 
 from loraplex.benchmarks.report import log
 from loraplex.benchmarks.sched.scenarios import Scenario, scenario_requests, shape_trace
+from loraplex.benchmarks.sched.sweep import (
+    EXTEND_AT,
+    extend_past_crossing,
+    largest_reduction,
+    loads_of,
+    mean_curve,
+    reduction_curve,
+    with_ranks,
+)
 from loraplex.benchmarks.sched.systems import BREAKDOWN, GUARDED, SIM_SYSTEMS, SLORA, systems
 from loraplex.benchmarks.sim.profiles import a40_llama7b
 from loraplex.benchmarks.sim.replica import System
@@ -141,7 +152,7 @@ def sim_section(
     if scenario.cv == 1.0:  # the SLO's runs are the sweep's lowest slora points
         sweep = [t for t in sweep if not (t[0] == "slora" and t[1] == float(loads[0]))]
         for seed in seeds:
-            curves["slora"][seed][loads[0]] = lowest[seed].summary()
+            curves["slora"][seed][loads[0]] = with_ranks(lowest[seed])
     for (name, load, seed), summary in _run_all(sweep, jobs).items():
         curves[name][seed][f"{load:.2f}"] = summary
     for seed in seeds:
@@ -150,13 +161,24 @@ def sim_section(
                 f"{tag}: seed {seed} {load} req/s  p99 TTFT "
                 + "  ".join(f"{n} {curves[n][seed][load]['p99_ttft_s']:.2f}" for n in shape.systems)
             )
-    rows = {seed: {n: curves[n][seed] for n in shape.systems} for seed in seeds}
     capacity = _capacity(shape, rate, seeds, jobs)
+    mean_capacity = {n: float(np.mean([capacity[s][n] for s in seeds])) for n in shape.systems}
     log(
         f"{tag}: sustainable capacity (runs of {CAPACITY_RUN * shape.requests} requests it "
         "cannot keep up with; mean over seeds): "
-        + "  ".join(f"{n} {np.mean([capacity[s][n] for s in seeds]):.2f}" for n in shape.systems)
+        + "  ".join(f"{n} {mean_capacity[n]:.2f}" for n in shape.systems)
     )
+    extended = extend_past_crossing(curves, slo, mean_capacity, lambda tasks: _run_all(tasks, jobs))
+    for name, added in extended.items():
+        if added:
+            log(
+                f"{tag}: {name} past the grid (x its capacity {EXTEND_AT}): p99 TTFT "
+                + "  ".join(
+                    f"{x:.2f} req/s {np.mean([curves[name][s][f'{x:.2f}']['p99_ttft_s'] for s in seeds]):.2f}"
+                    for x in added
+                )
+            )
+    rows = {seed: {n: curves[n][seed] for n in shape.systems} for seed in seeds}
     at_loads = {seed: _paper_loads(capacity[seed]) for seed in seeds}
     others = [n for n in ("slora", *REPORTED) if n in shape.systems]
     paper_runs = _run_all(
@@ -187,7 +209,9 @@ def sim_section(
         "seeds": len(seeds),
         "slo_s": slo,
         "loads_rps": [float(k) for k in loads],
-        "systems": _mean_curves(curves, loads),
+        "extend_at_capacity": list(EXTEND_AT),
+        "extended_loads_rps": extended,
+        "systems": _mean_curves(curves),
         **_combine(per_seed),
     }
     if shape.extras:
@@ -203,7 +227,7 @@ _CONTEXT: dict = {}  # what forked workers run with: `run` and `by_system`
 
 def _work(task: tuple[str, float, int]) -> tuple[tuple[str, float, int], dict]:
     name, load, seed = task
-    return task, _CONTEXT["run"](_CONTEXT["by_system"][name], load, seed).summary()
+    return task, with_ranks(_CONTEXT["run"](_CONTEXT["by_system"][name], load, seed))
 
 
 def _capacity(shape: SimShape, rate: float, seeds: list[int], jobs: int) -> dict:
@@ -266,18 +290,22 @@ def _paper_loads(capacity: dict[str, float]) -> dict:
 def _seed_keys(
     rows: dict[str, dict[str, dict]], loads: list[str], slo: float, run, capacity: dict
 ) -> dict:
-    """One seed's keys from its curves; `run(name, load_rps)` runs a system at a load;
-    `capacity` is each system's sustainable capacity (the steady completion rate under
-    overload, in requests of the run's mix): its throughput at SLO. The load at which a
-    run's P99 TTFT crosses the SLO (`crossing_rps`) moves with the run's length above
-    capacity — a backlog grows with the run — and is kept for reference."""
+    """One seed's keys from its curves (each system's: the grid `loads` and its points past
+    it); `run(name, load_rps)` runs a system at a load; `capacity` is each system's
+    sustainable capacity (the steady completion rate under overload, in requests of the
+    run's mix): its throughput at SLO. The load at which a run's P99 TTFT crosses the SLO
+    (`crossing_rps`) moves with the run's length above capacity — a backlog grows with the
+    run — and is kept for reference, with its ratio to capacity."""
     keys: dict = {}
-    crossing = {name: throughput_at_slo(loads, rows[name], slo) for name in rows}
+    own = {name: loads_of(rows[name]) for name in rows}
+    crossing = {name: throughput_at_slo(own[name], rows[name], slo) for name in rows}
     keys["crossing_rps"] = crossing
     tput = {name: capacity[name] for name in rows}
     keys["throughput_at_slo_rps"] = tput
-    # a system still within the SLO at the top load: its throughput at SLO is a lower bound
-    keys["slo_not_crossed"] = [n for n in rows if rows[n][loads[-1]]["p99_ttft_s"] <= slo]
+    keys["crossing_over_capacity"] = {name: _ratio(crossing[name], tput[name]) for name in rows}
+    # a system still within the SLO at its top load, past the cap: its crossing is a lower
+    # bound
+    keys["slo_not_crossed"] = [n for n in rows if rows[n][own[n][-1]]["p99_ttft_s"] <= slo]
     if "fifo_nocache" in rows and "loraplex" in rows:
         # the ablation against our own FIFO: Chameleon's mechanisms on loraplex's engine
         base_p99 = [rows["fifo_nocache"][k]["p99_ttft_s"] for k in loads]
@@ -299,10 +327,16 @@ def _seed_keys(
     }
     keys["at_paper_loads"] = at
     against = {}
+    curves = {}
     for name in others:
+        # on the grid and at the paper's loads, where both ran on the same arrivals
+        points = [("grid", float(k), rows["slora"][k], rows[name][k]) for k in loads]
+        points += [(lv, x, at[lv]["slora"], at[lv][name]) for lv, x in paper_loads.items()]
+        curves[name] = reduction_curve(points, name, capacity)
         against[name] = {
             "throughput_at_slo_ratio": _ratio(tput[name], tput["slora"]),
             "crossing_ratio": _ratio(crossing[name], crossing["slora"]),
+            **largest_reduction(curves[name]),
         }
         for level in PAPER_LOADS:
             base, ours = at[level]["slora"], at[level][name]
@@ -313,6 +347,7 @@ def _seed_keys(
     for key, name in AGAINST_SLORA.items():
         keys[key] = against[name]
     keys["against_slora"] = against
+    keys["reduction_curves"] = curves
     return keys
 
 
@@ -342,8 +377,13 @@ def _combine(per_seed: list[dict]) -> dict:
     out["throughput_at_slo_rps"] = {
         n: float(np.mean([s["throughput_at_slo_rps"][n] for s in per_seed])) for n in names
     }
-    out["crossing_rps"] = {
-        n: float(np.mean([s["crossing_rps"][n] for s in per_seed])) for n in names
+    for key in ("crossing_rps", "crossing_over_capacity"):
+        out[key] = {n: float(np.mean([s[key][n] for s in per_seed])) for n in names}
+        for n in names:
+            spread[f"{key}.{n}"] = _spread([s[key][n] for s in per_seed])
+    out["reduction_curves"] = {
+        name: mean_curve([s["reduction_curves"][name] for s in per_seed])
+        for name in per_seed[0]["reduction_curves"]
     }
     for n in names:
         spread[f"throughput_at_slo_rps.{n}"] = _spread(
@@ -375,6 +415,7 @@ def _combine(per_seed: list[dict]) -> dict:
                     "critical_loads",
                     "critical_wait_ms",
                     "mean_load_ms",
+                    *(k for k in per_seed[0]["at_paper_loads"][level][name] if "_rank" in k),
                 )
             }
             for name in per_seed[0]["at_paper_loads"][level]
@@ -395,12 +436,13 @@ def _spread(values: list[float]) -> dict:
     }
 
 
-def _mean_curves(curves: dict, loads: list[str]) -> dict:
-    """Per system and load: each summary figure's mean over seeds, and the P99's range."""
+def _mean_curves(curves: dict) -> dict:
+    """Per system and load (its own: the grid and its points past it): each summary
+    figure's mean over seeds, and the P99's range."""
     out: dict = {}
     for name, by_seed in curves.items():
         out[name] = {}
-        for load in loads:
+        for load in loads_of(next(iter(by_seed.values()))):
             rows = [by_seed[s][load] for s in by_seed]
             mean = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
             p99 = [r["p99_ttft_s"] for r in rows]

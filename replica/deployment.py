@@ -169,9 +169,15 @@ class ReplicaDeployment:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """What the `lora` autoscaling policy reads (router/autoscaling.py); Serve calls this
-        every few seconds and averages it over look_back_period_s."""
-        reads = self.sync.reads if self.sync else 0
+        every few seconds and averages it over look_back_period_s. Store reads are the first
+        reads (AdapterSync's) and the engine's re-reads of host copies its host budget dropped
+        (`disk_reads`): a working set past the tiers shows as the second kind. Their mean time
+        is the first reads' (the same artifacts from the same store, paced alike)."""
+        assert self.engine is not None
+        stats = await self.engine.stats()
+        reads = (self.sync.reads if self.sync else 0) + stats["adapters"]["disk_reads"]
         read_seconds = self.sync.read_seconds if self.sync else 0.0
+        first_reads = self.sync.reads if self.sync else 0
         now = time.monotonic()
         since, reads_before = self._autoscale_mark
         self._autoscale_mark = (now, reads)
@@ -181,7 +187,7 @@ class ReplicaDeployment:
             reads=reads,
             reads_before=reads_before,
             elapsed_s=now - since,
-            read_seconds=read_seconds,
+            read_s=read_seconds / first_reads if first_reads else 0.0,
             adapter_queue=self.sync.requests if self.sync else {},
         )
 

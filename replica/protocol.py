@@ -181,18 +181,19 @@ def autoscaling_stats(
     reads: int,
     reads_before: int,
     elapsed_s: float,
-    read_seconds: float,
+    read_s: float,
     adapter_queue: Mapping[str, int],
 ) -> dict[str, float]:
     """One report (the deployment's `record_autoscaling_stats` and the fleet simulator's):
-    `reads` store reads so far, `reads_before` at the last report `elapsed_s` ago,
-    `read_seconds` the time those reads took in all; `adapter_queue` the requests held per
-    adapter, of which the HOT_ADAPTERS_REPORTED largest are reported by name."""
+    `reads` store reads so far (first reads and re-reads of dropped host copies),
+    `reads_before` at the last report `elapsed_s` ago, `read_s` the mean read measured (0
+    before the first); `adapter_queue` the requests held per adapter, of which the
+    HOT_ADAPTERS_REPORTED largest are reported by name."""
     hot = sorted(((n, a) for a, n in adapter_queue.items() if n > 0), reverse=True)
     return {
         AUTOSCALE_REQUESTS: float(requests),
         AUTOSCALE_SLOTS: float(slots),
         AUTOSCALE_READS_PER_S: (reads - reads_before) / max(elapsed_s, 1e-3),
-        AUTOSCALE_READ_S: read_seconds / reads if reads else 0.0,
+        AUTOSCALE_READ_S: read_s,
         **{AUTOSCALE_ADAPTER + a: float(n) for n, a in hot[:HOT_ADAPTERS_REPORTED]},
     }

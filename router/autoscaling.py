@@ -32,6 +32,7 @@ replicas that remain, where the first request of each reads it (not yet prefetch
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -52,6 +53,9 @@ REQUESTS, SLOTS = AUTOSCALE_REQUESTS, AUTOSCALE_SLOTS
 READS_PER_S, READ_S = AUTOSCALE_READS_PER_S, AUTOSCALE_READ_S
 AUTOSCALING_METRICS = (REQUESTS, SLOTS, READS_PER_S, READ_S)
 POLICY_FUNCTION = "loraplex.router.autoscaling:LoraAutoscalingPolicy"
+
+# a child of Serve's logger: the policy runs in Serve's controller, whose log file it reaches
+log = logging.getLogger("ray.serve").getChild(__name__)
 
 
 class LoraAutoscaling(BaseModel):
@@ -198,6 +202,11 @@ class LoraAutoscalingPolicy:
         else:
             state.pop("lower_from", None)
             state.pop("lower_since", None)
+        if target != current and state.get("asked") != (current, target):
+            log.info(
+                "lora autoscaling wants %d replicas (%d now): %s", target, current, decision.why
+            )
+        state["asked"] = (current, target)
         state["why"] = decision.why
         return target, state
 

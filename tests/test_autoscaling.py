@@ -192,7 +192,7 @@ def test_a_replica_reports_its_hottest_adapters_by_name_and_the_policy_reads_the
         reads=10,
         reads_before=4,
         elapsed_s=2.0,
-        read_seconds=3.0,
+        read_s=0.3,
         adapter_queue=queue,
     )
     hottest = sorted(queue, key=queue.get, reverse=True)[:HOT_ADAPTERS_REPORTED]

@@ -140,15 +140,18 @@ class ScalingFleetSim(FleetSim):
     def _on_sample(self, _) -> None:
         per_replica = {}
         for rid, replica in self.replicas.items():
+            # first reads and re-reads of host copies the budget dropped, as the deployment
+            # counts them; the mean read time is the first reads'
+            reads = replica.reads + replica.sim.cache.stats.disk_reads
             since, before = self.marks.get(rid, (self.now - self.record_interval_s, 0))
-            self.marks[rid] = (self.now, replica.reads)
+            self.marks[rid] = (self.now, reads)
             per_replica[rid] = autoscaling_stats(
                 requests=replica.in_flight,
                 slots=replica.max_concurrency,
-                reads=replica.reads,
+                reads=reads,
                 reads_before=before,
                 elapsed_s=self.now - since,
-                read_seconds=replica.read_seconds,
+                read_s=replica.read_seconds / replica.first_reads if replica.first_reads else 0.0,
                 adapter_queue=replica.adapter_queue(),
             )
         ongoing = sum(r.in_flight for r in self.replicas.values()) + len(self.pending)

@@ -44,6 +44,7 @@ from loraplex.replica.protocol import (
     cache_salts,
     chunk,
     continuation,
+    measured_token_s,
     sampling_params,
 )
 from loraplex.replica.routing_report import published_tiers, routing_stats
@@ -188,6 +189,8 @@ class ReplicaDeployment:
             reads_before=reads_before,
             elapsed_s=now - since,
             read_s=read_seconds / first_reads if first_reads else 0.0,
+            prefill_tokens=stats["queued_prefill_tokens"],
+            token_s=measured_token_s(stats),
             adapter_queue=self.sync.requests if self.sync else {},
         )
 

@@ -45,7 +45,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from loraplex.benchmarks.sim.fleet import CONTROL_LOOP_S, FleetRun, FleetSetup, FleetSim
 from loraplex.benchmarks.sim.workload import AdapterSpec, SimRequest
-from loraplex.replica.protocol import autoscaling_stats
+from loraplex.replica.protocol import autoscaling_stats, measured_token_s
 
 RECORD_FACTOR = 0.2  # RAY_SERVE_AUTOSCALING_METRIC_RECORD_INTERVAL_FACTOR
 PUSH_INTERVAL_S = 10.0  # RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S
@@ -143,6 +143,7 @@ class ScalingFleetSim(FleetSim):
             # first reads and re-reads of host copies the budget dropped, as the deployment
             # counts them; the mean read time is the first reads'
             reads = replica.reads + replica.sim.cache.stats.disk_reads
+            engine = replica.engine_stats()
             since, before = self.marks.get(rid, (self.now - self.record_interval_s, 0))
             self.marks[rid] = (self.now, reads)
             per_replica[rid] = autoscaling_stats(
@@ -152,6 +153,8 @@ class ScalingFleetSim(FleetSim):
                 reads_before=before,
                 elapsed_s=self.now - since,
                 read_s=replica.read_seconds / replica.first_reads if replica.first_reads else 0.0,
+                prefill_tokens=engine["queued_prefill_tokens"],
+                token_s=measured_token_s(engine),
                 adapter_queue=replica.adapter_queue(),
             )
         ongoing = sum(r.in_flight for r in self.replicas.values()) + len(self.pending)

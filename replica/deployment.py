@@ -170,13 +170,14 @@ class ReplicaDeployment:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """What the `lora` autoscaling policy reads (router/autoscaling.py); Serve calls this
-        every few seconds and averages it over look_back_period_s. Store reads are the first
-        reads (AdapterSync's) and the engine's re-reads of host copies its host budget dropped
-        (`disk_reads`): a working set past the tiers shows as the second kind. Their mean time
-        is the first reads' (the same artifacts from the same store, paced alike)."""
+        every few seconds and averages it over look_back_period_s. The store reads reported are
+        the engine's re-reads of adapters its tiers had dropped (`disk_reads`): a working set
+        past the tiers. A first read (AdapterSync's) is not: a new replica, or an adapter new
+        to this one, is read once whatever its tiers can keep. The mean read time is the
+        first reads' (the same artifacts from the same store, paced alike)."""
         assert self.engine is not None
         stats = await self.engine.stats()
-        reads = (self.sync.reads if self.sync else 0) + stats["adapters"]["disk_reads"]
+        reads = stats["adapters"]["disk_reads"]
         read_seconds = self.sync.read_seconds if self.sync else 0.0
         first_reads = self.sync.reads if self.sync else 0
         now = time.monotonic()

@@ -168,7 +168,7 @@ def chunk(out: RequestOutput) -> GenerateChunk:
 # `lora` autoscaling policy (router/autoscaling.py) reads them from Serve's aggregate.
 AUTOSCALE_REQUESTS = "requests"  # generate calls held: running, waiting, reading
 AUTOSCALE_SLOTS = "slots"  # max_num_seqs
-AUTOSCALE_READS_PER_S = "store_reads_per_s"  # adapters read from the store per second
+AUTOSCALE_READS_PER_S = "store_rereads_per_s"  # adapters the tiers dropped, read again, per s
 AUTOSCALE_READ_S = "store_read_s"  # the mean store read, seconds (0 before the first)
 AUTOSCALE_PREFILL_TOKENS = (
     "queued_prefill_tokens"  # prompt tokens waiting and running, not computed
@@ -197,7 +197,8 @@ def autoscaling_stats(
     adapter_queue: Mapping[str, int],
 ) -> dict[str, float]:
     """One report (the deployment's `record_autoscaling_stats` and the fleet simulator's):
-    `reads` store reads so far (first reads and re-reads of dropped host copies),
+    `reads` re-reads from the store so far (of adapters its tiers had dropped; not first
+    reads),
     `reads_before` at the last report `elapsed_s` ago, `read_s` the mean read measured (0
     before the first); `prefill_tokens` the prompt tokens its engine has yet to compute
     (queued requests' and running ones' chunks left), `token_s` what a token adds to its

@@ -13,9 +13,12 @@ Serve over `look_back_period_s`. The policy wants the largest of three counts:
                   target_prefill_s. A replica misses a TTFT target long before its slots
                   fill when the prompts are long: the tokens see it, the slots do not
     working set   while the replicas spend more than read_busy of their time reading
-                  adapters from the store (store reads per second × the measured read time,
-                  per replica), the adapters wanted do not fit the replicas' device and host
-                  tiers: one replica more, before the reads make queues grow
+                  again adapters their tiers had dropped (re-reads per second × the measured
+                  read time, per replica), the adapters wanted do not fit the replicas'
+                  device and host tiers: one replica more, before the reads make queues
+                  grow. First reads are not counted: a new replica reads every adapter
+                  routed to it once, and counted they asked for more replicas, which read
+                  more (18 scale events an hour in the simulated day)
     hot adapter   the most homes one adapter wants: its requests held, summed over the
                   replicas (each reports its HOT_ADAPTERS_REPORTED largest by name), ÷
                   (the router's home_utilisation × slots), up to its max_homes_per_adapter;

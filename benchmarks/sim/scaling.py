@@ -140,9 +140,9 @@ class ScalingFleetSim(FleetSim):
     def _on_sample(self, _) -> None:
         per_replica = {}
         for rid, replica in self.replicas.items():
-            # first reads and re-reads of host copies the budget dropped, as the deployment
-            # counts them; the mean read time is the first reads'
-            reads = replica.reads + replica.sim.cache.stats.disk_reads
+            # re-reads of adapters the tiers dropped, as the deployment counts them (not first
+            # reads); the mean read time is the first reads'
+            reads = replica.sim.cache.stats.disk_reads
             engine = replica.engine_stats()
             since, before = self.marks.get(rid, (self.now - self.record_interval_s, 0))
             self.marks[rid] = (self.now, reads)

@@ -44,6 +44,7 @@ from loraplex.replica.protocol import (
     cache_salts,
     chunk,
     continuation,
+    measured_token_s,
     sampling_params,
 )
 from loraplex.replica.routing_report import published_tiers, routing_stats
@@ -169,9 +170,16 @@ class ReplicaDeployment:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """What the `lora` autoscaling policy reads (router/autoscaling.py); Serve calls this
-        every few seconds and averages it over look_back_period_s."""
-        reads = self.sync.reads if self.sync else 0
+        every few seconds and averages it over look_back_period_s. The store reads reported are
+        the engine's re-reads of adapters its tiers had dropped (`disk_reads`): a working set
+        past the tiers. A first read (AdapterSync's) is not: a new replica, or an adapter new
+        to this one, is read once whatever its tiers can keep. The mean read time is the
+        first reads' (the same artifacts from the same store, paced alike)."""
+        assert self.engine is not None
+        stats = await self.engine.stats()
+        reads = stats["adapters"]["disk_reads"]
         read_seconds = self.sync.read_seconds if self.sync else 0.0
+        first_reads = self.sync.reads if self.sync else 0
         now = time.monotonic()
         since, reads_before = self._autoscale_mark
         self._autoscale_mark = (now, reads)
@@ -181,7 +189,9 @@ class ReplicaDeployment:
             reads=reads,
             reads_before=reads_before,
             elapsed_s=now - since,
-            read_seconds=read_seconds,
+            read_s=read_seconds / first_reads if first_reads else 0.0,
+            prefill_tokens=stats["queued_prefill_tokens"],
+            token_s=measured_token_s(stats),
             adapter_queue=self.sync.requests if self.sync else {},
         )
 

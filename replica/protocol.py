@@ -168,10 +168,20 @@ def chunk(out: RequestOutput) -> GenerateChunk:
 # `lora` autoscaling policy (router/autoscaling.py) reads them from Serve's aggregate.
 AUTOSCALE_REQUESTS = "requests"  # generate calls held: running, waiting, reading
 AUTOSCALE_SLOTS = "slots"  # max_num_seqs
-AUTOSCALE_READS_PER_S = "store_reads_per_s"  # adapters read from the store per second
+AUTOSCALE_READS_PER_S = "store_rereads_per_s"  # adapters the tiers dropped, read again, per s
 AUTOSCALE_READ_S = "store_read_s"  # the mean store read, seconds (0 before the first)
+AUTOSCALE_PREFILL_TOKENS = (
+    "queued_prefill_tokens"  # prompt tokens waiting and running, not computed
+)
+AUTOSCALE_TOKEN_S = "token_s"  # the measured step time per token (step_costs.per_token_s; 0 before)
 AUTOSCALE_ADAPTER = "adapter_requests:"  # + an adapter's name: its requests held here
 HOT_ADAPTERS_REPORTED = 4  # the adapters with most requests held, each reported by name
+
+
+def measured_token_s(stats: Mapping[str, Any]) -> float:
+    """What one token adds to a step of this engine (its `stats()`), 0 until measured."""
+    costs = stats.get("step_costs")
+    return 0.0 if costs is None else float(costs["per_token_s"])
 
 
 def autoscaling_stats(
@@ -181,18 +191,26 @@ def autoscaling_stats(
     reads: int,
     reads_before: int,
     elapsed_s: float,
-    read_seconds: float,
+    read_s: float,
+    prefill_tokens: int,
+    token_s: float,
     adapter_queue: Mapping[str, int],
 ) -> dict[str, float]:
     """One report (the deployment's `record_autoscaling_stats` and the fleet simulator's):
-    `reads` store reads so far, `reads_before` at the last report `elapsed_s` ago,
-    `read_seconds` the time those reads took in all; `adapter_queue` the requests held per
-    adapter, of which the HOT_ADAPTERS_REPORTED largest are reported by name."""
+    `reads` re-reads from the store so far (of adapters its tiers had dropped; not first
+    reads),
+    `reads_before` at the last report `elapsed_s` ago, `read_s` the mean read measured (0
+    before the first); `prefill_tokens` the prompt tokens its engine has yet to compute
+    (queued requests' and running ones' chunks left), `token_s` what a token adds to its
+    step, as measured (0 before); `adapter_queue` the requests held per adapter, of which
+    the HOT_ADAPTERS_REPORTED largest are reported by name."""
     hot = sorted(((n, a) for a, n in adapter_queue.items() if n > 0), reverse=True)
     return {
         AUTOSCALE_REQUESTS: float(requests),
         AUTOSCALE_SLOTS: float(slots),
         AUTOSCALE_READS_PER_S: (reads - reads_before) / max(elapsed_s, 1e-3),
-        AUTOSCALE_READ_S: read_seconds / reads if reads else 0.0,
+        AUTOSCALE_READ_S: read_s,
+        AUTOSCALE_PREFILL_TOKENS: float(prefill_tokens),
+        AUTOSCALE_TOKEN_S: token_s,
         **{AUTOSCALE_ADAPTER + a: float(n) for n, a in hot[:HOT_ADAPTERS_REPORTED]},
     }

@@ -6,11 +6,19 @@ settings as `policy_kwargs`) on the controller every control loop with an
 `record_autoscaling_stats` (replica/deployment.py: `AUTOSCALING_METRICS` below), averaged by
 Serve over `look_back_period_s`. The policy wants the largest of three counts:
 
-    load          requests held (running + waiting) ÷ (target_slot_use × a replica's slots)
+    load          the larger of: requests held (running + waiting) ÷ (target_slot_use × a
+                  replica's slots), and the prompt tokens the replicas have yet to prefill
+                  (queued and running) in seconds of their own measured steps (tokens × the
+                  time a token adds to a step: a replica's measured token capacity) ÷
+                  target_prefill_s. A replica misses a TTFT target long before its slots
+                  fill when the prompts are long: the tokens see it, the slots do not
     working set   while the replicas spend more than read_busy of their time reading
-                  adapters from the store (store reads per second × the measured read time,
-                  per replica), the adapters wanted do not fit the replicas' device and host
-                  tiers: one replica more, before the reads make queues grow
+                  again adapters their tiers had dropped (re-reads per second × the measured
+                  read time, per replica), the adapters wanted do not fit the replicas'
+                  device and host tiers: one replica more, before the reads make queues
+                  grow. First reads are not counted: a new replica reads every adapter
+                  routed to it once, and counted they asked for more replicas, which read
+                  more (18 scale events an hour in the simulated day)
     hot adapter   the most homes one adapter wants: its requests held, summed over the
                   replicas (each reports its HOT_ADAPTERS_REPORTED largest by name), ÷
                   (the router's home_utilisation × slots), up to its max_homes_per_adapter;
@@ -32,6 +40,7 @@ replicas that remain, where the first request of each reads it (not yet prefetch
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -41,17 +50,23 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from loraplex.replica.protocol import (
     AUTOSCALE_ADAPTER,
+    AUTOSCALE_PREFILL_TOKENS,
     AUTOSCALE_READ_S,
     AUTOSCALE_READS_PER_S,
     AUTOSCALE_REQUESTS,
     AUTOSCALE_SLOTS,
+    AUTOSCALE_TOKEN_S,
 )
 
 # what a replica's record_autoscaling_stats reports (replica/deployment.py)
 REQUESTS, SLOTS = AUTOSCALE_REQUESTS, AUTOSCALE_SLOTS
 READS_PER_S, READ_S = AUTOSCALE_READS_PER_S, AUTOSCALE_READ_S
-AUTOSCALING_METRICS = (REQUESTS, SLOTS, READS_PER_S, READ_S)
+PREFILL_TOKENS, TOKEN_S = AUTOSCALE_PREFILL_TOKENS, AUTOSCALE_TOKEN_S
+AUTOSCALING_METRICS = (REQUESTS, SLOTS, READS_PER_S, READ_S, PREFILL_TOKENS, TOKEN_S)
 POLICY_FUNCTION = "loraplex.router.autoscaling:LoraAutoscalingPolicy"
+
+# a child of Serve's logger: the policy runs in Serve's controller, whose log file it reaches
+log = logging.getLogger("ray.serve").getChild(__name__)
 
 
 class LoraAutoscaling(BaseModel):
@@ -65,6 +80,14 @@ class LoraAutoscaling(BaseModel):
         le=1,
         description="Share of a replica's batch slots (max_num_seqs) the load count aims at: "
         "requests held ÷ (this × slots) replicas are wanted.",
+    )
+    target_prefill_s: float = Field(
+        0.5,
+        gt=0,
+        le=600,
+        description="Seconds of prefill (prompt tokens not yet computed × each replica's "
+        "measured time per token) a replica may hold ahead of a new request: the held tokens' "
+        "seconds ÷ this replicas are wanted.",
     )
     read_busy: float = Field(
         0.3,
@@ -93,11 +116,18 @@ class ReplicaReport:
     slots: float  # max_num_seqs
     reads_per_s: float  # store reads per second
     read_s: float  # mean store read time, seconds (0 until one was measured)
+    prefill_tokens: float = 0.0  # prompt tokens not yet computed, queued and running
+    token_s: float = 0.0  # measured time a token adds to a step (0 until measured)
     adapters: dict[str, float] = field(default_factory=dict)  # its hottest: requests held
 
     @property
     def read_busy(self) -> float:
         return self.reads_per_s * self.read_s
+
+    @property
+    def prefill_s(self) -> float:
+        """The prefill it holds, in seconds of its own steps."""
+        return self.prefill_tokens * self.token_s
 
 
 @dataclass(frozen=True)
@@ -124,12 +154,16 @@ def wanted(
     slots = sum(r.slots for r in reports) / len(reports)
     held = sum(r.requests for r in reports)
     by_load = max(1, _ceil(held / (s.target_slot_use * max(slots, 1.0))))
+    why_load = f"{held:.0f} requests held, {slots:.0f} slots a replica"
+    prefill_s = sum(r.prefill_s for r in reports)
+    by_tokens = _ceil(prefill_s / s.target_prefill_s)
+    if by_tokens > by_load:
+        by_load = by_tokens
+        why_load = f"{prefill_s:.1f} s of prefill held"
     hot = hot_homes(reports, slots, homes)
     if hot > by_load:
         by_load = hot
         why_load = f"a hot adapter wants {hot} homes"
-    else:
-        why_load = f"{held:.0f} requests held, {slots:.0f} slots a replica"
     busy = sum(r.read_busy for r in reports) / current  # per replica now
     if busy > s.read_busy:
         return Decision(max(by_load, current + 1), f"store reads keep replicas {busy:.0%} busy")
@@ -198,6 +232,11 @@ class LoraAutoscalingPolicy:
         else:
             state.pop("lower_from", None)
             state.pop("lower_since", None)
+        if target != current and state.get("asked") != (current, target):
+            log.info(
+                "lora autoscaling wants %d replicas (%d now): %s", target, current, decision.why
+            )
+        state["asked"] = (current, target)
         state["why"] = decision.why
         return target, state
 
@@ -221,6 +260,8 @@ def reports_of(ctx: Any) -> list[ReplicaReport]:
                 slots=values[SLOTS],
                 reads_per_s=values[READS_PER_S] or 0.0,
                 read_s=values[READ_S] or 0.0,
+                prefill_tokens=values[PREFILL_TOKENS] or 0.0,
+                token_s=values[TOKEN_S] or 0.0,
                 adapters=adapters,
             )
         )

@@ -11,7 +11,17 @@ import pytest
 from ray.serve.autoscaling_policy import _apply_delay_logic
 from ray.serve.config import AutoscalingConfig
 
-from loraplex.replica.protocol import AUTOSCALE_ADAPTER, HOT_ADAPTERS_REPORTED, autoscaling_stats
+from loraplex.replica.protocol import (
+    AUTOSCALE_ADAPTER,
+    HOT_ADAPTERS_REPORTED,
+    autoscaling_stats,
+)
+from loraplex.replica.protocol import (
+    AUTOSCALE_PREFILL_TOKENS as PREFILL_TOKENS,
+)
+from loraplex.replica.protocol import (
+    AUTOSCALE_TOKEN_S as TOKEN_S,
+)
 from loraplex.router.autoscaling import (
     READ_S,
     READS_PER_S,
@@ -61,6 +71,21 @@ def test_load_sets_the_count_at_the_target_slot_use():
     target, state = POLICY(context(2, 40, current_time=0))
     assert target == 4 and "40 requests held" in state["why"]
     assert POLICY(context(2, 10, current_time=0))[0] == 2  # lower, but not at once
+
+
+def test_prefill_held_counts_in_seconds_of_each_replicas_measured_steps():
+    """Few requests with long prompts: 8 held on 2 replicas of 16 slots is one replica by
+    the slot count, but 30,000 prompt tokens not yet computed at a measured 1e-4 s a token
+    are 3 s of prefill, 6 replicas of target_prefill_s = 0.5 s. A replica that has not
+    measured its token time yet (0) adds none."""
+    ctx = context(2, requests=8, current_time=0)
+    ctx.aggregated_metrics[PREFILL_TOKENS] = {"r0": 20_000.0, "r1": 10_000.0}
+    ctx.aggregated_metrics[TOKEN_S] = {"r0": 1e-4, "r1": 1e-4}
+    assert POLICY(ctx)[0] == 6
+    ctx.aggregated_metrics[TOKEN_S]["r1"] = 0.0  # 2 s of prefill
+    assert POLICY(ctx)[0] == 4
+    ctx.aggregated_metrics[PREFILL_TOKENS] = {"r0": 0.0, "r1": 0.0}
+    assert POLICY(ctx)[0] == 2  # wants 1 by its load, but no scale-down before its delay
 
 
 def test_a_working_set_that_thrashes_adds_a_replica_before_queues_grow():
@@ -192,7 +217,9 @@ def test_a_replica_reports_its_hottest_adapters_by_name_and_the_policy_reads_the
         reads=10,
         reads_before=4,
         elapsed_s=2.0,
-        read_seconds=3.0,
+        read_s=0.3,
+        prefill_tokens=900,
+        token_s=2e-4,
         adapter_queue=queue,
     )
     hottest = sorted(queue, key=queue.get, reverse=True)[:HOT_ADAPTERS_REPORTED]
@@ -203,6 +230,7 @@ def test_a_replica_reports_its_hottest_adapters_by_name_and_the_policy_reads_the
     ctx = Context(["r0"], {name: {"r0": v} for name, v in report.items()}, current_time=0)
     (replica,) = reports_of(ctx)
     assert replica.adapters == {a: float(queue[a]) for a in hottest}
+    assert replica.prefill_s == pytest.approx(900 * 2e-4)
 
 
 def test_once_its_delay_has_passed_the_policy_keeps_wanting_fewer_under_serves_own_delay():

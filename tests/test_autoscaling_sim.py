@@ -21,7 +21,7 @@ from loraplex.benchmarks.sim.scaling import (
     model_load_s,
 )
 from loraplex.benchmarks.sim.workload import Trace, read_trace
-from loraplex.router.autoscaling import serve_autoscaling_config
+from loraplex.router.autoscaling import READS_PER_S, serve_autoscaling_config
 
 STARTUP_S = 20.0
 SHORT = fw.Lengths(prompt=(64, 128), output=(150, 250))  # ~6 s a stream
@@ -76,8 +76,10 @@ def test_a_replica_serves_only_after_its_load_time_and_a_leaving_one_loses_nothi
 
 
 def test_the_policy_decides_as_serves_own_wrapper_decides(fleet):
-    # with no delays, time.time() in Serve's wrapper cannot matter: the two agree exactly
-    reqs, adapters = burst(fleet, 1.5 * fleet.capacity_per_replica, 40)
+    # with no delays, time.time() in Serve's wrapper cannot matter: the two agree exactly.
+    # 3 x a replica's capacity: 1.5 x held ~30 requests of 64 slots, under lora's load count
+    # (only the first reads of its 20 adapters, no longer counted as store reads, asked for more)
+    reqs, adapters = burst(fleet, 3 * fleet.capacity_per_replica, 40)
     catalog = {a.name: a for a in adapters}
     for policy in ("requests", "lora"):
         s = scaling(policy=policy, target_ongoing_requests=8, downscale_delay_s=0)
@@ -96,6 +98,30 @@ def test_the_policy_decides_as_serves_own_wrapper_decides(fleet):
         sim.run()
         assert seen and all(a == b for a, b in seen), policy
         assert any(a > 1 for a, _ in seen), policy  # the load did ask for more
+
+
+def test_first_reads_are_not_reported_as_store_reads(fleet):
+    """A replica reads each of its 20 adapters once (its host tier keeps them all): first
+    reads say nothing of what its tiers can keep, and counted as store reads they asked the
+    lora policy for replicas that, new, read every adapter routed to them again."""
+    reqs, adapters = burst(fleet, 0.5 * fleet.capacity_per_replica, 40)
+    catalog = {a.name: a for a in adapters}
+    sim = ScalingFleetSim(
+        "affinity", reqs, catalog, one_replica(fleet, adapters), scaling(policy="lora")
+    )
+    reported = []
+    sample = sim._on_sample
+
+    def keep(event, sample=sample):
+        sample(event)
+        reported.extend(r[READS_PER_S] for r in sim.samples[-1][2].values())
+
+    sim._on_sample = keep
+    sim.run()
+    assert reported and not any(reported)
+    (replica,) = sim.replicas.values()  # and so no second replica
+    assert replica.reads == len({r.adapter for r in reqs})  # each read once, first
+    assert replica.sim.cache.stats.disk_reads == 0  # none read again
 
 
 def test_a_stopping_replica_past_the_graceful_timeout_resumes_its_streams(fleet):

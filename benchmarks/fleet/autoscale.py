@@ -17,14 +17,17 @@ The day (stated values, FULL / QUICK):
                  requests (the peak) the ranking rotates by half the catalog (the fleet
                  bench's `shift` workload)
     lengths      the trace's, output capped at 1,024
-    Serve        the same autoscaling_config for both autoscaled policies: Serve's defaults
-                 (look_back_period_s 30, upscale_delay_s 30, downscale_delay_s 600),
-                 min_replicas 1, max_replicas 2 x peak_replicas, initial_replicas 1
+    Serve        for both autoscaled policies Serve's defaults (look_back_period_s 30,
+                 upscale_delay_s 30), min_replicas 1, max_replicas 2 x peak_replicas,
+                 initial_replicas 1; downscale_delay_s as each policy is run
     ray_default  Ray's `replica_queue_length_autoscaling_policy`, run as-is, at each
-                 `target_ongoing_requests` of TARGETS; its best: the fewest replica-hours
-                 among the settings with SLO attainment >= 0.99 (else the highest
-                 attainment)
-    lora         `LoraAutoscalingPolicy` with its default settings (untuned)
+                 `target_ongoing_requests` of `targets` x Serve's `downscale_delay_s` of
+                 DOWNSCALE_DELAYS (Serve's default 600 s, and the lora config's 30 s);
+                 its best: the fewest replica-hours among the settings with SLO attainment
+                 >= 0.99 (else the highest attainment)
+    lora         `LoraAutoscalingPolicy` with its default settings (untuned), in the
+                 recommended config (docs/cluster.md): Serve's downscale_delay_s
+                 LORA_DOWNSCALE_DELAY_S, the policy having its own delay and cool-down
     static       peak_replicas all day (Serve's min = max)
 
 SLO: the fleet bench's, 5 x the mean unloaded TTFT of the day's requests. Keys:
@@ -60,6 +63,9 @@ from loraplex.router.autoscaling import Homes, serve_autoscaling_config
 PEAK_TO_TROUGH = 5.0
 REFERENCE_LOAD = 0.65  # of a replica's capacity: the fleet bench's reference rate
 WINDOW_S = 300.0  # the figure's P99 TTFT windows
+SERVE_DOWNSCALE_DELAY_S = 600.0  # Serve's default
+LORA_DOWNSCALE_DELAY_S = 30.0  # the recommended lora config's: one look-back window
+DOWNSCALE_DELAYS = (SERVE_DOWNSCALE_DELAY_S, LORA_DOWNSCALE_DELAY_S)  # Ray default's sweep
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,17 +142,28 @@ def measure(quick: bool, trace_path: Path | None = None) -> dict[str, Any]:
         )
         return out
 
-    sweep = {
-        str(target): day(
-            f"ray_default target {target}",
-            {**serve, "policy": "requests", "target_ongoing_requests": target},
-        )
+    settings = {
+        f"{target:g}@{delay:g}s": (target, delay)
         for target in shape.targets
+        for delay in DOWNSCALE_DELAYS
+    }
+    sweep = {
+        key: day(
+            f"ray_default target {target:g}, downscale {delay:g} s",
+            {
+                **serve,
+                "policy": "requests",
+                "target_ongoing_requests": target,
+                "downscale_delay_s": delay,
+            },
+        )
+        for key, (target, delay) in settings.items()
     }
     best = best_setting(sweep)
+    lora = {**serve, "policy": "lora", "downscale_delay_s": LORA_DOWNSCALE_DELAY_S}
     policies = {
         "ray_default": sweep[best],
-        "lora": day("lora", {**serve, "policy": "lora"}),
+        "lora": day("lora", lora),
         "static": day(
             "static",
             {"min_replicas": shape.peak_replicas, "max_replicas": shape.peak_replicas},
@@ -165,7 +182,9 @@ def measure(quick: bool, trace_path: Path | None = None) -> dict[str, Any]:
         "slo_s": slo,
         "replica_startup_s": startup,
         "static_replicas": shape.peak_replicas,
-        "ray_default_target_ongoing_requests": float(best),
+        "ray_default_target_ongoing_requests": float(settings[best][0]),
+        "ray_default_downscale_delay_s": settings[best][1],
+        "lora_downscale_delay_s": LORA_DOWNSCALE_DELAY_S,
         "ray_default_sweep": {t: _brief(r) for t, r in sweep.items()},
         "replica_hours_ratio_vs_ray_default": hours["lora"] / hours["ray_default"],
         "replica_hours_ratio_vs_static": hours["lora"] / hours["static"],

@@ -45,7 +45,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from loraplex.benchmarks.sim.fleet import CONTROL_LOOP_S, FleetRun, FleetSetup, FleetSim
 from loraplex.benchmarks.sim.workload import AdapterSpec, SimRequest
-from loraplex.replica.protocol import autoscaling_stats
+from loraplex.replica.protocol import autoscaling_stats, measured_token_s
 
 RECORD_FACTOR = 0.2  # RAY_SERVE_AUTOSCALING_METRIC_RECORD_INTERVAL_FACTOR
 PUSH_INTERVAL_S = 10.0  # RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S
@@ -140,15 +140,21 @@ class ScalingFleetSim(FleetSim):
     def _on_sample(self, _) -> None:
         per_replica = {}
         for rid, replica in self.replicas.items():
+            # re-reads of adapters the tiers dropped, as the deployment counts them (not first
+            # reads); the mean read time is the first reads'
+            reads = replica.sim.cache.stats.disk_reads
+            engine = replica.engine_stats()
             since, before = self.marks.get(rid, (self.now - self.record_interval_s, 0))
-            self.marks[rid] = (self.now, replica.reads)
+            self.marks[rid] = (self.now, reads)
             per_replica[rid] = autoscaling_stats(
                 requests=replica.in_flight,
                 slots=replica.max_concurrency,
-                reads=replica.reads,
+                reads=reads,
                 reads_before=before,
                 elapsed_s=self.now - since,
-                read_seconds=replica.read_seconds,
+                read_s=replica.read_seconds / replica.first_reads if replica.first_reads else 0.0,
+                prefill_tokens=engine["queued_prefill_tokens"],
+                token_s=measured_token_s(engine),
                 adapter_queue=replica.adapter_queue(),
             )
         ongoing = sum(r.in_flight for r in self.replicas.values()) + len(self.pending)

@@ -39,7 +39,7 @@ from loraplex.replica.model.llama import ForwardOps, LlamaModel
 from loraplex.replica.model.loader import load_weights
 from loraplex.replica.sampling import SamplingParams, greedy_tokens, sample_token
 from loraplex.replica.scheduling.scheduler import Scheduler
-from loraplex.replica.sequence import Continuation, RequestOutput, Sequence
+from loraplex.replica.sequence import Continuation, RequestOutput, Sequence, TokensSoFar
 from loraplex.replica.step_costs import StepCostEstimator
 from loraplex.replica.tokenizer import Tokenizer
 from loraplex.settings import MiB
@@ -368,7 +368,11 @@ class LLMEngine:
             request_id=seq.request_id,
             new_token_ids=[token],
             new_text=new_text,
-            token_ids=list(seq.output_ids),
+            token_ids=(
+                TokensSoFar(seq.output_ids, len(seq.output_ids))
+                if reason is None
+                else list(seq.output_ids)
+            ),
             text=seq.text,
             finished=reason is not None,
             finish_reason=reason,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections.abc
 from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import TYPE_CHECKING
@@ -69,10 +70,14 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output, without joining the two (a decode step
+        asks for one token: joining copied the whole sequence, each step)."""
         n = len(self.prompt_ids)
         if end <= n:
             return self.prompt_ids[start:end]
-        return (self.prompt_ids + self.output_ids)[start:end]
+        if start >= n:
+            return self.output_ids[start - n : end - n]
+        return self.prompt_ids[start:] + self.output_ids[: end - n]
 
     def all_token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
@@ -82,6 +87,38 @@ class Sequence:
         return self.status is SeqStatus.FINISHED
 
 
+class TokensSoFar(collections.abc.Sequence):
+    """The first `n` ids of a request's output, taken without copying them: a sequence's
+    output only grows (a resumed one starts a new list), so its first `n` never change.
+    A streamed output carried a copy of every id so far, which made a long answer's
+    per-token cost grow with its length."""
+
+    __slots__ = ("_ids", "_n")
+
+    def __init__(self, ids: list[int], n: int):
+        self._ids, self._n = ids, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self._ids[: self._n][index]
+        if not -self._n <= index < self._n:
+            raise IndexError("token index out of range")
+        return self._ids[index % self._n]
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, TokensSoFar | list | tuple):
+            return len(other) == self._n and all(a == b for a, b in zip(self, other, strict=False))
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # like a list
+
+    def __repr__(self) -> str:
+        return repr(self._ids[: self._n])
+
+
 @dataclass(frozen=True, slots=True)
 class RequestOutput:
     """What one step produced for one request (streamed), or its final state."""
@@ -89,7 +126,7 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     new_text: str
-    token_ids: list[int]
+    token_ids: collections.abc.Sequence[int]  # all so far (a list once finished)
     text: str
     finished: bool
     finish_reason: str | None  # "stop", "length", "abort", or "error" (see `error`)

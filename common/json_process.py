@@ -24,7 +24,9 @@ import json
 import os
 import pickle
 import struct
+import subprocess
 import sys
+import threading
 from typing import Any
 
 from loraplex import strict_json
@@ -57,24 +59,31 @@ def loads_capped(data: bytes, max_array_items: int, why: str = "") -> Any:
 
 
 class JsonProcess:
-    """One child parsing one body at a time (the caller's other requests go on meanwhile).
-    Started at the first body and again after a child dies; a body whose child dies is
-    parsed on a thread instead, so nothing is refused for the child's sake."""
+    """One child parsing one body at a time. The pipe's reads and writes run on a worker
+    thread (they release the GIL; the event loop goes on), with plain `subprocess`, so
+    the child does not depend on any event loop's child watcher: the ingress may be served
+    from more than one loop, or thread. Started at the first body and again after a child
+    dies; a body whose child dies is parsed on the thread instead, so nothing is refused
+    for the child's sake."""
 
     def __init__(self, max_array_items: int, why: str = ""):
         self.max_array_items, self.why = max_array_items, why
-        self._child: asyncio.subprocess.Process | None = None
-        self._lock = asyncio.Lock()
+        self._child: subprocess.Popen | None = None
+        self._lock = threading.Lock()
 
     async def loads(self, data: bytes) -> Any:
-        """As `loads_capped`: the value, or NotStrictJSON, json.JSONDecodeError (not JSON at
-        all), RecursionError (nested too deeply)."""
-        async with self._lock:
+        """As `loads_capped`: the value, or NotStrictJSON (TooManyItems for an over-long
+        array), json.JSONDecodeError (not JSON at all), RecursionError (nested too
+        deeply)."""
+        return await asyncio.to_thread(self._loads, data)
+
+    def _loads(self, data: bytes) -> Any:
+        with self._lock:
             try:
-                kind, payload = await self._ask(data)
-            except (OSError, EOFError, asyncio.IncompleteReadError, ValueError):
-                await self._stop()  # a dead or confused child: the next body starts another
-                return await asyncio.to_thread(loads_capped, data, self.max_array_items, self.why)
+                kind, payload = self._ask(data)
+            except (OSError, EOFError, ValueError):
+                self._stop()  # a dead or confused child: the next body starts another
+                return loads_capped(data, self.max_array_items, self.why)
         if kind == _VALUE:
             return pickle.loads(payload)
         if kind == _TOO_MANY:
@@ -87,44 +96,57 @@ class JsonProcess:
             raise RecursionError("JSON nested too deeply")
         raise json.JSONDecodeError(payload.decode("utf-8", "replace"), "", 0)
 
-    async def _ask(self, data: bytes) -> tuple[int, bytes]:
-        if self._child is None or self._child.returncode is not None:
-            self._child = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "loraplex.json_process",
-                stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE,
+    def _ask(self, data: bytes) -> tuple[int, bytes]:
+        if self._child is None or self._child.poll() is not None:
+            self._child = subprocess.Popen(
+                [sys.executable, "-m", "loraplex.json_process"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
             )
         child = self._child
         assert child.stdin is not None and child.stdout is not None
         child.stdin.write(_REQUEST.pack(len(data), self.max_array_items))
         child.stdin.write(data)
-        await child.stdin.drain()
-        kind, length = _REPLY.unpack(await child.stdout.readexactly(_REPLY.size))
+        child.stdin.flush()
+        kind, length = _REPLY.unpack(_read_exactly(child.stdout, _REPLY.size))
         if kind > _TOO_MANY:
             raise ValueError(f"json child replied kind {kind}")
-        return kind, await child.stdout.readexactly(length)
+        return kind, _read_exactly(child.stdout, length)
 
-    async def _stop(self) -> None:
+    def _stop(self) -> None:
         child, self._child = self._child, None
-        if child is not None and child.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                child.kill()
-            await child.wait()
+        if child is not None:
+            child.kill()
+            child.wait()
+
+    @property
+    def pid(self) -> int | None:
+        """The running child's process id (None before the first large body)."""
+        child = self._child
+        return None if child is None or child.poll() is not None else child.pid
 
     async def close(self) -> None:
-        async with self._lock:
+        await asyncio.to_thread(self._close)
+
+    def _close(self) -> None:
+        with self._lock:
             child, self._child = self._child, None
-            if child is None or child.returncode is not None:
+            if child is None or child.poll() is not None:
                 return
             assert child.stdin is not None
             child.stdin.close()  # the child exits at end of input
             try:
-                await asyncio.wait_for(child.wait(), 5)
-            except TimeoutError:
+                child.wait(5)
+            except subprocess.TimeoutExpired:
                 child.kill()
-                await child.wait()
+                child.wait()
+
+
+def _read_exactly(stream, n: int) -> bytes:
+    data = stream.read(n)
+    if len(data) != n:
+        raise EOFError(f"the json child closed its output ({len(data)} of {n} bytes)")
+    return data
 
 
 def _serve(stdin, stdout) -> None:

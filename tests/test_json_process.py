@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 
 import pytest
 
@@ -83,10 +85,10 @@ def test_the_callers_interpreter_never_parses_a_body(monkeypatch: pytest.MonkeyP
 
     async def parse(parser):
         values = [await parser.loads(data) for _ in range(3)]
-        return values, parser._child.pid
+        return values, parser.pid
 
     values, pid = _run(parse)
-    assert all(v == {"prompt": list(range(CAP))} for v in values) and pid > 0
+    assert all(v == {"prompt": list(range(CAP))} for v in values) and pid is not None
 
 
 def test_a_child_that_dies_is_replaced_and_its_body_still_parsed():
@@ -94,12 +96,13 @@ def test_a_child_that_dies_is_replaced_and_its_body_still_parsed():
 
     async def parse(parser):
         first = await parser.loads(data)
-        old = parser._child
-        old.kill()
-        await old.wait()
-        second = await parser.loads(data)  # parsed on a thread: the child was dead
-        third = await parser.loads(data)  # a new child
-        return first, second, third, old.pid, parser._child.pid
+        old = parser.pid
+        os.kill(old, signal.SIGKILL)
+        while parser.pid is not None:  # reaped
+            await asyncio.sleep(0.01)
+        second = await parser.loads(data)  # a new child, or the thread if it died mid-way
+        third = await parser.loads(data)
+        return first, second, third, old, parser.pid
 
     first, second, third, old_pid, new_pid = _run(parse)
     assert first == second == third == {"prompt": [1, 2, 3]}
@@ -115,3 +118,18 @@ def test_bodies_from_concurrent_requests_each_get_their_own_value():
     values = _run(parse)
     assert [v["i"] for v in values] == list(range(6))
     assert all(v["prompt"] == [v["i"]] * 3000 for v in values)
+
+
+def test_a_child_that_cannot_parse_leaves_the_body_to_a_thread(monkeypatch: pytest.MonkeyPatch):
+    """A child that exits at once (here: not Python at all) is a failed pipe, not a failed
+    request: the body is parsed on the thread, refusals included."""
+    monkeypatch.setattr(json_process.sys, "executable", "/bin/true")
+    data = json.dumps({"prompt": [1, 2, 3]}).encode()
+
+    async def parse(parser):
+        value = await parser.loads(data)
+        with pytest.raises(TooManyItems):
+            await parser.loads(json.dumps({"prompt": [0] * (CAP + 1)}).encode())
+        return value
+
+    assert _run(parse) == {"prompt": [1, 2, 3]}

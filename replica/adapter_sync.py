@@ -71,6 +71,11 @@ class AdapterSync:
         self.reads = 0  # adapters read from the artifact store into the host tier
         self.read_seconds = 0.0
 
+    @property
+    def mean_read_s(self) -> float | None:
+        """The mean time of a read from the store (None before the first)."""
+        return self.read_seconds / self.reads if self.reads else None
+
     # lifecycle
 
     def start(self) -> None:

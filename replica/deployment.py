@@ -159,7 +159,7 @@ class ReplicaDeployment:
         published = routing_stats(
             stats,
             reading=sync.loading if sync else (),
-            read_s=sync.read_seconds / sync.reads if sync and sync.reads else None,
+            read_s=sync.mean_read_s if sync else None,
             in_flight=self.in_flight,
             adapter_queue=sync.requests if sync else {},
             max_concurrency=self.max_concurrency,
@@ -178,8 +178,6 @@ class ReplicaDeployment:
         assert self.engine is not None
         stats = await self.engine.stats()
         reads = stats["adapters"]["disk_reads"]
-        read_seconds = self.sync.read_seconds if self.sync else 0.0
-        first_reads = self.sync.reads if self.sync else 0
         now = time.monotonic()
         since, reads_before = self._autoscale_mark
         self._autoscale_mark = (now, reads)
@@ -189,7 +187,7 @@ class ReplicaDeployment:
             reads=reads,
             reads_before=reads_before,
             elapsed_s=now - since,
-            read_s=read_seconds / first_reads if first_reads else 0.0,
+            read_s=(self.sync.mean_read_s if self.sync else None) or 0.0,
             prefill_tokens=stats["queued_prefill_tokens"],
             token_s=measured_token_s(stats),
             adapter_queue=self.sync.requests if self.sync else {},

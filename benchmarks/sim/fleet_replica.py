@@ -323,6 +323,12 @@ class FleetReplica:
 
     # -- what the router sees
 
+    @property
+    def mean_read_s(self) -> float | None:
+        """The mean first-use read, start to done (AdapterSync.mean_read_s; None before
+        the first)."""
+        return self.read_seconds / self.first_reads if self.first_reads else None
+
     def routing_stats(self) -> dict:
         """The sync deployment's `record_routing_stats` (replica/deployment.py): the same
         function (replica/routing_report.py) over the same state: the engine's stats as
@@ -331,7 +337,7 @@ class FleetReplica:
         published = routing_stats(
             self.engine_stats(),
             reading=self.reading,
-            read_s=self.read_seconds / self.first_reads if self.first_reads else None,
+            read_s=self.mean_read_s,
             in_flight=self.in_flight,
             adapter_queue=self.adapter_queue(),
             max_concurrency=self.max_concurrency,

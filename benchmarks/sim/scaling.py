@@ -152,7 +152,7 @@ class ScalingFleetSim(FleetSim):
                 reads=reads,
                 reads_before=before,
                 elapsed_s=self.now - since,
-                read_s=replica.read_seconds / replica.first_reads if replica.first_reads else 0.0,
+                read_s=replica.mean_read_s or 0.0,
                 prefill_tokens=engine["queued_prefill_tokens"],
                 token_s=measured_token_s(engine),
                 adapter_queue=replica.adapter_queue(),

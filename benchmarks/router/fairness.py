@@ -257,6 +257,9 @@ def _serve(name: str, app, url: str, keys: dict[str, str], w: FairnessWorkload) 
                 before, began = _cpu_seconds(pids), time.perf_counter()
                 outcomes = asyncio.run(_drive(url, keys, b, w.request_timeout_s, flood))
                 cpu[window].append(_cores(before, _cpu_seconds(pids), time.perf_counter() - began))
+                if flood is not None:
+                    settled = _settle(f"fairness-{name}", w.request_timeout_s)
+                    log(f"fairness {name} round {r}: the flood's streams ended in {settled:.1f}s")
                 windows[window] += outcomes
                 log(f"fairness {name} round {r} {window}: {_line(outcomes)}")
     finally:
@@ -270,6 +273,19 @@ def _serve(name: str, app, url: str, keys: dict[str, str], w: FairnessWorkload) 
             process: float(np.mean([s[process] for s in shares])) for process in shares[0]
         }
     return figures | {"load_avg_1m": [load_before, os.getloadavg()[0]]}
+
+
+def _settle(app: str, timeout_s: float) -> float:
+    """Wait until the replica runs and queues nothing (A's cancelled streams aborted), so the
+    next quiet window starts quiet; the seconds it took."""
+    replica = serve.get_deployment_handle("replica", app_name=app)
+    started = time.perf_counter()
+    while time.perf_counter() - started < timeout_s:
+        stats = replica.stats.remote().result(timeout_s=timeout_s)
+        if stats["running"] == 0 and stats["waiting"] == 0:
+            return time.perf_counter() - started
+        time.sleep(0.1)
+    raise RuntimeError(f"the replica of {app} still runs A's flood after {timeout_s:.0f}s")
 
 
 def _serve_pids(app: str) -> dict[str, int]:

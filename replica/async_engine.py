@@ -101,10 +101,11 @@ class Engine:
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs step by step; a consumer that falls behind the steps
         gets the outputs waiting for it as one (`RequestOutput.followed_by`), so a slow relay
-        carries fewer, larger chunks instead of falling further behind. Past
-        `stream_events_per_s` (all streams together), chunks after the first are spaced so
-        that the replica stays within it, each carrying what was made meanwhile. Closing the
-        iterator early (or cancelling the task) aborts the request and frees its pages.
+        carries fewer, larger chunks instead of falling further behind. Chunks after the
+        first are spaced so that each stream sends at most `stream_events_per_s_per_stream`
+        and the replica at most `stream_events_per_s` (all streams together), each carrying
+        what was made meanwhile. Closing the iterator early (or cancelling the task) aborts
+        the request and frees its pages.
         `tenant` and `cache_salt`: see `LLMEngine.add_request`."""
         if self._error is not None or self._closed:
             raise RuntimeError(f"the engine is stopped: {self._error!r}")
@@ -155,11 +156,15 @@ class Engine:
                 await self._locked(self._drain_aborts)  # then wait until it is applied
 
     def _stream_gap(self) -> float:
-        """Seconds between one stream's chunks that keep this replica's chunks within
-        `stream_events_per_s`: the streams that make tokens (the running sequences; queued
-        ones send nothing) share it."""
-        budget = self.core.cfg.stream_events_per_s
-        return len(self.core.scheduler.running) / budget if budget > 0 else 0.0
+        """Seconds between one stream's chunks: at least 1 / `stream_events_per_s_per_stream`,
+        and enough to keep this replica's chunks within `stream_events_per_s`, which the
+        streams that make tokens share (the running sequences; queued ones send nothing)."""
+        cfg = self.core.cfg
+        each = cfg.stream_events_per_s_per_stream
+        gap = 1.0 / each if each > 0 else 0.0
+        if cfg.stream_events_per_s > 0:
+            gap = max(gap, len(self.core.scheduler.running) / cfg.stream_events_per_s)
+        return gap
 
     async def stats(self) -> dict:
         return await self._locked(self.core.stats)

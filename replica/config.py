@@ -227,6 +227,14 @@ class EngineConfig:
         "together on the demo's 2 cores), so an unbounded flood of streams takes the CPU "
         "another tenant's first token needs.",
     )
+    stream_events_per_s_per_stream: float = Field(
+        20.0,
+        ge=0,
+        description="Streamed chunks per second one stream gets at most (0: no cap), within "
+        "stream_events_per_s: a chunk carries the tokens made since the last one, so a fast "
+        "stream sends a few tokens every 50 ms instead of one per step. A reader sees no "
+        "difference, and the relay's CPU no longer grows with a stream's speed.",
+    )
     kernels: Kernels = Field(
         "auto",
         description="LoRA and attention kernels: auto (Triton on CUDA, torch references "

@@ -54,6 +54,7 @@ class EngineSettings(BaseModel):
     host_mib: int | None = setting(CacheConfig, "host_bytes", unit=MiB)
     kernels: Kernels = setting(EngineConfig, "kernels")
     stream_events_per_s: float = setting(EngineConfig, "stream_events_per_s")
+    stream_events_per_s_per_stream: float = setting(EngineConfig, "stream_events_per_s_per_stream")
     enable_prefix_caching: bool = setting(EngineConfig, "enable_prefix_caching")
     share_base_prefix: bool = setting(EngineConfig, "share_base_prefix")
 

@@ -550,14 +550,19 @@ def test_a_consumer_behind_the_steps_gets_the_outputs_waiting_for_it_as_one(asyn
     assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
 
 
-@pytest.mark.parametrize("budget", [0.0, 40.0])
+@pytest.mark.parametrize(
+    ("total", "each", "gap"), [(0.0, 0.0, None), (40.0, 0.0, 0.2), (0.0, 4.0, 0.25)]
+)
 def test_a_replica_streams_within_its_chunk_budget_and_never_holds_a_first_token(
-    assets: DemoAssets, budget: float
+    assets: DemoAssets, total: float, each: float, gap: float | None
 ):
-    """Eight streams of 1,000 tokens against 40 chunks a second: each stream's chunks are
-    spaced by 8 / 40 = 0.2 s and carry the tokens made meanwhile, the first chunk comes at
-    once, the text is the same, and without a budget every step is a chunk."""
-    engine = Engine(config(assets.model, stream_events_per_s=budget))
+    """Eight streams of 1,000 tokens against 40 chunks a second in all (each stream's chunks
+    spaced by 8 / 40 = 0.2 s) or 4 a second per stream (0.25 s): the chunks carry the tokens
+    made meanwhile, the first chunk comes at once, the text is the same, and with neither cap
+    every step is a chunk."""
+    engine = Engine(
+        config(assets.model, stream_events_per_s=total, stream_events_per_s_per_stream=each)
+    )
 
     async def one(i: int):
         outs, times = [], []
@@ -580,9 +585,9 @@ def test_a_replica_streams_within_its_chunk_budget_and_never_holds_a_first_token
         assert [o.finished for o in outs] == [False] * (len(outs) - 1) + [True]
         assert times[0] < 0.2  # the first token is not held
         gaps = [b - a for a, b in zip(times[1:-1], times[2:-1], strict=False)]
-        if budget:
-            assert len(gaps) >= 3 and all(g >= 0.2 - 0.02 for g in gaps), gaps
-            assert len(outs) <= 2 + times[-1] / 0.2  # the first, the last, one per 0.2 s
+        if gap is not None:
+            assert len(gaps) >= 3 and all(g >= gap - 0.02 for g in gaps), gaps
+            assert len(outs) <= 2 + times[-1] / gap  # the first, the last, one per gap
         else:
             assert len(outs) > 500  # a step each, bar what a busy consumer coalesced
 

@@ -94,6 +94,7 @@ def test_generate_flags_make_the_engine_the_yaml_config_makes(tmp_path: Path):
         "enable_prefix_caching": False,
         "share_base_prefix": True,
         "stream_events_per_s": 120.0,
+        "stream_events_per_s_per_stream": 10.0,
     }
     assert set(values) == set(declared_fields(EngineSettings))  # every setting, not defaults
     argv = [*REQUIRED, "--tp", "2"]

@@ -85,14 +85,14 @@ class AffinityRequestRouter(RequestRouter):
     ) -> tuple[bytes, ...]:
         """The keys of the request's first `prefix_blocks` full KV blocks as the replicas
         key them (empty without a prefix cache on them, or for a request of another form)."""
-        if pending_request is None or not pending_request.args:
+        request = _request_of(pending_request)
+        if pending_request is None or request is None or "prompt_token_ids" not in request:
             return ()
         request_id = pending_request.metadata.request_id
         if request_id in self._prefixes:
             return self._prefixes[request_id]
-        request = pending_request.args[0]
         published = [s for s in stats if s.prefix_block_size]
-        if not published or not isinstance(request, dict) or "prompt_token_ids" not in request:
+        if not published:
             return ()
         block_size, share_base = published[0].prefix_block_size, published[0].prefix_share_base
         keys = prompt_prefix_keys(request, block_size, share_base, self.policy.config.prefix_blocks)
@@ -134,12 +134,18 @@ def prompt_prefix_keys(
     return tuple(extend_block_keys([], root, tokens, block_size, n))
 
 
+def _request_of(pending_request: PendingRequest | None) -> dict | None:
+    """The generate request a pending call carries (None for a call of another form)."""
+    if pending_request is None or not pending_request.args:
+        return None
+    request = pending_request.args[0]
+    return request if isinstance(request, dict) else None
+
+
 def _prompt_tokens(pending_request: PendingRequest) -> int:
     """The request's prompt length (0 for a request of another form)."""
-    request = pending_request.args[0] if pending_request.args else None
-    if not isinstance(request, dict):
-        return 0
-    return len(request.get("prompt_token_ids") or ())
+    request = _request_of(pending_request)
+    return len(request.get("prompt_token_ids") or ()) if request is not None else 0
 
 
 def _adapter(pending_request: PendingRequest | None) -> str | None:

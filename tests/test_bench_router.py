@@ -132,6 +132,7 @@ def test_fairness_section_reports_every_key_and_serves_both_tenants(capsys):
 
     assert {
         "b_p99_ttft_ratio",
+        "b_p50_ttft_ratio",
         "b_p99_ttft_ratio_unprotected",
         "a_429s",
         "b_429s",
@@ -142,6 +143,7 @@ def test_fairness_section_reports_every_key_and_serves_both_tenants(capsys):
     assert results["a_429s"] == results["b_429s"] == 0
     for app, windows in results["apps"].items():
         assert windows["quiet"]["a"]["offered"] == 0, app
+        assert windows["flood"]["a_chunks_per_s"] > 0, app
         for window, tenant in (("quiet", "b"), ("flood", "a"), ("flood", "b")):
             f = windows[window][tenant]
             assert f["failed"] == 0, (app, window, tenant, f)

@@ -126,7 +126,10 @@ class ServeBackend:
                     f"{self.first_chunk_timeout_s}s"
                 ) from None
             finally:
-                if not finished:  # the caller stopped early, or it failed: abort it there
+                # the caller stopped early, or it failed: abort it there. Not after the
+                # replica's last chunk, where the caller stops reading too: that request is
+                # over, and a cancel costs an actor call in each process (every request did)
+                if not finished and not last_finished:
                     stream.cancel()
             if last_finished:  # the replica died after its last chunk: nothing is missing
                 return

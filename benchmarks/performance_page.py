@@ -132,7 +132,10 @@ of the measured capacity; goodput is the highest offered rate whose p99 TTFT mee
 (5 × the unloaded TTFT); `goodput_ratio_vs_best_ray_router` divides affinity's by the better
 Ray router's. The whole comparison is repeated (3 times, `--quick` 2) on other seeds with the
 router order rotated; figures are medians, each ratio with its 90% bootstrap interval
-(`_ci_low`, `_ci_high`). Fairness: tenant A floods, tenant B's p99 TTFT ÷ B alone.""",
+(`_ci_low`, `_ci_high`). Fairness: tenant A holds 64 streams of 256 tokens open (8× the
+replica's batch), tenant B's p99 TTFT ÷ B alone, in alternating windows (3 rounds; a quiet
+window starts once the replica has drained the flood); `b_p50_ttft_ratio` beside it, and
+A's chunks a second, what the relay carried.""",
     "fleet": """\
 `loraplex bench fleet` (`benchmarks/fleet/bench.py`): the same comparison at fleet scale in the
 simulator — 16 × H100 serving a 7B model, 2,000–10,000 adapters — whose replicas are the real

@@ -211,16 +211,19 @@ def test_a_64_stream_flood_never_makes_another_tenant_wait_for_a_slot(flood_run:
     0.86 s against a 0.65 s hold, while the other 18 took 0.03-0.16 s."""
     report = flood_run.report()
     assert flood_run.refused == 0, "the flood is within the tenant's limits"
-    assert flood_run.flood_events > FLOOD_TOKENS, f"the flood was not running: {report}"
+    # every running stream sent chunks while b probed (~1 s; a stream's chunks are spaced
+    # by engine.stream_events_per_s_per_stream, 20 a second, each with the tokens meanwhile)
+    assert flood_run.flood_events >= 4 * SLOTS, f"the flood was not running: {report}"
     assert np.percentile(flood_run.under_flood, 50) < flood_run.held_s / 4, report
 
 
 @pytest.mark.xfail(
     strict=False,
-    reason="at the bound, not past it: with the replica's chunk budget (engine."
-    "stream_events_per_s) b's p99 was 2.96x alone on a quiet machine (0.071 vs 0.024 s; "
-    "before the budget 0.560 s, 22x) and 6.3x with four other processes at nice 19 (load 6): "
-    "what is left is the CPU the flood's relay and its 64 arrivals' prefill take on 2 cores",
+    reason="near the bound on a loaded machine: with a stream's chunks capped (engine."
+    "stream_events_per_s_per_stream, 20/s) b's p99 was 1.1x and 2.5x alone in two runs at "
+    "load 4.3 (0.048 vs 0.044 s; 0.063 vs 0.025 s); with the replica's budget alone it was "
+    "2.96x on a quiet machine and 6.3x at load 6 (before any budget 22x): what is left is the "
+    "CPU the flood's relay and its 64 arrivals' prefill take on 2 cores",
 )
 def test_a_64_stream_flood_keeps_another_tenants_p99_ttft_within_3x_of_alone(
     flood_run: FloodRun,

@@ -46,6 +46,7 @@ from loraplex.replica.protocol import (
     continuation,
     measured_token_s,
     sampling_params,
+    token_utilisation,
 )
 from loraplex.replica.routing_report import published_tiers, routing_stats
 
@@ -82,7 +83,9 @@ class ReplicaDeployment:
         self.max_concurrency = cfg.scheduler.max_num_seqs
         self.requests_total = 0  # generate calls received (for operators and tests)
         self.in_flight = 0  # generate calls not finished, those waiting for a read included
-        self._autoscale_mark = (time.monotonic(), 0)  # (when, store reads) last reported
+        self.output_tokens = 0  # tokens streamed (what the autoscaling report counts as made)
+        # (when, store re-reads, prompt tokens computed, output tokens) at the last report
+        self._autoscale_mark = (time.monotonic(), 0, 0, 0)
         self.engine = await asyncio.to_thread(Engine, cfg)  # reads the checkpoint
         if etcd is None:
             return
@@ -112,6 +115,7 @@ class ReplicaDeployment:
         try:
             async with held, contextlib.aclosing(self._generate(request)) as chunks:
                 async for item in chunks:
+                    self.output_tokens += len(item["new_token_ids"])
                     yield item
         finally:
             self.in_flight -= 1
@@ -178,9 +182,11 @@ class ReplicaDeployment:
         assert self.engine is not None
         stats = await self.engine.stats()
         reads = stats["adapters"]["disk_reads"]
+        prompt = stats["prefix_cache"]["prompt_tokens_computed"]
         now = time.monotonic()
-        since, reads_before = self._autoscale_mark
-        self._autoscale_mark = (now, reads)
+        since, reads_before, prompt_before, output_before = self._autoscale_mark
+        self._autoscale_mark = (now, reads, prompt, self.output_tokens)
+        held = self.sync.requests if self.sync else {}
         return autoscaling_stats(
             requests=self.in_flight,
             slots=self.max_concurrency,
@@ -190,7 +196,15 @@ class ReplicaDeployment:
             read_s=(self.sync.mean_read_s if self.sync else None) or 0.0,
             prefill_tokens=stats["queued_prefill_tokens"],
             token_s=measured_token_s(stats),
-            adapter_queue=self.sync.requests if self.sync else {},
+            utilisation=token_utilisation(
+                stats,
+                prompt_tokens=prompt - prompt_before,
+                output_tokens=self.output_tokens - output_before,
+                elapsed_s=now - since,
+                slots=self.max_concurrency,
+                adapters=sum(1 for n in held.values() if n > 0),
+            ),
+            adapter_queue=held,
         )
 
     def _tiers(self, stats: dict[str, Any]) -> dict[str, list[str]]:

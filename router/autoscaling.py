@@ -6,12 +6,18 @@ settings as `policy_kwargs`) on the controller every control loop with an
 `record_autoscaling_stats` (replica/deployment.py: `AUTOSCALING_METRICS` below), averaged by
 Serve over `look_back_period_s`. The policy wants the largest of three counts:
 
-    load          the larger of: requests held (running + waiting) ÷ (target_slot_use × a
-                  replica's slots), and the prompt tokens the replicas have yet to prefill
-                  (queued and running) in seconds of their own measured steps (tokens × the
-                  time a token adds to a step: a replica's measured token capacity) ÷
-                  target_prefill_s. A replica misses a TTFT target long before its slots
-                  fill when the prompts are long: the tokens see it, the slots do not
+    load          the largest of: the replicas' utilisation summed ÷ target_utilisation (a
+                  replica's: the larger of its slots held and its token utilisation, its
+                  prompt and output tokens priced by its measured step costs as a share of
+                  what it makes with its batch full: replica/protocol.py
+                  `token_utilisation`); requests held (running + waiting) ÷
+                  (target_slot_use × a replica's slots); and the prompt tokens the replicas
+                  have yet to prefill in seconds of their own steps ÷ target_prefill_s. The
+                  last two measure queues, which are empty below capacity: they add replicas
+                  on a ramp, before the utilisation's look-back has seen it, but alone they
+                  let the count fall until prompts queue again (a sawtooth: 19 scale events
+                  an hour in the simulated day). The utilisation counts the tokens asked
+                  for, below capacity too
     working set   while the replicas spend more than read_busy of their time reading
                   again adapters their tiers had dropped (re-reads per second × the measured
                   read time, per replica), the adapters wanted do not fit the replicas'
@@ -30,8 +36,10 @@ the count wanted has stayed below the current one for `downscale_delay_s`, never
 scale event younger than `cooldown_s`, so a steady load does not flap, and removes one
 replica at a time (its adapters are read again where they go: several at once were a
 cold-start storm in the simulated day, P99 TTFT 31.8 s after 6 -> 2). A count is
-never lowered while the fewer replicas would read past read_busy (the working set would
-thrash again). Bounds are Serve's min_replicas and max_replicas.
+never lowered while the fewer replicas would be more than scale_down_utilisation utilised
+(below target_utilisation: the band between them is the hysteresis) or would read past
+read_busy (the working set would thrash again). Bounds are Serve's min_replicas and
+max_replicas.
 
 Which replica leaves is Serve's choice: it stops sending it requests, lets its requests
 finish (graceful shutdown) and the affinity router gives its adapters new homes on the
@@ -56,13 +64,15 @@ from loraplex.replica.protocol import (
     AUTOSCALE_REQUESTS,
     AUTOSCALE_SLOTS,
     AUTOSCALE_TOKEN_S,
+    AUTOSCALE_UTILISATION,
 )
 
 # what a replica's record_autoscaling_stats reports (replica/deployment.py)
 REQUESTS, SLOTS = AUTOSCALE_REQUESTS, AUTOSCALE_SLOTS
 READS_PER_S, READ_S = AUTOSCALE_READS_PER_S, AUTOSCALE_READ_S
 PREFILL_TOKENS, TOKEN_S = AUTOSCALE_PREFILL_TOKENS, AUTOSCALE_TOKEN_S
-AUTOSCALING_METRICS = (REQUESTS, SLOTS, READS_PER_S, READ_S, PREFILL_TOKENS, TOKEN_S)
+UTILISATION = AUTOSCALE_UTILISATION
+AUTOSCALING_METRICS = (REQUESTS, SLOTS, READS_PER_S, READ_S, PREFILL_TOKENS, TOKEN_S, UTILISATION)
 POLICY_FUNCTION = "loraplex.router.autoscaling:LoraAutoscalingPolicy"
 
 # a child of Serve's logger: the policy runs in Serve's controller, whose log file it reaches
@@ -74,6 +84,22 @@ class LoraAutoscaling(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    target_utilisation: float = Field(
+        0.7,
+        gt=0,
+        le=1,
+        description="Share of its token capacity (tokens made ÷ what a full batch makes, "
+        "priced by the replica's measured step costs) a replica aims at: the replicas' "
+        "utilisation summed ÷ this replicas are wanted.",
+    )
+    scale_down_utilisation: float = Field(
+        0.55,
+        gt=0,
+        le=1,
+        description="A replica is removed only while the others would stay under this "
+        "share of their token capacity once it has left (below target_utilisation: the "
+        "band between them keeps a steady load from flapping).",
+    )
     target_slot_use: float = Field(
         0.7,
         gt=0,
@@ -118,11 +144,19 @@ class ReplicaReport:
     read_s: float  # mean store read time, seconds (0 until one was measured)
     prefill_tokens: float = 0.0  # prompt tokens not yet computed, queued and running
     token_s: float = 0.0  # measured time a token adds to a step (0 until measured)
+    utilisation: float = 0.0  # share of its token capacity used (0 until measured)
     adapters: dict[str, float] = field(default_factory=dict)  # its hottest: requests held
 
     @property
     def read_busy(self) -> float:
         return self.reads_per_s * self.read_s
+
+    @property
+    def use(self) -> float:
+        """The share of its capacity in use: the larger of its token utilisation and its
+        slots held (a replica whose slots fill, with requests waiting for adapter reads,
+        is full however few tokens it makes)."""
+        return max(self.utilisation, self.requests / max(self.slots, 1.0))
 
     @property
     def prefill_s(self) -> float:
@@ -160,6 +194,11 @@ def wanted(
     if by_tokens > by_load:
         by_load = by_tokens
         why_load = f"{prefill_s:.1f} s of prefill held"
+    used = sum(r.use for r in reports)
+    by_use = _ceil(used / s.target_utilisation)
+    if by_use > by_load:
+        by_load = by_use
+        why_load = f"utilisation {used:.2f} replicas"
     hot = hot_homes(reports, slots, homes)
     if hot > by_load:
         by_load = hot
@@ -169,9 +208,15 @@ def wanted(
         return Decision(max(by_load, current + 1), f"store reads keep replicas {busy:.0%} busy")
     # fewer replicas read as much in all: as many as keep that under read_busy
     by_reads = max(1, _ceil(busy * current / s.read_busy))
-    if by_load >= by_reads:
-        return Decision(by_load, why_load)
-    return Decision(by_reads, f"store reads would keep {by_reads - 1} replicas over read_busy")
+    if by_load < by_reads:
+        by_load, why_load = (
+            by_reads,
+            f"store reads would keep {by_reads - 1} replicas over read_busy",
+        )
+    if by_load < current and current > 1 and used / (current - 1) > s.scale_down_utilisation:
+        left = used / (current - 1)
+        return Decision(current, f"{current - 1} replicas would be {left:.0%} utilised")
+    return Decision(by_load, why_load)
 
 
 def hot_homes(reports: list[ReplicaReport], slots: float, homes: Homes | None) -> int:
@@ -262,6 +307,7 @@ def reports_of(ctx: Any) -> list[ReplicaReport]:
                 read_s=values[READ_S] or 0.0,
                 prefill_tokens=values[PREFILL_TOKENS] or 0.0,
                 token_s=values[TOKEN_S] or 0.0,
+                utilisation=values[UTILISATION] or 0.0,
                 adapters=adapters,
             )
         )

@@ -15,6 +15,7 @@ from loraplex.replica.protocol import (
     AUTOSCALE_ADAPTER,
     HOT_ADAPTERS_REPORTED,
     autoscaling_stats,
+    token_utilisation,
 )
 from loraplex.replica.protocol import (
     AUTOSCALE_PREFILL_TOKENS as PREFILL_TOKENS,
@@ -27,6 +28,7 @@ from loraplex.router.autoscaling import (
     READS_PER_S,
     REQUESTS,
     SLOTS,
+    UTILISATION,
     Homes,
     LoraAutoscalingPolicy,
     reports_of,
@@ -98,8 +100,8 @@ def test_a_working_set_that_thrashes_adds_a_replica_before_queues_grow():
 def test_a_replica_is_removed_only_after_the_delay_and_the_cooldown():
     state: dict[str, Any] = {}
     n, seen, last_down = 3, [], None
-    for t in range(0, 200, 10):  # 10 requests: 1 replica is enough by load
-        ctx = context(n, 10, current_time=float(t), policy_state=state, last_scale_up_time=0.0)
+    for t in range(0, 200, 10):  # 5 requests: 1 replica is enough, 31% of its slots
+        ctx = context(n, 5, current_time=float(t), policy_state=state, last_scale_up_time=0.0)
         ctx.last_scale_down_time = last_down
         target, state = POLICY(ctx)
         if target < n:
@@ -220,6 +222,7 @@ def test_a_replica_reports_its_hottest_adapters_by_name_and_the_policy_reads_the
         read_s=0.3,
         prefill_tokens=900,
         token_s=2e-4,
+        utilisation=0.4,
         adapter_queue=queue,
     )
     hottest = sorted(queue, key=queue.get, reverse=True)[:HOT_ADAPTERS_REPORTED]
@@ -231,6 +234,7 @@ def test_a_replica_reports_its_hottest_adapters_by_name_and_the_policy_reads_the
     (replica,) = reports_of(ctx)
     assert replica.adapters == {a: float(queue[a]) for a in hottest}
     assert replica.prefill_s == pytest.approx(900 * 2e-4)
+    assert replica.utilisation == 0.4
 
 
 def test_once_its_delay_has_passed_the_policy_keeps_wanting_fewer_under_serves_own_delay():
@@ -261,3 +265,107 @@ def test_scale_down_removes_one_replica_at_a_time():
     assert target == 5
     after = context(5, 5, current_time=70.0, policy_state=state, last_scale_down_time=62.0)
     assert POLICY(after)[0] == 5  # within the cooldown, and a new delay for 5
+
+
+COSTS = {"base_s": 0.02, "per_token_s": 1e-5, "per_adapter_s": 1e-3}
+
+
+@pytest.mark.parametrize("rows", [16, 8, 2])
+def test_token_utilisation_is_the_share_of_what_a_full_batch_makes(rows):
+    """The oracle is the step-cost model itself: a replica stepping back to back for 10 s
+    with `rows` decode rows of 4 adapters makes rows tokens a step, each step taking
+    base + per_token x rows + per_adapter x 4. With all 16 slots full it is saturated (1.0);
+    with fewer rows the same steps are shorter, and what it made is that share of what full
+    steps make in the same time. Prompt tokens cost per_token_s each."""
+    step = COSTS["base_s"] + COSTS["per_token_s"] * rows + COSTS["per_adapter_s"] * 4
+    full = COSTS["base_s"] + COSTS["per_token_s"] * 16 + COSTS["per_adapter_s"] * 4
+    made = rows * 10.0 / step
+    stats = {"step_costs": COSTS}
+    used = token_utilisation(
+        stats, prompt_tokens=0, output_tokens=round(made), elapsed_s=10.0, slots=16, adapters=4
+    )
+    assert used == pytest.approx((made / 10.0) / (16 / full), rel=1e-3)
+    if rows == 16:
+        assert used == pytest.approx(1.0, rel=1e-3)
+    with_prompts = token_utilisation(
+        stats, prompt_tokens=50_000, output_tokens=round(made), elapsed_s=10.0, slots=16, adapters=4
+    )
+    assert with_prompts - used == pytest.approx(50_000 * 1e-5 / 10.0)
+    assert (
+        token_utilisation(
+            {"step_costs": None},
+            prompt_tokens=1,
+            output_tokens=1,
+            elapsed_s=1,
+            slots=16,
+            adapters=1,
+        )
+        == 0.0
+    )
+
+
+def fleet_below_capacity(n: int, load: float) -> dict[str, dict[str, float]]:
+    """n replicas of 16 slots sharing `load` replicas' worth of tokens (a pure model of a
+    continuous-batching fleet). Below capacity (load < n) a request's time is its own
+    tokens', so the requests held are the arrivals x that time (Little), whatever n, and
+    no prompt waits; at or past capacity prompts queue: prefill held grows with the excess.
+    Each replica's token utilisation is its share of the load."""
+    replicas = [f"r{i}" for i in range(n)]
+    over = max(0.0, load / n - 0.95)
+    return {
+        REQUESTS: {r: 6.0 / n + 40.0 * over for r in replicas},
+        SLOTS: {r: 16.0 for r in replicas},
+        PREFILL_TOKENS: {r: 200_000.0 * over for r in replicas},
+        TOKEN_S: {r: 3e-5 for r in replicas},
+        UTILISATION: {r: min(1.0, load / n) for r in replicas},
+    }
+
+
+def test_a_steady_load_below_capacity_holds_its_count_without_a_sawtooth():
+    """2.4 replicas' worth of tokens, steady for an hour, starting from 3 replicas. The
+    queues (requests held against slots, prefill held) are empty below capacity, so counted
+    alone they let the count fall to 2, where prompts queue and it climbs again (the
+    sawtooth of the simulated day). Counted as utilisation the load wants
+    ceil(2.4 / 0.7) = 4 replicas, and none leaves while 3 would be over 0.55."""
+    state: dict[str, Any] = {}
+    n, seen, last_up, last_down = 3, [3], 0.0, None
+    for t in range(0, 3600, 10):
+        ctx = Context(
+            [f"r{i}" for i in range(n)],
+            fleet_below_capacity(n, 2.4),
+            current_time=float(t),
+            policy_state=state,
+            last_scale_up_time=last_up,
+            last_scale_down_time=last_down,
+        )
+        target, state = POLICY(ctx)
+        if target > n:
+            last_up = float(t)
+        elif target < n:
+            last_down = float(t)
+        n = target
+        seen.append(n)
+    events = sum(a != b for a, b in zip(seen[:-1], seen[1:], strict=True))
+    assert seen[-1] == 4 and events == 1, (events, seen)
+    assert "utilisation 2.40 replicas" in state["why"]
+
+
+def test_a_replica_leaves_only_while_the_others_stay_under_the_scale_down_utilisation():
+    """4 replicas under 1.2 replicas' worth of tokens: one leaves, 3 being 0.40 utilised
+    each (<= 0.55); 2 would be 0.60 each (> 0.55), so 3 stay, though the utilisation alone
+    wants ceil(1.2 / 0.7) = 2."""
+    state: dict[str, Any] = {}
+    n, last_down = 4, None
+    for t in range(0, 1200, 10):
+        ctx = Context(
+            [f"r{i}" for i in range(n)],
+            fleet_below_capacity(n, 1.2),
+            current_time=float(t),
+            policy_state=state,
+            last_scale_down_time=last_down,
+        )
+        target, state = POLICY(ctx)
+        if target < n:
+            last_down = float(t)
+        n = target
+    assert n == 3 and "2 replicas would be 60% utilised" in state["why"]

@@ -45,7 +45,7 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from loraplex.benchmarks.sim.fleet import CONTROL_LOOP_S, FleetRun, FleetSetup, FleetSim
 from loraplex.benchmarks.sim.workload import AdapterSpec, SimRequest
-from loraplex.replica.protocol import autoscaling_stats, measured_token_s
+from loraplex.replica.protocol import autoscaling_stats, measured_token_s, token_utilisation
 
 RECORD_FACTOR = 0.2  # RAY_SERVE_AUTOSCALING_METRIC_RECORD_INTERVAL_FACTOR
 PUSH_INTERVAL_S = 10.0  # RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S
@@ -112,7 +112,9 @@ class ScalingFleetSim(FleetSim):
         self.samples: list[tuple[float, float, dict[str, dict[str, float]]]] = []
         self.total_requests = 0.0  # the controller's view, as of the last push
         self.metrics: dict[str, dict[str, float]] = {}
-        self.marks: dict[str, tuple[float, int]] = {}  # replica -> (when, reads) last sample
+        # replica -> (when, re-reads, prompt tokens computed, output tokens) at the last sample
+        self.marks: dict[str, tuple[float, int, int, int]] = {}
+        self.finished: dict[str, tuple[int, int, int]] = {}  # replica -> (records, prompt, out)
 
     # -- the loop's own events
 
@@ -144,8 +146,12 @@ class ScalingFleetSim(FleetSim):
             # reads); the mean read time is the first reads'
             reads = replica.sim.cache.stats.disk_reads
             engine = replica.engine_stats()
-            since, before = self.marks.get(rid, (self.now - self.record_interval_s, 0))
-            self.marks[rid] = (self.now, reads)
+            prompt, output = self._tokens_computed(rid, replica.sim)
+            since, before, prompt_before, output_before = self.marks.get(
+                rid, (self.now - self.record_interval_s, 0, 0, 0)
+            )
+            self.marks[rid] = (self.now, reads, prompt, output)
+            queue = replica.adapter_queue()
             per_replica[rid] = autoscaling_stats(
                 requests=replica.in_flight,
                 slots=replica.max_concurrency,
@@ -155,12 +161,33 @@ class ScalingFleetSim(FleetSim):
                 read_s=replica.mean_read_s or 0.0,
                 prefill_tokens=engine["queued_prefill_tokens"],
                 token_s=measured_token_s(engine),
-                adapter_queue=replica.adapter_queue(),
+                utilisation=token_utilisation(
+                    engine,
+                    prompt_tokens=prompt - prompt_before,
+                    output_tokens=output - output_before,
+                    elapsed_s=self.now - since,
+                    slots=replica.max_concurrency,
+                    adapters=len(queue),
+                ),
+                adapter_queue=queue,
             )
         ongoing = sum(r.in_flight for r in self.replicas.values()) + len(self.pending)
         self.samples.append((self.now, float(ongoing), per_replica))
         if self._busy():
             self._push(self.now + self.record_interval_s, "sample", None)
+
+    def _tokens_computed(self, rid: str, sim) -> tuple[int, int]:
+        """Prompt tokens computed and output tokens made so far by a replica's engine: its
+        finished requests' and what its running ones have done (the engine's counters)."""
+        count, prompt, output = self.finished.get(rid, (0, 0, 0))
+        for record in sim.done[count:]:
+            prompt += record.request.prompt
+            output += record.request.output
+        self.finished[rid] = (len(sim.done), prompt, output)
+        for seq in sim.scheduler.running:
+            prompt += min(seq.num_computed, len(seq.prompt_ids))
+            output += len(seq.output_ids)
+        return prompt, output
 
     def _on_push(self, _) -> None:
         """The pushed samples of the look-back window, averaged once (they change only here)."""
@@ -285,6 +312,7 @@ class ScalingFleetSim(FleetSim):
     def _release(self, rid: str) -> None:
         self.record.replica_seconds += self.now - self.held_since.pop(rid)
         self.marks.pop(rid, None)
+        self.finished.pop(rid, None)
         self._note()
 
     def _note(self) -> None:

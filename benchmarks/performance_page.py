@@ -126,8 +126,12 @@ with bypass, squash and prefetch, as in the simulator.""",
     "router": """\
 `loraplex bench router` (`benchmarks/router/bench.py`): a real local Ray and etcd, three Serve apps
 side by side — the affinity router, Ray Serve's power of two and Ray Serve multiplexing —
-each of 3 replicas of a tiny Llama on the shared cores, 300 adapters of ranks 8–128 read from
-a store paced like a network one; fresh apps for every workload. Poisson arrivals at fractions
+each of 3 replicas of a tiny Llama on the shared cores, 300 adapters (`--quick` 120) of ranks
+8–128 read from a store paced like a network one; fresh apps for every workload. Each replica's
+host tier holds the catalog over all replicas but one (150 adapters of mean size, `--quick`
+60): the catalog is 2 × one host tier and 2/3 of the fleet's, the regime routing exists for,
+where a store read is what a router pays for sending an adapter where it is not held, and
+the catalog still fits with failover's killed replica gone. Poisson arrivals at fractions
 of the measured capacity; goodput is the highest offered rate whose p99 TTFT meets the SLO
 (5 × the unloaded TTFT); `goodput_ratio_vs_best_ray_router` divides affinity's by the better
 Ray router's. The whole comparison is repeated (3 times, `--quick` 2) on other seeds with the

@@ -649,7 +649,10 @@ class AffinityPolicy:
         A send is matched to the stats by time (the stats' age against this clock). Serve
         reports a request routed once the replica has accepted it, so stats recorded after
         that include it; stats recorded between its arrival and that report count it
-        twice, until the next stats (a period at most)."""
+        twice, until the next stats (a period at most). Against the published backlog
+        alone, over 8 seeds of the quick fleet: affinity goodput median zipf 77.3 vs 76.7,
+        shift 69.1 vs 68.6 req/s (paired differences' 90% intervals span 0): kept as
+        the replica's true backlog, not as a measured gain."""
         if per_token == 0:
             return 0.0
         recorded_at = now - r.stats_age_s

@@ -371,16 +371,9 @@ def sweep(
         kill = fw.kill_at(reqs[first:]) if workload == "failover" else None
         kills.append(kill)
         setup = fleet.setup(shape.replicas, adapters, kill_at_s=kill, seed=i + 100 * repetition)
-        for router in ROUTERS:
-            t0 = time.perf_counter()
-            run = simulate_fleet(router, reqs, catalog, setup, measured_from=first)
+        label = f"{workload} {rate:7.1f} req/s"
+        for router, run in through_routers(label, reqs, first, catalog, setup).items():
             runs[router].append(run)
-            s = run.summary()
-            log(
-                f"fleet {workload} {rate:7.1f} req/s {router:9}: p50 {s['p50_ttft_s']:.3f} "
-                f"p99 {s['p99_ttft_s']:.3f} s, {s['device_loads']} loads, {s['store_reads']} "
-                f"reads ({time.perf_counter() - t0:.0f} s, load avg {os.getloadavg()[0]:.1f})"
-            )
     slo = SLO_FACTOR * unloaded if slo is None else slo
     ref = shape.rate_factors.index(shape.reference_factor)
     routers: dict[str, Any] = {}
@@ -454,6 +447,29 @@ def replicas_needed(
     }
 
 
+def through_routers(
+    label: str,
+    reqs: list[SimRequest],
+    first: int,
+    catalog: dict[str, AdapterSpec],
+    setup: FleetSetup,
+) -> dict[str, FleetRun]:
+    """One stream through every router, each on a fleet of its own (in the simulator their
+    order changes nothing), measured from rid `first`; a log line per router."""
+    runs = {}
+    for router in ROUTERS:
+        started = time.perf_counter()
+        runs[router] = simulate_fleet(router, reqs, catalog, setup, measured_from=first)
+        s = runs[router].summary()
+        log(
+            f"fleet {label} {router:9}: p50 {_fmt(s['p50_ttft_s'])} p99 {_fmt(s['p99_ttft_s'])} "
+            f"s, {s['device_loads']} loads, {s['store_reads']} reads, {s['host_hits']} host "
+            f"hits, {s['evictions']} evictions ({time.perf_counter() - started:.0f} s, load "
+            f"avg {os.getloadavg()[0]:.1f})"
+        )
+    return runs
+
+
 def unloaded_ttft_s(profile, reqs: list[SimRequest], catalog: dict[str, AdapterSpec]) -> float:
     """Mean TTFT of `reqs`, each alone on an idle replica that reads its adapter from the
     store first: the read, the copy over the host link, then the prefill in chunks of the
@@ -492,14 +508,8 @@ def scale_sweep(fleet: Fleet, repetition: int = 0) -> dict[str, Any]:
         seed = 7 + 10_000 * repetition
         reqs, first = fleet.requests("zipf", adapters, rate, shape.scale_window_s, seed, repetition)
         setup = fleet.setup(replicas, adapters, seed=100 * repetition)
-        per_router = {}
-        for router in ROUTERS:
-            t0 = time.perf_counter()
-            per_router[router] = simulate_fleet(router, reqs, catalog, setup, first).summary()
-            log(
-                f"fleet scale {replicas} x {n} {router:9}: p99 "
-                f"{per_router[router]['p99_ttft_s']:.3f} s ({time.perf_counter() - t0:.0f} s)"
-            )
+        runs = through_routers(f"scale {replicas} x {n}", reqs, first, catalog, setup)
+        per_router = {router: run.summary() for router, run in runs.items()}
         p99 = {r: s["p99_ttft_s"] for r, s in per_router.items()}
         load_s = {r: s["load_seconds"] for r, s in per_router.items()}
         points.append(
@@ -545,18 +555,13 @@ def eviction_run(fleet: Fleet, repetition: int = 0) -> dict[str, Any]:
     slo = SLO_FACTOR * unloaded_ttft_s(fleet.profile, reqs[first:], catalog)
     setup = fleet.setup(shape.replicas, adapters, seed=ref + 100 * repetition)
     keys = ("p99_ttft_s", "device_loads", "store_reads", "host_hits", "evictions")
+    runs = through_routers(f"eviction {shape.adapters} adapters", reqs, first, catalog, setup)
     routers = {}
-    for router in ROUTERS:
-        t0 = time.perf_counter()
-        s = simulate_fleet(router, reqs, catalog, setup, measured_from=first).summary()
+    for router, run in runs.items():
+        s = run.summary()
         routers[router] = {
             k: s[k] for k in (*keys, "placement_miss_rate", "distinct_adapters_held")
         }
-        log(
-            f"fleet eviction {shape.adapters} adapters {router:9}: p99 {s['p99_ttft_s']:.3f} s, "
-            f"{s['evictions']} evictions, {s['host_hits']} host hits, {s['store_reads']} reads "
-            f"({time.perf_counter() - t0:.0f} s, load avg {os.getloadavg()[0]:.1f})"
-        )
     reads = {r: f["store_reads"] for r, f in routers.items()}
     return {
         "workload": "zipf",
@@ -578,3 +583,7 @@ def _inverse(x: float | None) -> float | None:
 
 def _pct(values: np.ndarray, q: float) -> float | None:
     return float(np.percentile(values, q)) if len(values) else None
+
+
+def _fmt(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds:.3f}"

@@ -16,6 +16,13 @@ Sync replicas keep `host_adapters_per_replica` adapters of mean size in their ho
 multiplexed ones keep as many models (max_num_models_per_replica). Serve's
 max_ongoing_requests is 2 x max_num_seqs for all three.
 
+The catalog is in the regime routing exists for: larger than one replica's host tier and no
+larger than the fleet's (Workload checks it). Each host tier holds the catalog over all
+replicas but one (`host_tier`): the catalog still fits with failover's killed replica gone,
+and no replica holds it alone, so a read is what a router pays for sending an adapter where
+it is not held. QUICK: 120 adapters (116 MiB, 0.97 MiB on average), 60 per replica (58 MiB),
+the catalog 2 x one host tier and 2/3 of the fleet's; FULL: 300 adapters, 150 per replica.
+
 Workloads (benchmarks/fleet/workloads.py) over one registered catalog (`num_adapters`,
 ranks 8-128, targets in turn), each with its own popularity order: zipf, hot, shift,
 failover (a replica killed a third of the way through each run; Serve replaces it).
@@ -61,6 +68,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -90,6 +98,13 @@ from loraplex.router.serve_backend import ServeBackend
 ROUTERS = ("affinity", "pow2", "multiplex")
 
 
+def host_tier(num_adapters: int, num_replicas: int) -> int:
+    """A replica's host tier, in adapters of mean size, that puts the catalog in the regime
+    routing exists for: larger than one replica's host tier, held by the fleet's even with
+    one replica gone (failover kills one): the catalog over all replicas but one."""
+    return math.ceil(num_adapters / (num_replicas - 1))
+
+
 FULL = Workload(
     ModelSpec(
         hidden_size=128,
@@ -103,7 +118,7 @@ FULL = Workload(
     num_adapters=300,
     num_replicas=3,
     adapters_per_replica=16,
-    host_adapters_per_replica=64,
+    host_adapters_per_replica=host_tier(300, 3),  # 150: the catalog 2 x one, 2/3 the fleet's
     window_s=24.0,
     failover_window_s=45.0,
     rate_factors=(0.3, 0.5, 0.7, 0.9),
@@ -116,7 +131,7 @@ QUICK = replace(
     FULL,
     num_adapters=120,
     adapters_per_replica=8,
-    host_adapters_per_replica=24,
+    host_adapters_per_replica=host_tier(120, 3),  # 60: the catalog 2 x one, 2/3 the fleet's
     window_s=8.0,
     failover_window_s=24.0,
     rate_factors=(0.35, 0.7),

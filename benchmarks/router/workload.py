@@ -37,7 +37,19 @@ class Workload:
         """Requests in one run at `rate`: its window's, and at least `min_requests`."""
         return max(1, self.min_requests, round(rate * window_s))
 
+    @property
+    def aggregate_host_adapters(self) -> int:
+        """What the fleet's host tiers hold together, in adapters of mean size."""
+        return self.num_replicas * self.host_adapters_per_replica
+
     def __post_init__(self):
+        if not self.host_adapters_per_replica < self.num_adapters <= self.aggregate_host_adapters:
+            raise ValueError(
+                "the catalog must be larger than one replica's host tier and fit the fleet's "
+                "(the regime routing exists for: what one replica cannot hold, another does), "
+                f"got {self.num_adapters} adapters over {self.num_replicas} host tiers of "
+                f"{self.host_adapters_per_replica}"
+            )
         if not 1 <= self.adapters_per_replica < self.num_adapters:
             raise ValueError(
                 f"adapters_per_replica must be in [1, num_adapters): more adapters than fit on "
@@ -53,4 +65,5 @@ def workload_dict(w: Workload) -> dict[str, Any]:
     """The workload as the bench's JSON shows it."""
     out = asdict(w)
     out["model"] = {k: v for k, v in out["model"].items() if k != "rope_scaling"}
+    out["aggregate_host_adapters"] = w.aggregate_host_adapters
     return out

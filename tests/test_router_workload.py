@@ -1,0 +1,32 @@
+"""`bench router`'s shape is in the regime the router exists for (the issue's definition): a
+catalog larger than one replica's host tier and no larger than the fleet's. Outside it there
+is no store read for routing to avoid (all fit in one tier) or none it can avoid (the tail is
+held nowhere)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from loraplex.benchmarks.router.bench import FULL, QUICK, host_tier
+
+
+@pytest.mark.parametrize("w", [QUICK, FULL], ids=["quick", "full"])
+def test_the_bench_catalog_outgrows_one_host_tier_and_fits_the_fleet_less_one(w):
+    one = w.host_adapters_per_replica
+    assert one < w.num_adapters <= (w.num_replicas - 1) * one
+
+
+@pytest.mark.parametrize(
+    ("adapters", "replicas", "host"),
+    [(120, 3, 24), (120, 3, 120), (10, 2, 4)],
+    ids=["tail-held-nowhere", "one-tier-holds-all", "small-tail-held-nowhere"],
+)
+def test_a_shape_outside_the_regime_is_refused(adapters, replicas, host):
+    with pytest.raises(ValueError, match="larger than one replica's host tier"):
+        replace(QUICK, num_adapters=adapters, num_replicas=replicas, host_adapters_per_replica=host)
+
+
+def test_host_tier_is_the_catalog_over_all_replicas_but_one():
+    assert [host_tier(120, n) for n in (2, 3, 4, 5)] == [120, 60, 40, 30]

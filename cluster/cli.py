@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         "--quick",
         action="store_true",
         help="smaller model and workload: every key, in a fraction of the full run (on two "
-        "quiet cores: engine ~2 min, fleet 10-20 min, router ~16 min)",
+        "quiet cores: engine ~2 min, fleet 10-20 min, router ~19 min)",
     )
     bench.add_argument("--json", type=Path, help="write the figures here")
     bench.add_argument("--trace", type=Path, help="engine, sched: Azure LLM inference trace CSV")

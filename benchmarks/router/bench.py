@@ -176,6 +176,7 @@ def run_measured(
 ) -> Measured:
     import logging
 
+    w.check_routing_regime()
     logging.getLogger("ray.serve").setLevel(logging.ERROR)  # queue-probe warnings on 2 cores
     with bench_cluster(w, "router") as cluster:
         calibration = dict(cluster.calibration)

@@ -42,7 +42,10 @@ class Workload:
         """What the fleet's host tiers hold together, in adapters of mean size."""
         return self.num_replicas * self.host_adapters_per_replica
 
-    def __post_init__(self):
+    def check_routing_regime(self) -> None:
+        """The router comparison's shape is the regime routing exists for: a catalog larger
+        than one replica's host tier that fits the fleet's. (Other sections over the same
+        replicas, e.g. the prefix one's 16 tenants, need not be.)"""
         if not self.host_adapters_per_replica < self.num_adapters <= self.aggregate_host_adapters:
             raise ValueError(
                 "the catalog must be larger than one replica's host tier and fit the fleet's "
@@ -50,6 +53,8 @@ class Workload:
                 f"got {self.num_adapters} adapters over {self.num_replicas} host tiers of "
                 f"{self.host_adapters_per_replica}"
             )
+
+    def __post_init__(self):
         if not 1 <= self.adapters_per_replica < self.num_adapters:
             raise ValueError(
                 f"adapters_per_replica must be in [1, num_adapters): more adapters than fit on "

@@ -219,6 +219,21 @@ def test_two_phase_admission_quotas_first_then_spare_smallest_queue_first():
     assert rec.admitted == ["s0", "s1", "s2", "s3", "s4"]
 
 
+def test_a_queue_whose_head_does_not_fit_memory_leaves_the_next_queues_their_turn():
+    """Seed 004 §4.1: "on every iteration, Chameleon tries to take requests from all
+    queues"; in Algorithm 1 a request that does not fit ends its own queue's put_batch,
+    and generate_batch goes on to the next queue. A small queue's head too large for the
+    memory left (FULL: its prompt and worst-case output) must not keep the large queue's
+    head, which fits, out of the batch."""
+    ch = chameleon([30, 100], [0.2])
+    ch.add(seq("s0", 5, 5), 0.0)
+    ch.add(seq("L", 50, 50), 0.0)
+    rec = Recorder({"s0": Admit.FULL})
+    ch.admit(0.0, rec)
+    assert rec.asked == ["s0", "L"] and rec.admitted == ["L"]
+    assert [len(q) for q in ch.queues] == [1, 0]  # s0 keeps its place
+
+
 def test_a_finished_request_returns_its_quota():
     ch = chameleon([20, 100], [0.2])
     a, b, c = seq("a", 5, 5), seq("b", 5, 5), seq("c", 5, 5)

@@ -304,7 +304,8 @@ class Chameleon:
         """Phase 0, only with `starve_s` set (not in the paper, off by default): requests
         that waited starve_s, oldest first, over quota. Phase 1: each queue, smallest first,
         within its quota; the unused quota of the queues left empty is spare. Phase 2: the
-        spare, smallest queue first."""
+        spare, smallest queue first. A request that does not fit (FULL) ends its own
+        queue's turn, not the others' (§4.1: every iteration tries every queue)."""
         self.now = now
         self._maybe_refresh(now)
         if self.p.starve_s is not None and self._admit_starving(now, try_admit):
@@ -312,18 +313,13 @@ class Chameleon:
         spare = 0
         for q in range(len(self.queues)):
             room = self.quotas[q] - self.used[q]
-            consumed, full = self._put(q, room, now, try_admit)
-            if full:
-                return
+            consumed = self._put(q, room, now, try_admit)
             if not self.queues[q]:
                 spare += max(0, room - consumed)
         for q in range(len(self.queues)):
             if spare <= 0:
                 return
-            consumed, full = self._put(q, spare, now, try_admit)
-            spare -= consumed
-            if full:
-                return
+            spare -= self._put(q, spare, now, try_admit)
 
     def _admit_starving(self, now: float, try_admit: TryAdmit) -> bool:
         """True if the batch is full."""
@@ -344,7 +340,7 @@ class Chameleon:
                 self.num_starving += 1
         return False
 
-    def _put(self, q: int, tokens: int, now: float, try_admit: TryAdmit) -> tuple[int, bool]:
+    def _put(self, q: int, tokens: int, now: float, try_admit: TryAdmit) -> int:
         """Admit from queue q, oldest first, within `tokens`. A request whose adapter has no
         room may be overtaken by a younger one only while the younger is predicted to
         finish before memory for the older frees up, and at most max_bypass times (the
@@ -353,7 +349,6 @@ class Chameleon:
         consumed = 0
         admitted: list[Sequence] = []
         blocked: Sequence | None = None
-        full = False
         for seq in self.queues[q]:
             entry = self.entries[seq]
             if self.cost(seq, entry, q) > tokens - consumed and self.used[q] > 0:
@@ -372,7 +367,6 @@ class Chameleon:
                     self.bypassed[blocked] = None
                     self.num_bypasses += 1
             elif result is Admit.FULL:
-                full = True
                 break
             elif result is Admit.NO_ROOM and blocked is None:
                 blocked = seq
@@ -381,7 +375,7 @@ class Chameleon:
             self.queues[q].remove(seq)
             del self.entries[seq]
             self.bypassed.pop(seq, None)
-        return consumed, full
+        return consumed
 
     def to_squash(self, now: float, room: Room) -> list[Sequence]:
         """§4.3.3: a bypass bets that the younger request finishes before memory for the

@@ -57,6 +57,18 @@ class ChameleonParams:
         "in the paper; it trades capacity and median TTFT for the tail); unset (default, "
         "as the paper): no guard.",
     )
+    # A departure for the tail, off by default (bench sched reports it apart as
+    # chameleon_p99): scaled with the others, the largest queue's quota falls below two of
+    # its requests, it runs one at a time and its M/M/1 P99 sets Chameleon's.
+    quota_percentile: float | None = Field(
+        None,
+        ge=0.5,
+        lt=1.0,
+        description="Size each queue's minimum quota for this percentile of its time in "
+        "system (M/M/1), granting the minimums largest queue first when they exceed the "
+        "pool (not in the paper); unset (default, as the paper): for the mean, scaled "
+        "alike when over the pool.",
+    )
     squash: bool = Field(
         True,
         description="Squash a bypasser (preempt it, to run right behind the request it "

@@ -5,6 +5,7 @@ the formulas of seed 004 §4.3."""
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import numpy as np
@@ -73,6 +74,27 @@ def test_overloaded_quotas_keep_the_minimums_ratio_whatever_the_weights():
     heavy = QueueLoad(max_size=400, duration_s=4.0, rate=0.25, weight=1e6)
     assert token_quotas([skewed, heavy], 1000, slo_s=5.0) == [870, 130]
     assert token_quotas([], 100, 5.0) == []
+
+
+def test_p99_quotas_size_minimums_for_the_tail_and_grant_them_largest_queue_first():
+    """The departure reported apart (quota_percentile, off by default): M/M/1 time in
+    system is exponential with rate μ − λ, so its P99 <= SLO needs μ − λ >= ln(100)/SLO.
+    Over the pool, scaling every minimum alike leaves the largest queue one request;
+    granting largest first (each at most half of what is left) keeps its minimum."""
+    assert ChameleonParams().quota_percentile is None
+    small = QueueLoad(max_size=100, duration_s=2.0, rate=1.0, weight=1.0)
+    large = QueueLoad(max_size=1000, duration_s=10.0, rate=0.1, weight=3.0)
+    p99 = math.log(100) / 5.0
+    mins = [100 * 2 * (p99 + 1.0), 1000 * 10 * (p99 + 0.1)]  # 384.2 and 10210.3
+    quotas = token_quotas([small, large], 40_000, slo_s=5.0, percentile=0.99)
+    assert quotas[0] >= mins[0] and quotas[1] >= mins[1] and sum(quotas) == 40_000
+    # over the pool (Σ 10595 > 6000): the large queue's minimum is capped at half the
+    # pool, the small queue takes the rest; the paper's scaling would give it 5782
+    assert token_quotas([small, large], 6000, slo_s=5.0, percentile=0.99) == [3000, 3000]
+    mid = QueueLoad(max_size=500, duration_s=2.0, rate=0.2, weight=1.0)
+    # 3 queues, total 11000 (Σ 11716 over it): large 10211 capped at 5500; mid
+    # 500·2·(0.921 + 0.2) = 1121.03, rounded up; small the rest
+    assert token_quotas([small, mid, large], 11_000, 5.0, 0.99) == [4378, 1122, 5500]
 
 
 def test_wrs_is_degree_two_in_the_adapter_size():

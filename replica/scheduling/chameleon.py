@@ -249,7 +249,9 @@ class Chameleon:
             entry.wrs = self.wrs(entry.size)
             entry.queue = self.queue_of(entry.wrs)
             self._charge(seq, entry)
-        self.quotas = token_quotas(self.queue_loads(now), self.capacity(), self.p.slo_s)
+        self.quotas = token_quotas(
+            self.queue_loads(now), self.capacity(), self.p.slo_s, self.p.quota_percentile
+        )
 
     def queue_loads(self, now: float) -> list[QueueLoad]:
         k = len(self.cutoffs) + 1

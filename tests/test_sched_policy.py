@@ -373,6 +373,30 @@ def test_bypass_only_for_requests_predicted_to_finish_before_memory_frees():
     assert ch.num_bypasses == 1
 
 
+def test_bypass_waits_for_the_memory_the_blocked_request_needs_not_the_first_to_free():
+    """§4.3.3: R2 may bypass R1 if "how soon will the memory needed by R1 become
+    available" is longer than R2's execution. R1 here needs both running requests gone:
+    its memory frees in 40 steps, not in the 10 after which the first one leaves, so a
+    20-step R2 may pass it (and a 50-step one may not)."""
+    ch = chameleon([1000], [])
+    first, second = seq("A", 5, 10), seq("B", 5, 40)
+    for s in (first, second):
+        ch.add(s, 0.0)
+    ch.admit(0.0, Recorder())
+
+    def room(waiting: Sequence, leaving: list[Sequence]) -> bool:
+        return {first, second} <= set(leaving)
+
+    assert ch.to_squash(0.0, room) == []  # the host asks before each admission
+    blocked, medium, slow = seq("R1", 5, 60), seq("R2", 5, 20), seq("R3", 5, 50)
+    for s in (blocked, medium, slow):
+        ch.add(s, 0.0)
+    rec = Recorder({"R1": Admit.NO_ROOM})
+    ch.admit(0.0, rec)
+    assert rec.asked == ["R1", "R2"] and rec.admitted == ["R2"]
+    assert ch.num_bypasses == 1
+
+
 def test_the_starvation_guard_caps_how_often_one_request_is_overtaken():
     ch = chameleon([10_000], [], max_bypass=2)
     ch.add(seq("run", 5, 100), 0.0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
@@ -113,6 +114,9 @@ class Chameleon:
         self.num_starving = 0  # admitted by the starvation guard
         self.num_squashes = 0
         self.bypassed: dict[Sequence, None] = {}  # waiting requests with running bypassers
+        # the host's memory check, as given to the latest to_squash (asked before each
+        # admission): what a bypass predicts the blocked request's wait with
+        self.room: Room | None = None
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -351,11 +355,12 @@ class Chameleon:
         consumed = 0
         admitted: list[Sequence] = []
         blocked: Sequence | None = None
+        wait = 0.0  # decode steps until memory for `blocked` frees up
         for seq in self.queues[q]:
             entry = self.entries[seq]
             if self.cost(seq, entry, q) > tokens - consumed and self.used[q] > 0:
                 break
-            if blocked is not None and not self._may_overtake(self.entries[blocked], entry):
+            if blocked is not None and not self._may_overtake(self.entries[blocked], wait, entry):
                 break
             result = try_admit(seq)
             if result is Admit.OK:
@@ -371,7 +376,7 @@ class Chameleon:
             elif result is Admit.FULL:
                 break
             elif result is Admit.NO_ROOM and blocked is None:
-                blocked = seq
+                blocked, wait = seq, self._memory_wait(seq)
             # LOADING / ADAPTER_CAP: it waits for its adapter, the others go on
         for seq in admitted:
             self.queues[q].remove(seq)
@@ -385,6 +390,7 @@ class Chameleon:
         (some of) its running bypassers left, and does not fit without them — those
         bypassers are squashed (preempted, to run again later, right behind it): the
         most recently admitted first, as few as make room."""
+        self.room = room
         if not self.p.squash:
             return []
         victims: list[Sequence] = []
@@ -410,12 +416,30 @@ class Chameleon:
             self.num_squashes += len(chosen)
         return victims
 
-    def _may_overtake(self, blocked: _Entry, younger: _Entry) -> bool:
+    def _may_overtake(self, blocked: _Entry, wait: float, younger: _Entry) -> bool:
+        """§4.3.3: "Chameleon allows R2 to bypass R1 only if the former [the time until the
+        memory needed by R1 becomes available] is longer than the latter [R2's execution]";
+        `max_bypass` caps it (not in the paper)."""
         if blocked.overtaken >= self.p.max_bypass:
             return False
-        # decode steps until some running request (predicted) finishes and frees memory
-        eta = min(
-            (max(1, e.size.output - len(s.output_ids)) for s, e in self.running.items()),
-            default=0,
+        return younger.size.output + 1 <= wait
+
+    def _memory_wait(self, blocked: Sequence) -> float:
+        """Decode steps until memory for `blocked` frees up: the running requests leave in
+        the order they are predicted to finish, and the wait is that of the first whose
+        leaving (with those before it) makes room for it; inf if none would. Before any
+        `room` is known, the first to finish."""
+        order = sorted(
+            ((max(1, e.size.output - len(s.output_ids)), s) for s, e in self.running.items()),
+            key=lambda pair: pair[0],
         )
-        return younger.size.output + 1 <= eta
+        if not order:
+            return 0
+        if self.room is None:
+            return order[0][0]
+        leaving: list[Sequence] = []
+        for steps, seq in order:
+            leaving.append(seq)
+            if self.room(blocked, leaving):
+                return steps
+        return math.inf

@@ -48,8 +48,8 @@ class ChameleonParams:
     # Off by default, as in the paper. At the SLO it narrows the largest queue's tail and
     # still misses the targets: bench sched's engine target (loraplex's P99 TTFT against
     # its own FIFO) per draw -0.35..-0.59 off, -0.07..-0.23 at the SLO, never > 0; in the
-    # simulator, Chameleon's P99 reduction against S-LoRA at the paper's high load -0.32 off,
-    # 0.12 at the SLO (target 0.6), for 8% of its capacity and P50 0.92 -> 0.84.
+    # simulator (5 seeds), Chameleon's P99 reduction against S-LoRA at the paper's high load
+    # -0.13 off, 0.15 at the SLO (target 0.6), for 7% of its capacity and P50 0.92 -> 0.85.
     starve_s: float | None = Field(
         None,
         gt=0,

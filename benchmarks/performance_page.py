@@ -120,7 +120,10 @@ x its capacity until its P99 TTFT crosses the SLO in every seed, at most 1.5x), 
 `*.p99_ttft_reduction_max`, beside the headline keys) give the P99 reduction against S-LoRA
 over the grid and the paper's loads, each as load ÷ each system's own capacity. Chameleon
 runs as the paper has it: no starvation guard (reported apart as `chameleon_guard`), quotas
-scaled in proportion to the M/M/1 minimums when these exceed the pool. The engine section replays the same arrivals through
+scaled in proportion to the M/M/1 minimums when these exceed the pool, every queue tried
+every iteration. `chameleon_p99` is a departure reported apart: minimums sized for each
+queue's M/M/1 P99 (ln 100/SLO for 1/SLO), granted largest queue first over the pool.
+The engine section replays the same arrivals through
 the real engine with a CPU cost profile; Chameleon on S-LoRA there admits every iteration,
 with bypass, squash and prefetch, as in the simulator.""",
     "router": """\

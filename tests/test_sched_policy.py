@@ -5,6 +5,7 @@ the formulas of seed 004 §4.3."""
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 import numpy as np
@@ -73,6 +74,27 @@ def test_overloaded_quotas_keep_the_minimums_ratio_whatever_the_weights():
     heavy = QueueLoad(max_size=400, duration_s=4.0, rate=0.25, weight=1e6)
     assert token_quotas([skewed, heavy], 1000, slo_s=5.0) == [870, 130]
     assert token_quotas([], 100, 5.0) == []
+
+
+def test_p99_quotas_size_minimums_for_the_tail_and_grant_them_largest_queue_first():
+    """The departure reported apart (quota_percentile, off by default): M/M/1 time in
+    system is exponential with rate μ − λ, so its P99 <= SLO needs μ − λ >= ln(100)/SLO.
+    Over the pool, scaling every minimum alike leaves the largest queue one request;
+    granting largest first (each at most half of what is left) keeps its minimum."""
+    assert ChameleonParams().quota_percentile is None
+    small = QueueLoad(max_size=100, duration_s=2.0, rate=1.0, weight=1.0)
+    large = QueueLoad(max_size=1000, duration_s=10.0, rate=0.1, weight=3.0)
+    p99 = math.log(100) / 5.0
+    mins = [100 * 2 * (p99 + 1.0), 1000 * 10 * (p99 + 0.1)]  # 384.2 and 10210.3
+    quotas = token_quotas([small, large], 40_000, slo_s=5.0, percentile=0.99)
+    assert quotas[0] >= mins[0] and quotas[1] >= mins[1] and sum(quotas) == 40_000
+    # over the pool (Σ 10595 > 6000): the large queue's minimum is capped at half the
+    # pool, the small queue takes the rest; the paper's scaling would give it 5782
+    assert token_quotas([small, large], 6000, slo_s=5.0, percentile=0.99) == [3000, 3000]
+    mid = QueueLoad(max_size=500, duration_s=2.0, rate=0.2, weight=1.0)
+    # 3 queues, total 11000 (Σ 11716 over it): large 10211 capped at 5500; mid
+    # 500·2·(0.921 + 0.2) = 1121.03, rounded up; small the rest
+    assert token_quotas([small, mid, large], 11_000, 5.0, 0.99) == [4378, 1122, 5500]
 
 
 def test_wrs_is_degree_two_in_the_adapter_size():
@@ -219,6 +241,21 @@ def test_two_phase_admission_quotas_first_then_spare_smallest_queue_first():
     assert rec.admitted == ["s0", "s1", "s2", "s3", "s4"]
 
 
+def test_a_queue_whose_head_does_not_fit_memory_leaves_the_next_queues_their_turn():
+    """Seed 004 §4.1: "on every iteration, Chameleon tries to take requests from all
+    queues"; in Algorithm 1 a request that does not fit ends its own queue's put_batch,
+    and generate_batch goes on to the next queue. A small queue's head too large for the
+    memory left (FULL: its prompt and worst-case output) must not keep the large queue's
+    head, which fits, out of the batch."""
+    ch = chameleon([30, 100], [0.2])
+    ch.add(seq("s0", 5, 5), 0.0)
+    ch.add(seq("L", 50, 50), 0.0)
+    rec = Recorder({"s0": Admit.FULL})
+    ch.admit(0.0, rec)
+    assert rec.asked == ["s0", "L"] and rec.admitted == ["L"]
+    assert [len(q) for q in ch.queues] == [1, 0]  # s0 keeps its place
+
+
 def test_a_finished_request_returns_its_quota():
     ch = chameleon([20, 100], [0.2])
     a, b, c = seq("a", 5, 5), seq("b", 5, 5), seq("c", 5, 5)
@@ -332,6 +369,30 @@ def test_bypass_only_for_requests_predicted_to_finish_before_memory_frees():
     rec = Recorder({"R1": Admit.NO_ROOM})
     ch.admit(0.0, rec)
     # R2 (3 steps <= 10) overtakes R1; R3 (51 steps > 10) may not: the queue stops there
+    assert rec.asked == ["R1", "R2"] and rec.admitted == ["R2"]
+    assert ch.num_bypasses == 1
+
+
+def test_bypass_waits_for_the_memory_the_blocked_request_needs_not_the_first_to_free():
+    """§4.3.3: R2 may bypass R1 if "how soon will the memory needed by R1 become
+    available" is longer than R2's execution. R1 here needs both running requests gone:
+    its memory frees in 40 steps, not in the 10 after which the first one leaves, so a
+    20-step R2 may pass it (and a 50-step one may not)."""
+    ch = chameleon([1000], [])
+    first, second = seq("A", 5, 10), seq("B", 5, 40)
+    for s in (first, second):
+        ch.add(s, 0.0)
+    ch.admit(0.0, Recorder())
+
+    def room(waiting: Sequence, leaving: list[Sequence]) -> bool:
+        return {first, second} <= set(leaving)
+
+    assert ch.to_squash(0.0, room) == []  # the host asks before each admission
+    blocked, medium, slow = seq("R1", 5, 60), seq("R2", 5, 20), seq("R3", 5, 50)
+    for s in (blocked, medium, slow):
+        ch.add(s, 0.0)
+    rec = Recorder({"R1": Admit.NO_ROOM})
+    ch.admit(0.0, rec)
     assert rec.asked == ["R1", "R2"] and rec.admitted == ["R2"]
     assert ch.num_bypasses == 1
 

@@ -38,7 +38,7 @@ from loraplex.benchmarks.sim.workload import AdapterSpec
 from loraplex.replica.memory.eviction import AdapterUsage, WeightedScore
 from loraplex.replica.sampling import SamplingParams
 from loraplex.replica.scheduling.chameleon import Chameleon, ChameleonParams
-from loraplex.replica.scheduling.policy import Admit
+from loraplex.replica.scheduling.policy import Admit, Room
 from loraplex.replica.scheduling.queue_math import OutputPredictor
 from loraplex.replica.sequence import Sequence
 
@@ -148,6 +148,7 @@ class ChameleonQueue:
             batch.append(req)
             return Admit.OK
 
+        self.policy.room = self._room(running, adapter_slots)  # what a bypass predicts with
         self.policy.admit(self.clock(), try_admit)
         for req in batch:
             self._dequeued(req)
@@ -163,6 +164,11 @@ class ChameleonQueue:
     ) -> list[SReq]:
         """Chameleon's squash over S-LoRA's memory check: running requests to preempt so
         that a request they bypassed passes it."""
+        victims = self.policy.to_squash(self.clock(), self._room(running, adapter_slots))
+        return [self.req_of[s] for s in victims]
+
+    def _room(self, running: list[SReq], adapter_slots: Callable[[str | None], int]) -> Room:
+        """S-LoRA's memory check for a waiting request with some of `running` gone."""
 
         def room(seq: Sequence, leaving: list[Sequence]) -> bool:
             req, gone = self.req_of[seq], {self.req_of[s] for s in leaving}
@@ -174,8 +180,7 @@ class ChameleonQueue:
             size = sum(adapter_slots(a) for a in {r.adapter for r in rest} | {req.adapter})
             return _peak_kv(held, left) < self.max_total_tokens - size
 
-        victims = self.policy.to_squash(self.clock(), room)
-        return [self.req_of[s] for s in victims]
+        return room
 
     def preempt(self, req: SReq) -> None:
         """Back to its queue, right behind the request it was squashed for."""

@@ -8,6 +8,9 @@ adapters loaded on the critical path and prefetched for the queue head):
                      policy loraplex runs) and its adapter cache (benchmarks/peers/slora_chameleon.py)
   chameleon_guard    the same with a starvation guard at the SLO (not in the paper: a
                      request that waited the SLO is admitted first, over quota); simulator only
+  chameleon_p99      the same with quotas sized for each queue's P99 (not in the paper:
+                     M/M/1 minimums for the 99th percentile of time in system, granted
+                     largest queue first over the pool); simulator only
   cham_queues_only   seed 004 §5.2.4's breakdown, simulator only: Chameleon's queues on
                      S-LoRA without the cache (adapters leave as S-LoRA's do)
   cham_cache_only    ... and the cache with one queue (FIFO admission, every iteration)
@@ -40,8 +43,10 @@ SYSTEM_NAMES = (
     "loraplex",
 )
 GUARDED = "chameleon_guard"
+TAIL = "chameleon_p99"
+TAIL_PERCENTILE = 0.99
 BREAKDOWN = ("cham_queues_only", "cham_cache_only")
-SIM_SYSTEMS = (*SYSTEM_NAMES, GUARDED, *BREAKDOWN)
+SIM_SYSTEMS = (*SYSTEM_NAMES, GUARDED, TAIL, *BREAKDOWN)
 SCHED = {"max_num_seqs": 128, "max_num_batched_tokens": 4096, "max_loras_per_batch": 64}
 # S-LoRA's flags: the pool is the device's (max_total_token_num = its slots), prompts up
 # to the model's context, prefetching on (seed 004 §5.1: "asynchronous adapter
@@ -116,6 +121,12 @@ def systems(
         GUARDED: System(
             GUARDED,
             replace(cham, chameleon=replace(mlq, starve_s=slo_s)),
+            CacheConfig(keep_idle=True, prefetch=4096, eviction="chameleon"),
+            slora=on_slora,
+        ),
+        TAIL: System(
+            TAIL,
+            replace(cham, chameleon=replace(mlq, quota_percentile=TAIL_PERCENTILE)),
             CacheConfig(keep_idle=True, prefetch=4096, eviction="chameleon"),
             slora=on_slora,
         ),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
@@ -113,6 +114,9 @@ class Chameleon:
         self.num_starving = 0  # admitted by the starvation guard
         self.num_squashes = 0
         self.bypassed: dict[Sequence, None] = {}  # waiting requests with running bypassers
+        # the host's memory check, as given to the latest to_squash (asked before each
+        # admission): what a bypass predicts the blocked request's wait with
+        self.room: Room | None = None
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -249,7 +253,9 @@ class Chameleon:
             entry.wrs = self.wrs(entry.size)
             entry.queue = self.queue_of(entry.wrs)
             self._charge(seq, entry)
-        self.quotas = token_quotas(self.queue_loads(now), self.capacity(), self.p.slo_s)
+        self.quotas = token_quotas(
+            self.queue_loads(now), self.capacity(), self.p.slo_s, self.p.quota_percentile
+        )
 
     def queue_loads(self, now: float) -> list[QueueLoad]:
         k = len(self.cutoffs) + 1
@@ -304,7 +310,8 @@ class Chameleon:
         """Phase 0, only with `starve_s` set (not in the paper, off by default): requests
         that waited starve_s, oldest first, over quota. Phase 1: each queue, smallest first,
         within its quota; the unused quota of the queues left empty is spare. Phase 2: the
-        spare, smallest queue first."""
+        spare, smallest queue first. A request that does not fit (FULL) ends its own
+        queue's turn, not the others' (§4.1: every iteration tries every queue)."""
         self.now = now
         self._maybe_refresh(now)
         if self.p.starve_s is not None and self._admit_starving(now, try_admit):
@@ -312,18 +319,13 @@ class Chameleon:
         spare = 0
         for q in range(len(self.queues)):
             room = self.quotas[q] - self.used[q]
-            consumed, full = self._put(q, room, now, try_admit)
-            if full:
-                return
+            consumed = self._put(q, room, now, try_admit)
             if not self.queues[q]:
                 spare += max(0, room - consumed)
         for q in range(len(self.queues)):
             if spare <= 0:
                 return
-            consumed, full = self._put(q, spare, now, try_admit)
-            spare -= consumed
-            if full:
-                return
+            spare -= self._put(q, spare, now, try_admit)
 
     def _admit_starving(self, now: float, try_admit: TryAdmit) -> bool:
         """True if the batch is full."""
@@ -344,7 +346,7 @@ class Chameleon:
                 self.num_starving += 1
         return False
 
-    def _put(self, q: int, tokens: int, now: float, try_admit: TryAdmit) -> tuple[int, bool]:
+    def _put(self, q: int, tokens: int, now: float, try_admit: TryAdmit) -> int:
         """Admit from queue q, oldest first, within `tokens`. A request whose adapter has no
         room may be overtaken by a younger one only while the younger is predicted to
         finish before memory for the older frees up, and at most max_bypass times (the
@@ -353,12 +355,12 @@ class Chameleon:
         consumed = 0
         admitted: list[Sequence] = []
         blocked: Sequence | None = None
-        full = False
+        wait = 0.0  # decode steps until memory for `blocked` frees up
         for seq in self.queues[q]:
             entry = self.entries[seq]
             if self.cost(seq, entry, q) > tokens - consumed and self.used[q] > 0:
                 break
-            if blocked is not None and not self._may_overtake(self.entries[blocked], entry):
+            if blocked is not None and not self._may_overtake(self.entries[blocked], wait, entry):
                 break
             result = try_admit(seq)
             if result is Admit.OK:
@@ -372,16 +374,15 @@ class Chameleon:
                     self.bypassed[blocked] = None
                     self.num_bypasses += 1
             elif result is Admit.FULL:
-                full = True
                 break
             elif result is Admit.NO_ROOM and blocked is None:
-                blocked = seq
+                blocked, wait = seq, self._memory_wait(seq)
             # LOADING / ADAPTER_CAP: it waits for its adapter, the others go on
         for seq in admitted:
             self.queues[q].remove(seq)
             del self.entries[seq]
             self.bypassed.pop(seq, None)
-        return consumed, full
+        return consumed
 
     def to_squash(self, now: float, room: Room) -> list[Sequence]:
         """§4.3.3: a bypass bets that the younger request finishes before memory for the
@@ -389,6 +390,7 @@ class Chameleon:
         (some of) its running bypassers left, and does not fit without them — those
         bypassers are squashed (preempted, to run again later, right behind it): the
         most recently admitted first, as few as make room."""
+        self.room = room
         if not self.p.squash:
             return []
         victims: list[Sequence] = []
@@ -414,12 +416,30 @@ class Chameleon:
             self.num_squashes += len(chosen)
         return victims
 
-    def _may_overtake(self, blocked: _Entry, younger: _Entry) -> bool:
+    def _may_overtake(self, blocked: _Entry, wait: float, younger: _Entry) -> bool:
+        """§4.3.3: "Chameleon allows R2 to bypass R1 only if the former [the time until the
+        memory needed by R1 becomes available] is longer than the latter [R2's execution]";
+        `max_bypass` caps it (not in the paper)."""
         if blocked.overtaken >= self.p.max_bypass:
             return False
-        # decode steps until some running request (predicted) finishes and frees memory
-        eta = min(
-            (max(1, e.size.output - len(s.output_ids)) for s, e in self.running.items()),
-            default=0,
+        return younger.size.output + 1 <= wait
+
+    def _memory_wait(self, blocked: Sequence) -> float:
+        """Decode steps until memory for `blocked` frees up: the running requests leave in
+        the order they are predicted to finish, and the wait is that of the first whose
+        leaving (with those before it) makes room for it; inf if none would. Before any
+        `room` is known, the first to finish."""
+        order = sorted(
+            ((max(1, e.size.output - len(s.output_ids)), s) for s, e in self.running.items()),
+            key=lambda pair: pair[0],
         )
-        return younger.size.output + 1 <= eta
+        if not order:
+            return 0
+        if self.room is None:
+            return order[0][0]
+        leaving: list[Sequence] = []
+        for steps, seq in order:
+            leaving.append(seq)
+            if self.room(blocked, leaving):
+                return steps
+        return math.inf

@@ -321,18 +321,15 @@ def fleet_below_capacity(n: int, load: float) -> dict[str, dict[str, float]]:
     }
 
 
-def test_a_steady_load_below_capacity_holds_its_count_without_a_sawtooth():
-    """2.4 replicas' worth of tokens, steady for an hour, starting from 3 replicas. The
-    queues (requests held against slots, prefill held) are empty below capacity, so counted
-    alone they let the count fall to 2, where prompts queue and it climbs again (the
-    sawtooth of the simulated day). Counted as utilisation the load wants
-    ceil(2.4 / 0.7) = 4 replicas, and none leaves while 3 would be over 0.55."""
+def steady(n: int, replicas_worth: float, seconds: int) -> tuple[list[int], dict[str, Any]]:
+    """The policy every 10 s under a steady load of `replicas_worth` replicas' tokens,
+    starting from n replicas, each decision applied at once: the counts, and its state."""
     state: dict[str, Any] = {}
-    n, seen, last_up, last_down = 3, [3], 0.0, None
-    for t in range(0, 3600, 10):
+    seen, last_up, last_down = [n], 0.0, None
+    for t in range(0, seconds, 10):
         ctx = Context(
             [f"r{i}" for i in range(n)],
-            fleet_below_capacity(n, 2.4),
+            fleet_below_capacity(n, replicas_worth),
             current_time=float(t),
             policy_state=state,
             last_scale_up_time=last_up,
@@ -345,6 +342,16 @@ def test_a_steady_load_below_capacity_holds_its_count_without_a_sawtooth():
             last_down = float(t)
         n = target
         seen.append(n)
+    return seen, state
+
+
+def test_a_steady_load_below_capacity_holds_its_count_without_a_sawtooth():
+    """2.4 replicas' worth of tokens, steady for an hour, starting from 3 replicas. The
+    queues (requests held against slots, prefill held) are empty below capacity, so counted
+    alone they let the count fall to 2, where prompts queue and it climbs again (the
+    sawtooth of the simulated day). Counted as utilisation the load wants
+    ceil(2.4 / 0.7) = 4 replicas, and none leaves while 3 would be over 0.55."""
+    seen, state = steady(3, 2.4, 3600)
     events = sum(a != b for a, b in zip(seen[:-1], seen[1:], strict=True))
     assert seen[-1] == 4 and events == 1, (events, seen)
     assert "utilisation 2.40 replicas" in state["why"]
@@ -354,18 +361,6 @@ def test_a_replica_leaves_only_while_the_others_stay_under_the_scale_down_utilis
     """4 replicas under 1.2 replicas' worth of tokens: one leaves, 3 being 0.40 utilised
     each (<= 0.55); 2 would be 0.60 each (> 0.55), so 3 stay, though the utilisation alone
     wants ceil(1.2 / 0.7) = 2."""
-    state: dict[str, Any] = {}
-    n, last_down = 4, None
-    for t in range(0, 1200, 10):
-        ctx = Context(
-            [f"r{i}" for i in range(n)],
-            fleet_below_capacity(n, 1.2),
-            current_time=float(t),
-            policy_state=state,
-            last_scale_down_time=last_down,
-        )
-        target, state = POLICY(ctx)
-        if target < n:
-            last_down = float(t)
-        n = target
+    seen, state = steady(4, 1.2, 1200)
+    n = seen[-1]
     assert n == 3 and "2 replicas would be 60% utilised" in state["why"]

@@ -89,6 +89,8 @@ class EngineSettings(BaseModel):
             kernels=self.kernels,
             enable_prefix_caching=self.enable_prefix_caching,
             share_base_prefix=self.share_base_prefix,
+            stream_events_per_s=self.stream_events_per_s,
+            stream_events_per_s_per_stream=self.stream_events_per_s_per_stream,
             **more,
         )
 

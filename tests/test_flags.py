@@ -112,6 +112,8 @@ def test_generate_flags_make_the_engine_the_yaml_config_makes(tmp_path: Path):
     assert from_cli.cache.host_bytes == 64 << 20
     assert from_cli.scheduler.tenant_fairness is False
     assert (from_cli.enable_prefix_caching, from_cli.share_base_prefix) == (False, True)
+    # both were dropped on the way to the engine: a replica streamed at the defaults
+    assert (from_cli.stream_events_per_s, from_cli.stream_events_per_s_per_stream) == (120, 10)
 
 
 def test_a_cross_field_refusal_is_the_yaml_one():

@@ -125,6 +125,10 @@ def config_file(demo_assets: DemoAssets, tmp_path_factory: pytest.TempPathFactor
             "pool_mib": 32,
             "page_kib": 64,
             "max_num_seqs": 8,
+            # a chunk a token, as before the per-stream cap: the stickiness test needs its
+            # 800-token streams to outlast two stats periods, and with 20 chunks a second the
+            # relay no longer slows the engine, so on the demo model they ended in ~1 s
+            "stream_events_per_s_per_stream": 0,
         },
         "replicas": {"num_replicas": 2, "num_cpus": 1},
         # a short rate window: the hot-adapter test sees homes grow and shrink in seconds

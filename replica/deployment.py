@@ -81,11 +81,7 @@ class ReplicaDeployment:
         if etcd is not None and artifact_root is None:
             raise ValueError("artifact_root is required when etcd is given")
         self.max_concurrency = cfg.scheduler.max_num_seqs
-        self.requests_total = 0  # generate calls received (for operators and tests)
-        self.in_flight = 0  # generate calls not finished, those waiting for a read included
-        self.output_tokens = 0  # tokens streamed (what the autoscaling report counts as made)
-        # (when, store re-reads, prompt tokens computed, output tokens) at the last report
-        self._autoscale_mark = (time.monotonic(), 0, 0, 0)
+        self._start_counters()
         self.engine = await asyncio.to_thread(Engine, cfg)  # reads the checkpoint
         if etcd is None:
             return
@@ -98,6 +94,13 @@ class ReplicaDeployment:
         except BaseException:
             await self.shutdown()
             raise
+
+    def _start_counters(self) -> None:
+        self.requests_total = 0  # generate calls received (for operators and tests)
+        self.in_flight = 0  # generate calls not finished, those waiting for a read included
+        self.output_tokens = 0  # tokens streamed (what the autoscaling report counts as made)
+        # (when, store re-reads, prompt tokens computed, output tokens) at the last report
+        self._autoscale_mark = (time.monotonic(), 0, 0, 0)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Stream the request's chunks. AdapterNotFound if its adapter version is not

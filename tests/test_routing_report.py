@@ -34,7 +34,8 @@ def replica(engine: Engine, sync: AdapterSync) -> ReplicaDeployment:
     """The deployment as Serve's constructor leaves it, over this engine and sync."""
     shell = ReplicaDeployment.__new__(ReplicaDeployment)
     shell.replica_id, shell.engine, shell.sync, shell.watcher = "r0", engine, sync, None
-    shell.max_concurrency, shell.requests_total, shell.in_flight = 8, 0, 0
+    shell.max_concurrency = 8
+    shell._start_counters()  # as the constructor does: every counter a report reads
     return shell
 
 

@@ -33,7 +33,9 @@ Serve over `look_back_period_s`. The policy wants the largest of three counts:
 
 Scaling up is at once (Serve's `upscale_delay_s` applies on top); scaling down waits until
 the count wanted has stayed below the current one for `downscale_delay_s`, never undoes a
-scale event younger than `cooldown_s`, so a steady load does not flap, and removes one
+scale event younger than `cooldown_s` (nor does the read count undo a scale-down that
+young: the leaving replica's adapters are read once where they go), so a steady load does
+not flap, and removes one
 replica at a time (its adapters are read again where they go: several at once were a
 cold-start storm in the simulated day, P99 TTFT 31.8 s after 6 -> 2). A count is
 never lowered while the fewer replicas would be more than scale_down_utilisation utilised
@@ -177,6 +179,7 @@ class Homes:
 class Decision:
     replicas: int
     why: str
+    by_reads: bool = False  # the store reads alone ask for more replicas than there are
 
 
 def wanted(
@@ -205,7 +208,11 @@ def wanted(
         why_load = f"a hot adapter wants {hot} homes"
     busy = sum(r.read_busy for r in reports) / current  # per replica now
     if busy > s.read_busy:
-        return Decision(max(by_load, current + 1), f"store reads keep replicas {busy:.0%} busy")
+        return Decision(
+            max(by_load, current + 1),
+            f"store reads keep replicas {busy:.0%} busy",
+            by_reads=by_load <= current,
+        )
     # fewer replicas read as much in all: as many as keep that under read_busy
     by_reads = max(1, _ceil(busy * current / s.read_busy))
     if by_load < by_reads:
@@ -277,6 +284,11 @@ class LoraAutoscalingPolicy:
         else:
             state.pop("lower_from", None)
             state.pop("lower_since", None)
+            down = ctx.last_scale_down_time
+            if target > current and decision.by_reads and down and now - down < s.cooldown_s:
+                # the leaving replica's adapters are read once where they go: reads, not
+                # a thrashing working set (undone at once, that was a flap in a real 2 -> 1)
+                target = current
         if target != current and state.get("asked") != (current, target):
             log.info(
                 "lora autoscaling wants %d replicas (%d now): %s", target, current, decision.why

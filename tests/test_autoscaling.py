@@ -97,6 +97,22 @@ def test_a_working_set_that_thrashes_adds_a_replica_before_queues_grow():
     assert target == 3 and "store reads keep replicas 45% busy" in state["why"]
 
 
+def test_reads_alone_do_not_undo_a_scale_down_within_the_cooldown():
+    """Right after 2 -> 1 the leaving replica's adapters are read once where they go: 3
+    reads a second of 0.3 s on the one left is 90% busy, over read_busy, but the count stays
+    at 1 until the cooldown has passed (a real 1 -> 2 -> 1 went straight back to 2 on one
+    such read). A load that wants 2 still gets them at once."""
+    reads = context(1, 4, reads_per_s=3.0, current_time=1010.0)
+    reads.last_scale_down_time = 1000.0  # 10 s ago: within the 30 s cooldown
+    target, state = POLICY(reads)
+    assert target == 1 and "store reads keep replicas 90% busy" in state["why"]
+    reads.current_time = 1031.0
+    assert POLICY(reads)[0] == 2  # reads that go on past the cooldown: a working set
+    load = context(1, 40, reads_per_s=3.0, current_time=1010.0)
+    load.last_scale_down_time = 1000.0
+    assert POLICY(load)[0] == 4  # 40 requests held on 16 slots at 0.7
+
+
 def test_a_replica_is_removed_only_after_the_delay_and_the_cooldown():
     state: dict[str, Any] = {}
     n, seen, last_down = 3, [], None

@@ -35,9 +35,9 @@ Scaling up is at once (Serve's `upscale_delay_s` applies on top); scaling down w
 the count wanted has stayed below the current one for `downscale_delay_s`, never undoes a
 scale event younger than `cooldown_s` (nor does the read count undo a scale-down that
 young: the leaving replica's adapters are read once where they go), so a steady load does
-not flap, and removes one
-replica at a time (its adapters are read again where they go: several at once were a
-cold-start storm in the simulated day, P99 TTFT 31.8 s after 6 -> 2). A count is
+not flap, and removes one replica at a time (its adapters are read again where they go:
+several at once were a cold-start storm in the simulated day, P99 TTFT 31.8 s after
+6 -> 2). A count is
 never lowered while the fewer replicas would be more than scale_down_utilisation utilised
 (below target_utilisation: the band between them is the hysteresis) or would read past
 read_busy (the working set would thrash again). Bounds are Serve's min_replicas and

@@ -86,9 +86,11 @@ def invalid_request(errors: Sequence[Mapping[str, Any]]) -> OpenAIError:
 
 
 def rate_limited(e: RateLimited) -> OpenAIError:
-    """429, as OpenAI answers a client over its rate limits."""
+    """429, as OpenAI answers a client over its rate limits; 503 when the limits could not
+    be checked (the tenant ledger did not answer). Either way with Retry-After."""
     headers = {"Retry-After": str(e.retry_after_s)}
-    return OpenAIError(429, e.message, code="rate_limit_exceeded", headers=headers)
+    code = "rate_limit_exceeded" if e.status == 429 else "service_unavailable"
+    return OpenAIError(e.status, e.message, code=code, headers=headers)
 
 
 _REGISTRY_CODES = {401: "invalid_api_key", 403: "permission_denied"}

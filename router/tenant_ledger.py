@@ -57,6 +57,7 @@ class Message:
 class Grant:
     amount: int
     wait_s: float  # when amount is 0: how long until the free part could cover the need
+    answered: bool = True  # False: the ledger could not be reached (the limiter's own)
 
 
 @dataclass(slots=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from loraplex.registry.models import TenantLimits
-from loraplex.router.tenant_ledger import Grant, Key, LedgerService, Message
+from loraplex.router.tenant_ledger import Grant, Key, Kind, LedgerService, Message
 
 log = logging.getLogger(__name__)
 
@@ -37,10 +37,11 @@ _IN_FLIGHT_RETRY_S = 1  # a request in flight ends at an unknown time: ask again
 class RateLimited(Exception):
     """A tenant over one of its limits: answered 429 with Retry-After."""
 
-    def __init__(self, message: str, retry_after_s: float) -> None:
+    def __init__(self, message: str, retry_after_s: float, status: int = 429) -> None:
         super().__init__(message)
         self.message = message
         self.retry_after_s = max(1, math.ceil(retry_after_s))  # HTTP's delay-seconds
+        self.status = status  # 503: the cluster's ledger did not answer, not the tenant's doing
 
 
 class OverLimit(Exception):
@@ -90,6 +91,7 @@ class TenantLimiter:
         self._held: dict[str, _Holding] = {}
         self._deltas: dict[Key, tuple[float, float]] = {}
         self._seq = 0
+        self._asking: dict[Key, asyncio.Future[Grant]] = {}
 
     def in_flight(self, tenant: str) -> int:
         held = self._held.get(tenant)
@@ -102,23 +104,23 @@ class TenantLimiter:
         held = self._held.setdefault(tenant, _Holding())
         self._follow_limits(tenant, held, limits)
         cap = limits.max_requests_in_flight
-        if cap is not None and held.in_flight >= held.requests:
-            grant = await self._borrow(held, (tenant, "requests"), cap, 1)
-            held.requests += grant.amount
-            if held.in_flight >= held.requests:
+        while cap is not None and held.in_flight >= held.requests:
+            grant = await self._borrow(tenant, held, "requests", cap, 1)
+            if not grant.amount and held.in_flight >= held.requests:
                 self._forget_if_idle(tenant)
-                raise RateLimited(
-                    f"tenant {tenant!r} has {cap} requests in flight, its limit "
-                    f"(max_requests_in_flight); retry when one has finished",
+                raise _refused(grant) or RateLimited(
+                    f"tenant {tenant!r} is at its limit of {cap} requests in flight across "
+                    "the cluster (max_requests_in_flight); retry when one has finished",
                     _IN_FLIGHT_RETRY_S,
                 )
         per_minute = limits.tokens_per_minute
-        if per_minute is not None and held.tokens < 1:
-            grant = await self._borrow(held, (tenant, "tokens"), per_minute, 1)
-            held.tokens += grant.amount
-            if held.tokens < 1:
+        while per_minute is not None and held.tokens < 1:
+            grant = await self._borrow(tenant, held, "tokens", per_minute, 1)
+            if not grant.amount and held.tokens < 1:
                 self._forget_if_idle(tenant)
-                raise RateLimited(_tokens_message(tenant, per_minute), grant.wait_s)
+                raise _refused(grant) or RateLimited(
+                    _tokens_message(tenant, per_minute), grant.wait_s
+                )
         held.in_flight += 1
         return Ticket(self, tenant, per_minute)
 
@@ -132,13 +134,13 @@ class TenantLimiter:
                 f"{ticket.tenant!r}'s limit of {per_minute} tokens per minute; lower "
                 "max_tokens"
             )
-        if held.tokens < need:
-            key = (ticket.tenant, "tokens")
-            grant = await self._borrow(held, key, per_minute, need - held.tokens)
-            held.tokens += grant.amount
-            if held.tokens < need:
+        while held.tokens < need:
+            grant = await self._borrow(
+                ticket.tenant, held, "tokens", per_minute, need - held.tokens
+            )
+            if not grant.amount and held.tokens < need:
                 message = _tokens_message(ticket.tenant, per_minute, need)
-                raise RateLimited(message, grant.wait_s)
+                raise _refused(grant) or RateLimited(message, grant.wait_s)
         held.tokens -= need  # reserved: out of the pool, as used
         self._delta((ticket.tenant, "tokens"), -need, 0)
         ticket.reserved += need
@@ -167,15 +169,39 @@ class TenantLimiter:
                 held.tokens = 0
             held.tokens_cap = cap
 
-    async def _borrow(self, held: _Holding, key: Key, capacity: int, need: int) -> Grant:
-        held.borrowing += 1
+    async def _borrow(
+        self, tenant: str, held: _Holding, kind: Kind, capacity: int, need: int
+    ) -> Grant:
+        """Ask the ledger for more of a share; what it grants lands in `held` before any
+        caller resumes. One ask per pool at a time: a request that finds one under way waits
+        for it and its caller checks again, so a burst of first requests makes one ask, not
+        one each. (They used to ask at once; over Ray the replies can come back in any order,
+        and a burst of 16 at a cluster's start was refused when a nothing-left reply landed
+        before the ask that had taken the room.)"""
+        key = (tenant, kind)
+        asking = self._asking.get(key)
+        if asking is None or asking.done():  # done: its grant is in `held` already
+            held.borrowing += 1  # now, not when the task starts: `held` is kept meanwhile
+            asking = self._asking[key] = asyncio.ensure_future(self._ask(held, key, capacity, need))
         try:
-            return await self.ledger.borrow(self._message(), key, capacity, need)
+            return await asyncio.shield(asking)  # a caller that gives up leaves the grant here
+        finally:
+            if asking.done() and self._asking.get(key) is asking:
+                del self._asking[key]
+
+    async def _ask(self, held: _Holding, key: Key, capacity: int, need: int) -> Grant:
+        try:
+            grant = await self.ledger.borrow(self._message(), key, capacity, need)
         except Exception:  # the ledger is restarting: refuse what the shares do not cover
             log.warning("the tenant ledger did not answer a borrow", exc_info=True)
-            return Grant(0, self.sync_s)
+            return Grant(0, self.sync_s, answered=False)
         finally:
             held.borrowing -= 1
+        if key[1] == "requests":
+            held.requests += grant.amount
+        else:
+            held.tokens += grant.amount
+        return grant
 
     async def run(self) -> None:
         """Report to the ledger every `sync_s` (the lease), giving back half of what each
@@ -253,6 +279,19 @@ class Ticket:
             return
         self.released = True
         self.limiter._release(self, used_tokens)
+
+
+def _refused(grant: Grant) -> RateLimited | None:
+    """The refusal when the ledger did not answer: the limit could not be checked beyond
+    this ingress's share, which is the server's fault, not the tenant's (503, not 429)."""
+    if grant.answered:
+        return None
+    return RateLimited(
+        "the cluster's tenant ledger did not answer, so this request could not be checked "
+        "against its tenant's limits; retry shortly",
+        grant.wait_s,
+        status=503,
+    )
 
 
 def _tokens_message(tenant: str, per_minute: int, need: int | None = None) -> str:

@@ -48,7 +48,7 @@ async def test_requests_in_flight_per_tenant():
     with pytest.raises(RateLimited) as refused:
         await lim.admit("a", two)
     assert refused.value.retry_after_s == 1
-    assert "has 2 requests in flight" in refused.value.message
+    assert "at its limit of 2 requests in flight" in refused.value.message
     await lim.admit("b", two)  # another tenant's count is its own
     first.release()
     first.release()  # idempotent: counted once
@@ -159,7 +159,7 @@ async def test_requests_in_flight_are_counted_across_ingresses():
     at_a = [await a.admit("t", four) for _ in range(3)]
     at_b = await b.admit("t", four)  # a holds all four: it gives back its spare one
     for lim in (a, b):
-        with pytest.raises(RateLimited, match="has 4 requests in flight"):
+        with pytest.raises(RateLimited, match="at its limit of 4 requests in flight"):
             await lim.admit("t", four)
     assert held(ledger, "t", "requests") <= 4
     at_a[0].release()
@@ -224,3 +224,72 @@ def test_a_restarted_ledger_learns_the_holdings_from_the_snapshots():
     assert ledger.grant("b", key, 4, 2).amount == 0  # only one is free
     ledger.report(Message("a", seq=6, deltas={key: (-2.0, 2.0)}, snapshot={key: (1.0, 4)}))
     assert ledger.pools[key].free == 3 and ledger.grant("b", key, 4, 3).amount == 3
+
+
+class ReplyingInReverse:
+    """The cluster's ledger as Ray can deliver it: each ask is answered by a real
+    LedgerService, but the replies are held until `burst` asks are out (or 0.2 s passed)
+    and come back last first (an actor's replies are not ordered across calls)."""
+
+    def __init__(self, burst: int) -> None:
+        self.service = LedgerService.for_sync(SYNC_S, Clock())
+        self.burst = burst
+        self.asks = 0
+        self._held: list[asyncio.Future[None]] = []
+
+    async def borrow(self, message: Message, key, capacity: int, need: int):
+        grant = await self.service.borrow(message, key, capacity, need)
+        self.asks += 1
+        turn = asyncio.get_running_loop().create_future()
+        self._held.append(turn)
+        if len(self._held) == 1:
+            asyncio.get_running_loop().call_later(0.2, self._reply)
+        if len(self._held) >= self.burst:
+            self._reply()
+        await turn
+        return grant
+
+    def _reply(self) -> None:
+        for turn in reversed(self._held):
+            turn.set_result(None)
+        self._held.clear()
+
+    async def poll(self, message: Message, wait_s: float):
+        return await self.service.poll(message, wait_s)
+
+
+@run
+async def test_a_burst_of_first_requests_is_let_in_whatever_order_the_ledger_replies():
+    """16 requests at a cluster's start, limit 256: each used to ask the ledger at once; the
+    first two asks took 128 each and the other 14 got nothing, and when those replies came
+    back first (as over Ray) 14 requests were refused with 429 "256 requests in flight"
+    with none in flight (a fresh-clone CI run). One ask is made now, and every request is
+    let in."""
+    ledger = ReplyingInReverse(burst=16)
+    lim = TenantLimiter(ledger, sync_s=SYNC_S)
+    limits = TenantLimits(max_requests_in_flight=256)
+    tickets = await asyncio.gather(*(lim.admit("demo", limits) for _ in range(16)))
+    assert lim.in_flight("demo") == 16
+    assert ledger.asks == 1  # not one per request
+    for ticket in tickets:
+        ticket.release()
+
+
+class Unreachable:
+    async def borrow(self, message: Message, key, capacity: int, need: int):
+        raise ConnectionError("the ledger's actor is restarting")
+
+    async def poll(self, message: Message, wait_s: float):
+        raise ConnectionError("the ledger's actor is restarting")
+
+
+@run
+async def test_an_unreachable_ledger_is_a_503_not_the_tenants_429():
+    """Not the tenant's doing: it used to read "tenant 'a' has 4 requests in flight" with
+    none in flight."""
+    lim = TenantLimiter(Unreachable(), sync_s=SYNC_S)
+    with pytest.raises(RateLimited) as refused:
+        await lim.admit("a", TenantLimits(max_requests_in_flight=4))
+    assert refused.value.status == 503
+    assert "ledger did not answer" in refused.value.message
+    assert lim.in_flight("a") == 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from loraplex.benchmarks.router.figures import print_table
@@ -140,6 +141,9 @@ def test_fairness_section_reports_every_key_and_serves_both_tenants(capsys):
         "workload",
     } <= set(results)
     assert results["b_p99_ttft_ratio"] > 0 and results["b_p99_ttft_ratio_unprotected"] > 0
+    for q in (50, 99):
+        low, high = results[f"b_p{q}_ttft_ratio_ci_low"], results[f"b_p{q}_ttft_ratio_ci_high"]
+        assert 0 < low <= high, (q, low, high)
     assert results["a_429s"] == results["b_429s"] == 0
     for app, windows in results["apps"].items():
         assert windows["quiet"]["a"]["offered"] == 0, app
@@ -148,6 +152,22 @@ def test_fairness_section_reports_every_key_and_serves_both_tenants(capsys):
             f = windows[window][tenant]
             assert f["failed"] == 0, (app, window, tenant, f)
             assert f["completed"] == f["offered"] > 0, (app, window, tenant)
+        assert len(windows["quiet"]["b"]["ttft_ms"]) == windows["quiet"]["b"]["completed"]
 
     bench_fairness.print_fairness(results)
     assert "b_p99_ttft_ratio" in capsys.readouterr().out
+
+
+def test_the_fairness_ratio_interval_brackets_the_ratio_and_narrows_with_requests():
+    """Pure arithmetic on made-up TTFTs (no cluster): flood = 1.3 x quiet, so the p50
+    ratio's interval holds 1.3, and it is narrower on 10x the requests."""
+    rng = np.random.default_rng(1)
+    few, many = rng.lognormal(3, 0.3, 60), rng.lognormal(3, 0.3, 600)
+    widths = []
+    for quiet in (few, many):
+        flood = list(1.3 * quiet)
+        low, high = bench_fairness.percentile_ratio_interval(list(quiet), flood, 50)
+        assert low <= 1.3 <= high
+        widths.append(high - low)
+    assert widths[1] < widths[0] / 2
+    assert bench_fairness.percentile_ratio_interval([], [1.0], 99) == (None, None)

@@ -18,6 +18,9 @@
 - real: speedup_vs_peft, lora_overhead, lora_overhead_heavy_vs_bound and gemm_efficiency
   on the demo's real model (SmolLM2-135M-Instruct, its GGUF dequantized to fp32), with its
   demo adapters and random ones of the same shapes, timed as above.
+- real.bfloat16: the light step (lora_overhead, gemm_efficiency, timings) and the serving
+  workload against PEFT again, both in bfloat16, with step_time_ratio_vs_float32 and
+  whether this CPU multiplies bf16 natively (cpu_native_bf16).
 - detok: per_token_cost_ratio, the output path's (detokenizing, stop strings, the
   request's output) mean time per token over a 2,000-token output / over a 20-token one,
   on the demo model's tokenizer.
@@ -45,6 +48,7 @@ from loraplex.benchmarks.report import log, over_repetitions, write_json
 from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
+from loraplex.replica.model.config import DTYPES
 from loraplex.replica.sampling import SamplingParams
 from loraplex.replica.scheduling.scheduler import SchedulerConfig
 from loraplex.settings import MiB
@@ -216,7 +220,33 @@ def _real_model(root: Path, shape: BenchShape, trace: Path | None) -> dict:
         for f in path.iterdir():
             f.unlink()
     results.update(_speedup_vs_peft(assets.model, serving, real, trace))
+    results["bfloat16"] = _in_bfloat16(assets.model, light, serving, real, trace)
+    _step_time_ratio(results)
     return results
+
+
+def _in_bfloat16(
+    model: Path, light: dict[str, Path], serving: dict[str, Path], shape: BenchShape, trace
+) -> dict:
+    """The light decode step and the serving workload again with the weights in bfloat16
+    (`engine.dtype: bfloat16`), PEFT's too. A CPU with AVX512-BF16 or AMX multiplies bf16
+    several times faster than fp32; elsewhere bf16 is converted and slower, which
+    `cpu_native_bf16` says. `step_time_ratio_vs_float32`: the base step in bf16 / in fp32,
+    each the fastest of its interleaved rounds (the fp32 one from this round's `real`)."""
+    out = _step_overheads(model, None, light, shape, dtype="bfloat16")
+    out.update(_speedup_vs_peft(model, serving, shape, trace, dtype="bfloat16"))
+    out["cpu_native_bf16"] = bool(
+        torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    )
+    return out
+
+
+def _step_time_ratio(real: dict) -> None:
+    """real.bfloat16.step_time_ratio_vs_float32, once both steps were timed."""
+    bf16 = real["bfloat16"]
+    bf16["step_time_ratio_vs_float32"] = (
+        bf16["timings_ms"]["decode_step_base"] / real["timings_ms"]["decode_step_base"]
+    )
 
 
 DETOK_TEXT = (
@@ -376,16 +406,21 @@ def _base_bytes(engine: LLMEngine) -> int:
 
 
 def _step_overheads(
-    model_dir: Path, heavy: dict[str, Path] | None, light: dict[str, Path], shape: BenchShape
+    model_dir: Path,
+    heavy: dict[str, Path] | None,
+    light: dict[str, Path],
+    shape: BenchShape,
+    dtype: str = "auto",
 ) -> dict:
     """heavy None: the light batch only (its keys, and no heavy ones)."""
     batch = 32
     log(
         "timing decode steps: base-only vs 8 adapters r16 q/k/v/o"
         + (" vs 32 adapters r8-64 on all projections" if heavy else "")
+        + ("" if dtype == "auto" else f", in {dtype}")
     )
-    base_engine = _engine(model_dir, {})
-    light_engine = _engine(model_dir, light)
+    base_engine = _engine(model_dir, {}, dtype=dtype)
+    light_engine = _engine(model_dir, light, dtype=dtype)
     light_names = list(light)
     decode_batch(base_engine, [None] * batch, shape.decode_context)
     decode_batch(light_engine, [light_names[i % 8] for i in range(batch)], shape.decode_context)
@@ -534,11 +569,14 @@ def _speedup_vs_peft(
     shape: BenchShape,
     trace: Path | None,
     rounds: int = ROUNDS,
+    dtype: str = "auto",
 ) -> dict:
+    """dtype: the engine's `engine.dtype`; PEFT runs in the same (auto: float32, as the
+    checkpoints are)."""
     lengths, source = trace_lengths(trace or DEFAULT_TRACE, shape.num_requests, shape)
     names = list(adapter_dirs)
     adapters = zipf_adapters(names, len(lengths))
-    engine = _engine(model_dir, {n: adapter_dirs[n] for n in set(adapters)})
+    engine = _engine(model_dir, {n: adapter_dirs[n] for n in set(adapters)}, dtype=dtype)
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(2)
     prompts = [rng.integers(10, vocab, size=p).tolist() for p, _ in lengths]
@@ -548,7 +586,7 @@ def _speedup_vs_peft(
         f"{rounds} alternating rounds of loraplex then peft"
     )
     params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in lengths]
-    peft = _peft_model(model_dir, adapter_dirs, adapters)
+    peft = _peft_model(model_dir, adapter_dirs, adapters, DTYPES.get(dtype, torch.float32))
     ours_s, peft_s = [], []
     for _ in range(rounds):
         start = time.perf_counter()
@@ -583,23 +621,26 @@ def _speedup_vs_peft(
     }
 
 
-def _hf_model(model: Path):
+def _hf_model(model: Path, dtype: torch.dtype = torch.float32):
     """transformers' model from a checkpoint folder, or from a GGUF (its own loader)."""
     from transformers import AutoModelForCausalLM
 
     if str(model).endswith(".gguf"):
-        return AutoModelForCausalLM.from_pretrained(
-            model.parent, gguf_file=model.name, dtype=torch.float32
-        )
-    return AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+        return AutoModelForCausalLM.from_pretrained(model.parent, gguf_file=model.name, dtype=dtype)
+    return AutoModelForCausalLM.from_pretrained(model, dtype=dtype)
 
 
-def _peft_model(model_dir: Path, adapter_dirs: dict[str, Path], adapters: list[str]):
+def _peft_model(
+    model_dir: Path,
+    adapter_dirs: dict[str, Path],
+    adapters: list[str],
+    dtype: torch.dtype = torch.float32,
+):
     from peft import PeftModel
 
     used = sorted(set(adapters))
     peft = PeftModel.from_pretrained(
-        _hf_model(model_dir), adapter_dirs[used[0]], adapter_name=used[0]
+        _hf_model(model_dir, dtype), adapter_dirs[used[0]], adapter_name=used[0]
     )
     for name in used[1:]:
         peft.load_adapter(adapter_dirs[name], adapter_name=name)
@@ -665,6 +706,16 @@ def _print_table(r: dict) -> None:
     ):
         print(f"real.{name:27} {real[name]:10.3f}  {target}")
     _print_serving(real)
+    bf16 = real["bfloat16"]
+    print(f"real model in bfloat16 (this CPU multiplies bf16 natively: {bf16['cpu_native_bf16']}):")
+    for name in (
+        "step_time_ratio_vs_float32",
+        "speedup_vs_peft",
+        "lora_overhead",
+        "gemm_efficiency",
+    ):
+        print(f"real.bfloat16.{name:18} {bf16[name]:10.3f}  (reported)")
+    _print_serving(bf16)
     detok = r["detok"]
     print(f"detok.per_token_cost_ratio       {detok['per_token_cost_ratio']:10.3f}  <= 1.5")
 

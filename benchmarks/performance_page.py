@@ -118,7 +118,11 @@ steady completion rate under overload); the sweep runs each system past it (0.7,
 x its capacity until its P99 TTFT crosses the SLO in every seed, at most 1.5x), and
 `crossing_over_capacity` is each finite-run crossing ÷ capacity. `reduction_curves` (and
 `*.p99_ttft_reduction_max`, beside the headline keys) give the P99 reduction against S-LoRA
-over the grid and the paper's loads, each as load ÷ each system's own capacity. Chameleon
+over the grid and the paper's loads, each as load ÷ each system's own capacity. The
+paper's high load is 9/8.6 of S-LoRA's capacity and 9/12.9 of Chameleon's (§5.2.2); the
+headline matches S-LoRA's fraction, and `*_own_capacity_load` keys, beside it, compare
+each system at 9/12.9 of its own capacity (`*_slora_capacity_50/70_load`: 0.5 and 0.7 of
+S-LoRA's), each with its `*_load_over_capacity` and `*_load_over_slora_capacity`. Chameleon
 runs as the paper has it: no starvation guard (reported apart as `chameleon_guard`), quotas
 scaled in proportion to the M/M/1 minimums when these exceed the pool, every queue tried
 every iteration. `chameleon_p99` is a departure reported apart: minimums sized for each

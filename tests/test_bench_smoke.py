@@ -128,6 +128,11 @@ def test_sched_bench_reports_every_key_on_tiny_shapes(tmp_path):
             assert len(r["sim"]["spread"][f"{group}.{key}"]["per_seed"]) == 2
         for level in ("low", "medium", "high"):
             assert f"p99_ttft_reduction_{level}_load" in r["sim"][group]
+        # beside the headline: the reductions at other operating points, each stated
+        for key in sched.OPERATING_KEYS:
+            assert isinstance(r[group][key], float)
+            assert len(r["sim"]["spread"][f"{group}.{key}"]["per_seed"]) == 2
+        assert r[group]["own_capacity_load_over_capacity"] == pytest.approx(9 / 12.9)
         assert {"p99_ttft_reduction", "p99_ttft_reduction_per_draw", "sign_settled"} <= set(
             r["engine"][group]
         )

@@ -53,6 +53,39 @@ def test_the_sweep_finds_each_systems_crossing_past_a_grid_below_every_capacity(
         )
 
 
+def test_the_comparison_is_reported_at_the_papers_fraction_of_each_systems_own_capacity():
+    """Seed 004 §5.2.2 compares at 9 RPS: 9 / 8.6 of S-LoRA's capacity (the headline's
+    high load here) and 9 / 12.9 of Chameleon's. Each system compared with S-LoRA is also
+    compared at 9 / 12.9 of its own capacity, and at 0.5 and 0.7 of S-LoRA's, on the same
+    arrivals for both, with every load's operating point stated beside its reductions."""
+    shape = sched_sim.SimShape(
+        requests=300,
+        load_factors=(0.25, 0.6),
+        scale_minutes=0.5,
+        seeds=1,
+        systems=("slora", "chameleon", "loraplex"),
+    )
+    out = sched_sim.sim_section(shape, None, SCENARIOS["paper"])
+    capacity = out["throughput_at_slo_rps"]
+    for group, name in sched_sim.AGAINST_SLORA.items():
+        keys = out[group]
+        assert keys["high_load_over_slora_capacity"] == pytest.approx(9 / 8.6)
+        assert keys["high_load_over_capacity"] == pytest.approx(
+            9 / 8.6 * capacity["slora"] / capacity[name]
+        )
+        own, fractions = "own_capacity", {"slora_capacity_50": 0.5, "slora_capacity_70": 0.7}
+        assert keys[f"{own}_load_over_capacity"] == pytest.approx(9 / 12.9)
+        assert keys[f"{own}_load_rps"] == pytest.approx(9 / 12.9 * capacity[name])
+        for at, fraction in fractions.items():
+            assert keys[f"{at}_load_over_slora_capacity"] == pytest.approx(fraction)
+            assert keys[f"{at}_load_rps"] == pytest.approx(fraction * capacity["slora"])
+        for at in (own, *fractions):
+            point = next(p for p in out["reduction_curves"][name] if p["at"] == at)
+            for q in ("p99", "p50"):
+                assert keys[f"{q}_ttft_reduction_{at}_load"] == point[f"{q}_ttft_reduction"]
+                assert keys[f"{q}_ttft_reduction_{at}_load"] < 1
+
+
 def _fake_summary(load: float, capacity: float) -> dict:
     # a P99 that grows without bound as the load nears capacity, like a queue's
     return {"p99_ttft_s": 0.2 / max(1e-3, 1 - load / capacity), "p50_ttft_s": 0.1}

@@ -27,6 +27,7 @@ from loraplex.benchmarks.sched.engine import EngineShape
 from loraplex.benchmarks.sched.scenarios import SCENARIOS, Scenario
 from loraplex.benchmarks.sched.sim import AGAINST_SLORA as AGAINST
 from loraplex.benchmarks.sched.sim import PAPER, SimShape, shape_of, sim_section
+from loraplex.benchmarks.sched.sweep import OPERATING_POINTS
 
 TARGETS = {
     "vs_slora.p99_ttft_reduction_high_load": "within 25% of 0.807",
@@ -43,6 +44,18 @@ NEW_KEYS = (
     "p99_ttft_reduction_high_load",
     "p50_ttft_reduction_high_load",
     "throughput_at_slo_ratio",
+)
+# beside the headline in each group against slora: the high load's operating point, and
+# the reductions at the OPERATING_POINTS loads with theirs
+OPERATING_KEYS = tuple(
+    key
+    for at in ("high", *OPERATING_POINTS)
+    for key in (
+        *(f"{q}_ttft_reduction_{at}_load" for q in ("p99", "p50") if at != "high"),
+        f"{at}_load_rps",
+        f"{at}_load_over_capacity",
+        f"{at}_load_over_slora_capacity",
+    )
 )
 
 
@@ -99,7 +112,7 @@ def collect(
     for key in NEW_KEYS:
         results[key] = sim[key]
     for group in AGAINST:
-        results[group] = {k: sim[group][k] for k in NEW_KEYS}
+        results[group] = {k: sim[group][k] for k in (*NEW_KEYS, *OPERATING_KEYS)}
     results["shapes"] = {}
     for name, other in SCENARIOS.items():
         if name == scenario.name:
@@ -181,6 +194,21 @@ def print_table(r: dict) -> None:
         paper = PAPER.get(key.split(".")[-1]) if key.startswith("vs_slora") else None
         note = f"{paper} / {target}" if paper is not None else target
         print(f"{key:48} {value:8.3f} {s['std']:7.3f} {s['min']:7.3f} {s['max']:7.3f}  {note}")
+    print(
+        "operating points (load / the compared system's capacity, / slora's: P99 / P50 TTFT "
+        "reduction against slora):"
+    )
+    for group in AGAINST:
+        g = sim[group]
+        print(
+            f"  {group:18} "
+            + "  ".join(
+                f"{at} {g[f'{at}_load_over_capacity']:.2f}, "
+                f"{g[f'{at}_load_over_slora_capacity']:.2f}: "
+                f"{g[f'p99_ttft_reduction_{at}_load']:.2f} / {g[f'p50_ttft_reduction_{at}_load']:.2f}"
+                for at in ("high", *OPERATING_POINTS)
+            )
+        )
     for group in AGAINST:
         for key in ("p99_ttft_reduction_max", "p99_ttft_reduction_max_at_load_over_capacity"):
             print(f"{group + '.' + key:48} {sim[group][key]:8.3f}")

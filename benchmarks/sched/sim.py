@@ -27,10 +27,12 @@ from loraplex.benchmarks.report import log
 from loraplex.benchmarks.sched.scenarios import Scenario, scenario_requests, shape_trace
 from loraplex.benchmarks.sched.sweep import (
     EXTEND_AT,
+    OPERATING_POINTS,
     extend_past_crossing,
     largest_reduction,
     loads_of,
     mean_curve,
+    operating_loads,
     reduction_curve,
     with_ranks,
 )
@@ -189,10 +191,16 @@ def sim_section(
     rows = {seed: {n: curves[n][seed] for n in shape.systems} for seed in seeds}
     at_loads = {seed: _paper_loads(capacity[seed]) for seed in seeds}
     others = [n for n in ("slora", *REPORTED) if n in shape.systems]
-    paper_runs = _run_all(
-        [(n, load, seed) for seed in seeds for load in at_loads[seed].values() for n in others],
-        jobs,
-    )
+    tasks = [(n, load, seed) for seed in seeds for load in at_loads[seed].values() for n in others]
+    tasks += [
+        (n, load, seed)
+        for seed in seeds
+        for name in AGAINST_SLORA.values()
+        if name in shape.systems
+        for load in operating_loads(capacity[seed], name).values()
+        for n in ("slora", name)
+    ]
+    paper_runs = _run_all(list(dict.fromkeys(tasks)), jobs)
     per_seed = [
         _seed_keys(
             rows[seed],
@@ -340,23 +348,36 @@ def _seed_keys(
         # on the grid and at the paper's loads, where both ran on the same arrivals
         points = [("grid", float(k), rows["slora"][k], rows[name][k]) for k in loads]
         points += [(lv, x, at[lv]["slora"], at[lv][name]) for lv, x in paper_loads.items()]
+        if name in AGAINST_SLORA.values():
+            own = operating_loads(capacity, name)
+            points += [(lb, x, run("slora", x), run(name, x)) for lb, x in own.items()]
         curves[name] = reduction_curve(points, name, capacity)
         against[name] = {
             "throughput_at_slo_ratio": _ratio(tput[name], tput["slora"]),
             "crossing_ratio": _ratio(crossing[name], crossing["slora"]),
             **largest_reduction(curves[name]),
         }
-        for level in PAPER_LOADS:
-            base, ours = at[level]["slora"], at[level][name]
-            for q in ("p99", "p50"):
-                against[name][f"{q}_ttft_reduction_{level}_load"] = (
-                    1 - ours[f"{q}_ttft_s"] / base[f"{q}_ttft_s"]
-                )
+        for point in curves[name]:
+            if point["at"] in (*PAPER_LOADS, *OPERATING_POINTS):
+                against[name] |= _at_point(point)
     for key, name in AGAINST_SLORA.items():
         keys[key] = against[name]
     keys["against_slora"] = against
     keys["reduction_curves"] = curves
     return keys
+
+
+def _at_point(point: dict) -> dict[str, float]:
+    """A labelled point of a reduction curve as keys: its P99 and P50 TTFT reductions and
+    its operating point (the load, and the load / each system's capacity)."""
+    at = point["at"]
+    return {
+        f"p99_ttft_reduction_{at}_load": point["p99_ttft_reduction"],
+        f"p50_ttft_reduction_{at}_load": point["p50_ttft_reduction"],
+        f"{at}_load_rps": point["load_rps"],
+        f"{at}_load_over_capacity": point["load_over_capacity"],
+        f"{at}_load_over_slora_capacity": point["load_over_slora_capacity"],
+    }
 
 
 def _combine(per_seed: list[dict]) -> dict:

@@ -419,7 +419,11 @@ class AffinityPolicy:
         adapter: str | None,
         replicas: Sequence[ReplicaStats],
         prefix: Sequence[bytes] = (),
+        estimates: dict[str, float] | None = None,
     ) -> list[str]:
+        """The replicas, best first. `estimates`, when given, receives each replica's
+        estimated TTFT for this request (an adapter's: ttft(r); the base model's: its wait
+        less the prefill it saves), so a caller can set it beside what the request got."""
         ids = tuple(r.replica_id for r in replicas)
         assert len(set(ids)) == len(ids), f"duplicate replica ids in {ids}"
         if not replicas:
@@ -437,11 +441,13 @@ class AffinityPolicy:
             }
             saved = self._prefill_saved(replicas, prefix, per_token)
             if adapter is None:
+                if estimates is not None:
+                    estimates.update({rid: w - saved.get(rid, 0.0) for rid, w in wait.items()})
                 return [
                     r.replica_id
                     for r in sorted(replicas, key=lambda r: self._base_key(r, wait, saved))
                 ]
-            return self._choose(adapter, replicas, ids, wait, saved)
+            return self._choose(adapter, replicas, ids, wait, saved, estimates)
 
     def _choose(
         self,
@@ -450,6 +456,7 @@ class AffinityPolicy:
         ids: tuple[str, ...],
         wait: dict[str, float],
         saved: dict[str, float],
+        estimates: dict[str, float] | None,
     ) -> list[str]:
         c = self.config
         n = len(replicas)
@@ -522,6 +529,8 @@ class AffinityPolicy:
             - saved.get(r.replica_id, 0.0)
             for r in replicas
         }
+        if estimates is not None:
+            estimates.update(ttft)
         self._level_cold(adapter, replicas, affinities, ttft, read, capacity)
 
         def key(r: ReplicaStats) -> tuple:

@@ -212,9 +212,12 @@ def bench_like(figures: dict[str, Any]) -> BenchLike:
         {}, engine_config, figures["router_costs"], calibration, adapters, []
     )
     profile = cpu_profile(measured, w)
+    setup = _setup(measured, w, profile)
+    # as the bench's affinity app: told the costs, replaced by what the replicas measure
+    affinity = dataclasses.replace(setup.affinity, use_measured_costs=True)
     return BenchLike(
         w,
-        _setup(measured, w, profile),
+        dataclasses.replace(setup, affinity=affinity),
         {n: AdapterSpec(n, rank, nbytes) for n, (rank, nbytes) in adapters.items()},
         list(versions.values()),
         figures["capacity_rps"],

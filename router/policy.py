@@ -179,17 +179,59 @@ class AdapterHomes:
     homes: tuple[str, ...]  # replicas it is routed to: its homes, or where it is warm
 
 
+class _Drain:
+    """How fast one replica finishes requests while saturated, from its published stats:
+    the requests finished between two stats that both found it holding at least its batch
+    slots, over the time between them, averaged (each new pair weighs `WEIGHT`)."""
+
+    WEIGHT = 0.5
+
+    def __init__(self) -> None:
+        self.recorded_at: float | None = None
+        self.finished = 0
+        self.saturated = False
+        self.rate_per_s: float | None = None
+
+    def saw(self, recorded_at: float, finished: int, saturated: bool) -> None:
+        if self.recorded_at is not None and recorded_at <= self.recorded_at + 1e-3:
+            return  # the same stats, seen again
+        if self.recorded_at is not None and saturated and self.saturated:
+            done = finished - self.finished
+            if done == 0:
+                return  # none finished yet: the next stats measure over both periods
+            if done > 0:  # < 0: a replacement replica under the same id
+                rate = done / (recorded_at - self.recorded_at)
+                self.rate_per_s = (
+                    rate
+                    if self.rate_per_s is None
+                    else self.rate_per_s + self.WEIGHT * (rate - self.rate_per_s)
+                )
+        self.recorded_at, self.finished, self.saturated = recorded_at, finished, saturated
+
+
 class AffinityPolicy:
     """Ranks replicas for a request from their `ReplicaStats`.
 
     Adapter request, adapter `a`, n replicas. For every replica r:
 
-        wait(r)  = max(0, queue_len - max_concurrency + 1) / max_concurrency * request_time_s
+        wait(r)  = max(0, queue_len - max_concurrency + 1) / drain
                    + queue_len * busy_cost_s
                    + prefills(r)
-                   (seconds until a batch slot frees: slots free at max_concurrency per
-                   request_time_s; 0 while one is free, since continuous batching admits
-                   at the next step. busy_cost_s is what each request already there adds
+                   (seconds until a batch slot frees: 0 while one is free, since continuous
+                   batching admits at the next step; else the requests ahead of it over the
+                   rate r finishes them.
+                   drain = the requests a replica finished per second between two of its
+                   stats that both found it saturated (queue_len >= max_concurrency as
+                   published; finished = requests_total - queue_len), averaged over such
+                   pairs, and pooled over the replicas as the measured costs are (per
+                   replica, 1 s samples of ~10 completions each made noise decide: in the
+                   quick fleet with it on, affinity's zipf goodput went 76.2 -> 73.6 req/s);
+                   max_concurrency / request_time_s until one has measured it, or without
+                   use_measured_costs. request_time_s alone, measured on an
+                   idle engine, priced the bench's saturated homes at 34 ms for 16 queued
+                   where they drained 20-40 a second (0.4-0.8 s): a home kept its adapters
+                   however long its queue, until Serve's max_ongoing_requests turned
+                   requests away at random. busy_cost_s is what each request already there adds
                    to the steps a new one waits through: about 0 on a GPU, whose decode
                    step time hardly grows with the batch, but a compute-bound CPU step
                    grows with every sequence in it. The prompt tokens r's engine has yet
@@ -304,6 +346,7 @@ class AffinityPolicy:
         # replica -> (sent at, prompt tokens) of each request sent it, oldest first
         self._sent_tokens: dict[str, collections.deque[tuple[float, int]]] = {}
         self._homes: dict[str, list[str]] = {}  # hot (or formerly hot) adapter -> homes
+        self._drains: dict[str, _Drain] = {}  # replica -> what its stats say it finishes
         self.prefixes = PrefixIndex(config.prefix_index_keys, config.prefix_ttl_s)
         self._lock = threading.Lock()
 
@@ -379,7 +422,11 @@ class AffinityPolicy:
         adapter: str | None,
         replicas: Sequence[ReplicaStats],
         prefix: Sequence[bytes] = (),
+        estimates: dict[str, float] | None = None,
     ) -> list[str]:
+        """The replicas, best first. `estimates`, when given, receives each replica's
+        estimated TTFT for this request (an adapter's: ttft(r); the base model's: its wait
+        less the prefill it saves), so a caller can set it beside what the request got."""
         ids = tuple(r.replica_id for r in replicas)
         assert len(set(ids)) == len(ids), f"duplicate replica ids in {ids}"
         if not replicas:
@@ -390,14 +437,20 @@ class AffinityPolicy:
                 [r.prefill_token_cost_s for r in replicas], self.config.prefill_token_cost_s
             )
             now = self.clock()
-            wait = {r.replica_id: self._wait_s(r, now, busy, per_token) for r in replicas}
+            drain = self._drain_rates(replicas, now)
+            wait = {
+                r.replica_id: self._wait_s(r, now, busy, per_token, drain[r.replica_id])
+                for r in replicas
+            }
             saved = self._prefill_saved(replicas, prefix, per_token)
             if adapter is None:
+                if estimates is not None:
+                    estimates.update({rid: w - saved.get(rid, 0.0) for rid, w in wait.items()})
                 return [
                     r.replica_id
                     for r in sorted(replicas, key=lambda r: self._base_key(r, wait, saved))
                 ]
-            return self._choose(adapter, replicas, ids, wait, saved)
+            return self._choose(adapter, replicas, ids, wait, saved, estimates)
 
     def _choose(
         self,
@@ -406,6 +459,7 @@ class AffinityPolicy:
         ids: tuple[str, ...],
         wait: dict[str, float],
         saved: dict[str, float],
+        estimates: dict[str, float] | None,
     ) -> list[str]:
         c = self.config
         n = len(replicas)
@@ -478,6 +532,8 @@ class AffinityPolicy:
             - saved.get(r.replica_id, 0.0)
             for r in replicas
         }
+        if estimates is not None:
+            estimates.update(ttft)
         self._level_cold(adapter, replicas, affinities, ttft, read, capacity)
 
         def key(r: ReplicaStats) -> tuple:
@@ -636,12 +692,35 @@ class AffinityPolicy:
         return at is not None and at > now - r.stats_age_s
 
     def _wait_s(
-        self, r: ReplicaStats, now: float, busy_cost_s: float, prefill_token_cost_s: float
+        self,
+        r: ReplicaStats,
+        now: float,
+        busy_cost_s: float,
+        prefill_token_cost_s: float,
+        drain_per_s: float,
     ) -> float:
         queued_behind = max(0, r.queue_len - r.max_concurrency + 1)
-        slot = queued_behind / r.max_concurrency * self.config.request_time_s
+        slot = queued_behind / drain_per_s
         prefills = self._prefill_backlog_s(r, now, prefill_token_cost_s)
         return slot + r.queue_len * busy_cost_s + prefills
+
+    def _drain_rates(self, replicas: Sequence[ReplicaStats], now: float) -> dict[str, float]:
+        """drain for every replica, after taking in any stats newer than the last seen."""
+        measured = []
+        for r in replicas:
+            d = self._drains.setdefault(r.replica_id, _Drain())
+            d.saw(now - r.stats_age_s, r.requests_finished, r.held >= r.max_concurrency)
+            measured.append(d.rate_per_s)
+        if len(self._drains) > 2 * len(replicas):
+            alive = {r.replica_id for r in replicas}
+            self._drains = {k: v for k, v in self._drains.items() if k in alive}
+        pooled = self._pooled(measured, math.nan)
+        return {
+            r.replica_id: r.max_concurrency / self.config.request_time_s
+            if math.isnan(pooled) or not self.config.use_measured_costs
+            else pooled
+            for r in replicas
+        }
 
     def _prefill_backlog_s(self, r: ReplicaStats, now: float, per_token: float) -> float:
         """prefills(r): the published backlog, and each prompt this router sent r after r

@@ -22,7 +22,8 @@ not published yet is routable:
     free_pages        int        free pages of the unified pool
     num_pages         int        pages in the pool (optional; for `loraplex status`)
     recorded_at       float      wall-clock time the replica recorded them (optional)
-    requests_total    int        requests the replica has received (optional; not routed on)
+    requests_total    int        requests the replica has received (optional): with queue_len,
+                                 those it has finished, whose rate prices its queue
     busy_cost_s       float      measured: TTFT each running request adds (optional)
     host_load_cost_s  float      measured: what bringing an adapter in from the host tier
                                  costs, its load and its segment in the batch (optional)
@@ -81,6 +82,10 @@ class ReplicaStats:
     store_reads_queued: int = 0
     store_read_s: float | None = None  # measured by the replica; None: not yet
     read_queue_s: float = 0.0
+    # requests it had finished when it recorded these stats (requests_total - queue_len) and
+    # the queue it held then: `queue_len` is replaced by the router's own, fresher count
+    requests_finished: int = 0
+    held: int = 0
 
     def __post_init__(self):
         if (
@@ -105,12 +110,13 @@ class ReplicaStats:
     def from_routing_stats(
         cls, replica_id: str, stats: Mapping[str, Any], age_s: float = 0.0
     ) -> ReplicaStats:
+        queue_len = int(stats.get("queue_len") or 0)
         return cls(
             replica_id=replica_id,
             device_adapters=frozenset(stats.get("device_adapters") or ()),
             host_adapters=frozenset(stats.get("host_adapters") or ()),
             loading_adapters=frozenset(stats.get("loading_adapters") or ()),
-            queue_len=int(stats.get("queue_len") or 0),
+            queue_len=queue_len,
             max_concurrency=max(1, int(stats.get("max_concurrency") or 0)),
             free_pages=int(stats.get("free_pages") or 0),
             stats_age_s=age_s,
@@ -124,6 +130,8 @@ class ReplicaStats:
             store_reads_queued=int(stats.get("store_reads_queued") or 0),
             store_read_s=_optional_float(stats.get("store_read_s")),
             read_queue_s=float(stats.get("read_queue_s") or 0.0),
+            requests_finished=max(0, int(stats.get("requests_total") or 0) - queue_len),
+            held=queue_len,
         )
 
 

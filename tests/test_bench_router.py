@@ -81,6 +81,9 @@ def test_router_bench_serves_every_request_and_reports_every_key(capsys, tmp_pat
     failover = results["workloads"]["failover"]
     assert {"recovery_s", "streams_failed", "requests_lost"} <= set(failover)
     assert all(lost == 0 for lost in failover["requests_lost"].values()), failover
+    for router in bench_router.ROUTERS:  # the LoRA workload's own saturated throughput
+        assert results["lora_capacity_rps"][router] > 0, results["lora_capacity_rps"]
+        assert len(results["rates_over_lora_capacity"][router]) == len(SMALL.rate_factors)
     costs = results["router_costs"]
     assert 0 < costs["host_load_cost_s"] <= costs["load_cost_s"] and costs["request_time_s"] > 0
 

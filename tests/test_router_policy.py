@@ -539,12 +539,13 @@ def test_routing_stats_contract():
         "queued_prefill_tokens": 700,
         "max_concurrency": 32,
         "free_pages": 100,
+        "requests_total": 10,
     }
     expected = replica(
         "r", device={"a", "b"}, host={"c"}, loading={"d"}, queue=3, slots=32, pages=100, age_s=1.5
     )
     assert ReplicaStats.from_routing_stats("r", stats, age_s=1.5) == replace(
-        expected, queued_prefill_tokens=700
+        expected, queued_prefill_tokens=700, requests_finished=7, held=3
     )
     assert ReplicaStats.from_routing_stats("r", {}) == ReplicaStats("r")
     assert ReplicaStats("r").max_concurrency == 1
@@ -756,3 +757,31 @@ def test_requests_queued_on_its_holders_give_an_adapter_more_homes():
     clock.advance(60.0)  # the rate decays; nothing queued any more
     p.choose("a", [replica(rid) for rid in ids])
     assert p.homes("a") == ()
+
+
+def drained(replica_stats: ReplicaStats, finished: int) -> ReplicaStats:
+    """The stats as published: `finished` requests done, the queue it held then."""
+    return replace(replica_stats, requests_finished=finished, held=replica_stats.queue_len)
+
+
+@pytest.mark.parametrize(
+    ("home_queue", "finished_per_s", "chosen"),
+    [(31, 20, "idle"), (31, 1000, "home"), (10, 20, "home"), (17, 20, "home")],
+)
+def test_a_saturated_home_spills_once_its_measured_drain_makes_the_wait_exceed_a_read(
+    home_queue, finished_per_s, chosen
+):
+    # The bench's costs: a read 0.12 s, request_time_s 34 ms (measured on an idle engine).
+    # Priced by request_time_s, a home holding 31 requests in 16 slots waits (31 - 16 + 1) /
+    # 16 * 34 ms = 34 ms, under a read, so it kept the adapter however slowly it drained. Its
+    # stats say it finishes 20 requests a second while saturated: 16 queued ahead wait 0.8 s,
+    # and a cold replica with a free slot serves sooner. A home draining 1000/s (16 ms), or
+    # with a free slot, or 2 ahead (0.1 s), keeps it.
+    clock = FakeClock()
+    p = policy(clock, load_cost_s=0.12, host_load_cost_s=0.005, request_time_s=0.034)
+    home = replica("home", device={"a"}, queue=31, slots=16)
+    idle_one = replica("idle", slots=16)
+    p.choose("a", [drained(home, 100), drained(idle_one, 50)])
+    clock.advance(1.0)
+    home = drained(home, 100 + finished_per_s)
+    assert p.choose("a", [replace(home, queue_len=home_queue), drained(idle_one, 50)])[0] == chosen

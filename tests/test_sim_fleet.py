@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from loraplex.benchmarks.fleet import bench as bench_fleet
@@ -316,3 +317,41 @@ def test_a_request_behind_a_re_read_in_the_simulated_engine_is_not_held_up():
     reread = STORE.latency_s + big.nbytes / STORE.bytes_per_s
     assert run.counters["store_reads"] == 3
     assert run.ttft[2] >= reread and run.ttft[3] < reread / 4
+
+
+def test_affinity_estimates_a_saturated_replicas_wait_from_how_fast_it_drains():
+    """Offered 3 x what two replicas serve, told a request holds a slot 50 ms where it holds
+    it ~1 s (as `bench router` measures request_time_s on an idle engine): the TTFT affinity
+    estimates on the replica it chose is about what the request then waited there (from
+    leaving the router to its first token), since the stats say how fast each drains.
+    Priced by request_time_s it was a quarter of it."""
+    adapters, by_name = catalog(8)
+    config = AffinityConfig(load_cost_s=0.2, host_load_cost_s=0.005, request_time_s=0.05)
+    run = simulate_fleet(
+        "affinity", stream(adapters, 600, 150.0), by_name, setup(2, affinity=config)
+    )
+    at_replica = run.ttft - (run.routed_at - run.arrival)
+    queued = at_replica > 0.5  # those that waited for a slot
+    assert queued.sum() > 100
+    ratio = np.median(run.estimated_ttft[queued]) / np.median(at_replica[queued])
+    assert 0.5 < ratio < 2.0, ratio
+
+
+@pytest.mark.slow
+def test_the_router_benchs_json_replays_in_the_simulator_at_its_rates():
+    """`bench router`'s published run, replayed (benchmarks/fleet/validation.py
+    `replay_bench`): its shape, capacity and costs, its seeds' streams, every router; the
+    LoRA workload's burst capacity is below the base-model burst's the rates are fractions
+    of, since its requests pay reads, loads and adapter segments besides the same work."""
+    import json
+    from pathlib import Path
+
+    from loraplex.benchmarks.fleet.validation import replay_bench
+
+    figures = json.loads((Path(__file__).parents[1] / "docs/bench/router.json").read_text())
+    out = replay_bench(figures, ("zipf",), (0.35,), repeats=1)
+    for router in ROUTERS:
+        assert 0 < out["lora_capacity_rps"][router] < out["capacity_rps"]
+        (run,) = out["workloads"]["zipf"][router]["0.35"]
+        assert 0 <= run["within_slo"] <= 1 and run["p50_ttft_s"] <= run["p99_ttft_s"]
+        assert ("estimate_p50_s" in run) == (router == "affinity")

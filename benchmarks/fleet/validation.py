@@ -11,16 +11,26 @@ predicts for them on the same burst: they share the machine's cores).
 
     p99_ttft_error = mean over routers of |simulated p99 TTFT - real| / real
     loads_error    = mean over routers of |simulated device loads - real| / real
+
+`replay_bench` (python -m loraplex.benchmarks.fleet.validation ROUTER_JSON) needs no real
+run: the simulator configured like a published `bench router` run from its JSON (capacity,
+SLO, router costs; the engine's step timings measured here), every rate of its sweep
+replayed per repetition with its seeds, affinity's TTFT estimate per request set beside
+what the request waited, and the LoRA workload's own burst capacity per router beside the
+base-model one the rates are fractions of.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import replace
+import tempfile
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from loraplex.benchmarks.fleet import workloads as fw
 from loraplex.benchmarks.report import log
 from loraplex.benchmarks.router import bench as bench_router
 from loraplex.benchmarks.router.figures import PAGE_BYTES
@@ -162,3 +172,189 @@ def _replay(requests: dict[str, Any], router: str) -> tuple[list[SimRequest], in
         for i, r in enumerate(run)
     ]
     return [*warm, *shifted], len(warm)
+
+
+# -- the bench's overload, replayed from its JSON
+
+
+@dataclass(frozen=True, slots=True)
+class BenchLike:
+    """The simulator configured like a published `bench router` run, without running it:
+    the run's capacity, SLO and router costs from its JSON; the assets and the CPU profile's
+    step timings made and measured here (one engine, no Ray), the profile scaled to the
+    run's capacity as `validate` scales it."""
+
+    workload: bench_router.Workload
+    setup: FleetSetup
+    catalog: dict[str, AdapterSpec]
+    names: list[str]  # adapter version ids, in catalog order (the bench's walk keys)
+    capacity_rps: float  # the run's base-model burst capacity
+    slo_s: float
+
+
+def bench_like(figures: dict[str, Any]) -> BenchLike:
+    from loraplex.benchmarks.router.assets import TENANT, replica_engine_config, write_assets
+    from loraplex.benchmarks.router.costs import measure_router_costs
+    from loraplex.registry.artifacts import ArtifactStore
+    from loraplex.replica.protocol import adapter_id
+
+    w = bench_router.QUICK if figures["quick"] else bench_router.FULL
+    with tempfile.TemporaryDirectory(prefix="loraplex-replay-") as tmp:
+        root = Path(tmp)
+        model_dir, sources = write_assets(root, w)
+        engine_config, sizes = replica_engine_config(model_dir, sources, w)
+        _, calibration = measure_router_costs(engine_config, sources, w)
+        store = ArtifactStore(root / "artifacts")
+        versions = {n: adapter_id(TENANT, n, store.put_dir(p).digest) for n, p in sources.items()}
+    calibration["capacity_rps"] = figures["capacity_rps"]
+    adapters = {versions[n]: size for n, size in sizes.items()}
+    measured = bench_router.Measured(
+        {}, engine_config, figures["router_costs"], calibration, adapters, []
+    )
+    profile = cpu_profile(measured, w)
+    setup = _setup(measured, w, profile)
+    # as the bench's affinity app: told the costs, replaced by what the replicas measure
+    affinity = dataclasses.replace(setup.affinity, use_measured_costs=True)
+    return BenchLike(
+        w,
+        dataclasses.replace(setup, affinity=affinity),
+        {n: AdapterSpec(n, rank, nbytes) for n, (rank, nbytes) in adapters.items()},
+        list(versions.values()),
+        figures["capacity_rps"],
+        figures["slo_s"],
+    )
+
+
+def _bench_stream(
+    b: BenchLike, workload: str, rep: int, i: int, rate: float, burst: bool = False
+) -> tuple[list[SimRequest], int]:
+    """`bench router`'s warm-up then its run `i` of repetition `rep` at `rate` (its own
+    seeds: benchmarks/router/bench.py `_sweep`), the run 5 s after the warm-up's last
+    arrival; with `burst` every run request arrives at once."""
+    w, index = b.workload, fw.WORKLOADS.index(workload)
+    order = 1000 * rep + index
+    popularity = "zipf" if workload in ("shift", "failover") else workload
+    warm = fw.requests(
+        popularity,
+        b.names,
+        len(b.names),
+        w.rate_factors[0] * b.capacity_rps,
+        fw.Lengths(prompt=(16, 16), output=(1, 1)),
+        seed=10 * index + 100_000 * rep,
+        popularity_seed=order,
+    )
+    n = 10 * w.num_replicas * w.max_num_seqs if burst else w.run_requests(rate, w.window_s)
+    run = fw.requests(
+        workload,
+        b.names,
+        n,
+        rate,
+        fw.Lengths(prompt=w.prompt_tokens, output=w.output_tokens),
+        seed=1000 * index + i + 100_000 * rep,
+        popularity_seed=order,
+    )
+    start = max(r.arrival for r in warm) + 5.0
+    run = [
+        dataclasses.replace(r, rid=len(warm) + j, arrival=start + (0.0 if burst else r.arrival))
+        for j, r in enumerate(run)
+    ]
+    return [*warm, *run], len(warm)
+
+
+def lora_capacity(b: BenchLike, router: str, workload: str = "zipf", rep: int = 0) -> float:
+    """What the simulated replicas serve of the workload's own requests, through `router`:
+    `bench router`'s capacity burst (10 full batches per replica, all at once) made of the
+    workload's adapters and lengths after its warm-up, so it pays their reads, loads and
+    adapter segments, where the bench's capacity is measured on base-model requests."""
+    requests, first = _bench_stream(b, workload, rep, 0, b.capacity_rps, burst=True)
+    run = simulate_fleet(router, requests, b.catalog, b.setup, measured_from=first)
+    finish = run.arrival + run.e2e
+    return len(run.ttft) / float(finish.max() - run.arrival.min())
+
+
+def replay_bench(
+    figures: dict[str, Any],
+    workloads: tuple[str, ...] = ("zipf", "shift"),
+    rate_factors: tuple[float, ...] | None = None,
+    repeats: int | None = None,
+) -> dict[str, Any]:
+    """Every rate of `bench router`'s sweep (or `rate_factors` x its capacity), each run
+    after its own warm-up, through every router, per repetition (its seeds). Per rate and
+    router: p50/p99 TTFT, the share within the SLO, store reads; for affinity also its
+    estimate of each request's TTFT on the replica it chose against what the request then
+    waited from leaving the router to its first token (`estimate_*`). And the LoRA-workload
+    capacity per router beside the base-model one the rates are fractions of."""
+    b = bench_like(figures)
+    w = b.workload
+    factors = rate_factors or w.rate_factors
+    capacity = {router: lora_capacity(b, router) for router in ROUTERS}
+    out: dict[str, Any] = {
+        "capacity_rps": b.capacity_rps,
+        "lora_capacity_rps": capacity,
+        "rate_factors": list(factors),
+        "rates_over_lora_capacity": {
+            router: [f * b.capacity_rps / c for f in factors] for router, c in capacity.items()
+        },
+        "profile": b.setup.profile.source,
+        "workloads": {},
+    }
+    for workload in workloads:
+        per: dict[str, Any] = {}
+        for rep in range(repeats or w.repeats):
+            for i, factor in enumerate(factors):
+                requests, first = _bench_stream(b, workload, rep, i, factor * b.capacity_rps)
+                setup = dataclasses.replace(b.setup, seed=w.seed + rep)
+                for router in ROUTERS:
+                    run = simulate_fleet(router, requests, b.catalog, setup, measured_from=first)
+                    row = per.setdefault(router, {}).setdefault(str(factor), [])
+                    row.append(_replayed(run, b.slo_s))
+        out["workloads"][workload] = per
+        for router, rates in per.items():
+            for factor, rows in rates.items():
+                log(f"replay {workload} {factor} x capacity {router}: {rows}")
+    return out
+
+
+def _replayed(run: Any, slo_s: float) -> dict[str, Any]:
+    figures = {
+        "p50_ttft_s": float(np.percentile(run.ttft, 50)),
+        "p99_ttft_s": float(np.percentile(run.ttft, 99)),
+        "within_slo": float(np.mean(run.ttft <= slo_s)),
+        "reads": run.counters["store_reads"],
+    }
+    if not np.isnan(run.estimated_ttft).all():
+        at_replica = run.ttft - (run.routed_at - run.arrival)
+        figures["estimate_p50_s"] = float(np.median(run.estimated_ttft))
+        figures["at_replica_p50_s"] = float(np.median(at_replica))
+        figures["estimate_error_p50_s"] = float(np.median(np.abs(run.estimated_ttft - at_replica)))
+    return figures
+
+
+def main(argv: list[str] | None = None) -> None:
+    """python -m loraplex.benchmarks.fleet.validation ROUTER_JSON [--factors 0.35,0.7,0.9]
+    [--repeats N] [--json OUT]: `replay_bench` on a published `bench router` JSON."""
+    import argparse
+    import json
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("figures", type=Path)
+    parser.add_argument("--factors", help="rates as fractions of the run's capacity")
+    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--workloads", default="zipf,shift")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    factors = tuple(float(f) for f in args.factors.split(",")) if args.factors else None
+    out = replay_bench(
+        json.loads(args.figures.read_text()),
+        tuple(args.workloads.split(",")),
+        factors,
+        args.repeats,
+    )
+    text = json.dumps(out, indent=1)
+    if args.json:
+        args.json.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

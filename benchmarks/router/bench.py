@@ -51,7 +51,12 @@ and prefix sections ~ 180 s: ~ 19 minutes.
 Before the runs one engine of the replicas' configuration measures (benchmarks/router/costs.py)
 the costs the affinity router is told and the unloaded TTFT (a request alone on an idle
 engine that reads its adapter from the store); the offered rates are fractions of the
-capacity the first app shows on a saturating burst of base-model requests.
+capacity the first app shows on a saturating burst of base-model requests. Beside it,
+`lora_capacity_rps` per router: a burst of the zipf workload's own requests (after its
+warm-up) through a fresh app of that router, which pays the adapters' reads, loads and
+segments, and `rates_over_lora_capacity`, the offered rates as fractions of it (the base
+burst overstates what the replicas sustain on LoRA work: the last run's 0.7 x it
+overloaded every router).
 SLO = 5 x the unloaded TTFT; goodput = the highest offered rate whose p99 TTFT stays within
 it (benchmarks/goodput.py). Keys per workload: goodput_ratio_vs_best_ray_router,
 load_seconds_ratio_vs_best_ray_router (at the reference rate: seconds replicas spent reading
@@ -183,6 +188,11 @@ def run_measured(
         calibration["capacity_rps"] = _capacity(routers[0], w, cluster)
         log(f"capacity: {calibration['capacity_rps']:.1f} req/s (base model, saturated)")
         names = list(cluster.paths)  # version ids, in catalog order
+        calibration["lora_capacity_rps"] = {
+            router: _lora_capacity(router, w, cluster, names, calibration["capacity_rps"])
+            for router in routers
+        }
+        log(f"LoRA-workload capacity (zipf, saturated): {calibration['lora_capacity_rps']}")
         reps = []
         for rep in range(w.repeats):
             order = routers[rep % len(routers) :] + routers[: rep % len(routers)]
@@ -252,6 +262,29 @@ def _capacity(router: str, w: Workload, cluster: BenchCluster) -> float:
     with _fresh_apps((router,), w, cluster, "capacity") as apps:
         backend = apps[router].backend
         outcomes, elapsed = asyncio.run(drive(backend, burst, "capacity", w.request_timeout_s))
+    return sum(o.error is None for o in outcomes) / elapsed
+
+
+def _lora_capacity(
+    router: str, w: Workload, cluster: BenchCluster, names: list[str], capacity: float
+) -> float:
+    """What the replicas serve when saturated with the zipf workload's own requests, through
+    `router`: its warm-up (one 1-token request per adapter at the sweep's lowest rate), then
+    `_capacity`'s 10 full batches per replica all at once, of the workload's adapters and
+    lengths, so it pays their reads, loads and adapter segments; completions per second."""
+    rate = w.rate_factors[0] * capacity
+    warm = fw.requests(
+        "zipf", names, len(names), rate, fw.Lengths(prompt=(16, 16), output=(1, 1)), seed=7
+    )
+    n = 10 * w.num_replicas * w.max_num_seqs
+    lengths = fw.Lengths(prompt=w.prompt_tokens, output=w.output_tokens)
+    burst = [replace(r, arrival=0.0) for r in fw.requests("zipf", names, n, rate, lengths, seed=8)]
+    with _fresh_apps((router,), w, cluster, "lora-capacity") as apps:
+        backend = apps[router].backend
+        asyncio.run(drive(backend, _bench(warm, w), "lora-capacity-warm", w.request_timeout_s))
+        outcomes, elapsed = asyncio.run(
+            drive(backend, _bench(burst, w), "lora-capacity", w.request_timeout_s)
+        )
     return sum(o.error is None for o in outcomes) / elapsed
 
 

@@ -87,6 +87,11 @@ def summary(
         "unloaded_ttft_s": calibration["unloaded_ttft_s"],
         "slo_s": slo,
         "capacity_rps": calibration["capacity_rps"],
+        "lora_capacity_rps": calibration.get("lora_capacity_rps"),
+        "rates_over_lora_capacity": {
+            router: [f * calibration["capacity_rps"] / c for f in w.rate_factors]
+            for router, c in (calibration.get("lora_capacity_rps") or {}).items()
+        },
         "workloads": workloads,
     }
 
@@ -156,6 +161,16 @@ def print_table(r: dict[str, Any]) -> None:
         f"{r['slo_s'] * 1e3:.0f} ms (5 x unloaded {r['unloaded_ttft_s'] * 1e3:.0f} ms); nominal "
         f"capacity {r['capacity_rps']:.1f} req/s\ncapacity: {r['capacity']}"
     )
+    if r.get("lora_capacity_rps"):
+        print(
+            "LoRA-workload capacity (zipf burst): "
+            + ", ".join(
+                f"{router} {c:.1f} req/s (rates "
+                + "/".join(f"{x:.2f}" for x in r["rates_over_lora_capacity"][router])
+                + " x it)"
+                for router, c in r["lora_capacity_rps"].items()
+            )
+        )
     print(
         f"{'workload':9} {'router':9} {'goodput':>8} {'p50@ref':>8} {'p99@ref':>8} {'loads':>6} "
         f"{'reads':>6} {'load s':>7} {'loadavg':>8}"

@@ -113,6 +113,11 @@ class FleetRun:
     adapters_held: int = 0  # distinct adapters on the devices and host tiers at the end
     replicas: dict[str, dict] = field(default_factory=dict)
     duration_s: float = 0.0
+    # per completed request, as ttft: when it left the router for a replica (its last
+    # routing, for a resumed stream), and affinity's estimate of its TTFT there (NaN for
+    # Ray's routers, which estimate none)
+    routed_at: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    estimated_ttft: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
     def summary(self) -> dict:
         pct = (lambda q: float(np.percentile(self.ttft, q))) if len(self.ttft) else (lambda q: None)
@@ -177,6 +182,8 @@ class FleetSim:
         self.routed = 0
         self.measured_from = measured_from
         self.baseline: dict[str, dict] = {}  # counters when the measured window began
+        self.routed_at: dict[int, float] = {}  # rid -> when it was last sent to a replica
+        self.estimated: dict[int, float] = {}  # rid -> affinity's TTFT estimate there
 
     # -- running
 
@@ -344,6 +351,7 @@ class FleetSim:
                 return
             self.pending.remove(target)
             self.routed += 1
+            self.routed_at[target.request.rid] = self.now
             if self.router != "affinity":
                 adapter = target.request.adapter
                 target.predicted_held = adapter in self.model_ids.get(replica, frozenset())
@@ -360,9 +368,11 @@ class FleetSim:
             age = max(0.0, self.now - recorded_at)
             views.append(replace(stats, stats_age_s=age, queue_len=replica.in_flight))
         adapter = pending.request.adapter
-        for rid in self.policy.choose(adapter, views):
+        estimates: dict[str, float] = {}
+        for rid in self.policy.choose(adapter, views, estimates=estimates):
             if self.replicas[rid].in_flight < self.setup.max_ongoing_requests:
                 self.policy.observe(adapter, rid, prompt_tokens=pending.request.prompt)
+                self.estimated[pending.request.rid] = estimates[rid]
                 seen = self.stats.get(rid)
                 pending.predicted_held = seen is not None and (
                     adapter in seen[1].device_adapters or adapter in seen[1].host_adapters
@@ -430,6 +440,8 @@ class FleetSim:
             adapters_held=len(set().union(*(r.held() for r in self.replicas.values()))),
             replicas=per_replica,
             duration_s=float(finish.max() - arrival.min()) if len(done) else 0.0,
+            routed_at=np.array([self.routed_at.get(r.request.rid, np.nan) for r in done]),
+            estimated_ttft=np.array([self.estimated.get(r.request.rid, np.nan) for r in done]),
         )
 
 

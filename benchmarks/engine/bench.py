@@ -241,6 +241,10 @@ def _in_bfloat16(
     return out
 
 
+def _dtype(dtype: str | None) -> dict[str, str]:
+    return {} if dtype is None else {"dtype": dtype}
+
+
 def _step_time_ratio(real: dict) -> None:
     """real.bfloat16.step_time_ratio_vs_float32, once both steps were timed."""
     bf16 = real["bfloat16"]
@@ -410,17 +414,18 @@ def _step_overheads(
     heavy: dict[str, Path] | None,
     light: dict[str, Path],
     shape: BenchShape,
-    dtype: str = "auto",
+    dtype: str | None = None,
 ) -> dict:
-    """heavy None: the light batch only (its keys, and no heavy ones)."""
+    """heavy None: the light batch only (its keys, and no heavy ones). dtype: the engine's
+    `engine.dtype` (None: its default)."""
     batch = 32
     log(
         "timing decode steps: base-only vs 8 adapters r16 q/k/v/o"
         + (" vs 32 adapters r8-64 on all projections" if heavy else "")
-        + ("" if dtype == "auto" else f", in {dtype}")
+        + ("" if dtype is None else f", in {dtype}")
     )
-    base_engine = _engine(model_dir, {}, dtype=dtype)
-    light_engine = _engine(model_dir, light, dtype=dtype)
+    base_engine = _engine(model_dir, {}, **_dtype(dtype))
+    light_engine = _engine(model_dir, light, **_dtype(dtype))
     light_names = list(light)
     decode_batch(base_engine, [None] * batch, shape.decode_context)
     decode_batch(light_engine, [light_names[i % 8] for i in range(batch)], shape.decode_context)
@@ -569,14 +574,14 @@ def _speedup_vs_peft(
     shape: BenchShape,
     trace: Path | None,
     rounds: int = ROUNDS,
-    dtype: str = "auto",
+    dtype: str | None = None,
 ) -> dict:
-    """dtype: the engine's `engine.dtype`; PEFT runs in the same (auto: float32, as the
-    checkpoints are)."""
+    """dtype: the engine's `engine.dtype` (None: its default); PEFT runs in the same
+    (None: float32, as the checkpoints are)."""
     lengths, source = trace_lengths(trace or DEFAULT_TRACE, shape.num_requests, shape)
     names = list(adapter_dirs)
     adapters = zipf_adapters(names, len(lengths))
-    engine = _engine(model_dir, {n: adapter_dirs[n] for n in set(adapters)}, dtype=dtype)
+    engine = _engine(model_dir, {n: adapter_dirs[n] for n in set(adapters)}, **_dtype(dtype))
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(2)
     prompts = [rng.integers(10, vocab, size=p).tolist() for p, _ in lengths]
@@ -586,7 +591,7 @@ def _speedup_vs_peft(
         f"{rounds} alternating rounds of loraplex then peft"
     )
     params = [SamplingParams(max_tokens=o, temperature=0, ignore_eos=True) for _, o in lengths]
-    peft = _peft_model(model_dir, adapter_dirs, adapters, DTYPES.get(dtype, torch.float32))
+    peft = _peft_model(model_dir, adapter_dirs, adapters, DTYPES[dtype] if dtype else torch.float32)
     ours_s, peft_s = [], []
     for _ in range(rounds):
         start = time.perf_counter()

@@ -283,18 +283,23 @@ def test_scale_down_removes_one_replica_at_a_time():
     assert POLICY(after)[0] == 5  # within the cooldown, and a new delay for 5
 
 
-COSTS = {"base_s": 0.02, "per_token_s": 1e-5, "per_adapter_s": 1e-3}
+COSTS = {
+    "base_s": 0.02,
+    "per_prompt_token_s": 1e-5,
+    "per_decode_row_s": 3e-4,
+    "per_adapter_s": 1e-3,
+}
 
 
 @pytest.mark.parametrize("rows", [16, 8, 2])
 def test_token_utilisation_is_the_share_of_what_a_full_batch_makes(rows):
     """The oracle is the step-cost model itself: a replica stepping back to back for 10 s
     with `rows` decode rows of 4 adapters makes rows tokens a step, each step taking
-    base + per_token x rows + per_adapter x 4. With all 16 slots full it is saturated (1.0);
-    with fewer rows the same steps are shorter, and what it made is that share of what full
-    steps make in the same time. Prompt tokens cost per_token_s each."""
-    step = COSTS["base_s"] + COSTS["per_token_s"] * rows + COSTS["per_adapter_s"] * 4
-    full = COSTS["base_s"] + COSTS["per_token_s"] * 16 + COSTS["per_adapter_s"] * 4
+    base + per_decode_row x rows + per_adapter x 4. With all 16 slots full it is saturated
+    (1.0); with fewer rows the same steps are shorter, and what it made is that share of what
+    full steps make in the same time. Prompt tokens cost per_prompt_token_s each."""
+    step = COSTS["base_s"] + COSTS["per_decode_row_s"] * rows + COSTS["per_adapter_s"] * 4
+    full = COSTS["base_s"] + COSTS["per_decode_row_s"] * 16 + COSTS["per_adapter_s"] * 4
     made = rows * 10.0 / step
     stats = {"step_costs": COSTS}
     used = token_utilisation(

@@ -175,6 +175,8 @@ AUTOSCALE_PREFILL_TOKENS = (
 )
 AUTOSCALE_TOKEN_S = "token_s"  # what a prompt token adds to a step (per_prompt_token_s; 0 before)
 AUTOSCALE_UTILISATION = "token_utilisation"  # tokens made ÷ its token capacity (0 before measured)
+AUTOSCALE_SET_BYTES = "adapter_set_bytes"  # the distinct adapters asked for since the last report
+AUTOSCALE_TIER_BYTES = "adapter_tier_bytes"  # what its device + host tiers hold at most (0: all)
 AUTOSCALE_ADAPTER = "adapter_requests:"  # + an adapter's name: its requests held here
 HOT_ADAPTERS_REPORTED = 4  # the adapters with most requests held, each reported by name
 
@@ -230,6 +232,8 @@ def autoscaling_stats(
     token_s: float,
     utilisation: float,
     adapter_queue: Mapping[str, int],
+    set_bytes: int = 0,
+    tier_bytes: int = 0,
 ) -> dict[str, float]:
     """One report (the deployment's `record_autoscaling_stats` and the fleet simulator's):
     `reads` re-reads from the store so far (of adapters its tiers had dropped; not first
@@ -239,7 +243,10 @@ def autoscaling_stats(
     (queued requests' and running ones' chunks left), `token_s` what a prompt token adds
     to its step, as measured (0 before); `utilisation` its `token_utilisation` since the last
     report; `adapter_queue` the requests held per adapter, of which
-    the HOT_ADAPTERS_REPORTED largest are reported by name."""
+    the HOT_ADAPTERS_REPORTED largest are reported by name; `set_bytes` the weights of the
+    distinct adapters asked for since the last report (held now included), `tier_bytes`
+    what its device pool and host tier can hold of them at most (0 where the host tier has
+    no budget: it keeps every adapter, none is read again)."""
     hot = sorted(((n, a) for a, n in adapter_queue.items() if n > 0), reverse=True)
     return {
         AUTOSCALE_REQUESTS: float(requests),
@@ -249,5 +256,7 @@ def autoscaling_stats(
         AUTOSCALE_PREFILL_TOKENS: float(prefill_tokens),
         AUTOSCALE_TOKEN_S: token_s,
         AUTOSCALE_UTILISATION: utilisation,
+        AUTOSCALE_SET_BYTES: float(set_bytes),
+        AUTOSCALE_TIER_BYTES: float(tier_bytes),
         **{AUTOSCALE_ADAPTER + a: float(n) for n, a in hot[:HOT_ADAPTERS_REPORTED]},
     }

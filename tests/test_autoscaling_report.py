@@ -37,8 +37,8 @@ def replica_without_serve(model_dir) -> ReplicaDeployment:
         }
     )
     replica.max_concurrency = cfg.scheduler.max_num_seqs
-    replica.requests_total = replica.in_flight = replica.output_tokens = 0
-    replica._autoscale_mark = (time.monotonic(), 0, 0, 0)
+    replica.host_bytes = cfg.cache.host_bytes
+    replica._start_counters()
     replica.engine = Engine(cfg)
     return replica
 

@@ -224,9 +224,13 @@ class ReplicaDeployment:
         )
 
     def _adapter_bytes(self, adapter: str) -> int:
-        """The registry's size of an adapter version's weights (0 once it has left)."""
+        """The registry's size of an adapter version's weights (0 once it has left, or for
+        a name that is no version id: its request was refused as not found)."""
         assert self.watcher is not None
-        version = self.watcher.version(*parse_adapter_id(adapter))
+        try:
+            version = self.watcher.version(*parse_adapter_id(adapter))
+        except ValueError:
+            return 0
         return 0 if version is None else version.size_bytes
 
     def _tiers(self, stats: dict[str, Any]) -> dict[str, list[str]]:

@@ -26,6 +26,7 @@ from loraplex.replica.deployment import ReplicaDeployment
 from loraplex.replica.protocol import (
     AUTOSCALE_SET_BYTES,
     AUTOSCALE_TIER_BYTES,
+    AdapterNotFound,
     GenerateRequest,
     adapter_id,
 )
@@ -72,6 +73,8 @@ def test_the_report_weighs_the_adapters_asked_for_against_the_replicas_tiers(
                 asked = ("sql-r8", "code-r32", "sql-r8")  # two distinct, one twice
                 for name in asked:
                     await _drain(replica.generate(_request(ids[name])))
+                with pytest.raises(AdapterNotFound):  # not a version id: weighs nothing
+                    await _drain(replica.generate(_request("no-such-adapter")))
                 report = await replica.record_autoscaling_stats()
                 assert report[AUTOSCALE_SET_BYTES] == sizes["sql-r8"] + sizes["code-r32"]
                 assert report[AUTOSCALE_TIER_BYTES] == HOST_BYTES + POOL_BYTES

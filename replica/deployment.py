@@ -45,6 +45,7 @@ from loraplex.replica.protocol import (
     chunk,
     continuation,
     measured_token_s,
+    parse_adapter_id,
     sampling_params,
     token_utilisation,
 )
@@ -81,6 +82,7 @@ class ReplicaDeployment:
         if etcd is not None and artifact_root is None:
             raise ValueError("artifact_root is required when etcd is given")
         self.max_concurrency = cfg.scheduler.max_num_seqs
+        self.host_bytes = cfg.cache.host_bytes
         self._start_counters()
         self.engine = await asyncio.to_thread(Engine, cfg)  # reads the checkpoint
         if etcd is None:
@@ -101,6 +103,7 @@ class ReplicaDeployment:
         self.output_tokens = 0  # tokens streamed (what the autoscaling report counts as made)
         # (when, store re-reads, prompt tokens computed, output tokens) at the last report
         self._autoscale_mark = (time.monotonic(), 0, 0, 0)
+        self._asked: set[str] = set()  # adapters asked for since the last report
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Stream the request's chunks. AdapterNotFound if its adapter version is not
@@ -113,6 +116,7 @@ class ReplicaDeployment:
             raise AdapterNotFound(f"adapter {adapter!r}: this replica has no registry")
         else:
             held = self.sync.serving(adapter, request.get("adapter_revision"))
+            self._asked.add(adapter)
         # aclosing: a caller that stops early must abort the engine's request at once
         self.in_flight += 1
         try:
@@ -181,7 +185,10 @@ class ReplicaDeployment:
         the engine's re-reads of adapters its tiers had dropped (`disk_reads`): a working set
         past the tiers. A first read (AdapterSync's) is not: a new replica, or an adapter new
         to this one, is read once whatever its tiers can keep. The mean read time is the
-        first reads' (the same artifacts from the same store, paced alike)."""
+        first reads' (the same artifacts from the same store, paced alike). The adapters
+        asked for since the last report are reported in bytes (the registry's sizes), beside
+        what its pool and host tier hold at most: the policy keeps the replicas that hold
+        them once their re-reads have stopped."""
         assert self.engine is not None
         stats = await self.engine.stats()
         reads = stats["adapters"]["disk_reads"]
@@ -190,6 +197,8 @@ class ReplicaDeployment:
         since, reads_before, prompt_before, output_before = self._autoscale_mark
         self._autoscale_mark = (now, reads, prompt, self.output_tokens)
         held = self.sync.requests if self.sync else {}
+        asked, self._asked = self._asked | {a for a, n in held.items() if n > 0}, set()
+        pool = stats["pool"]
         return autoscaling_stats(
             requests=self.in_flight,
             slots=self.max_concurrency,
@@ -208,7 +217,21 @@ class ReplicaDeployment:
                 adapters=sum(1 for n in held.values() if n > 0),
             ),
             adapter_queue=held,
+            set_bytes=sum(self._adapter_bytes(a) for a in asked),
+            tier_bytes=0
+            if self.host_bytes is None
+            else self.host_bytes + pool["num_pages"] * pool["page_bytes"],
         )
+
+    def _adapter_bytes(self, adapter: str) -> int:
+        """The registry's size of an adapter version's weights (0 once it has left, or for
+        a name that is no version id: its request was refused as not found)."""
+        assert self.watcher is not None
+        try:
+            version = self.watcher.version(*parse_adapter_id(adapter))
+        except ValueError:
+            return 0
+        return 0 if version is None else version.size_bytes
 
     def _tiers(self, stats: dict[str, Any]) -> dict[str, list[str]]:
         return published_tiers(stats["adapters"], self.sync.loading if self.sync else ())

@@ -40,7 +40,7 @@ from loraplex.replica.model.loader import load_weights
 from loraplex.replica.sampling import SamplingParams, greedy_tokens, sample_token
 from loraplex.replica.scheduling.scheduler import Scheduler
 from loraplex.replica.sequence import Continuation, RequestOutput, Sequence, TokensSoFar
-from loraplex.replica.step_costs import StepCostEstimator
+from loraplex.replica.step_costs import StepCostEstimator, step_rows
 from loraplex.replica.tokenizer import Tokenizer
 from loraplex.settings import MiB
 
@@ -299,6 +299,7 @@ class LLMEngine:
             outputs.append(_final(seq))
         if not scheduled:
             return outputs
+        prompt_tokens, decode_rows = step_rows(scheduled)
         started = time.perf_counter()
         batch = build_step_batch(scheduled, self.kv, self.model_config.sliding_window)
         logits = self.model.forward(batch, self.kv.view, self.kv.rows)
@@ -313,7 +314,8 @@ class LLMEngine:
             # another replica draws the same tokens), and logits leave the replica on the host
             logits = logits.cpu()
         self.step_costs.record_step(
-            sum(n for _, n in scheduled),
+            prompt_tokens,
+            decode_rows,
             len({seq.adapter for seq, _ in scheduled if seq.adapter is not None}),
             time.perf_counter() - started,
         )
@@ -404,13 +406,13 @@ class LLMEngine:
 
     def restore_costs(self) -> RestoreCosts:
         """What losing an idle page costs, as this engine measures it: its steps' cost per
-        token (recomputing a cached block) and its adapter loads' seconds per byte. Until
+        prompt token (recomputing a cached block) and its adapter loads' seconds per byte. Until
         it has measured them: priors for the device (dense FLOPs at 100 TFLOP/s on CUDA,
         100 GFLOP/s on CPU; loads over 25 GB/s PCIe, or 5 GB/s host copies)."""
         cuda = self.pool.arena.is_cuda
         est = self.step_costs.estimate()
-        if est is not None and est.per_token_s > 0:
-            per_token = est.per_token_s
+        if est is not None and est.per_prompt_token_s > 0:
+            per_token = est.per_prompt_token_s
         else:
             per_token = 2 * self._dense_parameters() / (1e14 if cuda else 1e11)
         s = self.adapters.stats

@@ -173,16 +173,19 @@ AUTOSCALE_READ_S = "store_read_s"  # the mean store read, seconds (0 before the 
 AUTOSCALE_PREFILL_TOKENS = (
     "queued_prefill_tokens"  # prompt tokens waiting and running, not computed
 )
-AUTOSCALE_TOKEN_S = "token_s"  # the measured step time per token (step_costs.per_token_s; 0 before)
+AUTOSCALE_TOKEN_S = "token_s"  # what a prompt token adds to a step (per_prompt_token_s; 0 before)
 AUTOSCALE_UTILISATION = "token_utilisation"  # tokens made ÷ its token capacity (0 before measured)
+AUTOSCALE_SET_BYTES = "adapter_set_bytes"  # the distinct adapters asked for since the last report
+AUTOSCALE_TIER_BYTES = "adapter_tier_bytes"  # what its device + host tiers hold at most (0: all)
 AUTOSCALE_ADAPTER = "adapter_requests:"  # + an adapter's name: its requests held here
 HOT_ADAPTERS_REPORTED = 4  # the adapters with most requests held, each reported by name
 
 
 def measured_token_s(stats: Mapping[str, Any]) -> float:
-    """What one token adds to a step of this engine (its `stats()`), 0 until measured."""
+    """What one prompt token adds to a step of this engine (its `stats()`), 0 until
+    measured."""
     costs = stats.get("step_costs")
-    return 0.0 if costs is None else float(costs["per_token_s"])
+    return 0.0 if costs is None else float(costs["per_prompt_token_s"])
 
 
 def token_utilisation(
@@ -196,21 +199,24 @@ def token_utilisation(
 ) -> float:
     """The share of its token capacity a replica used over `elapsed_s`, in which it computed
     `prompt_tokens` prompt tokens and made `output_tokens` (from its engine's `stats()`, 0
-    until its step costs were measured). Priced by its measured step
-    (step_s ≈ base_s + per_token_s × tokens + per_adapter_s × adapters): a token costs
-    per_token_s, and an output token also its share of a full batch's fixed cost
-    ((base_s + per_adapter_s × adapters) ÷ slots, `adapters` the distinct adapters its
-    requests hold, at most one a slot). Below capacity the steps are short and few rows share them;
-    this counts what the same tokens take when the batch is full, so it grows with the
-    tokens asked for, not with a queue (which stays empty below capacity), and is 1 where
-    the replica is saturated."""
+    until its step costs were measured). Priced by its measured step (step_costs.py:
+    step_s ≈ base_s + per_prompt_token_s × prompt tokens + per_decode_row_s × decode rows
+    + per_adapter_s × adapters): a prompt token costs per_prompt_token_s, and an output
+    token its decode row plus its share of a full batch's fixed cost ((base_s +
+    per_adapter_s × adapters) ÷ slots, `adapters` the distinct adapters its requests hold,
+    at most one a slot). Below capacity the steps are short and few rows share them; this
+    counts what the same tokens take when the batch is full, so it grows with the tokens
+    asked for, not with a queue (which stays empty below capacity), and is 1 where the
+    replica is saturated."""
     costs = stats.get("step_costs")
     if costs is None or elapsed_s <= 0:
         return 0.0
     shared = (costs["base_s"] + costs["per_adapter_s"] * min(max(adapters, 1), slots)) / max(
         slots, 1
     )
-    seconds = (prompt_tokens + output_tokens) * costs["per_token_s"] + output_tokens * shared
+    seconds = prompt_tokens * costs["per_prompt_token_s"] + output_tokens * (
+        costs["per_decode_row_s"] + shared
+    )
     return seconds / elapsed_s
 
 
@@ -226,16 +232,21 @@ def autoscaling_stats(
     token_s: float,
     utilisation: float,
     adapter_queue: Mapping[str, int],
+    set_bytes: int = 0,
+    tier_bytes: int = 0,
 ) -> dict[str, float]:
     """One report (the deployment's `record_autoscaling_stats` and the fleet simulator's):
     `reads` re-reads from the store so far (of adapters its tiers had dropped; not first
     reads),
     `reads_before` at the last report `elapsed_s` ago, `read_s` the mean read measured (0
     before the first); `prefill_tokens` the prompt tokens its engine has yet to compute
-    (queued requests' and running ones' chunks left), `token_s` what a token adds to its
-    step, as measured (0 before); `utilisation` its `token_utilisation` since the last
+    (queued requests' and running ones' chunks left), `token_s` what a prompt token adds
+    to its step, as measured (0 before); `utilisation` its `token_utilisation` since the last
     report; `adapter_queue` the requests held per adapter, of which
-    the HOT_ADAPTERS_REPORTED largest are reported by name."""
+    the HOT_ADAPTERS_REPORTED largest are reported by name; `set_bytes` the weights of the
+    distinct adapters asked for since the last report (held now included), `tier_bytes`
+    what its device pool and host tier can hold of them at most (0 where the host tier has
+    no budget: it keeps every adapter, none is read again)."""
     hot = sorted(((n, a) for a, n in adapter_queue.items() if n > 0), reverse=True)
     return {
         AUTOSCALE_REQUESTS: float(requests),
@@ -245,5 +256,7 @@ def autoscaling_stats(
         AUTOSCALE_PREFILL_TOKENS: float(prefill_tokens),
         AUTOSCALE_TOKEN_S: token_s,
         AUTOSCALE_UTILISATION: utilisation,
+        AUTOSCALE_SET_BYTES: float(set_bytes),
+        AUTOSCALE_TIER_BYTES: float(tier_bytes),
         **{AUTOSCALE_ADAPTER + a: float(n) for n, a in hot[:HOT_ADAPTERS_REPORTED]},
     }

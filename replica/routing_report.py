@@ -49,13 +49,13 @@ def measured_costs(stats: Mapping[str, Any]) -> dict[str, float]:
     """The router's cost inputs as this replica measured them (empty until it has enough
     steps; the router then uses its configured costs):
 
-        busy_cost_s       2 x the step's cost per token: a request already running adds one
-                          decode token to the step a new request waits out and to its own
-                          prefill step
+        busy_cost_s       2 x the step's cost per decode row: a request already running
+                          adds one decode row to the step a new request waits out and to its
+                          own prefill step
         host_load_cost_s  mean host -> pool load time, plus one more adapter segment in every
                           step of a request's life (per-adapter cost x mean output tokens)
-        prefill_token_cost_s  the step's cost per token: what a prompt token found in the
-                          prefix cache saves
+        prefill_token_cost_s  the step's cost per prompt token: what a prompt token found in
+                          the prefix cache saves
     """
     costs = stats.get("step_costs")
     if costs is None:
@@ -63,9 +63,9 @@ def measured_costs(stats: Mapping[str, Any]) -> dict[str, float]:
     adapters = stats["adapters"]
     load_s = adapters["load_seconds"] / adapters["loads"] if adapters["loads"] else 0.0
     return {
-        "busy_cost_s": 2 * costs["per_token_s"],
+        "busy_cost_s": 2 * costs["per_decode_row_s"],
         "host_load_cost_s": load_s + costs["per_adapter_s"] * costs["mean_output_tokens"],
-        "prefill_token_cost_s": costs["per_token_s"],
+        "prefill_token_cost_s": costs["per_prompt_token_s"],
     }
 
 

@@ -24,7 +24,12 @@ Serve over `look_back_period_s`. The policy wants the largest of three counts:
                   device and host tiers: one replica more, before the reads make queues
                   grow. First reads are not counted: a new replica reads every adapter
                   routed to it once, and counted they asked for more replicas, which read
-                  more (18 scale events an hour in the simulated day)
+                  more (18 scale events an hour in the simulated day). Its memory: each
+                  replica reports the bytes of the distinct adapters asked for since its
+                  last report and what its tiers hold at most; the count is not lowered
+                  below the replicas whose tiers hold them all (it never raises it), since
+                  re-reads stop once the tiers hold the set and would start again after
+                  a step down
     hot adapter   the most homes one adapter wants: its requests held, summed over the
                   replicas (each reports its HOT_ADAPTERS_REPORTED largest by name), ÷
                   (the router's home_utilisation × slots), up to its max_homes_per_adapter;
@@ -39,8 +44,9 @@ not flap, and removes one replica at a time (its adapters are read again where t
 several at once were a cold-start storm in the simulated day, P99 TTFT 31.8 s after
 6 -> 2). A count is
 never lowered while the fewer replicas would be more than scale_down_utilisation utilised
-(below target_utilisation: the band between them is the hysteresis) or would read past
-read_busy (the working set would thrash again). Bounds are Serve's min_replicas and
+(below target_utilisation: the band between them is the hysteresis), would read past
+read_busy or would not hold the adapters asked for in their tiers (the working set would
+thrash again). Bounds are Serve's min_replicas and
 max_replicas.
 
 Which replica leaves is Serve's choice: it stops sending it requests, lets its requests
@@ -64,7 +70,9 @@ from loraplex.replica.protocol import (
     AUTOSCALE_READ_S,
     AUTOSCALE_READS_PER_S,
     AUTOSCALE_REQUESTS,
+    AUTOSCALE_SET_BYTES,
     AUTOSCALE_SLOTS,
+    AUTOSCALE_TIER_BYTES,
     AUTOSCALE_TOKEN_S,
     AUTOSCALE_UTILISATION,
 )
@@ -73,8 +81,22 @@ from loraplex.replica.protocol import (
 REQUESTS, SLOTS = AUTOSCALE_REQUESTS, AUTOSCALE_SLOTS
 READS_PER_S, READ_S = AUTOSCALE_READS_PER_S, AUTOSCALE_READ_S
 PREFILL_TOKENS, TOKEN_S = AUTOSCALE_PREFILL_TOKENS, AUTOSCALE_TOKEN_S
-UTILISATION = AUTOSCALE_UTILISATION
-AUTOSCALING_METRICS = (REQUESTS, SLOTS, READS_PER_S, READ_S, PREFILL_TOKENS, TOKEN_S, UTILISATION)
+UTILISATION, SET_BYTES, TIER_BYTES = (
+    AUTOSCALE_UTILISATION,
+    AUTOSCALE_SET_BYTES,
+    AUTOSCALE_TIER_BYTES,
+)
+AUTOSCALING_METRICS = (
+    REQUESTS,
+    SLOTS,
+    READS_PER_S,
+    READ_S,
+    PREFILL_TOKENS,
+    TOKEN_S,
+    UTILISATION,
+    SET_BYTES,
+    TIER_BYTES,
+)
 POLICY_FUNCTION = "loraplex.router.autoscaling:LoraAutoscalingPolicy"
 
 # a child of Serve's logger: the policy runs in Serve's controller, whose log file it reaches
@@ -148,6 +170,8 @@ class ReplicaReport:
     token_s: float = 0.0  # measured time a token adds to a step (0 until measured)
     utilisation: float = 0.0  # share of its token capacity used (0 until measured)
     adapters: dict[str, float] = field(default_factory=dict)  # its hottest: requests held
+    set_bytes: float = 0.0  # weights of the distinct adapters asked for since its last report
+    tier_bytes: float = 0.0  # what its device + host tiers hold at most (0: every adapter)
 
     @property
     def read_busy(self) -> float:
@@ -220,6 +244,13 @@ def wanted(
             by_reads,
             f"store reads would keep {by_reads - 1} replicas over read_busy",
         )
+    by_set = min(current, set_replicas(reports))
+    if by_load < by_set:
+        set_mib = sum(r.set_bytes for r in reports) / (1 << 20)
+        by_load, why_load = (
+            by_set,
+            f"the adapters asked for ({set_mib:.0f} MiB) fill {by_set} replicas' tiers",
+        )
     if by_load < current and current > 1 and used / (current - 1) > s.scale_down_utilisation:
         left = used / (current - 1)
         return Decision(current, f"{current - 1} replicas would be {left:.0%} utilised")
@@ -238,6 +269,17 @@ def hot_homes(reports: list[ReplicaReport], slots: float, homes: Homes | None) -
     most = max(per_adapter.values(), default=0.0)
     need = _ceil(most / (homes.home_utilisation * max(slots, 1.0)))
     return max(1, min(need, homes.max_homes_per_adapter))
+
+
+def set_replicas(reports: list[ReplicaReport]) -> int:
+    """The replicas whose tiers hold the adapters asked for (each replica's set, summed:
+    an adapter with two homes fills two tiers), at the mean tier of the replicas that bound
+    theirs; 1 where none does. The working set's memory: once the replicas hold it, its
+    re-reads stop and the read count would let the count fall until they thrash again."""
+    tiers = [r.tier_bytes for r in reports if r.tier_bytes > 0]
+    if not tiers:
+        return 1
+    return max(1, _ceil(sum(r.set_bytes for r in reports) * len(tiers) / sum(tiers)))
 
 
 def _ceil(x: float) -> int:
@@ -321,6 +363,8 @@ def reports_of(ctx: Any) -> list[ReplicaReport]:
                 token_s=values[TOKEN_S] or 0.0,
                 utilisation=values[UTILISATION] or 0.0,
                 adapters=adapters,
+                set_bytes=values[SET_BYTES] or 0.0,
+                tier_bytes=values[TIER_BYTES] or 0.0,
             )
         )
     return reports

@@ -27,7 +27,9 @@ from loraplex.router.autoscaling import (
     READ_S,
     READS_PER_S,
     REQUESTS,
+    SET_BYTES,
     SLOTS,
+    TIER_BYTES,
     UTILISATION,
     Homes,
     LoraAutoscalingPolicy,
@@ -66,6 +68,7 @@ def context(
 
 
 POLICY = LoraAutoscalingPolicy(downscale_delay_s=60, cooldown_s=30)
+MiB = 1 << 20
 
 
 def test_load_sets_the_count_at_the_target_slot_use():
@@ -283,18 +286,23 @@ def test_scale_down_removes_one_replica_at_a_time():
     assert POLICY(after)[0] == 5  # within the cooldown, and a new delay for 5
 
 
-COSTS = {"base_s": 0.02, "per_token_s": 1e-5, "per_adapter_s": 1e-3}
+COSTS = {
+    "base_s": 0.02,
+    "per_prompt_token_s": 1e-5,
+    "per_decode_row_s": 3e-4,
+    "per_adapter_s": 1e-3,
+}
 
 
 @pytest.mark.parametrize("rows", [16, 8, 2])
 def test_token_utilisation_is_the_share_of_what_a_full_batch_makes(rows):
     """The oracle is the step-cost model itself: a replica stepping back to back for 10 s
     with `rows` decode rows of 4 adapters makes rows tokens a step, each step taking
-    base + per_token x rows + per_adapter x 4. With all 16 slots full it is saturated (1.0);
-    with fewer rows the same steps are shorter, and what it made is that share of what full
-    steps make in the same time. Prompt tokens cost per_token_s each."""
-    step = COSTS["base_s"] + COSTS["per_token_s"] * rows + COSTS["per_adapter_s"] * 4
-    full = COSTS["base_s"] + COSTS["per_token_s"] * 16 + COSTS["per_adapter_s"] * 4
+    base + per_decode_row x rows + per_adapter x 4. With all 16 slots full it is saturated
+    (1.0); with fewer rows the same steps are shorter, and what it made is that share of what
+    full steps make in the same time. Prompt tokens cost per_prompt_token_s each."""
+    step = COSTS["base_s"] + COSTS["per_decode_row_s"] * rows + COSTS["per_adapter_s"] * 4
+    full = COSTS["base_s"] + COSTS["per_decode_row_s"] * 16 + COSTS["per_adapter_s"] * 4
     made = rows * 10.0 / step
     stats = {"step_costs": COSTS}
     used = token_utilisation(
@@ -380,3 +388,67 @@ def test_a_replica_leaves_only_while_the_others_stay_under_the_scale_down_utilis
     seen, state = steady(4, 1.2, 1200)
     n = seen[-1]
     assert n == 3 and "2 replicas would be 60% utilised" in state["why"]
+
+
+def asking_for(n: int, set_mib: float, tier_mib: float, **kw) -> Context:
+    """n replicas, load for one and no store reads, each asked for `set_mib` of distinct
+    adapters since its last report against tiers that hold `tier_mib` at most."""
+    ctx = context(n, 2, **kw)
+    ctx.aggregated_metrics[SET_BYTES] = {r: set_mib * MiB for r in ctx.running_replicas}
+    ctx.aggregated_metrics[TIER_BYTES] = {r: tier_mib * MiB for r in ctx.running_replicas}
+    return ctx
+
+
+def walk_down(n: int, set_mib: float, tier_mib: float, minutes: int = 10) -> int:
+    """The count after `minutes` of the policy every 10 s from n replicas, each step applied."""
+    state: dict[str, Any] = {}
+    last_down = None
+    for t in range(0, 60 * minutes, 10):
+        ctx = asking_for(
+            n,
+            set_mib / n,  # the adapters are spread over the replicas there are
+            tier_mib,
+            current_time=float(t),
+            policy_state=state,
+            last_scale_up_time=0.0,
+            last_scale_down_time=last_down,
+        )
+        target, state = POLICY(ctx)
+        if target < n:
+            last_down = float(t)
+        n = target
+    return n
+
+
+def test_a_count_the_reads_raised_is_kept_while_the_adapters_asked_for_fill_its_tiers():
+    """The reads took 1 -> 2 replicas: 12 MiB of adapters asked for against 8 MiB of tiers
+    a replica. On two the tiers hold them, the re-reads stop, and the load is one replica's:
+    the count stays 2 while they are asked for (one replica's tiers would drop and read them
+    again, and the reads would ask for 2 once more), and goes to 1 once 6 MiB are asked for.
+    The bytes only hold a count: they never raise one."""
+    assert walk_down(2, set_mib=12, tier_mib=8) == 2
+    assert walk_down(2, set_mib=6, tier_mib=8) == 1
+    target, state = POLICY(asking_for(1, 40, 8, current_time=0.0))
+    assert target == 1
+    # a host tier without a budget keeps every adapter (tier 0): no count for the set
+    assert walk_down(2, set_mib=12, tier_mib=0) == 1
+
+
+def test_a_replica_reports_the_adapters_asked_for_and_its_tiers_and_the_policy_reads_them():
+    report = autoscaling_stats(
+        requests=1,
+        slots=16,
+        reads=0,
+        reads_before=0,
+        elapsed_s=2.0,
+        read_s=0.3,
+        prefill_tokens=0,
+        token_s=0.0,
+        utilisation=0.1,
+        adapter_queue={"a": 1},
+        set_bytes=12 * MiB,
+        tier_bytes=8 * MiB,
+    )
+    ctx = Context(["r0"], {name: {"r0": v} for name, v in report.items()}, current_time=0)
+    (replica,) = reports_of(ctx)
+    assert replica.set_bytes == 12 * MiB and replica.tier_bytes == 8 * MiB

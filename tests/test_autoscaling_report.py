@@ -37,8 +37,8 @@ def replica_without_serve(model_dir) -> ReplicaDeployment:
         }
     )
     replica.max_concurrency = cfg.scheduler.max_num_seqs
-    replica.requests_total = replica.in_flight = replica.output_tokens = 0
-    replica._autoscale_mark = (time.monotonic(), 0, 0, 0)
+    replica.host_bytes = cfg.cache.host_bytes
+    replica._start_counters()
     replica.engine = Engine(cfg)
     return replica
 
@@ -90,7 +90,12 @@ def test_the_report_prices_the_tokens_the_replica_computed_and_streamed(demo_ass
 
 @pytest.mark.parametrize("elapsed_s", [0.0, -1.0])
 def test_no_time_elapsed_reports_no_utilisation(elapsed_s):
-    costs = {"base_s": 0.01, "per_token_s": 1e-4, "per_adapter_s": 0.0}
+    costs = {
+        "base_s": 0.01,
+        "per_prompt_token_s": 1e-4,
+        "per_decode_row_s": 1e-4,
+        "per_adapter_s": 0,
+    }
     used = token_utilisation(
         {"step_costs": costs},
         prompt_tokens=10,

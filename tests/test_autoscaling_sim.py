@@ -21,7 +21,7 @@ from loraplex.benchmarks.sim.scaling import (
     model_load_s,
 )
 from loraplex.benchmarks.sim.workload import Trace, read_trace
-from loraplex.router.autoscaling import READS_PER_S, serve_autoscaling_config
+from loraplex.router.autoscaling import READS_PER_S, UTILISATION, serve_autoscaling_config
 
 STARTUP_S = 20.0
 SHORT = fw.Lengths(prompt=(64, 128), output=(150, 250))  # ~6 s a stream
@@ -165,3 +165,37 @@ def test_the_day_swings_five_to_one_around_the_trace_arrivals():
 
 def test_model_load_is_the_weights_read_and_the_engine_start(fleet):
     assert model_load_s(fleet.profile) == pytest.approx(13.48e9 / 2e9 + 15.0)
+
+
+@pytest.mark.parametrize("load", [0.3, 0.8])
+def test_a_replicas_utilisation_is_the_share_of_its_capacity_asked_for(fleet, load):
+    """One replica (min = max = 1) under a steady `load` x its measured capacity (the bench's
+    calibration: requests per second under overload, of the trace's lengths) reports that
+    share as its utilisation, lightly loaded or near full. Its output tokens are priced by
+    its decode rows' measured cost; with one cost per token of either kind the fit followed
+    the prompt tokens (~27 µs on this profile, against ~0.25 ms a decode row) when the
+    window held long prefills, and the decode rows when it did not, so a replica's report
+    depended on how full its batches ran."""
+    lengths = fw.Lengths(trace=fleet.trace, max_tokens=fb.MAX_TOKENS)
+    rate, seconds = load * fleet.capacity_per_replica, 180.0
+    adapters = fw.catalog(1, fleet.profile.adapter_bytes)
+    reqs = fw.requests("zipf", [adapters[0].name], round(rate * seconds), rate, lengths, 3)
+    sim = ScalingFleetSim(
+        "affinity",
+        reqs,
+        {adapters[0].name: adapters[0]},
+        one_replica(fleet, adapters),
+        scaling(policy="lora", min_replicas=1, max_replicas=1),
+    )
+    reported = []
+    sample = sim._on_sample
+
+    def keep(event, sample=sample):
+        sample(event)
+        if 20.0 < sim.now <= seconds:  # past the ramp, while requests arrive
+            reported.extend(r[UTILISATION] for r in sim.samples[-1][2].values())
+
+    sim._on_sample = keep
+    sim.run()
+    assert len(reported) >= 20
+    assert np.mean(reported) == pytest.approx(load, rel=0.15)

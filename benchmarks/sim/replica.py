@@ -25,7 +25,7 @@ from loraplex.replica.scheduling.chameleon import Chameleon
 from loraplex.replica.scheduling.fairness import tenant_policies
 from loraplex.replica.scheduling.scheduler import Scheduler, SchedulerConfig
 from loraplex.replica.sequence import Sequence
-from loraplex.replica.step_costs import StepCostEstimator
+from loraplex.replica.step_costs import StepCostEstimator, step_rows
 
 
 class SimClock:
@@ -258,7 +258,7 @@ class SimReplica:
             adapter_bytes=sum(self.cache.nbytes_of(a) for a in adapters),
         )
         dt = self.profile.step_time(load)
-        self.step_costs.record_step(load.tokens, len(adapters), dt)
+        self.step_costs.record_step(*step_rows(scheduled), len(adapters), dt)
         self.clock.now += dt
         self.busy_s += dt
         self.steps += 1

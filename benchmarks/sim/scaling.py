@@ -146,7 +146,7 @@ class ScalingFleetSim(FleetSim):
             # reads); the mean read time is the first reads'
             reads = replica.sim.cache.stats.disk_reads
             engine = replica.engine_stats()
-            prompt, output = self._tokens_computed(rid, replica.sim)
+            prompt, output, finished = self._tokens_computed(rid, replica.sim)
             since, before, prompt_before, output_before = self.marks.get(
                 rid, (self.now - self.record_interval_s, 0, 0, 0)
             )
@@ -170,24 +170,36 @@ class ScalingFleetSim(FleetSim):
                     adapters=len(queue),
                 ),
                 adapter_queue=queue,
+                set_bytes=sum(self.catalog[a].nbytes for a in finished | set(queue)),
+                tier_bytes=self._tier_bytes(replica.sim),
             )
         ongoing = sum(r.in_flight for r in self.replicas.values()) + len(self.pending)
         self.samples.append((self.now, float(ongoing), per_replica))
         if self._busy():
             self._push(self.now + self.record_interval_s, "sample", None)
 
-    def _tokens_computed(self, rid: str, sim) -> tuple[int, int]:
+    def _tokens_computed(self, rid: str, sim) -> tuple[int, int, set[str]]:
         """Prompt tokens computed and output tokens made so far by a replica's engine: its
-        finished requests' and what its running ones have done (the engine's counters)."""
+        finished requests' and what its running ones have done (the engine's counters); and
+        the adapters of the requests it finished since the last call."""
         count, prompt, output = self.finished.get(rid, (0, 0, 0))
+        adapters = set()
         for record in sim.done[count:]:
             prompt += record.request.prompt
             output += record.request.output
+            if record.request.adapter is not None:
+                adapters.add(record.request.adapter)
         self.finished[rid] = (len(sim.done), prompt, output)
         for seq in sim.scheduler.running:
             prompt += min(seq.num_computed, len(seq.prompt_ids))
             output += len(seq.output_ids)
-        return prompt, output
+        return prompt, output, adapters
+
+    def _tier_bytes(self, sim) -> int:
+        """What a replica's device pool and host tier hold at most, as the deployment
+        reports it (0: a host tier without a budget keeps every adapter)."""
+        host = sim.cache.cfg.host_bytes
+        return 0 if host is None else host + sim.pool.num_pages * self.setup.profile.page_bytes
 
     def _on_push(self, _) -> None:
         """The pushed samples of the look-back window, averaged once (they change only here)."""

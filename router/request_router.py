@@ -5,7 +5,8 @@ the first rank with a replica below its `max_ongoing_requests` (probing queue le
 its cache has none), moving to the next rank when a rank is full, and backing off when
 every rank is. This class only translates: each replica's published routing stats
 (`record_routing_stats` of replica/deployment.py) become `ReplicaStats`, the policy ranks
-them, and every replica becomes a rank of its own, best first.
+them, and every replica becomes a rank of its own, best first, except those Serve already
+knows to be full: last, in one rank (`ranks_by_room`).
 
 The adapter is the request's `multiplexed_model_id` ("" for the base model), set by the
 caller through `handle.options(multiplexed_model_id=...)`: a version id,
@@ -70,7 +71,9 @@ class AffinityRequestRouter(RequestRouter):
         stats = [self._replica_stats(r) for r in candidate_replicas]
         prefix = self._prefix(pending_request, stats)
         ranked = self.policy.choose(_adapter(pending_request), stats, prefix)
-        return [[by_id[replica_id]] for replica_id in ranked]
+        return ranks_by_room(
+            [by_id[replica_id] for replica_id in ranked], self.replica_queue_len_cache.get
+        )
 
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
@@ -116,6 +119,26 @@ class AffinityRequestRouter(RequestRouter):
         # is fresher than the published queue (a period old); prefer it when cached.
         queue_len = self.replica_queue_len_cache.get(replica.replica_id)
         return stats if queue_len is None else replace(stats, queue_len=queue_len)
+
+
+def ranks_by_room(
+    ranked: list[RunningReplica], queue_len: Callable[[ReplicaID], int | None]
+) -> list[list[RunningReplica]]:
+    """Serve's ranks from the policy's order: each replica a rank of its own, best first,
+    but those Serve's queue-length cache says are full (at `max_ongoing_requests`) last and
+    together. Serve probes a full replica before sending to it, and each rank it finds full
+    raises the next probe's deadline (0.1 s, doubling up to 1 s, ray/serve/_private/
+    request_router/request_router.py, `_probe_queue_lens`): with a rank each, a saturated
+    fleet of N was probed one replica after another, N deadlines an attempt, each a round
+    trip to a busy replica; in one rank they are probed at once, as Ray's own routers' ranks
+    are, and Serve takes the least loaded with room."""
+    room, full = [], []
+    for replica in ranked:
+        held = queue_len(replica.replica_id)
+        (full if held is not None and held >= replica.max_ongoing_requests else room).append(
+            replica
+        )
+    return [[replica] for replica in room] + ([full] if full else [])
 
 
 def prompt_prefix_keys(

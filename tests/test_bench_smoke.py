@@ -156,6 +156,13 @@ def test_sched_bench_reports_every_key_on_tiny_shapes(tmp_path):
         if curves[n][top[n]]["p99_ttft_s_max"] <= slo
     )
     assert set(r["engine"]["systems"]) == set(SYSTEM_NAMES)
+    # each system's TTFTs by adapter rank (where Chameleon's tail sits) and what it served
+    for rows in (r["engine"]["systems"], r["engine"]["against_slora_systems"]):
+        for row in rows.values():
+            by_rank = row["ttft_by_rank_s"]
+            assert set(by_rank) <= {"8", "16", "32", "64", "128"} and by_rank
+            assert all(v["p50"] <= v["p99"] for v in by_rank.values())
+            assert row["completion_rps"] > 0
     assert set(r["shapes"]) == {"device-pool", "long-prompt", "bursty"}
     for shape in r["shapes"].values():
         assert all(isinstance(shape[g][k], float) for g in groups for k in sched.NEW_KEYS)

@@ -47,9 +47,10 @@ class ChameleonParams:
     )
     # Off by default, as in the paper. At the SLO it narrows the largest queue's tail and
     # still misses the targets: bench sched's engine target (loraplex's P99 TTFT against
-    # its own FIFO) per draw -0.35..-0.59 off, -0.07..-0.23 at the SLO, never > 0; in the
-    # simulator (5 seeds), Chameleon's P99 reduction against S-LoRA at the paper's high load
-    # -0.13 off, 0.15 at the SLO (target 0.6), for 7% of its capacity and P50 0.92 -> 0.85.
+    # its own FIFO, at 1.0 x FIFO's capacity) pooled -1.18 off and about -0.06 at the SLO
+    # (0.350 s against FIFO's 0.331), never > 0; in the simulator, Chameleon's P99 reduction
+    # against S-LoRA at the paper's high load -0.13 off, 0.15 at the SLO (target 0.6), for
+    # 7% of its capacity, and loraplex's capacity against S-LoRA 2.44 -> 2.17 (3 seeds).
     starve_s: float | None = Field(
         None,
         gt=0,

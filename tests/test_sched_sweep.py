@@ -17,18 +17,11 @@ def test_the_sweep_finds_each_systems_crossing_past_a_grid_below_every_capacity(
     capacity): S-LoRA and loraplex, whose capacities (steady completion under overload)
     differ by more than 1.5x, get crossings that differ as much; the old sweep read the
     grid's top for both."""
-    shape = sched_sim.SimShape(
-        requests=400,
-        load_factors=(0.25, 0.6),
-        scale_minutes=0.5,
-        seeds=1,
-        systems=("slora", "chameleon", "loraplex"),
-    )
-    out = sched_sim.sim_section(shape, None, SCENARIOS["paper"])
+    out = _below_every_capacity(400)
     top, slo = out["loads_rps"][-1], out["slo_s"]
     crossing, capacity = out["crossing_rps"], out["throughput_at_slo_rps"]
     assert out["slo_not_crossed"] == []
-    assert all(crossing[n] > top for n in shape.systems)
+    assert all(crossing[n] > top for n in SYSTEMS)
     assert capacity["loraplex"] > 1.5 * capacity["slora"]
     assert crossing["loraplex"] > 1.5 * crossing["slora"]
     for name, curve in out["systems"].items():
@@ -58,14 +51,7 @@ def test_the_comparison_is_reported_at_the_papers_fraction_of_each_systems_own_c
     high load here) and 9 / 12.9 of Chameleon's. Each system compared with S-LoRA is also
     compared at 9 / 12.9 of its own capacity, and at 0.5 and 0.7 of S-LoRA's, on the same
     arrivals for both, with every load's operating point stated beside its reductions."""
-    shape = sched_sim.SimShape(
-        requests=300,
-        load_factors=(0.25, 0.6),
-        scale_minutes=0.5,
-        seeds=1,
-        systems=("slora", "chameleon", "loraplex"),
-    )
-    out = sched_sim.sim_section(shape, None, SCENARIOS["paper"])
+    out = _below_every_capacity(300)
     capacity = out["throughput_at_slo_rps"]
     for group, name in sched_sim.AGAINST_SLORA.items():
         keys = out[group]
@@ -114,3 +100,19 @@ def test_extension_raises_each_system_until_every_seed_crosses_and_stops_at_the_
     for by_seed in curves.values():
         assert loads_of(by_seed[0]) == loads_of(by_seed[1])  # the seeds share loads
     assert len(ran) == 2 * sum(len(v) for v in added.values())
+
+
+SYSTEMS = ("slora", "chameleon", "loraplex")
+
+
+def _below_every_capacity(requests: int) -> dict:
+    """The real simulator on the paper's scenario, a grid at 0.25 and 0.6 x the trace's rate
+    (below every system's capacity), one seed."""
+    shape = sched_sim.SimShape(
+        requests=requests,
+        load_factors=(0.25, 0.6),
+        scale_minutes=0.5,
+        seeds=1,
+        systems=SYSTEMS,
+    )
+    return sched_sim.sim_section(shape, None, SCENARIOS["paper"])

@@ -145,7 +145,7 @@ Ray router's. The whole comparison is repeated (3 times, `--quick` 2) on other s
 router order rotated; figures are medians, each ratio with its 90% bootstrap interval
 (`_ci_low`, `_ci_high`). Fairness: tenant A holds 64 streams of 256 tokens open (8× the
 replica's batch), tenant B's p99 TTFT ÷ B alone, in alternating windows (3 rounds of 10 s,
-`--quick` 5 of 6 s: ~120 of B's requests a window kind; a quiet window starts once the
+`--quick` 5 of 6 s: 95 and 85 of B's requests a window kind; a quiet window starts once the
 replica has drained the flood), with its 90% bootstrap interval over B's requests;
 `b_p50_ttft_ratio` beside it, and A's chunks a second, what the relay carried.""",
     "fleet": """\

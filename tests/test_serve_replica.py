@@ -507,7 +507,10 @@ def test_killed_replica_neither_hangs_requests_nor_loses_adapters(cluster: Clust
         # Sent while routers may still count the victim in: retried before any chunk.
         fresh = [asyncio.create_task(collect(backend, request(adapters[i % 3]))) for i in range(3)]
         results = await asyncio.wait_for(asyncio.gather(*streaming), timeout=120)
-        assert backend.resumed == running[victim], (backend.resumed, running)  # mid-stream
+        # mid-stream: every stream the victim still ran was resumed on the survivor (its
+        # tokens checked below); one may end between the stats and the kill (a fresh-clone
+        # CI run: 5 resumed of the 6 the stats counted), so at most the count the stats read
+        assert 0 < backend.resumed <= running[victim], (backend.resumed, running)
         for got, want in zip(results, expected, strict=True):
             assert got == want
         for tokens in await asyncio.wait_for(asyncio.gather(*fresh), timeout=60):

@@ -139,9 +139,10 @@ host tier holds the catalog over all replicas but one (150 adapters of mean size
 60): the catalog is 2 × one host tier and 2/3 of the fleet's, the regime routing exists for,
 where a store read is what a router pays for sending an adapter where it is not held, and
 the catalog still fits with failover's killed replica gone. Poisson arrivals at fractions
-of the measured capacity; goodput is the highest offered rate whose p99 TTFT meets the SLO
-(5 × the unloaded TTFT); `goodput_ratio_vs_best_ray_router` divides affinity's by the better
-Ray router's. The whole comparison is repeated (3 times, `--quick` 2) on other seeds with the
+of the LoRA workload's measured capacity (a saturating burst of zipf's own requests through
+each router; the best router's, the same rates for all); goodput is the highest offered
+rate whose p99 TTFT meets the SLO (5 × the unloaded TTFT); `goodput_ratio_vs_best_ray_router`
+divides affinity's by the better Ray router's. The whole comparison is repeated (3 times, `--quick` 2) on other seeds with the
 router order rotated; figures are medians, each ratio with its 90% bootstrap interval
 (`_ci_low`, `_ci_high`). Fairness: tenant A holds 64 streams of 256 tokens open (8× the
 replica's batch), tenant B's p99 TTFT ÷ B alone, in alternating windows (3 rounds of 10 s,

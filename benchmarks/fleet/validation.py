@@ -17,7 +17,8 @@ run: the simulator configured like a published `bench router` run from its JSON 
 SLO, router costs; the engine's step timings measured here), every rate of its sweep
 replayed per repetition with its seeds, affinity's TTFT estimate per request set beside
 what the request waited, and the LoRA workload's own burst capacity per router beside the
-base-model one the rates are fractions of.
+rates' basis (`rate_basis_rps`: the best router's LoRA capacity; the base-model burst's in
+runs before it was published).
 """
 
 from __future__ import annotations
@@ -190,6 +191,7 @@ class BenchLike:
     names: list[str]  # adapter version ids, in catalog order (the bench's walk keys)
     capacity_rps: float  # the run's base-model burst capacity
     slo_s: float
+    rate_basis_rps: float  # what its rates are fractions of (the base burst in older runs)
 
 
 def bench_like(figures: dict[str, Any]) -> BenchLike:
@@ -222,15 +224,23 @@ def bench_like(figures: dict[str, Any]) -> BenchLike:
         list(versions.values()),
         figures["capacity_rps"],
         figures["slo_s"],
+        figures.get("rate_basis_rps", figures["capacity_rps"]),
     )
 
 
 def _bench_stream(
-    b: BenchLike, workload: str, rep: int, i: int, rate: float, burst: bool = False
+    b: BenchLike,
+    workload: str,
+    rep: int,
+    i: int,
+    rate: float,
+    basis_rps: float,
+    burst: bool = False,
 ) -> tuple[list[SimRequest], int]:
-    """`bench router`'s warm-up then its run `i` of repetition `rep` at `rate` (its own
-    seeds: benchmarks/router/bench.py `_sweep`), the run 5 s after the warm-up's last
-    arrival; with `burst` every run request arrives at once."""
+    """`bench router`'s warm-up (at its lowest rate factor x `basis_rps`) then its run `i`
+    of repetition `rep` at `rate` (its own seeds: benchmarks/router/bench.py `_sweep`), the
+    run 5 s after the warm-up's last arrival; with `burst` every run request arrives at
+    once."""
     w, index = b.workload, fw.WORKLOADS.index(workload)
     order = 1000 * rep + index
     popularity = "zipf" if workload in ("shift", "failover") else workload
@@ -238,7 +248,7 @@ def _bench_stream(
         popularity,
         b.names,
         len(b.names),
-        w.rate_factors[0] * b.capacity_rps,
+        w.rate_factors[0] * basis_rps,
         fw.Lengths(prompt=(16, 16), output=(1, 1)),
         seed=10 * index + 100_000 * rep,
         popularity_seed=order,
@@ -266,7 +276,8 @@ def lora_capacity(b: BenchLike, router: str, workload: str = "zipf", rep: int = 
     `bench router`'s capacity burst (10 full batches per replica, all at once) made of the
     workload's adapters and lengths after its warm-up, so it pays their reads, loads and
     adapter segments, where the bench's capacity is measured on base-model requests."""
-    requests, first = _bench_stream(b, workload, rep, 0, b.capacity_rps, burst=True)
+    capacity = b.capacity_rps  # the bench's LoRA burst follows a warm-up at the base burst's rate
+    requests, first = _bench_stream(b, workload, rep, 0, capacity, capacity, burst=True)
     run = simulate_fleet(router, requests, b.catalog, b.setup, measured_from=first)
     finish = run.arrival + run.e2e
     return len(run.ttft) / float(finish.max() - run.arrival.min())
@@ -278,22 +289,23 @@ def replay_bench(
     rate_factors: tuple[float, ...] | None = None,
     repeats: int | None = None,
 ) -> dict[str, Any]:
-    """Every rate of `bench router`'s sweep (or `rate_factors` x its capacity), each run
+    """Every rate of `bench router`'s sweep (or `rate_factors` x its rates' basis), each run
     after its own warm-up, through every router, per repetition (its seeds). Per rate and
     router: p50/p99 TTFT, the share within the SLO, store reads; for affinity also its
     estimate of each request's TTFT on the replica it chose against what the request then
     waited from leaving the router to its first token (`estimate_*`). And the LoRA-workload
-    capacity per router beside the base-model one the rates are fractions of."""
+    capacity per router beside the rates' basis."""
     b = bench_like(figures)
     w = b.workload
     factors = rate_factors or w.rate_factors
     capacity = {router: lora_capacity(b, router) for router in ROUTERS}
     out: dict[str, Any] = {
         "capacity_rps": b.capacity_rps,
+        "rate_basis_rps": b.rate_basis_rps,
         "lora_capacity_rps": capacity,
         "rate_factors": list(factors),
         "rates_over_lora_capacity": {
-            router: [f * b.capacity_rps / c for f in factors] for router, c in capacity.items()
+            router: [f * b.rate_basis_rps / c for f in factors] for router, c in capacity.items()
         },
         "profile": b.setup.profile.source,
         "workloads": {},
@@ -302,7 +314,8 @@ def replay_bench(
         per: dict[str, Any] = {}
         for rep in range(repeats or w.repeats):
             for i, factor in enumerate(factors):
-                requests, first = _bench_stream(b, workload, rep, i, factor * b.capacity_rps)
+                rate = factor * b.rate_basis_rps
+                requests, first = _bench_stream(b, workload, rep, i, rate, b.rate_basis_rps)
                 setup = dataclasses.replace(b.setup, seed=w.seed + rep)
                 for router in ROUTERS:
                     run = simulate_fleet(router, requests, b.catalog, setup, measured_from=first)
@@ -338,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("figures", type=Path)
-    parser.add_argument("--factors", help="rates as fractions of the run's capacity")
+    parser.add_argument("--factors", help="rates as fractions of the run's rate basis")
     parser.add_argument("--repeats", type=int)
     parser.add_argument("--workloads", default="zipf,shift")
     parser.add_argument("--json", type=Path)

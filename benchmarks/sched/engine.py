@@ -160,8 +160,8 @@ def engine_section(shape: EngineShape) -> dict:
                     "evictions": int(evictions),
                     "preemptions": int(preemptions),
                     "measured_step_ms": 1e3 * float(np.mean(step_s)),
-                    # where the tail sits: Chameleon's largest queue (the rank-64/128
-                    # adapters) runs one request at a time where its quota is under two
+                    # where the tail sits: Chameleon's largest queues (the rank-64/128
+                    # adapters), which freed sequence slots are offered to last
                     "ttft_by_rank_s": {
                         str(k): {
                             "p50": float(np.percentile(ttft[rank == k], 50)),

@@ -257,7 +257,11 @@ class Chameleon:
             entry.queue = self.queue_of(entry.wrs)
             self._charge(seq, entry)
         self.quotas = token_quotas(
-            self.queue_loads(now), self.capacity(), self.p.slo_s, self.p.quota_percentile
+            self.queue_loads(now),
+            self.capacity(),
+            self.p.slo_s,
+            self.p.quota_percentile,
+            self.p.quota_floor_requests,
         )
 
     def queue_loads(self, now: float) -> list[QueueLoad]:

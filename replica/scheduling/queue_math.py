@@ -144,7 +144,11 @@ class QueueLoad:
 
 
 def token_quotas(
-    queues: list[QueueLoad], total_tokens: int, slo_s: float, percentile: float | None = None
+    queues: list[QueueLoad],
+    total_tokens: int,
+    slo_s: float,
+    percentile: float | None = None,
+    floor_requests: int | None = None,
 ) -> list[int]:
     """Tok_min = S·D·(1/SLO + λ) per queue (μ = Tok/(S·D) served per second, and
     1/(μ − λ) <= SLO); the remainder split by weight (seed 004 §4.3.5). The paper requires
@@ -159,18 +163,44 @@ def token_quotas(
     `percentile` (not in the paper, None: the paper's) sizes each minimum for that
     percentile of the M/M/1 time in system, which is exponential with rate μ − λ:
     μ − λ >= ln(1/(1 − p))/SLO, 4.6/SLO at P99 where the paper's mean bound has 1/SLO.
-    Over the pool, the minimums are then granted largest queue first (`_largest_first`)."""
+    Over the pool, the minimums are then granted largest queue first (`_largest_first`).
+
+    `floor_requests` (not in the paper; None: the paper's) raises every quota to that many
+    of its queue's largest requests (`_with_floors`)."""
     if not queues:
         return []
     per_slo = 1.0 if percentile is None else math.log(1.0 / (1.0 - percentile))
     mins = [q.max_size * q.duration_s * (per_slo / slo_s + q.rate) for q in queues]
     if sum(mins) >= total_tokens:
         if percentile is None:
-            return _split(total_tokens, mins)
-        return _largest_first(total_tokens, mins)
-    whole = [math.ceil(m - 1e-9) for m in mins]  # not 241 for 240.00000000000003
-    rest = _split(max(0, total_tokens - sum(whole)), [q.weight for q in queues])
-    return [m + r for m, r in zip(whole, rest, strict=True)]
+            quotas = _split(total_tokens, mins)
+        else:
+            quotas = _largest_first(total_tokens, mins)
+    else:
+        whole = [math.ceil(m - 1e-9) for m in mins]  # not 241 for 240.00000000000003
+        rest = _split(max(0, total_tokens - sum(whole)), [q.weight for q in queues])
+        quotas = [m + r for m, r in zip(whole, rest, strict=True)]
+    if floor_requests is None:
+        return quotas
+    return _with_floors(quotas, [math.ceil(floor_requests * q.max_size) for q in queues])
+
+
+def _with_floors(quotas: list[int], floors: list[int]) -> list[int]:
+    """Each quota raised to its floor, the tokens taken from the queues above theirs in
+    proportion to what each has above it (so none is pushed under its own floor); floors
+    over the total split it in proportion to the floors. Why a floor of two requests: the
+    M/M/1 bound prices a queue's quota as a server of rate μ = Tok/(S·D), Tok/S requests
+    at a time. A quota under 2·S runs one request at a time (admission lets a queue with
+    nothing running start its head over quota), μ is 1/D whatever the quota, and with the
+    pool over-subscribed that queue — the largest requests, few arrivals — is the one the
+    scaling leaves there: its M/M/1 P99 is ~4.6x its mean and sets the scheduler's."""
+    total = sum(quotas)
+    if sum(floors) >= total:
+        return _split(total, [float(f) for f in floors])
+    short = sum(max(0, f - q) for q, f in zip(quotas, floors, strict=True))
+    above = [max(0, q - f) for q, f in zip(quotas, floors, strict=True)]
+    taken = _split(short, [float(a) for a in above])
+    return [max(q, f) - t for q, f, t in zip(quotas, floors, taken, strict=True)]
 
 
 def _largest_first(total: int, mins: list[float]) -> list[int]:

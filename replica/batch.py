@@ -27,6 +27,7 @@ class AttentionGroup:
     mask: torch.Tensor  # [B, 1, Q, max_blocks * block_size]
     ctx_lens: torch.Tensor  # [B] int32 keys in the cache after this step's writes
     decode: bool  # one query per row (Q == 1)
+    every_row: bool  # decode, and its rows are all the step's, in order: no reindexing
 
     def to(self, device: torch.device) -> AttentionGroup:
         return replace(self, **_moved(self, device))
@@ -67,6 +68,12 @@ class StepBatch:
     ) -> torch.Tensor:
         """q [T, H, D] -> [T, H, D] over the paged cache; decode rows through
         `decode_kernel` when the backend has one."""
+        if self.groups[0].every_row and decode_kernel is None:
+            # a decode step on the reference path: its rows in, its rows out, with no index
+            # copies (three a layer)
+            g = self.groups[0]
+            out = paged_attention(q[:, None], k_cache, v_cache, g.block_tables, g.mask, scale)
+            return out[:, 0]
         out = torch.empty_like(q)
         for g in self.groups:
             if g.decode and decode_kernel is not None:
@@ -108,7 +115,9 @@ def build_step_batch(
     decode = [(i, s, n) for i, (s, n) in enumerate(scheduled) if n == 1]
     extend = [(i, s, n) for i, (s, n) in enumerate(scheduled) if n > 1]
     groups = tuple(
-        _attention_group(part, starts, kv, sliding_window) for part in (decode, extend) if part
+        _attention_group(part, starts, len(ids), kv, sliding_window)
+        for part in (decode, extend)
+        if part
     )
     return StepBatch(
         input_ids=torch.tensor(ids, dtype=torch.int64),
@@ -123,7 +132,9 @@ def build_step_batch(
     )
 
 
-def _attention_group(part, starts, kv: KVCache, sliding_window: int | None) -> AttentionGroup:
+def _attention_group(
+    part, starts, num_tokens: int, kv: KVCache, sliding_window: int | None
+) -> AttentionGroup:
     q_max = max(n for _, _, n in part)
     token_idx, out_rows, src_rows = [], [], []
     for b, (i, _, n) in enumerate(part):
@@ -146,6 +157,7 @@ def _attention_group(part, starts, kv: KVCache, sliding_window: int | None) -> A
         mask=mask,
         ctx_lens=ctx_lens.to(torch.int32),
         decode=q_max == 1,
+        every_row=q_max == 1 and out_rows == list(range(num_tokens)),
     )
 
 

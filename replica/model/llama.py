@@ -19,7 +19,7 @@ from loraplex.kernels.backend import KernelBackend, TorchBackend
 from loraplex.kernels.lora_tables import LoraLayout
 from loraplex.replica.model.config import ModelConfig
 from loraplex.replica.model.lora_groups import DOWN, GATE_UP, LORA_GROUPS, OUT, QKV
-from loraplex.replica.model.rope import RotaryEmbedding, apply_rotary
+from loraplex.replica.model.rope import RotaryEmbedding, rotate
 
 if TYPE_CHECKING:
     from loraplex.replica.batch import StepBatch
@@ -105,17 +105,16 @@ class LlamaModel:
             x = rms_norm(h, layer["input_norm"], cfg.rms_norm_eps)
             qkv = F.linear(x, layer["qkv"])
             ops.lora(qkv, x, lora, QKV)
-            q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
-            q = apply_rotary(q.view(t, cfg.num_heads, cfg.head_dim), cos, sin)
-            k = apply_rotary(k.view(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
-            v = v.view(t, cfg.num_kv_heads, cfg.head_dim)
+            qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, -1, cfg.head_dim)
+            q, k = rotate(qk, cos, sin).split((cfg.num_heads, cfg.num_kv_heads), dim=1)
+            v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]
             write_kv(kv_rows, k, v, batch.kv_rows[i, 0], batch.kv_rows[i, 1])
             attn = batch.attention(q, k_cache, v_cache, self.scale, ops.kernels.decode_attention)
-            attn = attn.view(t, cfg.q_size)
+            attn = attn.reshape(t, cfg.q_size)
             o = F.linear(attn, layer["o"])
             ops.lora(o, attn, lora, OUT)
-            h = h + ops.reduce(o)
+            h += ops.reduce(o)
 
             x = rms_norm(h, layer["post_norm"], cfg.rms_norm_eps)
             gate_up = F.linear(x, layer["gate_up"])
@@ -124,6 +123,6 @@ class LlamaModel:
             act = F.silu(gate) * up
             down = F.linear(act, layer["down"])
             ops.lora(down, act, lora, DOWN)
-            h = h + ops.reduce(down)
+            h += ops.reduce(down)
         h = rms_norm(h[batch.sample_idx], self.w["norm"], cfg.rms_norm_eps)
         return ops.gather_logits(F.linear(h, self.w["lm_head"])).float()

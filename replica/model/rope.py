@@ -34,7 +34,8 @@ def _llama3(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding:
-    """cos/sin tables [max_positions, head_dim] computed once; a step indexes them."""
+    """cos and signed sin tables [max_positions, head_dim] computed once; a step indexes
+    them once for every layer (`rotate`'s form of the rotation)."""
 
     def __init__(self, cfg: ModelConfig, max_positions: int, device: torch.device):
         inv_freq = inverse_frequencies(cfg).to(device)
@@ -43,14 +44,27 @@ class RotaryEmbedding:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = emb.cos().to(cfg.dtype)
         self.sin = emb.sin().to(cfg.dtype)
+        half = inv_freq.shape[0]
+        self.signed_sin = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T, 1, head_dim] cos and sin for the step's positions."""
-        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+        """[T, 1, head_dim] cos and signed sin for the step's positions (`rotate`'s)."""
+        return self.cos[positions][:, None, :], self.signed_sin[positions][:, None, :]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """`apply_rotary` in four ops (it takes ten on q and k, two calls): the halves swapped
+    by one flip and the sign folded into the sin table. Bit-identical to it: negating is
+    exact, and the products and the sum round as it does. x [T, heads, head_dim] may be
+    q's and k's heads side by side (a view of the fused qkv output)."""
+    t, heads, dim = x.shape
+    swapped = x.unflatten(-1, (2, dim // 2)).flip(-2).view(t, heads, dim)
+    return x * cos + swapped * signed_sin
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim] rotated by the (non-interleaved) HF convention."""
+    """x [T, heads, head_dim] rotated by the (non-interleaved) HF convention: the
+    reference `rotate` is tested against."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

@@ -14,6 +14,9 @@ not published yet is routable:
     adapter_queue     dict[str, int]  those requests per adapter (optional)
     queued_prefill_tokens int    prompt tokens its engine has yet to prefill (waiting
                                  requests', and what is left of running ones'; optional)
+    running           int        its engine's batch rows (optional)
+    waiting           int        requests its engine holds waiting for room: KV pages, a
+                                 batch slot, an adapter load (optional)
     store_reads_queued int       store reads in flight: loading adapters without a host copy
     store_read_s      float      measured: mean time of one store read (optional)
     read_queue_s      float      when the reads in flight are expected to be done, seconds
@@ -50,6 +53,8 @@ class RoutingStats(TypedDict, total=False):
     queue_len: int
     adapter_queue: dict[str, int]
     queued_prefill_tokens: int
+    running: int
+    waiting: int
     store_reads_queued: int
     store_read_s: float
     read_queue_s: float
@@ -79,6 +84,10 @@ class ReplicaStats:
     prefix_share_base: bool = False
     adapter_queue: Mapping[str, int] = field(default_factory=dict)  # requests per adapter
     queued_prefill_tokens: int = 0
+    # the engine's batch rows and the requests it held waiting for room (KV pages, a slot,
+    # an adapter load) when it recorded these stats; None: not published
+    running: int | None = None
+    waiting: int = 0
     store_reads_queued: int = 0
     store_read_s: float | None = None  # measured by the replica; None: not yet
     read_queue_s: float = 0.0
@@ -127,6 +136,8 @@ class ReplicaStats:
             prefix_share_base=bool(stats.get("prefix_share_base")),
             adapter_queue=dict(stats.get("adapter_queue") or {}),
             queued_prefill_tokens=int(stats.get("queued_prefill_tokens") or 0),
+            running=None if stats.get("running") is None else int(stats["running"]),
+            waiting=int(stats.get("waiting") or 0),
             store_reads_queued=int(stats.get("store_reads_queued") or 0),
             store_read_s=_optional_float(stats.get("store_read_s")),
             read_queue_s=float(stats.get("read_queue_s") or 0.0),

@@ -366,7 +366,7 @@ class FleetReplica:
             "prefix_cache": {"enabled": False},
             "queued_prefill_tokens": queued_prefill_tokens(self.sim.scheduler),
             "running": len(self.sim.scheduler.running),
-            "waiting": len(self.sim.scheduler.policy),
+            "waiting_for_pages": self.sim.scheduler.waiting_for_pages,
         }
 
     def model_ids(self) -> frozenset[str]:

@@ -471,6 +471,7 @@ class LLMEngine:
             "queued_prefill_tokens": queued_prefill_tokens(self.scheduler),
             "policy": self.scheduler.policy.name,
             "running": len(self.scheduler.running),
+            "waiting_for_pages": self.scheduler.waiting_for_pages,
             "preemptions": self.scheduler.num_preemptions,
             "kv_block_size": self.kv.block_size,
             "prefix_cache": self._prefix_stats(),

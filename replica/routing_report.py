@@ -102,6 +102,8 @@ def routing_stats(
         "loading_adapters": tiers["loading"],
         "queue_len": in_flight,
         "queued_prefill_tokens": stats["queued_prefill_tokens"],
+        "running": stats["running"],
+        "waiting_for_pages": stats["waiting_for_pages"],
         "max_concurrency": max_concurrency,
         "free_pages": stats["pool"]["free_pages"],
         "num_pages": stats["pool"]["num_pages"],

@@ -14,6 +14,12 @@ not published yet is routable:
     adapter_queue     dict[str, int]  those requests per adapter (optional)
     queued_prefill_tokens int    prompt tokens its engine has yet to prefill (waiting
                                  requests', and what is left of running ones'; optional)
+    running           int        its engine's batch rows (optional)
+    waiting_for_pages int        waiting requests its engine's last step held back because
+                                 the pool had no pages for them (a running one preempted,
+                                 or admission stopped there); not those held back by the
+                                 step's token budget or max_num_seqs, or that arrived since
+                                 (optional)
     store_reads_queued int       store reads in flight: loading adapters without a host copy
     store_read_s      float      measured: mean time of one store read (optional)
     read_queue_s      float      when the reads in flight are expected to be done, seconds
@@ -50,6 +56,8 @@ class RoutingStats(TypedDict, total=False):
     queue_len: int
     adapter_queue: dict[str, int]
     queued_prefill_tokens: int
+    running: int
+    waiting_for_pages: int
     store_reads_queued: int
     store_read_s: float
     read_queue_s: float
@@ -79,6 +87,10 @@ class ReplicaStats:
     prefix_share_base: bool = False
     adapter_queue: Mapping[str, int] = field(default_factory=dict)  # requests per adapter
     queued_prefill_tokens: int = 0
+    # the engine's batch rows and the waiting requests its last step held back for want of
+    # pages, when it recorded these stats; None: not published
+    running: int | None = None
+    waiting_for_pages: int = 0
     store_reads_queued: int = 0
     store_read_s: float | None = None  # measured by the replica; None: not yet
     read_queue_s: float = 0.0
@@ -127,6 +139,8 @@ class ReplicaStats:
             prefix_share_base=bool(stats.get("prefix_share_base")),
             adapter_queue=dict(stats.get("adapter_queue") or {}),
             queued_prefill_tokens=int(stats.get("queued_prefill_tokens") or 0),
+            running=None if stats.get("running") is None else int(stats["running"]),
+            waiting_for_pages=int(stats.get("waiting_for_pages") or 0),
             store_reads_queued=int(stats.get("store_reads_queued") or 0),
             store_read_s=_optional_float(stats.get("store_read_s")),
             read_queue_s=float(stats.get("read_queue_s") or 0.0),

@@ -393,6 +393,41 @@ def test_preemption_under_a_tiny_pool_gives_the_same_tokens_as_running_alone(ass
     small.pool.check_invariants()
 
 
+def test_the_stats_count_requests_held_back_for_pages_and_not_for_the_step(assets: DemoAssets):
+    # The router prices a replica's batch as full at its rows only while requests wait for
+    # pages (router/policy.py batch_slots); requests held by the step's token budget or
+    # max_num_seqs start within a step or two and must not read as pages.
+    long = list(range(1, 80))  # 79 tokens: 3 blocks each once decoding starts
+    held = [
+        # the token budget: 79 + 79 > 100, the second prompt waits for the next step
+        make_engine(assets, scheduler=SchedulerConfig(max_num_batched_tokens=100)),
+        # the batch's sequences
+        make_engine(assets, scheduler=SchedulerConfig(max_num_seqs=1)),
+    ]
+    for eng in held:
+        for i in range(3):
+            eng.add_request(long, greedy(20, ignore_eos=True), request_id=f"r{i}")
+        eng.step()
+        stats = eng.stats()
+        assert stats["waiting"] > 0 and stats["waiting_for_pages"] == 0
+        assert eng.pool.stats().free_pages > 100  # the pool had room
+        drain(eng)
+
+    # A 6-page pool holds fewer blocks than three such requests need (distinct prompts: no
+    # shared prefix blocks), and the budget and max_num_seqs have room for all three: every
+    # request still waiting after a step was held back for pages.
+    eng = make_engine(assets, pool_pages=6)
+    for i in range(3):
+        eng.add_request([t + i for t in long], greedy(60, ignore_eos=True), request_id=f"r{i}")
+    waited = 0
+    while eng.has_unfinished():
+        eng.step()
+        stats = eng.stats()
+        assert stats["waiting_for_pages"] == stats["waiting"]
+        waited += stats["waiting"] > 0
+    assert waited > 0 and eng.scheduler.num_preemptions > 0
+
+
 def test_continuous_batching_mixes_a_new_prefill_with_running_decodes(assets: DemoAssets):
     eng = make_engine(assets)
     eng.add_request(PROMPTS[0], greedy(20, ignore_eos=True), request_id="old")

@@ -225,6 +225,55 @@ def test_busy_warm_replica_loses_to_idle_one_beyond_load_cost(queue, chosen):
     assert p.choose("a", replicas)[0] == chosen
 
 
+@pytest.mark.parametrize(
+    ("queue", "running", "for_pages", "chosen"),
+    [(12, 8, 0, "warm"), (12, 8, 4, "warm"), (20, 8, 12, "idle"), (20, None, 0, "warm")],
+)
+def test_a_batch_whose_kv_pages_fill_first_is_full_at_the_rows_it_runs(
+    queue, running, for_pages, chosen
+):
+    # 16 slots drained at 16 / 4 s = 4 a second; a read costs 2 s. A home running 8 rows
+    # while 12 wait for pages has 13 requests ahead of a new one: 3.25 s, so the idle
+    # replica serves sooner. Priced by its slots it would have 5 ahead (1.25 s) and keep the
+    # adapter. 4 waiting (5 ahead, 1.25 s), or nothing waiting (a free row), or a replica
+    # that publishes no batch rows keeps it.
+    warm = replace(
+        replica("warm", device={"a"}, queue=queue, slots=16),
+        running=running,
+        waiting_for_pages=for_pages,
+    )
+    p = policy(load_cost_s=2.0, request_time_s=4.0)
+    assert p.choose("a", [warm, replica("idle", slots=16)])[0] == chosen
+
+
+def test_requests_waiting_for_the_step_budget_leave_a_home_its_slots():
+    # The same home as above, running 8 rows with 12 more held, but held by the step's token
+    # budget (a burst of prompts admitted a chunk at a time) or between two steps, its pool
+    # with room: they start within a step or two, so the home is priced by its 16 slots
+    # (5 ahead, 1.25 s < the 2 s read) and keeps its adapter. Counting every held request as
+    # a full batch moved warm requests off such homes (zipf's reference reads 41 -> 57.5).
+    warm = replace(
+        replica("warm", device={"a"}, queue=20, slots=16), running=8, waiting_for_pages=0
+    )
+    p = policy(load_cost_s=2.0, request_time_s=4.0)
+    assert p.choose("a", [warm, replica("idle", slots=16)])[0] == "warm"
+
+
+def test_a_cold_adapter_skips_a_home_whose_kv_pages_are_full():
+    # 20 held in 32 slots, above the bound (capacity ceil(1.25 * 21 / 5) = 6) but with free
+    # slots, so the home keeps a cold adapter; the same home running 12 rows with 8 held back
+    # for pages has no free row: the bound applies and the adapter goes down its walk. With
+    # the 8 held back by the step's budget instead, it keeps its free slots and the adapter.
+    replicas = idle(5, slots=32)
+    walk = policy().choose("a", replicas)
+    free = [replica(r.replica_id, queue=20 if r.replica_id == walk[0] else 0) for r in replicas]
+    assert policy().choose("a", free)[0] == walk[0]
+    budget = [replace(r, running=12) if r.replica_id == walk[0] else r for r in free]
+    assert policy().choose("a", budget)[0] == walk[0]
+    full = [replace(r, waiting_for_pages=8) if r.replica_id == walk[0] else r for r in budget]
+    assert policy().choose("a", full)[0] == walk[1]
+
+
 @pytest.mark.parametrize(("queue", "chosen"), [(0, "warm"), (5, "warm"), (6, "idle")])
 def test_busy_cost_moves_a_request_before_the_batch_is_full(queue, chosen):
     # 32 free slots, but each request there adds 10 ms: warm costs queue * 10 ms, the idle
@@ -537,6 +586,8 @@ def test_routing_stats_contract():
         "loading_adapters": ["d"],
         "queue_len": 3,
         "queued_prefill_tokens": 700,
+        "running": 2,
+        "waiting_for_pages": 1,
         "max_concurrency": 32,
         "free_pages": 100,
         "requests_total": 10,
@@ -545,7 +596,12 @@ def test_routing_stats_contract():
         "r", device={"a", "b"}, host={"c"}, loading={"d"}, queue=3, slots=32, pages=100, age_s=1.5
     )
     assert ReplicaStats.from_routing_stats("r", stats, age_s=1.5) == replace(
-        expected, queued_prefill_tokens=700, requests_finished=7, held=3
+        expected,
+        queued_prefill_tokens=700,
+        running=2,
+        waiting_for_pages=1,
+        requests_finished=7,
+        held=3,
     )
     assert ReplicaStats.from_routing_stats("r", {}) == ReplicaStats("r")
     assert ReplicaStats("r").max_concurrency == 1

@@ -99,10 +99,13 @@ def test_published_tiers_and_reads_are_the_engines_own(
                 assert reading["adapter_queue"] == {ids[0]: 1} and reading["queue_len"] == 1
                 # it waits aside in the engine's queue, its whole prompt still to prefill
                 assert reading["queued_prefill_tokens"] == len(request["prompt_token_ids"])
+                # held for its adapter's load, not for pages: the router keeps its slots
+                assert reading["waiting_for_pages"] == 0 and reading["running"] == 0
                 await chunks
                 stats = await deployment.record_routing_stats()
                 assert ids[0] in stats["device_adapters"] and stats["queue_len"] == 0
                 assert stats["queued_prefill_tokens"] == 0
+                assert stats["waiting_for_pages"] == 0 and stats["running"] == 0
                 assert stats["adapter_queue"] == {} and stats["store_reads_queued"] == 0
             finally:
                 await sync.stop()

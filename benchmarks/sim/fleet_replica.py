@@ -365,6 +365,8 @@ class FleetReplica:
             "step_costs": None if costs is None else dataclasses.asdict(costs),
             "prefix_cache": {"enabled": False},
             "queued_prefill_tokens": queued_prefill_tokens(self.sim.scheduler),
+            "running": len(self.sim.scheduler.running),
+            "waiting_for_pages": self.sim.scheduler.waiting_for_pages,
         }
 
     def model_ids(self) -> frozenset[str]:

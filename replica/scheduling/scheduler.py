@@ -39,6 +39,10 @@ class Scheduler:
         self.failed: list[Sequence] = []  # finished with "error" by a schedule, not yet reported
         self.num_preemptions = 0
         self.num_squashes = 0
+        # the waiting requests the last step held back because the pool had no pages for
+        # them (a running one preempted for pages, or admission stopped at the pool); 0 when
+        # it stopped at the token budget or max_num_seqs, or admitted every one
+        self.waiting_for_pages = 0
         self.policy = make_policy(cfg, kv, adapters, max_len)
 
     @property
@@ -60,11 +64,13 @@ class Scheduler:
             self.num_squashes += 1
         budget = self.cfg.max_num_batched_tokens
         scheduled: list[tuple[Sequence, int]] = []
+        short_of_pages = False
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed, budget)
             while not self.kv.ensure(seq, seq.num_computed + n):
+                short_of_pages = True
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
@@ -73,7 +79,8 @@ class Scheduler:
                 scheduled.append((seq, n))
                 budget -= n
                 i += 1
-        self._admit(scheduled, budget)
+        short_of_pages |= self._admit(scheduled, budget)
+        self.waiting_for_pages = len(self.policy) if short_of_pages else 0
         waiting = self.policy.waiting()
         self.adapters.want(s.adapter for s in waiting if s.adapter is not None)
         self.adapters.prefetch()
@@ -93,11 +100,14 @@ class Scheduler:
         failed, self.failed = self.failed, []
         return failed
 
-    def _admit(self, scheduled: list[tuple[Sequence, int]], budget: int) -> None:
+    def _admit(self, scheduled: list[tuple[Sequence, int]], budget: int) -> bool:
+        """Admit waiting requests while the step has room; whether one was held back
+        because the pool had no pages for it (its adapter's or its first step's KV)."""
         in_use = {s.adapter for s in self.running if s.adapter is not None}
+        short_of_pages = False
 
         def try_admit(seq: Sequence) -> Admit:
-            nonlocal budget
+            nonlocal budget, short_of_pages
             if budget <= 0 or len(self.running) >= self.cfg.max_num_seqs:
                 return Admit.FULL
             new_adapter = seq.adapter is not None and seq.adapter not in in_use
@@ -109,14 +119,17 @@ class Scheduler:
                 lora = self.adapters.acquire(seq.adapter)
                 if lora is None:
                     self._drop_blocks(seq)
-                    loading = seq.adapter in self.adapters.loading
-                    return Admit.LOADING if loading else Admit.NO_ROOM
+                    if seq.adapter in self.adapters.loading:
+                        return Admit.LOADING
+                    short_of_pages = True
+                    return Admit.NO_ROOM
                 assert self.kv.prefix is None or lora.version == version
             n = min(seq.num_tokens - seq.num_computed, budget)
             if not self.kv.ensure(seq, seq.num_computed + n):
                 if lora is not None:
                     self.adapters.release(lora)
                 self._drop_blocks(seq)
+                short_of_pages = True
                 return Admit.FULL
             if self.kv.prefix is not None:
                 self.kv.admitted(seq)
@@ -129,6 +142,7 @@ class Scheduler:
             return Admit.OK
 
         self.policy.admit(self.clock(), try_admit)
+        return short_of_pages
 
     def _room_for(self, seq: Sequence, leaving: list[Sequence]) -> bool:
         """Would `seq` start (its adapter on the device, KV for its first step) if the

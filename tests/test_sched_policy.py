@@ -108,14 +108,8 @@ def test_chameleon_applies_the_quota_floor_at_refresh():
     the paper's rule and holds two with a floor of two."""
 
     def refreshed(**params) -> Chameleon:
-        ch = Chameleon(
-            ChameleonParams(refresh_s=10.0, min_samples=40, slo_s=5.0, **params),
-            OutputPredictor(),
-            max_len=1000,
-            capacity=lambda: 2_000,
-            adapter_bytes=lambda name: {"r8": 8, "r64": 64}[name],
-            adapter_tokens=lambda name: 0,
-            max_adapter_bytes=lambda: 64,
+        ch = two_rank_chameleon(
+            ChameleonParams(refresh_s=10.0, min_samples=40, slo_s=5.0, **params), 2_000
         )
         for i in range(36):
             ch.add(seq(f"s{i}", 20, 20, "r8"), i * 0.1)
@@ -480,16 +474,22 @@ def test_requests_whose_adapter_is_loading_do_not_block_their_queue():
     assert rec.admitted == ["b"] and [s.request_id for s in ch.waiting()] == ["a"]
 
 
-def test_refresh_clusters_arrivals_into_queues_and_splits_the_capacity():
-    ch = Chameleon(
-        ChameleonParams(refresh_s=10.0, min_samples=30, slo_s=5.0),
+def two_rank_chameleon(params: ChameleonParams, capacity: int) -> Chameleon:
+    """Chameleon over adapters `r8` and `r64` (8 and 64 bytes, no pool tokens), requests of
+    up to 1,000 tokens, `capacity` tokens to split."""
+    return Chameleon(
+        params,
         OutputPredictor(),
         max_len=1000,
-        capacity=lambda: 100_000,
+        capacity=lambda: capacity,
         adapter_bytes=lambda name: {"r8": 8, "r64": 64}[name],
         adapter_tokens=lambda name: 0,
         max_adapter_bytes=lambda: 64,
     )
+
+
+def test_refresh_clusters_arrivals_into_queues_and_splits_the_capacity():
+    ch = two_rank_chameleon(ChameleonParams(refresh_s=10.0, min_samples=30, slo_s=5.0), 100_000)
     for i in range(20):
         ch.add(seq(f"s{i}", 20, 20, "r8"), i * 0.1)
         ch.add(seq(f"l{i}", 800, 150, "r64"), i * 0.1)

@@ -103,6 +103,20 @@ def test_no_queue_quota_is_left_under_two_of_its_largest_requests():
     assert token_quotas([small, empty, large], 3000, 5.0, floor_requests=2)[2] >= 2000
 
 
+def two_rank_chameleon(params: ChameleonParams, capacity: int) -> Chameleon:
+    """Chameleon over adapters `r8` and `r64` (8 and 64 bytes, no pool tokens), requests of
+    up to 1,000 tokens, `capacity` tokens to split."""
+    return Chameleon(
+        params,
+        OutputPredictor(),
+        max_len=1000,
+        capacity=lambda: capacity,
+        adapter_bytes=lambda name: {"r8": 8, "r64": 64}[name],
+        adapter_tokens=lambda name: 0,
+        max_adapter_bytes=lambda: 64,
+    )
+
+
 def test_chameleon_applies_the_quota_floor_at_refresh():
     """Through the policy: the queue of the large requests is scaled under two of them by
     the paper's rule and holds two with a floor of two."""
@@ -472,20 +486,6 @@ def test_requests_whose_adapter_is_loading_do_not_block_their_queue():
     rec = Recorder({"a": Admit.LOADING})
     ch.admit(0.0, rec)
     assert rec.admitted == ["b"] and [s.request_id for s in ch.waiting()] == ["a"]
-
-
-def two_rank_chameleon(params: ChameleonParams, capacity: int) -> Chameleon:
-    """Chameleon over adapters `r8` and `r64` (8 and 64 bytes, no pool tokens), requests of
-    up to 1,000 tokens, `capacity` tokens to split."""
-    return Chameleon(
-        params,
-        OutputPredictor(),
-        max_len=1000,
-        capacity=lambda: capacity,
-        adapter_bytes=lambda name: {"r8": 8, "r64": 64}[name],
-        adapter_tokens=lambda name: 0,
-        max_adapter_bytes=lambda: 64,
-    )
 
 
 def test_refresh_clusters_arrivals_into_queues_and_splits_the_capacity():

@@ -99,14 +99,14 @@ class LlamaModel:
         t = batch.input_ids.shape[0]
         loras = ops.kernels.prepare(batch.lora_runs, t, batch.decode)
         h = self.w["embed"][batch.input_ids]
-        cos, sin = self.rope.tables(batch.positions)
+        cos, signed_sin = self.rope.tables(batch.positions)
         for i, layer in enumerate(self.layers):
             lora = loras[i]
             x = rms_norm(h, layer["input_norm"], cfg.rms_norm_eps)
             qkv = F.linear(x, layer["qkv"])
             ops.lora(qkv, x, lora, QKV)
             qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, -1, cfg.head_dim)
-            q, k = rotate(qk, cos, sin).split((cfg.num_heads, cfg.num_kv_heads), dim=1)
+            q, k = rotate(qk, cos, signed_sin).split((cfg.num_heads, cfg.num_kv_heads), dim=1)
             v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]
             write_kv(kv_rows, k, v, batch.kv_rows[i, 0], batch.kv_rows[i, 1])

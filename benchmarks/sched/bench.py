@@ -81,14 +81,13 @@ def run_bench(args: argparse.Namespace) -> int:
     results = {"quick": bool(args.quick)}
     if args.section == "engine":
         results |= engine_keys(sched_engine.engine_section(bench.engine))
-        results["seconds"] = time.perf_counter() - start
-        print_engine(results)
-        write_json(args.json, results)
-        return 0
-    trace = args.trace or DEFAULT_TRACE
-    results |= collect(bench, trace, scenario, not args.sim_only, args.plot, args.jobs)
+        show = print_engine
+    else:
+        trace = args.trace or DEFAULT_TRACE
+        results |= collect(bench, trace, scenario, not args.sim_only, args.plot, args.jobs)
+        show = print_table
     results["seconds"] = time.perf_counter() - start
-    print_table(results)
+    show(results)
     write_json(args.json, results)
     return 0
 

@@ -46,13 +46,20 @@ def ratio_vs_best_ray(values: Mapping[str, float | None], higher_is_better: bool
 
 
 def comparison(
-    routers: Mapping[str, Mapping[str, Any]], loads: str, reads: str, distinct: int | None = None
+    routers: Mapping[str, Mapping[str, Any]],
+    top_rate: float,
+    loads: str,
+    reads: str,
+    distinct: int | None = None,
 ) -> dict[str, Any]:
     """The keys every router bench reports per workload, from each router's
     `goodput_at_slo_rps` and its `at_reference` figures (`load_seconds`, and device loads and
     store reads under the names `loads` and `reads`); floors over `distinct` adapters
-    requested, or each run's own `distinct_adapters` when not given; and affinity's store
-    reads over multiplexing's (`reads_ratio_vs_multiplex`)."""
+    requested, or each run's own `distinct_adapters` when not given; affinity's store
+    reads over multiplexing's (`reads_ratio_vs_multiplex`); and the routers whose p99 held
+    the SLO at `top_rate`, the sweep's highest (`held_slo_at_top_rate`): their goodput is
+    the grid's top, a floor of what they sustain, so a goodput ratio between two of them
+    is 1 by construction and one against another is a bound, not a measurement."""
     good = {r: f["goodput_at_slo_rps"] for r, f in routers.items()}
     at = {r: f["at_reference"] for r, f in routers.items()}
     floor = {
@@ -61,6 +68,7 @@ def comparison(
     return {
         "goodput_rps": good,
         "goodput_ratio_vs_best_ray_router": ratio_vs_best_ray(good, higher_is_better=True),
+        "held_slo_at_top_rate": {r: g >= top_rate for r, g in good.items()},
         "load_seconds": {r: a["load_seconds"] for r, a in at.items()},
         "load_seconds_ratio_vs_best_ray_router": ratio_vs_best_ray(
             {r: a["load_seconds"] for r, a in at.items()}, higher_is_better=False
@@ -71,6 +79,19 @@ def comparison(
         "loads_vs_floor": {r: a[loads] / floor[r] for r, a in at.items()},
         "reads_vs_floor": {r: a[reads] / floor[r] for r, a in at.items()},
     }
+
+
+def held_at_top_note(workload: Mapping[str, Any]) -> str:
+    """What the goodput ratio's line adds where routers held the SLO at the sweep's top rate
+    (`held_slo_at_top_rate`, per router a bool, or each repetition's where they differ)."""
+    held = []
+    for router, h in workload.get("held_slo_at_top_rate", {}).items():
+        reps = h if isinstance(h, list) else [h]
+        if any(reps):
+            held.append(router if all(reps) else f"{router} in {sum(reps)} of {len(reps)}")
+    if not held:
+        return ""
+    return f" (held the SLO at the top rate: {', '.join(held)}; a bound from the grid)"
 
 
 def fewest_replicas(holds: Callable[[int], bool], start: int, most: int) -> int | None:

@@ -104,3 +104,28 @@ def test_a_ratio_undefined_in_every_repetition_still_has_its_interval_keys():
         "goodput_ratio_ci_low": None,
         "goodput_ratio_ci_high": None,
     }
+
+
+def test_routers_that_held_the_slo_at_the_top_rate_are_named_and_the_ratio_called_a_bound():
+    """A router whose p99 never crossed the SLO gets the grid's top rate as its goodput: two
+    such routers read a ratio of 1 whatever they sustain (the router bench of 2026-11-27:
+    affinity and multiplexing held at the top rate of every workload, every ratio 1.00)."""
+    from loraplex.benchmarks.goodput import comparison, goodput, held_at_top_note
+
+    rates, slo = [10.0, 20.0, 30.0], 1.0
+    p99s = {"affinity": [0.2, 0.3, 0.5], "pow2": [0.2, 0.6, 3.0], "multiplex": [0.2, 0.4, 0.9]}
+    routers = {
+        r: {
+            "goodput_at_slo_rps": goodput(rates, p, slo),
+            "at_reference": {"load_seconds": 1.0, "loads": 4, "reads": 4, "distinct_adapters": 4},
+        }
+        for r, p in p99s.items()
+    }
+    keys = comparison(routers, rates[-1], loads="loads", reads="reads")
+    assert keys["goodput_ratio_vs_best_ray_router"] == 1.0
+    assert keys["held_slo_at_top_rate"] == {"affinity": True, "pow2": False, "multiplex": True}
+    assert "affinity, multiplex" in held_at_top_note(keys)
+    # over repetitions a router that held in one of two is said so
+    merged = over_repetitions([keys, {**keys, "held_slo_at_top_rate": {"affinity": False}}])
+    assert "affinity in 1 of 2" in held_at_top_note(merged)
+    assert held_at_top_note({"held_slo_at_top_rate": {"pow2": False}}) == ""

@@ -493,7 +493,7 @@ def _keys(routers: dict, rates: list[float], slo: float, ref: int) -> dict[str, 
         "rates_rps": rates,
         "reference_rate_rps": rates[ref],
         "slo_s": slo,
-        **comparison(routers, loads="device_loads", reads="store_reads"),
+        **comparison(routers, rates[-1], loads="device_loads", reads="store_reads"),
         "routers": routers,
     }
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from loraplex.benchmarks.goodput import held_at_top_note
+
 
 def title(fleet: dict) -> str:
     return (
@@ -29,7 +31,8 @@ def print_table(results: dict) -> None:
             )
         print(
             f"{name:9} SLO {w['slo_s']:.3f} s  goodput ratio "
-            f"{_ci(w, 'goodput_ratio_vs_best_ray_router')} (target >= 1.5)  load-seconds ratio "
+            f"{_ci(w, 'goodput_ratio_vs_best_ray_router')} (target >= 1.5){held_at_top_note(w)}  "
+            f"load-seconds ratio "
             f"{_ci(w, 'load_seconds_ratio_vs_best_ray_router')}"
             + ("" if name != "zipf" else " (target <= 0.5)")
         )

@@ -48,7 +48,10 @@ class Engine:
                 for loop, queue in list(self._streams.values()):
                     loop.call_soon_threadsafe(queue.put_nowait, self._error)
                 return
-            for out in outputs:
+            # first tokens first: every process on the way (this replica's loop, the ingress,
+            # the HTTP proxy) relays chunks in the order they come, so a stream's first chunk
+            # sent after this step's other chunks waits behind all of them in each
+            for out in sorted(outputs, key=_continues):
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     stream[0].call_soon_threadsafe(stream[1].put_nowait, out)
@@ -190,3 +193,8 @@ class Engine:
         stopped = RuntimeError("the engine was shut down")
         for loop, queue in list(self._streams.values()):
             loop.call_soon_threadsafe(queue.put_nowait, stopped)
+
+
+def _continues(out: RequestOutput) -> bool:
+    """Whether `out` follows chunks its stream already sent (False for a first chunk)."""
+    return len(out.token_ids) > len(out.new_token_ids)

@@ -627,6 +627,51 @@ def test_a_replica_streams_within_its_chunk_budget_and_never_holds_a_first_token
             assert len(outs) > 500  # a step each, bar what a busy consumer coalesced
 
 
+def test_a_stream_s_first_chunk_goes_out_before_the_other_chunks_of_its_step(assets: DemoAssets):
+    """Four streams decoding when a fifth arrives: in the step that makes its first token,
+    that chunk is handed on before the others' (every process on the way relays in arrival
+    order, so a first token behind a flood's chunks waits for all of them, in each)."""
+    engine = Engine(config(assets.model, stream_events_per_s=0, stream_events_per_s_per_stream=0))
+    steps: list[list[tuple[str, int]]] = []  # each step's outputs: (request, tokens so far)
+    step = engine.core.step
+
+    def recorded():
+        time.sleep(0.02)  # the consumers take the last step's chunks before this step's come
+        outputs = step()
+        steps.append([(o.request_id, len(o.token_ids)) for o in outputs])
+        return outputs
+
+    engine.core.step = recorded  # type: ignore[method-assign]
+    received: list[tuple[str, int]] = []  # in the order the consumers got them
+
+    async def one(rid: str, n: int, after: asyncio.Event | None = None):
+        if after is not None:
+            await after.wait()
+        async for out in engine.generate(PROMPTS[0], greedy(n, ignore_eos=True), request_id=rid):
+            received.append((rid, len(out.token_ids)))
+            if rid == "flood-0" and len(out.token_ids) >= 5 and started is not None:
+                started.set()
+
+    async def main():
+        nonlocal started
+        started = asyncio.Event()
+        floods = [one(f"flood-{i}", 60) for i in range(4)]
+        await asyncio.gather(*floods, one("late", 3, started))
+
+    started: asyncio.Event | None = None
+    try:
+        run_async(main())
+    finally:
+        engine.shutdown()
+    k = next(i for i, outs in enumerate(steps) if ("late", 1) in outs)
+    first = received.index(("late", 1))
+    others = [(rid, n) for rid, n in steps[k] if rid != "late"]
+    assert others, "the late stream's first token came in a step of its own"
+    for rid, n in others:  # where that step's token reached its consumer (maybe folded later)
+        got = next(i for i, (r, m) in enumerate(received) if r == rid and m >= n)
+        assert got > first, (rid, n, received[first - 4 : first + 5], steps[k])
+
+
 def test_cancelling_the_consumer_aborts_the_request_and_frees_its_pages(async_engine: Engine):
     async def main():
         seen = []

@@ -472,6 +472,7 @@ class LLMEngine:
             "policy": self.scheduler.policy.name,
             "running": len(self.scheduler.running),
             "waiting_for_pages": self.scheduler.waiting_for_pages,
+            "step_token_budget": self.scheduler.cfg.max_num_batched_tokens,
             "preemptions": self.scheduler.num_preemptions,
             "kv_block_size": self.kv.block_size,
             "prefix_cache": self._prefix_stats(),

@@ -104,6 +104,7 @@ def routing_stats(
         "queued_prefill_tokens": stats["queued_prefill_tokens"],
         "running": stats["running"],
         "waiting_for_pages": stats["waiting_for_pages"],
+        "step_token_budget": stats["step_token_budget"],
         "max_concurrency": max_concurrency,
         "free_pages": stats["pool"]["free_pages"],
         "num_pages": stats["pool"]["num_pages"],

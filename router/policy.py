@@ -180,11 +180,15 @@ class AdapterHomes:
 
 
 def batch_slots(r: ReplicaStats) -> int:
-    """The requests r runs at once: its batch slots, or the rows its engine ran while its
-    last step held requests back for want of pages (long contexts fill the pool before the
-    slots), as of its stats. Requests that wait for the next step or for the step's token
-    budget do not count: a row frees for them within a step or two."""
-    if r.running is None or r.waiting_for_pages == 0:
+    """The requests r runs at once: its batch slots, or the rows its engine ran when its
+    stats found it unable to take more in the next step: its last step held requests back
+    for want of pages (long contexts fill the pool before the slots), or more prompt tokens
+    wait to be prefilled than one step takes (`step_token_budget`: a backlog of prompts
+    enters a step's budget at a time, so a new request waits behind all of it). Requests
+    that wait for the next step, or within one step's budget, do not count: a row frees
+    for them within a step or two."""
+    backlog = 0 < r.step_token_budget < r.queued_prefill_tokens
+    if r.running is None or (r.waiting_for_pages == 0 and not backlog):
         return r.max_concurrency
     return max(1, min(r.running, r.max_concurrency))
 
@@ -251,12 +255,15 @@ class AffinityPolicy:
                    requests back because the pool had no pages for them (`running` while
                    `waiting_for_pages` > 0, as published): a batch whose KV pages fill
                    first is full below its slots, and a request sent there waits for a row
-                   to finish. Those waiting for the next step or the step's token budget
-                   do not count (counting every waiting request, a warm replica between
-                   two steps with half its pages free read as full: zipf's store reads at
-                   the reference rate rose 43 -> 60 over five seeds, goodput unchanged; on
-                   the autoscaled quick day's ramp, 0 of 7,832 held requests were held for
-                   pages and 292 for adapter loads, the rest by the token budget)
+                   to finish; or while more prompt tokens wait to be prefilled there than
+                   one step takes (`queued_prefill_tokens` > `step_token_budget`): a new
+                   request then waits behind a backlog that enters a step at a time (on the
+                   autoscaled quick day's ramp, 0 of 7,832 held requests were held for
+                   pages, 292 for adapter loads, the rest by the token budget). Those
+                   waiting for the next step, or within one step's budget, do not count
+                   (counting every waiting request, a warm replica between two steps with
+                   half its pages free read as full: zipf's store reads at the reference
+                   rate rose 43 -> 60 over five seeds, goodput unchanged)
         prefills(r) = the prefill time ahead of a new request: queued_prefill_tokens (what
                    r's engine had yet to prefill when it recorded its stats) and the prompt
                    tokens of each request this router sent r since (`observe(...,

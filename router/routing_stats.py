@@ -20,6 +20,8 @@ not published yet is routable:
                                  or admission stopped there); not those held back by the
                                  step's token budget or max_num_seqs, or that arrived since
                                  (optional)
+    step_token_budget int        prompt tokens one step of its engine prefills at most
+                                 (`max_num_batched_tokens`; optional)
     store_reads_queued int       store reads in flight: loading adapters without a host copy
     store_read_s      float      measured: mean time of one store read (optional)
     read_queue_s      float      when the reads in flight are expected to be done, seconds
@@ -58,6 +60,7 @@ class RoutingStats(TypedDict, total=False):
     queued_prefill_tokens: int
     running: int
     waiting_for_pages: int
+    step_token_budget: int
     store_reads_queued: int
     store_read_s: float
     read_queue_s: float
@@ -91,6 +94,7 @@ class ReplicaStats:
     # pages, when it recorded these stats; None: not published
     running: int | None = None
     waiting_for_pages: int = 0
+    step_token_budget: int = 0  # 0: not published
     store_reads_queued: int = 0
     store_read_s: float | None = None  # measured by the replica; None: not yet
     read_queue_s: float = 0.0
@@ -141,6 +145,7 @@ class ReplicaStats:
             queued_prefill_tokens=int(stats.get("queued_prefill_tokens") or 0),
             running=None if stats.get("running") is None else int(stats["running"]),
             waiting_for_pages=int(stats.get("waiting_for_pages") or 0),
+            step_token_budget=int(stats.get("step_token_budget") or 0),
             store_reads_queued=int(stats.get("store_reads_queued") or 0),
             store_read_s=_optional_float(stats.get("store_read_s")),
             read_queue_s=float(stats.get("read_queue_s") or 0.0),

@@ -246,17 +246,29 @@ def test_a_batch_whose_kv_pages_fill_first_is_full_at_the_rows_it_runs(
     assert p.choose("a", [warm, replica("idle", slots=16)])[0] == chosen
 
 
-def test_requests_waiting_for_the_step_budget_leave_a_home_its_slots():
+@pytest.mark.parametrize(
+    ("queued_tokens", "budget", "chosen"),
+    [(0, 4096, "warm"), (4096, 4096, "warm"), (6000, 0, "warm"), (6000, 4096, "idle")],
+)
+def test_requests_waiting_within_one_step_s_budget_leave_a_home_its_slots(
+    queued_tokens, budget, chosen
+):
     # The same home as above, running 8 rows with 12 more held, but held by the step's token
     # budget (a burst of prompts admitted a chunk at a time) or between two steps, its pool
-    # with room: they start within a step or two, so the home is priced by its 16 slots
-    # (5 ahead, 1.25 s < the 2 s read) and keeps its adapter. Counting every held request as
-    # a full batch moved warm requests off such homes (zipf's reference reads 41 -> 57.5).
+    # with room. Within one step's budget they start in a step or two, so the home is priced
+    # by its 16 slots (5 ahead, 1.25 s < the 2 s read) and keeps its adapter: counting every
+    # held request as a full batch moved warm requests off such homes (zipf's reference reads
+    # 41 -> 57.5). More than one step's budget queued (a replica that publishes its budget)
+    # is a backlog a new request waits behind: full at its 8 rows, 13 ahead, 3.25 s.
     warm = replace(
-        replica("warm", device={"a"}, queue=20, slots=16), running=8, waiting_for_pages=0
+        replica("warm", device={"a"}, queue=20, slots=16),
+        running=8,
+        waiting_for_pages=0,
+        queued_prefill_tokens=queued_tokens,
+        step_token_budget=budget,
     )
     p = policy(load_cost_s=2.0, request_time_s=4.0)
-    assert p.choose("a", [warm, replica("idle", slots=16)])[0] == "warm"
+    assert p.choose("a", [warm, replica("idle", slots=16)])[0] == chosen
 
 
 def test_a_cold_adapter_skips_a_home_whose_kv_pages_are_full():

@@ -101,6 +101,9 @@ def test_published_tiers_and_reads_are_the_engines_own(
                 assert reading["queued_prefill_tokens"] == len(request["prompt_token_ids"])
                 # held for its adapter's load, not for pages: the router keeps its slots
                 assert reading["waiting_for_pages"] == 0 and reading["running"] == 0
+                # what one step prefills at most: more queued is a backlog (policy batch_slots)
+                budget = deployment.engine.core.scheduler.cfg.max_num_batched_tokens
+                assert reading["step_token_budget"] == budget > 0
                 await chunks
                 stats = await deployment.record_routing_stats()
                 assert ids[0] in stats["device_adapters"] and stats["queue_len"] == 0

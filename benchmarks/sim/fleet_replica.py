@@ -367,6 +367,7 @@ class FleetReplica:
             "queued_prefill_tokens": queued_prefill_tokens(self.sim.scheduler),
             "running": len(self.sim.scheduler.running),
             "waiting_for_pages": self.sim.scheduler.waiting_for_pages,
+            "step_token_budget": self.sim.scheduler.cfg.max_num_batched_tokens,
         }
 
     def model_ids(self) -> frozenset[str]:

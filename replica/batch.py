@@ -12,7 +12,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from loraplex.kernels.attention import attention_mask, paged_attention
+from loraplex.kernels.attention import attention_bias, attention_mask, paged_attention
 from loraplex.kernels.backend import Run
 from loraplex.kernels.decode_attention import decode_attention, decode_rows
 from loraplex.replica.memory.kv_cache import KVCache
@@ -80,7 +80,8 @@ class StepBatch:
 class StepAttention:
     """A step's attention over the paged cache, called once per layer. What the layers
     share is built once, here: without a decode kernel, each decode group's key rows in the
-    pool and its mask as a bias (kernels.decode_attention)."""
+    pool and its mask as a bias (kernels.decode_attention); each other group's mask as the
+    bias SDPA adds, which it would otherwise convert from the bool mask in every layer."""
 
     def __init__(
         self,
@@ -101,6 +102,10 @@ class StepAttention:
             else None
             for g in batch.groups
         ]
+        self.biases = [
+            attention_bias(g.mask) if r is None and not (g.decode and decode_kernel) else None
+            for g, r in zip(batch.groups, self.rows, strict=True)
+        ]
 
     def __call__(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         """q [T, H, D] -> [T, H, D] for `layer`."""
@@ -111,7 +116,7 @@ class StepAttention:
             return decode_attention(q, self.pool_rows, rows[0], layer, self.scale)
         k_cache, v_cache = self.kv_cache[:, layer, 0], self.kv_cache[:, layer, 1]
         out = torch.empty_like(q)
-        for g, step_rows in zip(batch.groups, rows, strict=True):
+        for g, step_rows, bias in zip(batch.groups, rows, self.biases, strict=True):
             if step_rows is not None:
                 res = decode_attention(
                     q[g.token_idx[:, 0]], self.pool_rows, step_rows, layer, self.scale
@@ -123,7 +128,7 @@ class StepAttention:
                 )  # fmt: skip
             else:
                 res = paged_attention(
-                    q[g.token_idx], k_cache, v_cache, g.block_tables, g.mask, self.scale
+                    q[g.token_idx], k_cache, v_cache, g.block_tables, bias, self.scale
                 )
             out[g.out_rows] = res.reshape(-1, *q.shape[1:])[g.src_rows]
         return out

@@ -202,6 +202,27 @@ def test_cpu_decode_attention_matches_reference(heads, window, dtype):
         torch.testing.assert_close(out, expected, **CPU_DECODE_TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_the_reference_reads_a_per_step_bias_as_it_reads_the_bool_mask(window, dtype):
+    """Prefill chunks (the extend groups) attend with the mask converted once per step to
+    SDPA's float bias: the output is the bool mask's, bit for bit."""
+    from loraplex.kernels.attention import attention_bias
+
+    g = torch.Generator().manual_seed(0)
+    pages, bs, heads, kv_heads, head_dim, max_blocks = 24, 6, 9, 3, 64, 5
+    cache = torch.randn(pages, 2, bs, kv_heads, head_dim, generator=g).to(dtype)
+    k, v = cache[:, 0], cache[:, 1]
+    q_start, q_lens = torch.tensor([0, 4, 20]), torch.tensor([7, 2, 10])
+    tables = torch.stack([torch.randperm(pages, generator=g)[:max_blocks] for _ in q_lens])
+    q = torch.randn(len(q_lens), int(q_lens.max()), heads, head_dim, generator=g).to(dtype)
+    mask = attention_mask(q_start, q.shape[1], q_start + q_lens, max_blocks * bs, window)
+    bias = attention_bias(mask)
+    assert bias.dtype == torch.float32 and bool((bias == 0).eq(mask).all())
+    out = paged_attention(q, k, v, tables, bias, 0.125)
+    assert torch.equal(out, paged_attention(q, k, v, tables, mask, 0.125))
+
+
 def test_launchers_reject_bad_inputs():
     from loraplex.kernels.triton_bgmv_shrink import bgmv_shrink
     from loraplex.kernels.triton_paged_attention import paged_attention_decode

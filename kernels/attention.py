@@ -53,12 +53,20 @@ def attention_mask(
     return mask[:, None]
 
 
+def attention_bias(mask: torch.Tensor) -> torch.Tensor:
+    """The bool mask as the float32 bias SDPA adds (0 where read, -inf elsewhere), built once
+    per step: given the bool mask, SDPA converts it in every layer."""
+    bias = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    return bias.masked_fill_(~mask, float("-inf"))
+
+
 def paged_attention(
     q: torch.Tensor,  # [B, Q, H, head_dim], padded rows arbitrary
     k_cache: torch.Tensor,  # [num_pages, block_size, kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_pages, block_size, kv_heads, head_dim]
     block_tables: torch.Tensor,  # [B, max_blocks] int64, padded with any valid page
-    mask: torch.Tensor,  # [B, 1, Q, max_blocks * block_size] bool, from attention_mask
+    mask: torch.Tensor,  # [B, 1, Q, max_blocks * block_size] bool from attention_mask, or
+    # its attention_bias
     scale: float,
 ) -> torch.Tensor:  # [B, Q, H, head_dim]
     b, nb = block_tables.shape
@@ -73,6 +81,8 @@ def paged_attention(
         # rows, 80 keys, one thread) against 0.33 ms with the operands cast to fp32: half of
         # a bf16 step. fp32 is also the more accurate of the two.
         qt, k, v = qt.float(), k.float(), v.float()
+    if mask.is_floating_point() and mask.dtype != qt.dtype:
+        mask = mask.to(qt.dtype)
     out = F.scaled_dot_product_attention(
         qt, k, v, attn_mask=mask, scale=scale, enable_gqa=kvh != q.shape[2]
     )

@@ -12,8 +12,9 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
-from loraplex.kernels.attention import attention_mask, paged_attention
+from loraplex.kernels.attention import attention_bias, attention_mask, paged_attention
 from loraplex.kernels.backend import Run
+from loraplex.kernels.decode_attention import decode_attention, decode_rows
 from loraplex.replica.memory.kv_cache import KVCache
 from loraplex.replica.sequence import Sequence
 
@@ -64,26 +65,70 @@ class StepBatch:
         return replace(self, groups=groups, **_moved(self, device))
 
     def attention(
-        self, q: torch.Tensor, k_cache, v_cache, scale: float, decode_kernel: Callable | None
-    ) -> torch.Tensor:
-        """q [T, H, D] -> [T, H, D] over the paged cache; decode rows through
-        `decode_kernel` when the backend has one."""
-        if self.groups[0].every_row and decode_kernel is None:
-            # a decode step on the reference path: its rows in, its rows out, with no index
-            # copies (three a layer)
-            g = self.groups[0]
-            out = paged_attention(q[:, None], k_cache, v_cache, g.block_tables, g.mask, scale)
-            return out[:, 0]
+        self,
+        kv_cache: torch.Tensor,
+        pool_rows: torch.Tensor,
+        num_heads: int,
+        scale: float,
+        decode_kernel: Callable | None,
+    ) -> StepAttention:
+        """This step's attention, for every layer; kv_cache [num_pages, num_layers, 2,
+        block_size, kv_heads, head_dim] and pool_rows [rows, head_dim] view the pool."""
+        return StepAttention(self, kv_cache, pool_rows, num_heads, scale, decode_kernel)
+
+
+class StepAttention:
+    """A step's attention over the paged cache, called once per layer. What the layers
+    share is built once, here: without a decode kernel, each decode group's key rows in the
+    pool and its mask as a bias (kernels.decode_attention); each other group's mask as the
+    bias SDPA adds, which it would otherwise convert from the bool mask in every layer."""
+
+    def __init__(
+        self,
+        batch: StepBatch,
+        kv_cache: torch.Tensor,
+        pool_rows: torch.Tensor,
+        num_heads: int,
+        scale: float,
+        decode_kernel: Callable | None,
+    ):
+        self.batch, self.kv_cache, self.pool_rows = batch, kv_cache, pool_rows
+        self.scale, self.decode_kernel = scale, decode_kernel
+        self.rows = [
+            decode_rows(
+                kv_cache, pool_rows, g.block_tables, g.ctx_lens, num_heads, batch.sliding_window
+            )
+            if g.decode and decode_kernel is None
+            else None
+            for g in batch.groups
+        ]
+        self.biases = [
+            attention_bias(g.mask) if r is None and not (g.decode and decode_kernel) else None
+            for g, r in zip(batch.groups, self.rows, strict=True)
+        ]
+
+    def __call__(self, q: torch.Tensor, layer: int) -> torch.Tensor:
+        """q [T, H, D] -> [T, H, D] for `layer`."""
+        batch, rows = self.batch, self.rows
+        if batch.groups[0].every_row and rows[0] is not None:
+            # a decode step without a decode kernel: its rows in, its rows out, with no
+            # index copies (three a layer)
+            return decode_attention(q, self.pool_rows, rows[0], layer, self.scale)
+        k_cache, v_cache = self.kv_cache[:, layer, 0], self.kv_cache[:, layer, 1]
         out = torch.empty_like(q)
-        for g in self.groups:
-            if g.decode and decode_kernel is not None:
-                res = decode_kernel(
-                    q[g.token_idx[:, 0]], k_cache, v_cache, g.block_tables, g.ctx_lens, scale,
-                    self.sliding_window,
+        for g, step_rows, bias in zip(batch.groups, rows, self.biases, strict=True):
+            if step_rows is not None:
+                res = decode_attention(
+                    q[g.token_idx[:, 0]], self.pool_rows, step_rows, layer, self.scale
+                )
+            elif g.decode and self.decode_kernel is not None:
+                res = self.decode_kernel(
+                    q[g.token_idx[:, 0]], k_cache, v_cache, g.block_tables, g.ctx_lens,
+                    self.scale, batch.sliding_window,
                 )  # fmt: skip
             else:
                 res = paged_attention(
-                    q[g.token_idx], k_cache, v_cache, g.block_tables, g.mask, scale
+                    q[g.token_idx], k_cache, v_cache, g.block_tables, bias, self.scale
                 )
             out[g.out_rows] = res.reshape(-1, *q.shape[1:])[g.src_rows]
         return out

@@ -167,6 +167,62 @@ def test_the_cpu_reference_attends_in_fp32_whatever_the_caches_dtype(dtype):
     assert torch.equal(out, in_fp32.to(dtype))
 
 
+# (heads, kv_heads) of SmolLM2-135M at tp 1 and 3, and Llama-3-8B's at tp 8; windows
+CPU_DECODE = [((9, 3), None), ((3, 1), None), ((4, 1), 9), ((8, 8), None)]
+# fp32: the same sums in another order; bf16: both round one fp32 result (one ulp apart at most)
+CPU_DECODE_TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {}}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(("heads", "window"), CPU_DECODE)
+def test_cpu_decode_attention_matches_reference(heads, window, dtype):
+    """The CPU decode path (rows of the pool gathered once a layer into one buffer, fp32
+    matmuls) against the reference's page gather and SDPA, on every layer of a pool laid
+    out as KVCache's (pages with slack at the end, layers interleaved, shuffled pages):
+    ragged contexts of 1 token, a full page, several pages and one key past a page."""
+    from loraplex.kernels.decode_attention import decode_attention, decode_rows
+
+    (num_heads, kv_heads), head_dim, bs, layers, pages = heads, 64, 6, 3, 24
+    g = torch.Generator().manual_seed(0)
+    page_elems = layers * 2 * bs * kv_heads * head_dim + 3 * head_dim  # slack, as a pool's
+    arena = torch.randn(pages, page_elems, generator=g).to(dtype)
+    kv_cache = arena[:, : page_elems - 3 * head_dim].view(pages, layers, 2, bs, kv_heads, head_dim)
+    pool_rows = arena.view(-1, head_dim)
+    ctx = torch.tensor([1, 6, 19, 30, 7], dtype=torch.int32)
+    tables = torch.stack([torch.randperm(pages, generator=g)[:5] for _ in range(len(ctx))])
+    q = torch.randn(len(ctx), num_heads + kv_heads, head_dim, generator=g).to(dtype)
+    q = q[:, :num_heads]  # a strided view, as the model passes it
+    mask = attention_mask(ctx.long() - 1, 1, ctx.long(), tables.shape[1] * bs, window)
+    step = decode_rows(kv_cache, pool_rows, tables, ctx, num_heads, window)
+    for layer in range(layers):
+        k, v = kv_cache[:, layer, 0], kv_cache[:, layer, 1]
+        expected = paged_attention(q[:, None], k, v, tables, mask, 0.125)[:, 0]
+        out = decode_attention(q, pool_rows, step, layer, 0.125)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out, expected, **CPU_DECODE_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("window", [None, 5])
+def test_the_reference_reads_a_per_step_bias_as_it_reads_the_bool_mask(window, dtype):
+    """Prefill chunks (the extend groups) attend with the mask converted once per step to
+    SDPA's float bias: the output is the bool mask's, bit for bit."""
+    from loraplex.kernels.attention import attention_bias
+
+    g = torch.Generator().manual_seed(0)
+    pages, bs, heads, kv_heads, head_dim, max_blocks = 24, 6, 9, 3, 64, 5
+    cache = torch.randn(pages, 2, bs, kv_heads, head_dim, generator=g).to(dtype)
+    k, v = cache[:, 0], cache[:, 1]
+    q_start, q_lens = torch.tensor([0, 4, 20]), torch.tensor([7, 2, 10])
+    tables = torch.stack([torch.randperm(pages, generator=g)[:max_blocks] for _ in q_lens])
+    q = torch.randn(len(q_lens), int(q_lens.max()), heads, head_dim, generator=g).to(dtype)
+    mask = attention_mask(q_start, q.shape[1], q_start + q_lens, max_blocks * bs, window)
+    bias = attention_bias(mask)
+    assert bias.dtype == torch.float32 and bool((bias == 0).eq(mask).all())
+    out = paged_attention(q, k, v, tables, bias, 0.125)
+    assert torch.equal(out, paged_attention(q, k, v, tables, mask, 0.125))
+
+
 def test_launchers_reject_bad_inputs():
     from loraplex.kernels.triton_bgmv_shrink import bgmv_shrink
     from loraplex.kernels.triton_paged_attention import paged_attention_decode

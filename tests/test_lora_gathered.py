@@ -158,3 +158,38 @@ def test_steps_of_the_same_adapters_gather_their_rows_once(
         # rows of A and of each target's Bt are 1 + 3 more, unless kept from the last step
         gathers = record.names.count("index_select.default")
         assert gathers == (1 if keep and repeat else 5), (step, record.names)
+
+
+@pytest.mark.parametrize("plan", ["decode", "prefill", "long_prefill"])
+@pytest.mark.parametrize("gather", ["kept", "per_step"])
+def test_bf16_gathered_ops_equal_the_fp32_reference(
+    plan: str, gather: str, monkeypatch: pytest.MonkeyPatch
+):
+    """A bf16 arena on a CPU: rows kept across steps are kept and multiplied in fp32
+    (kept_dtype), rows gathered per step stay bf16; batched and per-run token plans. Both
+    are the fp32 reference on the same bf16 values, within bf16's rounding of y."""
+    monkeypatch.setattr(lora_gathered, "GATHER_BYTES_PER_SAVED_OP", 1 << 40)
+    if gather == "per_step":
+        monkeypatch.setattr(lora_gathered, "GATHERED_KEEP_BYTES", 0)
+    fan_in, widths = group_shape("qkv", 1)
+    arena, residents = scattered_adapters(fan_in, widths, RANKS[3], torch.bfloat16)
+    arena32, residents32 = scattered_adapters(fan_in, widths, RANKS[3], torch.float32)
+    arena32.copy_(arena)  # the same values, exactly
+    steps = {"decode": DECODE, "prefill": PREFILL, "long_prefill": LONG_PREFILL}
+    runs, num_tokens = _runs(steps[plan], residents)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(num_tokens, fan_in, generator=g).bfloat16()
+    y = torch.randn(num_tokens, sum(widths), generator=g).bfloat16()
+    expected = y.float()
+    lora_sgmv(expected, x.float(), segments_of(_runs(steps[plan], residents32)[0]))
+
+    backend = _backend(arena, widths)
+    adapter_runs = [(s, e, r) for s, e, r in runs if r is not None]
+    for _ in range(2):  # the second step reads the kept rows
+        args = backend.prepare(adapter_runs, num_tokens, plan == "decode")[0][0]
+        out = y.clone()
+        backend.expand(out, backend.shrink(x, args), args)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), expected, rtol=1.6e-2, atol=2e-2)
+    kept = [group.a for group, _ in args.parts if group.a is not None]
+    assert all(a.dtype == torch.float32 for a in kept) and bool(kept) == (gather == "kept")

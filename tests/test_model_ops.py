@@ -93,10 +93,10 @@ def test_decode_step_attention_without_index_copies_equals_the_general_path(
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(t, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, generator=gen)
     q = q.to(cfg.dtype)[:, : cfg.num_heads]  # a strided view, as the model passes it
-    k_cache, v_cache = engine.kv.view[:, 0, 0], engine.kv.view[:, 0, 1]
-    fast = batch.attention(q, k_cache, v_cache, engine.model.scale, None)
+    pool = (engine.kv.view, engine.kv.rows.view(-1, cfg.head_dim), cfg.num_heads)
+    fast = batch.attention(*pool, engine.model.scale, None)(q, 0)
     general = replace(batch, groups=(replace(group, every_row=False),))
-    assert torch.equal(fast, general.attention(q, k_cache, v_cache, engine.model.scale, None))
+    assert torch.equal(fast, general.attention(*pool, engine.model.scale, None)(q, 0))
 
     engine.add_request(list(range(60, 70)), SamplingParams(max_tokens=2))
     mixed = build_step_batch(engine.scheduler.schedule(), engine.kv, None)

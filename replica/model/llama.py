@@ -100,6 +100,10 @@ class LlamaModel:
         loras = ops.kernels.prepare(batch.lora_runs, t, batch.decode)
         h = self.w["embed"][batch.input_ids]
         cos, signed_sin = self.rope.tables(batch.positions)
+        attention = batch.attention(
+            kv_cache, kv_rows.view(-1, cfg.head_dim), cfg.num_heads, self.scale,
+            ops.kernels.decode_attention,
+        )  # fmt: skip
         for i, layer in enumerate(self.layers):
             lora = loras[i]
             x = rms_norm(h, layer["input_norm"], cfg.rms_norm_eps)
@@ -108,10 +112,8 @@ class LlamaModel:
             qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, -1, cfg.head_dim)
             q, k = rotate(qk, cos, signed_sin).split((cfg.num_heads, cfg.num_kv_heads), dim=1)
             v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
-            k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]
             write_kv(kv_rows, k, v, batch.kv_rows[i, 0], batch.kv_rows[i, 1])
-            attn = batch.attention(q, k_cache, v_cache, self.scale, ops.kernels.decode_attention)
-            attn = attn.reshape(t, cfg.q_size)
+            attn = attention(q, i).reshape(t, cfg.q_size)
             o = F.linear(attn, layer["o"])
             ops.lora(o, attn, lora, OUT)
             h += ops.reduce(o)

@@ -41,12 +41,12 @@ is the median over the repetitions, every ratio also its 90% bootstrap interval
 (`<key>_ci_low`, `<key>_ci_high`, benchmarks/report.py `over_repetitions`);
 `workloads.<w>.repetitions` holds each one's figures and router order.
 
-Wall time of `--quick` on a quiet 2-core machine, from the last single run (8 s windows:
-a run took ~9.7 s with its counters, a workload's three warm-ups ~12 s, three apps ~5 s
-each to start): per repetition 3 x (9 runs + warm-ups) + failover (3 x ~26 s + warm-ups)
-~ 390 s, two repetitions ~ 780 s, 9 app sets (8 workloads' and the capacity burst's)
+Wall time of `--quick` on a quiet 2-core machine: 25.5 minutes in the run of 2026-11-27
+13:32 (8 s windows: a run took ~9.7 s with its counters, a workload's three warm-ups ~12 s,
+three apps ~5 s each to start; per repetition 3 x (12 runs + warm-ups) + failover (3 x
+~26 s + warm-ups), 10 app sets (8 workloads', the capacity burst's and the LoRA bursts')
 started together and deleted ~ 15 s each, assets, costs and Ray ~ 25 s, then the fairness
-and prefix sections ~ 180 s: ~ 19 minutes.
+and prefix sections ~ 4 minutes).
 
 Before the runs one engine of the replicas' configuration measures (benchmarks/router/costs.py)
 the costs the affinity router is told and the unloaded TTFT (a request alone on an idle

@@ -34,15 +34,15 @@ rate, so all three see the same machine load. A run's figures are its requests' 
 replicas' counters over it; a run holds `min_requests` at least (FULL: 1,000, so that a p99
 rests on its 10 slowest; QUICK: 320, a p99 over its 3 slowest).
 
-Repetitions (`repeats`, FULL 3, QUICK 2): all of it again on other seeds (arrivals,
+Repetitions (`repeats`, FULL 3, QUICK 3): all of it again on other seeds (arrivals,
 lengths, picks, popularity order), the router order rotated by one each time (the first
 router of a rate runs on a machine the previous rate's last one just loaded). Every figure
 is the median over the repetitions, every ratio also its 90% bootstrap interval
 (`<key>_ci_low`, `<key>_ci_high`, benchmarks/report.py `over_repetitions`);
 `workloads.<w>.repetitions` holds each one's figures and router order.
 
-Wall time of `--quick` on a quiet 2-core machine: 25.5 minutes in the run of 2026-11-27
-13:32 (8 s windows: a run took ~9.7 s with its counters, a workload's three warm-ups ~12 s,
+Wall time of `--quick` on a quiet 2-core machine: 36 minutes in the run of 2026-11-27
+14:34, three repetitions (8 s windows: a run took ~9.7 s with its counters, a workload's three warm-ups ~12 s,
 three apps ~5 s each to start; per repetition 3 x (12 runs + warm-ups) + failover (3 x
 ~26 s + warm-ups), 10 app sets (8 workloads', the capacity burst's and the LoRA bursts')
 started together and deleted ~ 15 s each, assets, costs and Ray ~ 25 s, then the fairness
@@ -148,7 +148,10 @@ QUICK = replace(
     rate_factors=(0.35, 0.7, 1.0, 1.3),
     reference_factor=0.35,
     failover_factors=(0.35,),
-    repeats=2,
+    # a full rotation: each router runs first, second and last once (with two, the run of
+    # 2026-11-27 13:32 had affinity first then last, and could not tell its lead, 0.99-1.05
+    # then 1.15-1.32 over the best Ray router, from its position or the repetition)
+    repeats=3,
     # a p99 over 3 requests at least: the rates are fractions of the LoRA workload's capacity
     # (~57 req/s in the last run, where the base burst's was 118), 8 s of 0.35 x it is ~160
     min_requests=320,

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.kernels.attention import attention_bias
+
 
 @dataclass(frozen=True, slots=True)
 class DecodeRows:
@@ -64,8 +66,7 @@ def decode_rows(
     reads = keys[None, :] < ctx[:, None]
     if sliding_window is not None:
         reads &= keys[None, :] > ctx[:, None] - 1 - sliding_window
-    bias = torch.zeros(reads.shape, dtype=torch.float32, device=device)
-    bias.masked_fill_(~reads, float("-inf"))
+    bias = attention_bias(reads)
     b = block_tables.shape[0]
     group = num_heads // kv_heads
     bias = bias[:, None, None, :].expand(b, kv_heads, group, n).reshape(b * kv_heads, group, n)

@@ -105,7 +105,7 @@ class Engine:
         """Stream a request's outputs step by step; a consumer that falls behind the steps
         gets the outputs waiting for it as one (`RequestOutput.followed_by`), so a slow relay
         carries fewer, larger chunks instead of falling further behind. Chunks after the
-        first are spaced so that each stream sends at most `stream_events_per_s_per_stream`
+        first with text are spaced so that each stream sends at most `stream_events_per_s_per_stream`
         and the replica at most `stream_events_per_s` (all streams together), each carrying
         what was made meanwhile. Closing the iterator early (or cancelling the task) aborts
         the request and frees its pages.
@@ -132,7 +132,7 @@ class Engine:
         self._work.set()
         finished = False
         held = None  # taken from the queue while coalescing, not foldable: next to yield
-        last_yield: float | None = None  # None until the first output: it is never held
+        last_yield: float | None = None  # None until the first text: it is never held
         try:
             while not finished:
                 out = held if held is not None else await queue.get()
@@ -151,7 +151,8 @@ class Engine:
                     out = out.followed_by(later)
                 finished = out.finished
                 yield out
-                last_yield = loop.time()
+                if out.text:  # chunks without text yet send a reader nothing: not paced
+                    last_yield = loop.time()
         finally:
             self._streams.pop(seq.request_id, None)
             if not finished:
@@ -196,5 +197,6 @@ class Engine:
 
 
 def _continues(out: RequestOutput) -> bool:
-    """Whether `out` follows chunks its stream already sent (False for a first chunk)."""
-    return len(out.token_ids) > len(out.new_token_ids)
+    """Whether `out` follows text its stream already sent (False for a reader's first text, or
+    a chunk that shows none yet: the ingress sends a reader no event without text)."""
+    return len(out.text) > len(out.new_text)

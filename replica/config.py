@@ -249,8 +249,8 @@ class EngineConfig:
         ge=0,
         description="Streamed chunks per second this replica sends, all streams together "
         "(0: one per step per stream). Past it, each stream's chunks are spaced by running "
-        "streams / this and carry the tokens made meanwhile; a first token and a stream's end are never "
-        "held. Every chunk costs CPU in the replica, the ingress and the HTTP proxy (~1.6 ms "
+        "streams / this and carry the tokens made meanwhile; a stream's first text and its end are "
+        "never held. Every chunk costs CPU in the replica, the ingress and the HTTP proxy (~1.6 ms "
         "together on the demo's 2 cores), so an unbounded flood of streams takes the CPU "
         "another tenant's first token needs.",
     )

@@ -627,6 +627,33 @@ def test_a_replica_streams_within_its_chunk_budget_and_never_holds_a_first_token
             assert len(outs) > 500  # a step each, bar what a busy consumer coalesced
 
 
+def test_a_stream_s_first_text_is_not_held_by_its_chunk_budget(assets: DemoAssets):
+    """A first step that shows no text (an incomplete character, or text that may begin a
+    stop string, as here) sends the reader nothing: the ingress makes no event of it. So the
+    chunk budget starts at the first text; a stream's first words never wait a gap (at 20
+    chunks a second, 50 ms more for the ~5% of the fairness bench's requests whose first token
+    was not yet a character)."""
+    engine = Engine(config(assets.model, stream_events_per_s=0, stream_events_per_s_per_stream=2))
+
+    async def first_text(params: SamplingParams) -> tuple[float, RequestOutput]:
+        start = time.perf_counter()
+        async for out in engine.generate(PROMPTS[0], params):
+            if out.new_text:
+                return time.perf_counter() - start, out
+        raise AssertionError("no text")
+
+    try:
+        _, plain = run_async(first_text(greedy(6, ignore_eos=True)))
+        assert len(plain.new_token_ids) == 1, "the first token is not a character alone"
+        # a stop string shows nothing of the last len(stop) - 1 characters until it cannot match
+        held = greedy(6, ignore_eos=True, stop=["\x00" * (len(plain.new_text) + 1)])
+        waited, out = run_async(first_text(held))
+    finally:
+        engine.shutdown()
+    assert len(out.token_ids) == 2, out  # the first token showed nothing, the second did
+    assert waited < 0.3, f"the first text waited {waited:.2f}s: a chunk gap (0.5 s)"
+
+
 def test_a_stream_s_first_chunk_goes_out_before_the_other_chunks_of_its_step(assets: DemoAssets):
     """Four streams decoding when a fifth arrives: in the step that makes its first token,
     that chunk is handed on before the others' (every process on the way relays in arrival

@@ -142,7 +142,7 @@ the catalog still fits with failover's killed replica gone. Poisson arrivals at 
 of the LoRA workload's measured capacity (a saturating burst of zipf's own requests through
 each router; the best router's, the same rates for all); goodput is the highest offered
 rate whose p99 TTFT meets the SLO (5 × the unloaded TTFT); `goodput_ratio_vs_best_ray_router`
-divides affinity's by the better Ray router's. The whole comparison is repeated (3 times, `--quick` 2) on other seeds with the
+divides affinity's by the better Ray router's. The whole comparison is repeated (3 times, `--quick` too: a full rotation) on other seeds with the
 router order rotated; figures are medians, each ratio with its 90% bootstrap interval
 (`_ci_low`, `_ci_high`). Fairness: tenant A holds 64 streams of 256 tokens open (8× the
 replica's batch), tenant B's p99 TTFT ÷ B alone, in alternating windows (3 rounds of 10 s,

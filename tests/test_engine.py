@@ -643,14 +643,13 @@ def test_a_stream_s_first_text_is_not_held_by_its_chunk_budget(assets: DemoAsset
         raise AssertionError("no text")
 
     try:
-        _, plain = run_async(first_text(greedy(6, ignore_eos=True)))
-        assert len(plain.new_token_ids) == 1, "the first token is not a character alone"
+        _, first = run_async(first_text(greedy(1, ignore_eos=True)))  # the first token alone
         # a stop string shows nothing of the last len(stop) - 1 characters until it cannot match
-        held = greedy(6, ignore_eos=True, stop=["\x00" * (len(plain.new_text) + 1)])
+        held = greedy(200, ignore_eos=True, stop=["\x00" * (len(first.text) + 1)])
         waited, out = run_async(first_text(held))
     finally:
         engine.shutdown()
-    assert len(out.token_ids) == 2, out  # the first token showed nothing, the second did
+    assert len(out.token_ids) >= 2, out  # the first token showed nothing
     assert waited < 0.3, f"the first text waited {waited:.2f}s: a chunk gap (0.5 s)"
 
 

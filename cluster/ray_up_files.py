@@ -31,6 +31,12 @@ CLUSTER_FILES = ("cluster.yaml", "cluster-onprem.yaml")
 # its heartbeats by that address and restarts a worker it does not hear from.
 _NODE_IP = "$(echo $SSH_CONNECTION | cut -d' ' -f3)"
 _ADMIN_KEY = "LORAPLEX_ADMIN_KEY=$(cat ~/.loraplex-secrets/admin_key)"
+# Ray Serve's ingress proxy flags, from the config's http.ingress_proxy (cluster/ingress_proxy.py):
+# Ray reads them from `ray start`'s environment, on every node.
+_PROXY_ENV = (
+    "RAY_SERVE_FLAGS=$(python3 -m loraplex.cluster.ingress_proxy "
+    "~/loraplex-cluster/serve_config.yaml) && export $RAY_SERVE_FLAGS &&"
+)
 
 # remote path -> (path on the launching machine, relative to where `ray up` runs; what)
 FILE_MOUNTS = {
@@ -61,15 +67,16 @@ SETUP_COMMANDS: list[Command] = [
 ]
 
 # The ingress reads the admin key from its node's environment: every `ray start` exports
-# it. Autoscaler v1 (RAY_enable_autoscaler_v2=0): with provider `local`, Ray 2.60's v2
-# never launches a worker, its head not recording itself in the head's own cluster state
-# (v1 does: local/node_provider.py, record_local_head_state_if_needed). Ports are Ray's
-# defaults, named so that a firewall can let them through.
+# it, and Serve's ingress proxy flags. Autoscaler v1 (RAY_enable_autoscaler_v2=0): with
+# provider `local`, Ray 2.60's v2 never launches a worker, its head not recording itself in
+# the head's own cluster state (v1 does: local/node_provider.py,
+# record_local_head_state_if_needed). Ports are Ray's defaults, named so that a firewall can
+# let them through.
 HEAD_START_RAY_COMMANDS: list[Command] = [
     ("ray stop",),
     (
-        f"ulimit -n 65536; {_ADMIN_KEY} RAY_enable_autoscaler_v2=0",
-        f"ray start --head --node-ip-address={_NODE_IP}",
+        f"ulimit -n 65536; {_PROXY_ENV}",
+        f"{_ADMIN_KEY} RAY_enable_autoscaler_v2=0 ray start --head --node-ip-address={_NODE_IP}",
         "--port=6379 --dashboard-port=8265 --ray-client-server-port=10001",
         "--autoscaling-config=~/ray_bootstrap_config.yaml --dashboard-host=0.0.0.0",
     ),
@@ -87,8 +94,8 @@ HEAD_START_RAY_COMMANDS: list[Command] = [
 WORKER_START_RAY_COMMANDS: list[Command] = [
     ("ray stop",),
     (
-        f"ulimit -n 65536; {_ADMIN_KEY}",
-        f"ray start --address=$RAY_HEAD_IP:6379 --node-ip-address={_NODE_IP}",
+        f"ulimit -n 65536; {_PROXY_ENV}",
+        f"{_ADMIN_KEY} ray start --address=$RAY_HEAD_IP:6379 --node-ip-address={_NODE_IP}",
     ),
     (
         "setsid python3 -m loraplex.cluster.ray_node_watch $RAY_HEAD_IP:6379",

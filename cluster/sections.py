@@ -5,7 +5,7 @@ composes them all into `LoraplexConfig`."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -129,9 +129,11 @@ class HTTPSection(_Section):
     """Where clients reach the cluster, and the ingress deployment."""
 
     host: str = Field(
-        "127.0.0.1", min_length=1, description="Address Serve's HTTP proxy binds; 0.0.0.0: all."
+        "127.0.0.1",
+        min_length=1,
+        description="Address the HTTP proxy (ingress_proxy's) binds; 0.0.0.0: all.",
     )
-    port: int = Field(8000, ge=1, le=65535, description="Port of Serve's HTTP proxy.")
+    port: int = Field(8000, ge=1, le=65535, description="Port of the HTTP proxy.")
     ingress_replicas: int = Field(
         1, ge=1, le=1024, description="Ingress replicas (tokenize, auth, tenant API)."
     )
@@ -141,4 +143,17 @@ class HTTPSection(_Section):
         ge=1,
         le=1 << 20,
         description="Requests one ingress replica handles at once (streams included).",
+    )
+    ingress_proxy: Literal["serve", "haproxy"] = Field(
+        "serve",
+        description="What carries HTTP to the ingress replicas. serve: Ray Serve's proxy actor "
+        "on each node (Python; it relays every streamed chunk over Ray). haproxy: Ray Serve's "
+        "direct ingress, HAProxy on each node forwarding to the ingress replicas' own HTTP "
+        "servers: under one tenant's 64-stream flood, another tenant's p99 TTFT about halves "
+        "(docs/performance.md). HAProxy's stats page (8404) and Prometheus exporter (9101) "
+        "listen on every interface (`loraplex up` puts them on free ports). Ray reads the "
+        "choice from `ray start`'s environment (RAY_SERVE_ENABLE_DIRECT_INGRESS and "
+        "RAY_SERVE_ENABLE_HA_PROXY, both 1 for haproxy): `loraplex up` sets it for the Ray it "
+        "starts, the `ray up` files and the Helm chart from this field, and `loraplex up "
+        "--address` refuses a Ray cluster started with the other.",
     )

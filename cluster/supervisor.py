@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.cluster.config import APP_NAME, LoraplexConfig
+from loraplex.cluster.ingress_proxy import HAPROXY_PORTS, check_running_proxy, local_ray_env
 from loraplex.cluster.ray_node_watch import RAY_LOST_AFTER_S, accepts, host_port
 from loraplex.cluster.serve_status import deployment_errors
 from loraplex.cluster.state import write_state
@@ -102,12 +103,22 @@ class Supervisor:
     def start_ray(self) -> None:
         import ray
 
+        proxy = self.config.http.ingress_proxy
         if self.ray_address is not None:
             self.phase("connecting to Ray", self.ray_address)
             ray.init(address=self.ray_address, log_to_driver=False)
+            check_running_proxy(ray, proxy)
         else:
             opts = self.ray_options
-            self.phase("starting Ray", f"{opts['num_cpus']} CPUs, temp dir {opts['temp_dir']}")
+            # the Ray started here (raylet, controller, proxies, replicas) inherits these
+            env = local_ray_env(proxy, os.environ)
+            os.environ.update(env)
+            ports = ", ".join(f"{k}={v}" for k, v in env.items() if k in HAPROXY_PORTS)
+            self.phase(
+                "starting Ray",
+                f"{opts['num_cpus']} CPUs, temp dir {opts['temp_dir']}, ingress proxy {proxy}"
+                + (f" ({ports})" if ports else ""),
+            )
             ray.init(
                 num_cpus=opts["num_cpus"],
                 object_store_memory=opts["object_store_bytes"],

@@ -51,6 +51,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
             "annotations": {"nginx.ingress.kubernetes.io/proxy-buffering": "off"},
         },
         "serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}},
+        "loraplex": {"http": {"ingress_proxy": "haproxy"}},
     },
     "cpu-autoscaling": {
         "loraplex": {

@@ -31,6 +31,7 @@ from helm_chart import (
 
 from loraplex.cluster.config import IMPORT_PATH, LoraplexConfig
 from loraplex.cluster.helm import ChartValues, schema_text
+from loraplex.cluster.ingress_proxy import ray_env
 
 
 @pytest.fixture(scope="module", params=list(VALUE_SETS))
@@ -202,6 +203,16 @@ def test_model_claim_is_mounted_read_only_where_the_model_lives(case):
         (mount,) = mounts
         assert mount["readOnly"] is True
         assert rendered.app_args["model"].startswith(mount["mountPath"] + "/")
+
+
+def test_every_ray_pod_starts_ray_with_the_ingress_proxy_flags_of_the_app_s_config(case):
+    """Ray reads `http.ingress_proxy` from the environment it starts in, not from the app's
+    args: every Ray pod's env says what the args say (cluster/ingress_proxy.py)."""
+    _, rendered = case
+    wanted = ray_env(rendered.app_args["http"].get("ingress_proxy", "serve"))
+    for pod in rendered.ray_pods().values():
+        env = {e["name"]: e.get("value") for e in container(pod)["env"]}
+        assert {name: env.get(name) for name in wanted} == wanted
 
 
 def test_admin_key_reaches_the_app_from_the_secret(case):

@@ -191,6 +191,13 @@ spec:
             secretKeyRef:
               name: {{ include "loraplex.metricsKeySecret" $root }}
               key: {{ $root.Values.metricsKey.secretKey }}
+        {{- /* Ray reads its ingress proxy from the environment Ray starts in
+        (cluster/ingress_proxy.py) */}}
+        {{- $direct := ternary "1" "0" (eq ($root.Values.loraplex.http.ingress_proxy | default "serve") "haproxy") }}
+        - name: RAY_SERVE_ENABLE_DIRECT_INGRESS
+          value: {{ $direct | quote }}
+        - name: RAY_SERVE_ENABLE_HA_PROXY
+          value: {{ $direct | quote }}
       resources:
         {{- toYaml .resources | nindent 8 }}
       volumeMounts:

@@ -70,6 +70,7 @@ HEADLINES = [
     Headline("router", "workloads.zipf.reads_ratio_vs_multiplex", "<= 0.7", "Ray Serve multiplexing's store reads"),
     Headline("router", "workloads.failover.recovery_s.affinity", "<= 30", "a replica killed a third into the run"),
     Headline("router", "fairness.b_p99_ttft_ratio", "<= 1.5", "tenant B's p99 TTFT alone"),
+    Headline("router", "fairness.b_p99_ttft_ratio_haproxy", "<= 1.5", "tenant B's p99 TTFT alone, both behind HAProxy (http.ingress_proxy: haproxy)"),
     # fleet (issue 22): the simulator at 16 x H100 / 7B; medians over seeds
     Headline("fleet", "fleet.workloads.zipf.goodput_ratio_vs_best_ray_router", ">= 1.5", "Ray Serve's routers, modelled from source"),
     Headline("fleet", "fleet.workloads.shift.goodput_ratio_vs_best_ray_router", ">= 1.5", "Ray Serve's routers, modelled from source"),
@@ -148,7 +149,9 @@ router order rotated; figures are medians, each ratio with its 90% bootstrap int
 replica's batch), tenant B's p99 TTFT ÷ B alone, in alternating windows (3 rounds of 10 s,
 `--quick` 5 of 6 s: 95 and 85 of B's requests a window kind; a quiet window starts once the
 replica has drained the flood), with its 90% bootstrap interval over B's requests;
-`b_p50_ttft_ratio` beside it, and A's chunks a second, what the relay carried.""",
+`b_p50_ttft_ratio` beside it, and A's chunks a second, what the relay carried. Behind
+Serve's proxy actor (the default), then on a second Ray behind HAProxy
+(`http.ingress_proxy: haproxy`, `_haproxy` keys): the same app, the same schedules.""",
     "fleet": """\
 `loraplex bench fleet` (`benchmarks/fleet/bench.py`): the same comparison at fleet scale in the
 simulator — 16 × H100 serving a 7B model, 2,000–10,000 adapters — whose replicas are the real

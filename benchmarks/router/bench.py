@@ -66,8 +66,9 @@ distinct adapters requested; below 1 where the warm-up left adapters resident); 
 recovery_s, streams_failed, requests_lost.
 
 Section `fairness` (benchmarks/router/fairness.py): a tenant holding 64 long streams open
-beside one sending short requests, through the ingress and one replica;
-`fairness.b_p99_ttft_ratio`.
+beside one sending short requests, through the ingress and one replica, behind Serve's
+proxy actor and then behind HAProxy; `fairness.b_p99_ttft_ratio`,
+`fairness.b_p99_ttft_ratio_haproxy`.
 """
 
 from __future__ import annotations

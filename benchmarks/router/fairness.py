@@ -25,6 +25,10 @@ and each round runs on two apps in turn:
                  batch gives a slot back)
     unprotected  no in-flight limit; one FIFO queue for every tenant
 
+and then, on a second Ray started with `http.ingress_proxy: haproxy` (HAProxy in front of
+Serve's direct ingress instead of Serve's proxy actor: cluster/ingress_proxy.py), the
+protected app once more (`protected_haproxy`): what the path to the ingress costs B.
+
 Keys (TTFT: from a request's scheduled arrival to its first streamed event, at the client):
 
     b_p99_ttft_ratio              B's p99 TTFT in flood windows / in quiet windows, protected
@@ -34,15 +38,19 @@ Keys (TTFT: from a request's scheduled arrival to its first streamed event, at t
                                   interval is wide: it says how far one run can be trusted)
     b_p50_ttft_ratio (+ _ci_*)    the same of the medians
     b_p99_ttft_ratio_unprotected  the same on the unprotected app
+    b_p99_ttft_ratio_haproxy, b_p50_ttft_ratio_haproxy (+ _ci_*)
+                                  the same of protected_haproxy (HAProxy's stats page and
+                                  exporter bind every interface, on free ports, while it runs)
     a_429s, b_429s                requests refused for the tenant's in-flight limit, protected
-                                  (A's finished streams are its `completed`; those cut at the
+                                  apps (A's finished streams are its `completed`; those cut at the
                                   window's end are not counted)
     apps.<app>.<window>.<tenant>  offered, completed, 429s, failed, p50/p99 TTFT per window
                                   (B's: every TTFT too, `ttft_ms`)
     apps.<app>.flood.a_chunks_per_s  streamed chunks of A's the client received a second: what
                                   the relay carried
-    apps.<app>.<window>.cores_used  cores each process kept busy (Serve's proxy, the ingress,
-                                  the replica, this client), mean over the windows: where the
+    apps.<app>.<window>.cores_used  cores each process kept busy (Serve's proxy actor, or
+                                  HAProxy's manager actor and `haproxy` itself; the ingress, the
+                                  replica, this client), mean over the windows: where the
                                   machine's two cores went
     load_avg_1m                   before and after each app's rounds
 """
@@ -96,6 +104,8 @@ class FairnessWorkload:
     output_tokens: tuple[int, int] = (8, 16)
     request_timeout_s: float = 60.0
     seed: int = 0
+    # the paths to the ingress the protected app runs behind (http.ingress_proxy)
+    ingress_proxies: tuple[str, ...] = ("serve", "haproxy")
 
 
 FAIRNESS_MODEL = ModelSpec(
@@ -165,12 +175,16 @@ def measure_fairness(w: FairnessWorkload) -> dict[str, Any]:
         try:
             settings = EtcdSettings(endpoints=[etcd.endpoint])
             keys = asyncio.run(_tenants(settings))
-            port = free_port()
             per_app = {}
-            with lean_ray_serve(http_port=port):
-                for name in APPS:
-                    app = _app(name, w, model_dir, settings, root / "artifacts")
-                    per_app[name] = _serve(name, app, f"http://127.0.0.1:{port}", keys, w)
+            for proxy in w.ingress_proxies:
+                port = free_port()
+                with lean_ray_serve(http_port=port, ingress_proxy=proxy):
+                    # Serve's proxy: both apps; HAProxy: the protected one, what it changes
+                    for name in APPS if proxy == "serve" else APPS[:1]:
+                        app = _app(name, w, model_dir, settings, root / "artifacts")
+                        url = f"http://127.0.0.1:{port}"
+                        key = name if proxy == "serve" else f"{name}_{proxy}"
+                        per_app[key] = _serve(name, app, url, keys, w)
         finally:
             etcd.stop(kill=True)
     return _summary(w, per_app)
@@ -303,7 +317,8 @@ def _settle(app: str, timeout_s: float) -> float:
 
 
 def _serve_pids(app: str) -> dict[str, int]:
-    """Process ids of Serve's HTTP proxy and of the app's ingress and replica."""
+    """Process ids of Serve's HTTP proxy (or HAProxy's manager and `haproxy`, its child) and
+    of the app's ingress and replica."""
     import ray
 
     found = {}
@@ -317,7 +332,23 @@ def _serve_pids(app: str) -> dict[str, int]:
             continue
         handle = ray.get_actor(actor_name, namespace=actor["namespace"])
         found[kind] = ray.get(handle.__ray_call__.remote(lambda _: os.getpid()), timeout=30)
+        if kind == "proxy":
+            for pid in _children(found[kind], "haproxy"):
+                found["haproxy"] = pid
     return found
+
+
+def _children(parent: int, name: str) -> list[int]:
+    """Pids of `parent`'s child processes called `name` (Linux /proc; none elsewhere)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            comm, fields = stat.read_text().split(" (", 1)[1].rsplit(") ", 1)
+        except (OSError, ValueError):
+            continue
+        if comm == name and int(fields.split()[1]) == parent:
+            pids.append(int(stat.parent.name))
+    return pids
 
 
 def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
@@ -484,20 +515,28 @@ def _summary(w: FairnessWorkload, per_app: dict[str, dict[str, Any]]) -> dict[st
         low, high = percentile_ratio_interval(quiet, flood, q)
         return {f"b_p{q:g}_ttft_ratio_ci_low": low, f"b_p{q:g}_ttft_ratio_ci_high": high}
 
+    def ratios(app: str, suffix: str) -> dict[str, float | None]:
+        found = {
+            "b_p99_ttft_ratio": ratio(app),
+            **interval(app, 99),
+            "b_p50_ttft_ratio": ratio(app, "p50_ttft_ms"),
+            **interval(app, 50),
+        }
+        return {k.replace("_ratio", f"_ratio{suffix}", 1): v for k, v in found.items()}
+
     workload = asdict(w)
     workload["model"] = {k: v for k, v in workload["model"].items() if k != "rope_scaling"}
-    protected = per_app["protected"]["flood"]
-    return {
-        "workload": workload,
-        "b_p99_ttft_ratio": ratio("protected"),
-        **interval("protected", 99),
-        "b_p50_ttft_ratio": ratio("protected", "p50_ttft_ms"),
-        **interval("protected", 50),
-        "b_p99_ttft_ratio_unprotected": ratio("unprotected"),
-        "a_429s": protected["a"]["rate_limited"],
-        "b_429s": protected["b"]["rate_limited"],
-        "apps": per_app,
-    }
+    result: dict[str, Any] = {"workload": workload}
+    if "protected" in per_app:
+        result |= ratios("protected", "")
+        result["b_p99_ttft_ratio_unprotected"] = ratio("unprotected")
+    for app in per_app:
+        if app.startswith("protected_"):
+            result |= ratios(app, app.removeprefix("protected"))
+    protected = [per_app[app]["flood"] for app in per_app if app.startswith("protected")]
+    result["a_429s"] = sum(p["a"]["rate_limited"] for p in protected)
+    result["b_429s"] = sum(p["b"]["rate_limited"] for p in protected)
+    return result | {"apps": per_app}
 
 
 def percentile_ratio_interval(
@@ -551,7 +590,11 @@ def print_fairness(r: dict[str, Any]) -> None:
         ("b_p99_ttft_ratio", "target <= 1.5"),
         ("b_p50_ttft_ratio", "(reported)"),
         ("b_p99_ttft_ratio_unprotected", "(reported)"),
+        ("b_p99_ttft_ratio_haproxy", "(reported: behind HAProxy)"),
+        ("b_p50_ttft_ratio_haproxy", "(reported: behind HAProxy)"),
     ):
+        if key not in r:
+            continue
         value, low, high = r[key], r.get(f"{key}_ci_low"), r.get(f"{key}_ci_high")
         shown = "n/a" if value is None else f"{value:.2f}"
         if low is not None and high is not None:

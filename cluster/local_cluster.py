@@ -425,6 +425,7 @@ def status(state_dir: Path, full_ids: bool = False) -> int:
     print(
         f"cluster:  {state['phase']} (supervisor pid {state['pid']}), {url or '-'} /health: {health}"
     )
+    print(f"proxy:    {state.get('ingress_proxy') or '-'} (http.ingress_proxy)")
     print(f"ray:      {state.get('ray_address') or '-'}")
     etcd = state.get("etcd_endpoints") or []
     print(

@@ -108,12 +108,14 @@ class Supervisor:
             self.phase("connecting to Ray", self.ray_address)
             ray.init(address=self.ray_address, log_to_driver=False)
             check_running_proxy(ray, proxy)
+            self.state["ingress_proxy"] = proxy
         else:
             opts = self.ray_options
             # the Ray started here (raylet, controller, proxies, replicas) inherits these
             env = local_ray_env(proxy, os.environ)
             os.environ.update(env)
             ports = ", ".join(f"{k}={v}" for k, v in env.items() if k in HAPROXY_PORTS)
+            self.state["ingress_proxy"] = proxy + (f" ({ports})" if ports else "")
             self.phase(
                 "starting Ray",
                 f"{opts['num_cpus']} CPUs, temp dir {opts['temp_dir']}, ingress proxy {proxy}"

@@ -134,6 +134,7 @@ def test_loraplex_up_with_haproxy_serves_streams_through_haproxy_and_down_stops_
     assert seen["http_listener"] == "haproxy", seen
     assert seen["haproxy_ports"] and all(p not in (8404, 9101) for p in seen["haproxy_ports"])
     assert all(name == "haproxy" for name in seen["haproxy_port_listeners"]), seen
+    assert seen["status_proxy"].split()[:2] == ["proxy:", "haproxy"], seen  # `loraplex status`
     # the ingress answers through it: auth, the tenant API, a stream
     assert seen["no_key_status"] == 401
     assert seen["models"][0] == "haproxy-demo"
@@ -159,7 +160,7 @@ def _accepts(port: int) -> bool:
 
 def _inside(root: Path, model: str) -> dict[str, Any]:
     """In the new network namespace: the cluster up, spoken to, and down."""
-    from test_e2e_cluster import cluster_of, cluster_up, yaml_config
+    from test_e2e_cluster import cluster_of, cluster_up, loraplex, yaml_config
 
     from loraplex.net import free_port
 
@@ -179,6 +180,8 @@ def _inside(root: Path, model: str) -> dict[str, Any]:
         ports = re.findall(r"RAY_SERVE_HAPROXY_\w+_PORT=(\d+)", _log(state_dir))
         seen["haproxy_ports"] = [int(p) for p in ports]
         seen["haproxy_port_listeners"] = [n for p in ports for n, _ in _listeners(int(p))]
+        status = loraplex("status", "--state-dir", str(state_dir), timeout=90).stdout
+        seen["status_proxy"] = next(x for x in status.splitlines() if x.startswith("proxy:"))
         with cluster.http() as anonymous:
             seen["no_key_status"] = anonymous.get("/v1/models").status_code
         body = {

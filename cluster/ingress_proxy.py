@@ -11,7 +11,8 @@ replicas inherit it), so it belongs to the Ray cluster, not to the app: `loraple
 it for the Ray it starts, the `ray up` files export it from the cluster's config file
 before `ray start` (`python -m loraplex.cluster.ingress_proxy CONFIG` prints it), the Helm
 chart puts it in the Ray pods' environment, and `loraplex up --address` refuses a Ray
-cluster started with the other one.
+cluster started with the other one. The flags themselves are `loraplex.serve_flags`'s (the
+demo's lean Ray sets them too).
 """
 
 from __future__ import annotations
@@ -20,31 +21,7 @@ import os
 import sys
 from typing import Any
 
-from loraplex.net import free_port
-
-INGRESS_PROXIES = ("serve", "haproxy")
-FLAGS = ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_ENABLE_HA_PROXY")
-# HAProxy's stats page and Prometheus exporter: fixed ports (8404, 9101) on every
-# interface unless these are set.
-HAPROXY_PORTS = ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT")
-
-
-def ray_env(proxy: str) -> dict[str, str]:
-    """Ray Serve's flags for `proxy`, as `ray start`'s environment must hold them."""
-    if proxy not in INGRESS_PROXIES:
-        raise ValueError(f"ingress_proxy must be one of {INGRESS_PROXIES}, not {proxy!r}")
-    on = "1" if proxy == "haproxy" else "0"
-    return dict.fromkeys(FLAGS, on)
-
-
-def local_ray_env(proxy: str, environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
-    """`ray_env(proxy)` for a Ray that `loraplex up` starts on this machine: with HAProxy,
-    its stats and exporter on free ports unless `environ` names them, so that two local
-    clusters (or anything else on 8404 and 9101) do not collide."""
-    env = ray_env(proxy)
-    if proxy == "haproxy":
-        env |= {name: environ.get(name) or str(free_port()) for name in HAPROXY_PORTS}
-    return env
+from loraplex.serve_flags import FLAGS, INGRESS_PROXIES, ray_env
 
 
 def running_proxy(ray: Any, timeout_s: float = 60.0) -> str:

@@ -18,10 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from loraplex.cluster.config import APP_NAME, LoraplexConfig
-from loraplex.cluster.ingress_proxy import HAPROXY_PORTS, check_running_proxy, local_ray_env
+from loraplex.cluster.ingress_proxy import check_running_proxy
 from loraplex.cluster.ray_node_watch import RAY_LOST_AFTER_S, accepts, host_port
 from loraplex.cluster.serve_status import deployment_errors
 from loraplex.cluster.state import write_state
+from loraplex.serve_flags import HAPROXY_PORTS, local_ray_env
 
 log = logging.getLogger("loraplex.cluster")
 

@@ -32,7 +32,7 @@ def lean_ray_serve(
     import ray
     from ray import serve
 
-    from loraplex.cluster.ingress_proxy import local_ray_env
+    from loraplex.serve_flags import local_ray_env
 
     assert not ray.is_initialized(), "a Ray driver already runs in this process"
     temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")

@@ -31,7 +31,7 @@ from helm_chart import (
 
 from loraplex.cluster.config import IMPORT_PATH, LoraplexConfig
 from loraplex.cluster.helm import ChartValues, schema_text
-from loraplex.cluster.ingress_proxy import ray_env
+from loraplex.serve_flags import ray_env
 
 
 @pytest.fixture(scope="module", params=list(VALUE_SETS))

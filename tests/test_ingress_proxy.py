@@ -29,14 +29,8 @@ import netns
 import pytest
 
 from loraplex.cluster import ingress_proxy
-from loraplex.cluster.ingress_proxy import (
-    FLAGS,
-    HAPROXY_PORTS,
-    check_running_proxy,
-    local_ray_env,
-    ray_env,
-    running_proxy,
-)
+from loraplex.cluster.ingress_proxy import check_running_proxy, running_proxy
+from loraplex.serve_flags import FLAGS, HAPROXY_PORTS, local_ray_env, ray_env
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -119,8 +119,8 @@ class Supervisor:
             self.state["ingress_proxy"] = proxy + (f" ({ports})" if ports else "")
             self.phase(
                 "starting Ray",
-                f"{opts['num_cpus']} CPUs, temp dir {opts['temp_dir']}, ingress proxy {proxy}"
-                + (f" ({ports})" if ports else ""),
+                f"{opts['num_cpus']} CPUs, temp dir {opts['temp_dir']}, "
+                f"ingress proxy {self.state['ingress_proxy']}",
             )
             ray.init(
                 num_cpus=opts["num_cpus"],

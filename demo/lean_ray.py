@@ -25,9 +25,9 @@ def lean_ray_serve(
     a small object store and a temp dir of its own, short because Ray's socket paths must
     be; RAY_AUTH_MODE disabled, else Ray writes a token under $HOME. Serve runs without an
     HTTP proxy (callers use handles), or with one on 127.0.0.1:`http_port`: Serve's proxy
-    actor (`ingress_proxy` None or "serve"), or with "haproxy" HAProxy in front of the ingress replicas'
-    own servers (cluster/ingress_proxy.py; its stats page and exporter bind every
-    interface, on free ports). Everything is stopped and removed on exit, and the
+    actor (`ingress_proxy` None or "serve"), or with "haproxy" HAProxy in front of the
+    ingress replicas' own servers (cluster/ingress_proxy.py; its stats page and exporter
+    bind every interface, on free ports). Everything is stopped and removed on exit, and the
     environment restored."""
     import ray
     from ray import serve

@@ -178,11 +178,11 @@ def measure_fairness(w: FairnessWorkload) -> dict[str, Any]:
             per_app = {}
             for proxy in w.ingress_proxies:
                 port = free_port()
+                url = f"http://127.0.0.1:{port}"
                 with lean_ray_serve(http_port=port, ingress_proxy=proxy):
                     # Serve's proxy: both apps; HAProxy: the protected one, what it changes
                     for name in APPS if proxy == "serve" else APPS[:1]:
                         app = _app(name, w, model_dir, settings, root / "artifacts")
-                        url = f"http://127.0.0.1:{port}"
                         key = name if proxy == "serve" else f"{name}_{proxy}"
                         per_app[key] = _serve(name, app, url, keys, w)
         finally:

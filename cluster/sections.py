@@ -5,13 +5,14 @@ composes them all into `LoraplexConfig`."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from loraplex.registry.etcd_client import EtcdCredentials, EtcdSettings
 from loraplex.replica.config import EngineConfig
 from loraplex.router.autoscaling import serve_autoscaling_config
+from loraplex.serve_flags import IngressProxy
 from loraplex.settings import describe, setting
 
 ADMIN_KEY_ENV = "LORAPLEX_ADMIN_KEY"
@@ -144,7 +145,7 @@ class HTTPSection(_Section):
         le=1 << 20,
         description="Requests one ingress replica handles at once (streams included).",
     )
-    ingress_proxy: Literal["serve", "haproxy"] = Field(
+    ingress_proxy: IngressProxy = Field(
         "serve",
         description="What carries HTTP to the ingress replicas. serve: Ray Serve's proxy actor "
         "on each node (Python; it relays every streamed chunk over Ray). haproxy: Ray Serve's "

@@ -9,10 +9,12 @@ proxies are): Ray reads them from the environment of `ray start`, or of the proc
 from __future__ import annotations
 
 import os
+from typing import Literal, get_args
 
 from loraplex.net import free_port
 
-INGRESS_PROXIES = ("serve", "haproxy")
+IngressProxy = Literal["serve", "haproxy"]  # http.ingress_proxy's type (cluster/sections.py)
+INGRESS_PROXIES: tuple[str, ...] = get_args(IngressProxy)
 FLAGS = ("RAY_SERVE_ENABLE_DIRECT_INGRESS", "RAY_SERVE_ENABLE_HA_PROXY")
 # HAProxy's stats page and Prometheus exporter: fixed ports (8404, 9101) on every
 # interface unless these are set.

@@ -36,7 +36,9 @@ Serve over `look_back_period_s`. The policy wants the largest of three counts:
                   the load count alone packs a hot adapter on fewer replicas than the router
                   would spread it over
 
-Scaling up is at once (Serve's `upscale_delay_s` applies on top); scaling down waits until
+Scaling up is at once (Serve's `upscale_delay_s` applies on top, and a count once asked for
+is asked for while the replicas stay above scale_down_utilisation: one loop lower restarts
+Serve's timer); scaling down waits until
 the count wanted has stayed below the current one for `downscale_delay_s`, never undoes a
 scale event younger than `cooldown_s` (nor does the read count undo a scale-down that
 young: the leaving replica's adapters are read once where they go), so a steady load does
@@ -204,6 +206,7 @@ class Decision:
     replicas: int
     why: str
     by_reads: bool = False  # the store reads alone ask for more replicas than there are
+    use: float = 0.0  # the replicas' use summed (ReplicaReport.use)
 
 
 def wanted(
@@ -236,6 +239,7 @@ def wanted(
             max(by_load, current + 1),
             f"store reads keep replicas {busy:.0%} busy",
             by_reads=by_load <= current,
+            use=used,
         )
     # fewer replicas read as much in all: as many as keep that under read_busy
     by_reads = max(1, _ceil(busy * current / s.read_busy))
@@ -253,8 +257,8 @@ def wanted(
         )
     if by_load < current and current > 1 and used / (current - 1) > s.scale_down_utilisation:
         left = used / (current - 1)
-        return Decision(current, f"{current - 1} replicas would be {left:.0%} utilised")
-    return Decision(by_load, why_load)
+        return Decision(current, f"{current - 1} replicas would be {left:.0%} utilised", use=used)
+    return Decision(by_load, why_load, use=used)
 
 
 def hot_homes(reports: list[ReplicaReport], slots: float, homes: Homes | None) -> int:
@@ -331,6 +335,7 @@ class LoraAutoscalingPolicy:
                 # the leaving replica's adapters are read once where they go: reads, not
                 # a thrashing working set (undone at once, that was a flap in a real 2 -> 1)
                 target = current
+            target = self._hold_up(state, target, current, decision, high)
         if target != current and state.get("asked") != (current, target):
             log.info(
                 "lora autoscaling wants %d replicas (%d now): %s", target, current, decision.why
@@ -338,6 +343,24 @@ class LoraAutoscalingPolicy:
         state["asked"] = (current, target)
         state["why"] = decision.why
         return target, state
+
+    def _hold_up(
+        self, state: dict[str, Any], target: int, current: int, decision: Decision, high: int
+    ) -> int:
+        """A count once asked for above `current` stays asked for while the replicas stay
+        above scale_down_utilisation. Serve raises the count only after it was asked for on
+        every loop for upscale_delay_s, and one loop at `current` restarts that timer: a
+        load wavering around the target (more wanted every other report) never got its
+        replica (the simulated day's morning: wanted at 190 s, given at 460 s). The band
+        that keeps a replica from leaving keeps an ask from being let go."""
+        if target > current:
+            state["up_to"] = target
+            return target
+        held = min(state.get("up_to", 0), high)
+        if held > current > 0 and decision.use / current > self.settings.scale_down_utilisation:
+            return held
+        state.pop("up_to", None)
+        return target
 
 
 def reports_of(ctx: Any) -> list[ReplicaReport]:

@@ -320,16 +320,23 @@ class LoraAutoscalingPolicy:
         if target < current and current > 0:
             # since when fewer than `current` have been wanted; kept once the delay has
             # passed: Serve's own delay logic needs the lower count on every loop until it
-            # acts, and one loop at `current` would restart its timer
+            # acts, and one loop at `current` would restart its timer. After a step down it
+            # stands for the new count too if fewer than that were wanted all along (the most
+            # wanted since then, `lower_most`): a load that fell far waits the delay once
             if state.get("lower_from") != current:
-                state["lower_from"], state["lower_since"] = current, now
+                stepped = state.get("lower_from") == current + 1
+                if not (stepped and state.get("lower_most", current) < current):
+                    state["lower_since"] = now
+                    state["lower_most"] = target
+                state["lower_from"] = current
+            state["lower_most"] = max(state["lower_most"], target)
             if now - state["lower_since"] < s.downscale_delay_s or now - last_event < s.cooldown_s:
                 target = current
             else:  # one at a time: the leaving replica's adapters move before the next leaves
                 target = current - 1
         else:
-            state.pop("lower_from", None)
-            state.pop("lower_since", None)
+            for key in ("lower_from", "lower_since", "lower_most"):
+                state.pop(key, None)
             down = ctx.last_scale_down_time
             if target > current and decision.by_reads and down and now - down < s.cooldown_s:
                 # the leaving replica's adapters are read once where they go: reads, not

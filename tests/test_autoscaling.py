@@ -127,8 +127,9 @@ def test_a_replica_is_removed_only_after_the_delay_and_the_cooldown():
             last_down = float(t)
         n = target
         seen.append(target)
-    # 60 s of wanting fewer, then one replica at a time, each after its own 60 s
-    assert seen == [3] * 6 + [2] * 7 + [1] * 7, seen
+    # 60 s of wanting fewer, then one replica at a time: 1 was wanted all along those
+    # 60 s, so the second leaves once the 30 s cool-down of the first has passed
+    assert seen == [3] * 6 + [2] * 3 + [1] * 11, seen
 
 
 def test_no_scale_down_within_the_cooldown_of_a_scale_up():
@@ -490,3 +491,48 @@ def test_a_load_wavering_at_the_target_still_gets_its_replica_through_serves_del
     assert n == 2 and at is not None and at <= 31, (n, at)
     # under the band, what was asked for is let go: a load that fell stays on one replica
     assert noisy_rise((0.73, 0.40, 0.45, 0.40), 120) == (1, None)
+
+
+def test_a_load_that_fell_far_lets_replicas_go_one_per_cooldown_not_one_per_delay():
+    """6 replicas, load for 1, Serve's control loop every second under its own delay logic
+    (downscale_delay_s 30). The first replica leaves after the policy's delay (60 s) and
+    Serve's (30 s). The next ones: fewer than 5 (and 4, ...) have been wanted all along the
+    delay already waited, so each waits only the cool-down (30 s) and Serve's delay, not
+    the policy's whole delay again (which, on the simulated day's evening, kept a replica
+    idle some 200 s at each step)."""
+    config = AutoscalingConfig(min_replicas=1, max_replicas=8, downscale_delay_s=30)
+    state: dict[str, Any] = {}
+    current, target, last_down, downs = 6, 6, None, []
+    for tick in range(400):
+        now = float(tick)
+        ctx = context(
+            current, 5, current_time=now, policy_state=state, last_scale_down_time=last_down
+        )
+        wanted, state = POLICY(ctx)
+        target, internal = _apply_delay_logic(wanted, target, config, dict(state), _now=now)
+        state.update(internal)
+        if target < current:
+            downs.append(now)
+            current, last_down = target, now
+    gaps = [b - a for a, b in zip(downs, downs[1:], strict=False)]
+    assert downs[0] == pytest.approx(90, abs=2) and current == 1, downs
+    assert all(g <= 62 for g in gaps), gaps
+
+
+def test_a_load_that_fell_by_one_waits_the_whole_delay_at_the_next_step():
+    """After a step down, a count wanted only since then (not throughout the delay already
+    waited) starts its own delay."""
+    policy = LoraAutoscalingPolicy(downscale_delay_s=60, cooldown_s=30, target_slot_use=0.5)
+    state: dict[str, Any] = {}
+    for now in (0.0, 61.0):  # 6 replicas holding 36 requests want ceil(36 / 8) = 5
+        target, state = policy(context(6, 36, current_time=now, policy_state=state))
+    assert target == 5
+    for now in (100.0, 130.0):  # on 5, load for 1: fewer than 5 wanted only from 100 s
+        target, state = policy(
+            context(5, 5, current_time=now, policy_state=state, last_scale_down_time=62.0)
+        )
+    assert target == 5
+    target, state = policy(
+        context(5, 5, current_time=161.0, policy_state=state, last_scale_down_time=62.0)
+    )
+    assert target == 4

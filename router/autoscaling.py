@@ -119,12 +119,14 @@ class LoraAutoscaling(BaseModel):
         "utilisation summed ÷ this replicas are wanted.",
     )
     scale_down_utilisation: float = Field(
-        0.55,
+        0.63,
         gt=0,
         le=1,
         description="A replica is removed only while the others would stay under this "
-        "share of their token capacity once it has left (below target_utilisation: the "
-        "band between them keeps a steady load from flapping).",
+        "share of their token capacity once it has left, and a count asked for above the "
+        "current one stays asked for while the replicas are over it (below "
+        "target_utilisation: the band between them keeps a steady load from flapping; "
+        "by default 10% below it, Kubernetes' HPA tolerance).",
     )
     target_slot_use: float = Field(
         0.7,

@@ -383,12 +383,12 @@ def test_a_steady_load_below_capacity_holds_its_count_without_a_sawtooth():
 
 
 def test_a_replica_leaves_only_while_the_others_stay_under_the_scale_down_utilisation():
-    """4 replicas under 1.2 replicas' worth of tokens: one leaves, 3 being 0.40 utilised
-    each (<= 0.55); 2 would be 0.60 each (> 0.55), so 3 stay, though the utilisation alone
-    wants ceil(1.2 / 0.7) = 2."""
-    seen, state = steady(4, 1.2, 1200)
+    """4 replicas under 1.3 replicas' worth of tokens: one leaves, 3 being 0.43 utilised
+    each (<= 0.63); 2 would be 0.65 each (> 0.63), so 3 stay, though the utilisation alone
+    wants ceil(1.3 / 0.7) = 2."""
+    seen, state = steady(4, 1.3, 1200)
     n = seen[-1]
-    assert n == 3 and "2 replicas would be 60% utilised" in state["why"]
+    assert n == 3 and "2 replicas would be 65% utilised" in state["why"]
 
 
 def asking_for(n: int, set_mib: float, tier_mib: float, **kw) -> Context:

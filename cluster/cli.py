@@ -70,8 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument(
         "--plot",
         type=Path,
-        help="sched: the P99 TTFT vs load plot; router, fleet: the goodput figure (PNG); "
-        "written into this folder",
+        help="sched: the P99 TTFT vs load plot; router, fleet: the goodput figure; fleet "
+        "--section autoscale: replicas and P99 TTFT over the day (PNG); written into this folder",
     )
     bench.add_argument(
         "--jobs", type=int, default=1, help="sched: processes running the simulations (1)"

@@ -199,3 +199,37 @@ def test_a_replicas_utilisation_is_the_share_of_its_capacity_asked_for(fleet, lo
     sim.run()
     assert len(reported) >= 20
     assert np.mean(reported) == pytest.approx(load, rel=0.15)
+
+
+def test_the_day_is_drawn_as_replicas_and_p99_ttft_per_policy(tmp_path):
+    """`bench fleet --section autoscale --plot DIR` draws what the results hold: a PNG of
+    each policy's replicas over the day and its windows' P99 TTFT against the SLO."""
+    pytest.importorskip("matplotlib", reason="the figure needs the bench extra (matplotlib)")
+
+    def policy(hours: float, timeline: list[list[float]]) -> dict:
+        windows = [{"t_s": t, "p99_ttft_s": 0.5 + t / 3600} for t in (0.0, 300.0, 600.0)]
+        windows.append({"t_s": 900.0, "p99_ttft_s": None})  # a window with no request
+        return {
+            "replica_hours": hours,
+            "slo_attainment": 0.999,
+            "replicas_timeline": timeline,
+            "p99_ttft_windows": windows,
+        }
+
+    results = {
+        "day_s": 1200.0,
+        "slo_s": 1.7,
+        "requests": 1000,
+        "peak_rps": 3.0,
+        "adapters": 20,
+        "profile": "h100-7b",
+        "ray_default_target_ongoing_requests": 16.0,
+        "ray_default_downscale_delay_s": 30.0,
+        "policies": {
+            "ray_default": policy(1.0, [[0.0, 1], [300.0, 3], [900.0, 2]]),
+            "lora": policy(0.8, [[0.0, 1], [400.0, 2]]),
+            "static": policy(1.3, [[0.0, 4]]),
+        },
+    }
+    png = autoscale.plot_day(results, tmp_path / "figures" / "autoscale_day.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -77,7 +77,7 @@ class DayShape:
 
 
 FULL = DayShape(day_s=4 * 3600.0, adapters=10_000, peak_replicas=12, targets=(16, 24, 32, 48, 64))
-QUICK = DayShape(day_s=3600.0, adapters=2_000, peak_replicas=4, targets=(16, 32, 48))
+QUICK = DayShape(day_s=3600.0, adapters=2_000, peak_replicas=4, targets=(16, 24, 32, 48))
 
 
 def diurnal_arrivals(trace: Trace, day_s: float, peak_rps: float, seed: int) -> np.ndarray:
@@ -258,11 +258,65 @@ def timeline_table(results: dict[str, Any], rows: int = 12) -> str:
     return "\n".join(lines)
 
 
+def plot_day(results: dict[str, Any], path: Path) -> Path:
+    """The day as a figure: replicas held (above) and each 5-minute window's P99 TTFT
+    against the SLO (below), per policy, over the day's minutes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"ray_default": "tab:orange", "lora": "tab:blue", "static": "tab:grey"}
+    fig, (held, tail) = plt.subplots(2, 1, figsize=(7.5, 5.2), sharex=True)
+    end = results["day_s"] / 60
+    for policy, r in results["policies"].items():
+        color = colors.get(policy)
+        label = (
+            f"{policy}: {r['replica_hours']:.2f} replica-h, "
+            f"SLO attainment {r['slo_attainment']:.4f}"
+        )
+        times = [t / 60 for t, _ in r["replicas_timeline"]] + [end]
+        counts = [n for _, n in r["replicas_timeline"]]
+        held.stairs(counts, times, color=color, label=label, linewidth=1.6)
+        windows = [w for w in r["p99_ttft_windows"] if w["p99_ttft_s"] is not None]
+        tail.plot(
+            [(w["t_s"] + WINDOW_S / 2) / 60 for w in windows],
+            [w["p99_ttft_s"] for w in windows],
+            "o-",
+            color=color,
+            ms=3,
+        )
+    tail.axhline(results["slo_s"], color="tab:red", linestyle=":", label="SLO")
+    held.set_ylabel("replicas held")
+    held.set_ylim(bottom=0)
+    held.legend(fontsize=7, loc="upper left")
+    tail.set_ylabel(f"P99 TTFT, {WINDOW_S / 60:.0f}-min windows (s)")
+    tail.set_xlabel("minute of the day")
+    tail.set_yscale("log")
+    tail.legend(fontsize=7)
+    for ax in (held, tail):
+        ax.grid(alpha=0.3)
+    fig.suptitle(
+        f"{results['requests']} requests, peak {results['peak_rps']:.1f} req/s, "
+        f"{results['adapters']} adapters ({results['profile']}); Ray's default at "
+        f"target_ongoing_requests {results['ray_default_target_ongoing_requests']:g}, "
+        f"downscale {results['ray_default_downscale_delay_s']:g} s",
+        fontsize=8,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def run_section(args) -> int:
     started = time.perf_counter()
     results = measure(bool(args.quick), args.trace)
     out = {"quick": bool(args.quick), "autoscale": results}
     out["seconds"] = time.perf_counter() - started
+    if getattr(args, "plot", None):
+        log(f"figure: {plot_day(results, Path(args.plot) / 'autoscale_day.png')}")
     print(timeline_table(results))
     for key in ("replica_hours_ratio_vs_ray_default", "replica_hours_ratio_vs_static"):
         print(f"autoscale.{key}: {results[key]:.3f}")

@@ -320,6 +320,7 @@ class LoraAutoscalingPolicy:
         target = min(max(decision.replicas, low), high)
         last_event = max(ctx.last_scale_up_time or 0.0, ctx.last_scale_down_time or 0.0)
         if target < current and current > 0:
+            state.pop("up_to", None)  # a count asked for above: let go, the load has fallen
             # since when fewer than `current` have been wanted; kept once the delay has
             # passed: Serve's own delay logic needs the lower count on every loop until it
             # acts, and one loop at `current` would restart its timer. After a step down it

@@ -536,3 +536,25 @@ def test_a_load_that_fell_by_one_waits_the_whole_delay_at_the_next_step():
         context(5, 5, current_time=161.0, policy_state=state, last_scale_down_time=62.0)
     )
     assert target == 4
+
+
+def test_an_ask_let_go_by_a_fall_is_not_taken_up_again():
+    """A count asked for (3 on 2 replicas) and then let go, the load having fallen below
+    what the 2 need, is not asked for again when the load comes back to the 2's level."""
+
+    def at(load: float, now: float, state: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        ctx = Context(
+            ["r0", "r1"],
+            fleet_below_capacity(2, load),
+            current_time=now,
+            policy_state=state,
+            last_scale_up_time=0.0,
+        )
+        return POLICY(ctx)
+
+    target, state = at(1.6, 100.0, {})  # 0.8 a replica: ceil(1.6 / 0.7) = 3
+    assert target == 3
+    target, state = at(0.4, 110.0, state)  # fewer wanted: the ask is let go
+    assert target == 2
+    target, state = at(1.36, 120.0, state)  # 0.68 a replica: 2 are wanted, and kept
+    assert target == 2, state

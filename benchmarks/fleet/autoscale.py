@@ -277,7 +277,7 @@ def plot_day(results: dict[str, Any], path: Path) -> Path:
         )
         times = [t / 60 for t, _ in r["replicas_timeline"]] + [end]
         counts = [n for _, n in r["replicas_timeline"]]
-        held.stairs(counts, times, color=color, label=label, linewidth=1.6)
+        held.stairs(counts, times, color=color, label=label, linewidth=1.6, baseline=None)
         windows = [w for w in r["p99_ttft_windows"] if w["p99_ttft_s"] is not None]
         tail.plot(
             [(w["t_s"] + WINDOW_S / 2) / 60 for w in windows],
@@ -291,8 +291,8 @@ def plot_day(results: dict[str, Any], path: Path) -> Path:
     held.set_ylim(bottom=0)
     held.legend(fontsize=7, loc="upper left")
     tail.set_ylabel(f"P99 TTFT, {WINDOW_S / 60:.0f}-min windows (s)")
+    tail.set_ylim(bottom=0)
     tail.set_xlabel("minute of the day")
-    tail.set_yscale("log")
     tail.legend(fontsize=7)
     for ax in (held, tail):
         ax.grid(alpha=0.3)

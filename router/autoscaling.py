@@ -44,7 +44,8 @@ scale event younger than `cooldown_s` (nor does the read count undo a scale-down
 young: the leaving replica's adapters are read once where they go), so a steady load does
 not flap, and removes one replica at a time (its adapters are read again where they go:
 several at once were a cold-start storm in the simulated day, P99 TTFT 31.8 s after
-6 -> 2). A count is
+6 -> 2; the next leaves after the cool-down alone if fewer than the count left were wanted
+all through the delay already waited). A count is
 never lowered while the fewer replicas would be more than scale_down_utilisation utilised
 (below target_utilisation: the band between them is the hysteresis), would read past
 read_busy or would not hold the adapters asked for in their tiers (the working set would

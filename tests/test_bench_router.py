@@ -224,3 +224,23 @@ def test_the_fairness_ratio_interval_brackets_the_ratio_and_narrows_with_request
         widths.append(high - low)
     assert widths[1] < widths[0] / 2
     assert bench_fairness.percentile_ratio_interval([], [1.0], 99) == (None, None)
+
+
+def test_the_load_generator_does_not_collect_garbage_inside_a_timed_window():
+    """The fairness client times B from its scheduled arrival, in the process that also
+    parses A's 64 streams: its gen-2 collections took ~150 ms every ~40 s (a stall watch on
+    every process of the run), and a B request sent or read in one counted the pause as the
+    system's TTFT (two requests 148 ms apart were both answered ~300 ms late). Inside a
+    window the collector is off; it runs between windows."""
+    import gc
+
+    assert gc.isenabled()
+    with bench_fairness.no_client_gc():
+        assert not gc.isenabled()
+        held = [[] for _ in range(100_000)]
+        assert gc.get_count()[0] > 700  # past the threshold: no collection ran
+        del held
+    assert gc.isenabled()
+    with pytest.raises(RuntimeError), bench_fairness.no_client_gc():
+        raise RuntimeError("a window that fails")
+    assert gc.isenabled()

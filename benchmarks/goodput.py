@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from loraplex.benchmarks.report import over_repetitions
+from loraplex.benchmarks.report import over_repetitions, pyplot, save_figure
 
 RAY_ROUTERS = ("pow2", "multiplex")
 SLO_FACTOR = 5.0  # the SLO is 5x the unloaded TTFT
@@ -166,11 +166,7 @@ def plot_goodput(sweeps: Mapping[str, Mapping], path: Path, title: str) -> Path:
     router's goodput at the SLO (its p99 within it) is marked on the x axis. `sweeps[w]`
     has `rates_rps` and `routers[r]` with `within_slo_rps` (one per rate) and
     `goodput_at_slo_rps`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     names = list(sweeps)
     fig, axes = plt.subplots(1, len(names), figsize=(3.6 * len(names), 3.4), squeeze=False)
     colors = {"affinity": "tab:blue", "pow2": "tab:orange", "multiplex": "tab:green"}
@@ -191,8 +187,4 @@ def plot_goodput(sweeps: Mapping[str, Mapping], path: Path, title: str) -> Path:
     axes[0][0].set_ylabel("requests/s within the TTFT SLO")
     axes[0][-1].legend(fontsize=8)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)

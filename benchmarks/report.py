@@ -63,6 +63,25 @@ def write_json(path: Path | None, results: dict) -> None:
     log(f"wrote {path}")
 
 
+def pyplot():
+    """matplotlib's pyplot on the file-only backend (the `bench` extra; no display)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path, dpi: float | None = None) -> Path:
+    """`fig` laid out and written to `path` (its folder made), then closed."""
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    pyplot().close(fig)
+    return path
+
+
 def median_interval(
     values: list[float], level: float = 0.9, resamples: int = 10_000
 ) -> tuple[float, float, float]:

@@ -55,7 +55,7 @@ from loraplex.benchmarks.engine.bench import DEFAULT_TRACE
 from loraplex.benchmarks.fleet import bench as fb
 from loraplex.benchmarks.fleet import workloads as fw
 from loraplex.benchmarks.goodput import SLO_FACTOR
-from loraplex.benchmarks.report import log, write_json
+from loraplex.benchmarks.report import log, pyplot, save_figure, write_json
 from loraplex.benchmarks.sim.scaling import Scaling, ScalingRecord, model_load_s, simulate_scaling
 from loraplex.benchmarks.sim.workload import SimRequest, Trace, read_trace
 from loraplex.router.autoscaling import Homes, serve_autoscaling_config
@@ -261,11 +261,7 @@ def timeline_table(results: dict[str, Any], rows: int = 12) -> str:
 def plot_day(results: dict[str, Any], path: Path) -> Path:
     """The day as a figure: replicas held (above) and each 5-minute window's P99 TTFT
     against the SLO (below), per policy, over the day's minutes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     colors = {"ray_default": "tab:orange", "lora": "tab:blue", "static": "tab:grey"}
     fig, (held, tail) = plt.subplots(2, 1, figsize=(7.5, 5.2), sharex=True)
     end = results["day_s"] / 60
@@ -303,11 +299,7 @@ def plot_day(results: dict[str, Any], path: Path) -> Path:
         f"downscale {results['ray_default_downscale_delay_s']:g} s",
         fontsize=8,
     )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def run_section(args) -> int:

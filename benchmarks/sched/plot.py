@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from loraplex.benchmarks.report import pyplot, save_figure
+
 STYLE = {
     "slora": ("#d62728", "o"),
     "fifo_nocache": ("#7f7f7f", "s"),
@@ -18,13 +20,7 @@ STYLE = {
 
 
 def plot_p99_ttft(sim: dict, out_dir: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
+    fig, ax = pyplot().subplots(figsize=(7.5, 4.5), dpi=120)
     for name, rows in sim["systems"].items():
         color, marker = STYLE.get(name, ("black", "."))
         keys = sorted(rows, key=float)  # the grid and the system's own points past it
@@ -48,8 +44,4 @@ def plot_p99_ttft(sim: dict, out_dir: Path) -> Path:
     )
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
-    fig.tight_layout()
-    path = out_dir / f"sched_p99_ttft_{sim['scenario']}.png"
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, out_dir / f"sched_p99_ttft_{sim['scenario']}.png")

@@ -4,6 +4,7 @@ reads (a pure-policy test: Serve's own loop is not what is under test here)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -263,18 +264,37 @@ def test_once_its_delay_has_passed_the_policy_keeps_wanting_fewer_under_serves_o
     # loop for Serve's downscale_delay_s. Once the policy's own delay has passed it must keep
     # asking, not fall back to the current count (which resets Serve's timer, for ever).
     config = AutoscalingConfig(min_replicas=1, max_replicas=8, downscale_delay_s=30)
-    state: dict[str, Any] = {}
-    current, target = 6, 6
-    for tick in range(400):  # a control loop a second; 6 replicas, load for 1
-        now = float(tick)
-        ctx = context(current, 5, current_time=now, policy_state=state)
-        wanted, state = POLICY(ctx)
-        target, internal = _apply_delay_logic(wanted, target, config, dict(state), _now=now)
-        state.update(internal)
-        if target != current:
-            break
+    events = under_serve(  # 6 replicas, load for 1
+        lambda n, now, state, _: context(n, 5, current_time=now, policy_state=state), 6, config
+    )
+    now, target = events[0]
     # the policy's 60 s then Serve's 30 s, one loop apart; one replica at a time
     assert target == 5 and now == pytest.approx(60 + 30, abs=2)
+
+
+def under_serve(
+    ctx_at: Callable[[int, float, dict[str, Any], float | None], Context],
+    replicas: int,
+    config: AutoscalingConfig,
+    seconds: int = 400,
+) -> list[tuple[float, int]]:
+    """POLICY on Serve's control loop, once a second, wrapped in Serve's own delay logic
+    (ray/serve/autoscaling_policy.py `_apply_delay_logic`), each change of the count
+    applied at once: when the count changed, and to what. `ctx_at(replicas, now, state,
+    last_scale_down_time)` is the loop's context."""
+    state: dict[str, Any] = {}
+    target, last_down, events = replicas, None, []
+    for tick in range(seconds):
+        now = float(tick)
+        wanted, state = POLICY(ctx_at(replicas, now, state, last_down))
+        target, internal = _apply_delay_logic(wanted, target, config, dict(state), _now=now)
+        state.update(internal)
+        if target != replicas:
+            if target < replicas:
+                last_down = now
+            replicas = target
+            events.append((now, target))
+    return events
 
 
 def test_scale_down_removes_one_replica_at_a_time():
@@ -460,23 +480,22 @@ def noisy_rise(loads: tuple[float, ...], seconds: int) -> tuple[int, float | Non
     (upscale_delay_s 30), each replica's report renewed every 10 s with the utilisation
     cycling through `loads` (replicas' worth): the count at the end, and when it rose."""
     config = AutoscalingConfig(min_replicas=1, max_replicas=8, upscale_delay_s=30)
-    state: dict[str, Any] = {}
-    current, target = 1, 1
-    for tick in range(seconds):
-        load = loads[(tick // 10) % len(loads)]
-        ctx = Context(
-            [f"r{i}" for i in range(current)],
-            fleet_below_capacity(current, load),
-            current_time=float(tick),
+    events = under_serve(
+        lambda n, now, state, _: Context(
+            [f"r{i}" for i in range(n)],
+            fleet_below_capacity(n, loads[(int(now) // 10) % len(loads)]),
+            current_time=now,
             policy_state=state,
             last_scale_up_time=0.0,
-        )
-        wanted, state = POLICY(ctx)
-        target, internal = _apply_delay_logic(wanted, target, config, dict(state), _now=float(tick))
-        state.update(internal)
-        if target != current:
-            return target, float(tick)
-    return current, None
+        ),
+        1,
+        config,
+        seconds,
+    )
+    if not events:
+        return 1, None
+    at, n = events[0]
+    return n, at
 
 
 def test_a_load_wavering_at_the_target_still_gets_its_replica_through_serves_delay():
@@ -501,19 +520,15 @@ def test_a_load_that_fell_far_lets_replicas_go_one_per_cooldown_not_one_per_dela
     the policy's whole delay again (which, on the simulated day's evening, kept a replica
     idle some 200 s at each step)."""
     config = AutoscalingConfig(min_replicas=1, max_replicas=8, downscale_delay_s=30)
-    state: dict[str, Any] = {}
-    current, target, last_down, downs = 6, 6, None, []
-    for tick in range(400):
-        now = float(tick)
-        ctx = context(
-            current, 5, current_time=now, policy_state=state, last_scale_down_time=last_down
-        )
-        wanted, state = POLICY(ctx)
-        target, internal = _apply_delay_logic(wanted, target, config, dict(state), _now=now)
-        state.update(internal)
-        if target < current:
-            downs.append(now)
-            current, last_down = target, now
+    events = under_serve(
+        lambda n, now, state, down: context(
+            n, 5, current_time=now, policy_state=state, last_scale_down_time=down
+        ),
+        6,
+        config,
+    )
+    downs = [at for at, _ in events]
+    current = events[-1][1]
     gaps = [b - a for a, b in zip(downs, downs[1:], strict=False)]
     assert downs[0] == pytest.approx(90, abs=2) and current == 1, downs
     assert all(g <= 62 for g in gaps), gaps

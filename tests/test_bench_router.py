@@ -20,6 +20,7 @@ pytest.importorskip("ray")
 
 from loraplex.benchmarks.router import bench as bench_router  # noqa: E402 (after the Ray check)
 from loraplex.benchmarks.router import fairness as bench_fairness  # noqa: E402
+from loraplex.benchmarks.router import runs as bench_runs  # noqa: E402
 
 SMALL = replace(
     bench_router.QUICK,
@@ -227,20 +228,38 @@ def test_the_fairness_ratio_interval_brackets_the_ratio_and_narrows_with_request
 
 
 def test_the_load_generator_does_not_collect_garbage_inside_a_timed_window():
-    """The fairness client times B from its scheduled arrival, in the process that also
-    parses A's 64 streams: its gen-2 collections took ~150 ms every ~40 s (a stall watch on
-    every process of the run), and a B request sent or read in one counted the pause as the
-    system's TTFT (two requests 148 ms apart were both answered ~300 ms late). Inside a
-    window the collector is off; it runs between windows."""
+    """The bench client times each request from its scheduled arrival, in the process that
+    also reads every stream: its gen-2 collections took ~150 ms every ~40 s (a stall watch
+    on every process of a fairness run), and a request sent or read in one counted the pause
+    as the system's TTFT (two requests 148 ms apart were both answered ~300 ms late). Inside
+    a window the collector is off; it runs between windows. Every timed run uses it: the
+    fairness windows, and the goodput and prefix runs' drivers."""
     import gc
 
     assert gc.isenabled()
-    with bench_fairness.no_client_gc():
+    with bench_runs.no_client_gc():
         assert not gc.isenabled()
         held = [[] for _ in range(100_000)]
         assert gc.get_count()[0] > 700  # past the threshold: no collection ran
         del held
     assert gc.isenabled()
-    with pytest.raises(RuntimeError), bench_fairness.no_client_gc():
+    with pytest.raises(RuntimeError), bench_runs.no_client_gc():
         raise RuntimeError("a window that fails")
+    assert gc.isenabled()
+
+
+def test_the_goodput_client_sends_and_reads_with_the_collector_off():
+    import asyncio
+    import gc
+
+    seen: list[bool] = []
+
+    class Backend:  # the client's side only: what the driver sees of each stream
+        async def generate(self, request):
+            seen.append(gc.isenabled())
+            yield {"new_token_ids": [1]}
+
+    requests = [bench_runs.BenchRequest(0.001 * i, None, [1, 2], 1) for i in range(3)]
+    outcomes, _ = asyncio.run(bench_runs.drive(Backend(), requests, "t", 5.0))  # type: ignore[arg-type]
+    assert seen == [False] * 3 and [o.tokens for o in outcomes] == [1] * 3
     assert gc.isenabled()

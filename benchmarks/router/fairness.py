@@ -58,12 +58,9 @@ Keys (TTFT: from a request's scheduled arrival to its first streamed event, at t
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import gc
 import os
 import tempfile
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -73,6 +70,7 @@ import numpy as np
 from ray import serve
 
 from loraplex.benchmarks.report import log
+from loraplex.benchmarks.router.runs import no_client_gc
 from loraplex.demo.lean_ray import lean_ray_serve
 from loraplex.demo.synthetic import ModelSpec, write_checkpoint
 from loraplex.net import free_port
@@ -389,22 +387,6 @@ async def _warm_up(url: str, keys: dict[str, str]) -> None:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"the fairness app does not serve: {r.status_code} {r.text}")
                 await asyncio.sleep(0.5)
-
-
-@contextlib.contextmanager
-def no_client_gc() -> Iterator[None]:
-    """The load generator's garbage collector off for a timed window, on again (and run)
-    after it. B is timed from its scheduled arrival by this process, which also parses A's
-    streams and hosts the Ray driver: its gen-2 collections took ~150 ms every ~40 s, and a
-    B request sent or read in one counted the client's pause as the system's TTFT (two
-    requests 148 ms apart both answered ~300 ms late, in about one run in three)."""
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-        gc.collect()
 
 
 async def _drive(

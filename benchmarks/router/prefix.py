@@ -44,7 +44,7 @@ from loraplex.benchmarks.report import log
 from loraplex.benchmarks.router.apps import build_app
 from loraplex.benchmarks.router.assets import TENANT, bench_cluster
 from loraplex.benchmarks.router.bench import ROUTERS
-from loraplex.benchmarks.router.runs import counters
+from loraplex.benchmarks.router.runs import counters, no_client_gc
 from loraplex.benchmarks.router.workload import Workload
 from loraplex.replica.protocol import GenerateRequest
 from loraplex.router.serve_backend import ServeBackend
@@ -168,9 +168,10 @@ async def _chat(
 
 async def _drive(backend: ServeBackend, all_chats: list[Chat], router: str, timeout_s: float):
     start = time.perf_counter()
-    results = await asyncio.gather(
-        *(_chat(backend, c, f"{router}-{i}", start, timeout_s) for i, c in enumerate(all_chats))
-    )
+    with no_client_gc():
+        results = await asyncio.gather(
+            *(_chat(backend, c, f"{router}-{i}", start, timeout_s) for i, c in enumerate(all_chats))
+        )
     return [o for turns in results for o in turns], time.perf_counter() - start
 
 

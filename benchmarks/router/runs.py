@@ -5,8 +5,11 @@ workload a replica is killed mid-run and the run waits until Serve has replaced 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +21,23 @@ if TYPE_CHECKING:
     from loraplex.router.serve_backend import ServeBackend
 
 COUNTERS = ("loads", "reads", "load_seconds", "hits", "evictions", "preemptions")
+
+
+@contextlib.contextmanager
+def no_client_gc() -> Iterator[None]:
+    """The load generator's garbage collector off for a timed window, on again (and run)
+    after it. Requests are timed from their scheduled arrival by this process, which also
+    reads every stream and hosts the Ray driver: its gen-2 collections took ~150 ms every
+    ~40 s (a stall watch on every process of a fairness run), and a request sent or read in
+    one counted the client's pause as the system's TTFT (two requests 148 ms apart both
+    answered ~300 ms late, in about one fairness run in three)."""
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+        gc.collect()
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,7 +101,8 @@ async def drive(
     tasks = [one(i, r) for i, r in enumerate(requests)]
     if kill is not None:
         tasks.append(killer())
-    outcomes = await asyncio.gather(*tasks)
+    with no_client_gc():
+        outcomes = await asyncio.gather(*tasks)
     return [o for o in outcomes if isinstance(o, Outcome)], time.perf_counter() - start
 
 

@@ -145,7 +145,9 @@ each router; the best router's, the same rates for all); goodput is the highest 
 rate whose p99 TTFT meets the SLO (5 × the unloaded TTFT); `goodput_ratio_vs_best_ray_router`
 divides affinity's by the better Ray router's. The whole comparison is repeated (3 times, `--quick` too: a full rotation) on other seeds with the
 router order rotated; figures are medians, each ratio with its 90% bootstrap interval
-(`_ci_low`, `_ci_high`). Fairness: tenant A holds 64 streams of 256 tokens open (8× the
+(`_ci_low`, `_ci_high`). Where the routers compared all hold the SLO at the sweep's top
+rate (`held_slo_at_top_rate`), each goodput is that rate and the ratio is 1 by that
+ceiling, not a tie the sweep found. Fairness: tenant A holds 64 streams of 256 tokens open (8× the
 replica's batch), tenant B's p99 TTFT ÷ B alone, in alternating windows (3 rounds of 10 s,
 `--quick` 5 of 6 s: 95 and 85 of B's requests a window kind; a quiet window starts once the
 replica has drained the flood), with its 90% bootstrap interval over B's requests;
@@ -211,6 +213,8 @@ def render(runs: dict[str, dict[str, Any]]) -> str:
             value = _non_finite(run, h.key)
         met = h.met(value)
         mark = {True: "yes", False: "**no**", None: "—"}[met]
+        if run is not None and _at_ceiling(run, h.key):
+            mark = "— (all held the SLO at the top rate)"
         shown = "not run" if run is None else _value(value)
         lines.append(
             f"| `{h.suite}` `{h.key}` | {shown} | {h.target} | {mark} | {h.against} | "
@@ -224,6 +228,23 @@ def render(runs: dict[str, dict[str, Any]]) -> str:
     for suite in SUITES:
         lines += [f"### {suite}", "", METHODS[suite], ""]
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def _at_ceiling(run: dict[str, Any], key: str) -> bool:
+    """Whether a router goodput ratio is 1 by the sweep's ceiling: in every repetition
+    affinity and the better Ray router both held the SLO at the top rate offered, so both
+    goodputs are that rate and the sweep never found where they part."""
+    parts = key.split(".")
+    if len(parts) != 3 or parts[0] != "workloads" or "goodput_ratio_vs_best_ray" not in parts[2]:
+        return False
+    reps = (run.get("workloads") or {}).get(parts[1], {}).get("repetitions") or []
+    return bool(reps) and all(
+        (held := r.get("held_slo_at_top_rate") or {}).get("affinity", False)
+        and any(held.get(ray, False) for ray in ("pow2", "multiplex"))
+        and max(r["goodput_rps"]["pow2"], r["goodput_rps"]["multiplex"])
+        == r["goodput_rps"]["affinity"]
+        for r in reps
+    )
 
 
 def _non_finite(run: dict[str, Any], key: str) -> float | None:

@@ -473,6 +473,8 @@ class LLMEngine:
             "running": len(self.scheduler.running),
             "waiting_for_pages": self.scheduler.waiting_for_pages,
             "step_token_budget": self.scheduler.cfg.max_num_batched_tokens,
+            "batch_adapters": batch_adapters(self.scheduler),
+            "max_loras_per_batch": self.scheduler.cfg.max_loras_per_batch,
             "preemptions": self.scheduler.num_preemptions,
             "kv_block_size": self.kv.block_size,
             "prefix_cache": self._prefix_stats(),
@@ -499,6 +501,13 @@ def queued_prefill_tokens(scheduler: Scheduler) -> int:
         max(0, len(seq.prompt_ids) - seq.num_computed)
         for seq in (*scheduler.policy.waiting(), *scheduler.running)
     )
+
+
+def batch_adapters(scheduler: Scheduler) -> list[str]:
+    """The distinct adapters of the running batch. At `max_loras_per_batch` of them, a
+    request of any other adapter waits until one of theirs leaves the batch, however many
+    batch slots are free (the router prices that: router/policy.py `batch_slots`)."""
+    return sorted({seq.adapter for seq in scheduler.running if seq.adapter is not None})
 
 
 def _final(seq: Sequence) -> RequestOutput:

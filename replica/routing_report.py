@@ -105,6 +105,8 @@ def routing_stats(
         "running": stats["running"],
         "waiting_for_pages": stats["waiting_for_pages"],
         "step_token_budget": stats["step_token_budget"],
+        "batch_adapters": stats["batch_adapters"],
+        "max_loras_per_batch": stats["max_loras_per_batch"],
         "max_concurrency": max_concurrency,
         "free_pages": stats["pool"]["free_pages"],
         "num_pages": stats["pool"]["num_pages"],

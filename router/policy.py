@@ -179,16 +179,23 @@ class AdapterHomes:
     homes: tuple[str, ...]  # replicas it is routed to: its homes, or where it is warm
 
 
-def batch_slots(r: ReplicaStats) -> int:
+def batch_slots(r: ReplicaStats, adapter: str | None = None) -> int:
     """The requests r runs at once: its batch slots, or the rows its engine ran when its
     stats found it unable to take more in the next step: its last step held requests back
     for want of pages (long contexts fill the pool before the slots), or more prompt tokens
     wait to be prefilled than one step takes (`step_token_budget`: a backlog of prompts
-    enters a step's budget at a time, so a new request waits behind all of it). Requests
-    that wait for the next step, or within one step's budget, do not count: a row frees
-    for them within a step or two."""
+    enters a step's budget at a time, so a new request waits behind all of it), or, for a
+    request of `adapter`, its batch already runs `max_loras_per_batch` other adapters (the
+    request waits until one of theirs leaves the batch, however many slots are free).
+    Requests that wait for the next step, or within one step's budget, do not count: a row
+    frees for them within a step or two."""
     backlog = 0 < r.step_token_budget < r.queued_prefill_tokens
-    if r.running is None or (r.waiting_for_pages == 0 and not backlog):
+    capped = (
+        adapter is not None
+        and 0 < r.max_loras_per_batch <= len(r.batch_adapters)
+        and adapter not in r.batch_adapters
+    )
+    if r.running is None or (r.waiting_for_pages == 0 and not backlog and not capped):
         return r.max_concurrency
     return max(1, min(r.running, r.max_concurrency))
 
@@ -259,7 +266,14 @@ class AffinityPolicy:
                    one step takes (`queued_prefill_tokens` > `step_token_budget`): a new
                    request then waits behind a backlog that enters a step at a time (on the
                    autoscaled quick day's ramp, 0 of 7,832 held requests were held for
-                   pages, 292 for adapter loads, the rest by the token budget). Those
+                   pages, 292 for adapter loads, the rest by the token budget); or, for
+                   a request whose adapter r's running batch lacks, while that batch runs
+                   max_loras_per_batch adapters already (`batch_adapters`,
+                   `max_loras_per_batch`): it waits for one of theirs to leave the batch,
+                   whatever the free rows (seed 27 of that day, 880-960 s: two replicas ran
+                   32 adapters, the cap, in 39-40 of 64 rows, ~5 requests waiting, nearly
+                   all of other adapters; they waited 0.41-0.65 s median for a first token
+                   where this estimate, counting the free rows, gave 22 ms). Those
                    waiting for the next step, or within one step's budget, do not count
                    (counting every waiting request, a warm replica between two steps with
                    half its pages free read as full: zipf's store reads at the reference
@@ -466,7 +480,7 @@ class AffinityPolicy:
             now = self.clock()
             drain = self._drain_rates(replicas, now)
             wait = {
-                r.replica_id: self._wait_s(r, now, busy, per_token, drain[r.replica_id])
+                r.replica_id: self._wait_s(r, adapter, now, busy, per_token, drain[r.replica_id])
                 for r in replicas
             }
             saved = self._prefill_saved(replicas, prefix, per_token)
@@ -513,7 +527,7 @@ class AffinityPolicy:
 
         def in_bound(replica_id: str) -> bool:
             r = by_id[replica_id]
-            return r.queue_len < max(capacity, batch_slots(r))
+            return r.queue_len < max(capacity, batch_slots(r, adapter))
 
         def crowded(replica_id: str) -> bool:
             return held[replica_id] >= share or heat[replica_id] > hot_share
@@ -721,12 +735,13 @@ class AffinityPolicy:
     def _wait_s(
         self,
         r: ReplicaStats,
+        adapter: str | None,
         now: float,
         busy_cost_s: float,
         prefill_token_cost_s: float,
         drain_per_s: float,
     ) -> float:
-        queued_behind = max(0, r.queue_len - batch_slots(r) + 1)
+        queued_behind = max(0, r.queue_len - batch_slots(r, adapter) + 1)
         slot = queued_behind / drain_per_s
         prefills = self._prefill_backlog_s(r, now, prefill_token_cost_s)
         return slot + r.queue_len * busy_cost_s + prefills

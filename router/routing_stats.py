@@ -22,6 +22,12 @@ not published yet is routable:
                                  (optional)
     step_token_budget int        prompt tokens one step of its engine prefills at most
                                  (`max_num_batched_tokens`; optional)
+    batch_adapters    list[str]  the distinct adapters of its engine's running batch
+                                 (optional)
+    max_loras_per_batch int      adapters its engine runs in one batch at most: at that
+                                 many, a request of another adapter waits for one of
+                                 theirs to leave, whatever the free slots (optional; 0 or
+                                 missing: no cap)
     store_reads_queued int       store reads in flight: loading adapters without a host copy
     store_read_s      float      measured: mean time of one store read (optional)
     read_queue_s      float      when the reads in flight are expected to be done, seconds
@@ -61,6 +67,8 @@ class RoutingStats(TypedDict, total=False):
     running: int
     waiting_for_pages: int
     step_token_budget: int
+    batch_adapters: list[str]
+    max_loras_per_batch: int
     store_reads_queued: int
     store_read_s: float
     read_queue_s: float
@@ -95,6 +103,8 @@ class ReplicaStats:
     running: int | None = None
     waiting_for_pages: int = 0
     step_token_budget: int = 0  # 0: not published
+    batch_adapters: frozenset[str] = frozenset()  # the running batch's distinct adapters
+    max_loras_per_batch: int = 0  # 0: no cap published
     store_reads_queued: int = 0
     store_read_s: float | None = None  # measured by the replica; None: not yet
     read_queue_s: float = 0.0
@@ -146,6 +156,8 @@ class ReplicaStats:
             running=None if stats.get("running") is None else int(stats["running"]),
             waiting_for_pages=int(stats.get("waiting_for_pages") or 0),
             step_token_budget=int(stats.get("step_token_budget") or 0),
+            batch_adapters=frozenset(stats.get("batch_adapters") or ()),
+            max_loras_per_batch=int(stats.get("max_loras_per_batch") or 0),
             store_reads_queued=int(stats.get("store_reads_queued") or 0),
             store_read_s=_optional_float(stats.get("store_read_s")),
             read_queue_s=float(stats.get("read_queue_s") or 0.0),

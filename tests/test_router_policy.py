@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from loraplex.replica.protocol import extend_block_keys, prefix_root
-from loraplex.router.policy import AffinityConfig, AffinityPolicy, ReplicaStats
+from loraplex.router.policy import AffinityConfig, AffinityPolicy, ReplicaStats, batch_slots
 from loraplex.router.walk import walk_order
 
 
@@ -269,6 +269,36 @@ def test_requests_waiting_within_one_step_s_budget_leave_a_home_its_slots(
     )
     p = policy(load_cost_s=2.0, request_time_s=4.0)
     assert p.choose("a", [warm, replica("idle", slots=16)])[0] == chosen
+
+
+@pytest.mark.parametrize(
+    ("in_batch", "cap", "chosen"),
+    [
+        ({"x", "y"}, 0, "warm"),
+        ({"x", "y"}, 3, "warm"),
+        ({"x", "y", "z"}, 3, "idle"),
+        ({"a", "y", "z"}, 3, "warm"),
+    ],
+)
+def test_a_batch_at_its_adapter_cap_is_full_for_another_adapter(in_batch, cap, chosen):
+    # The autoscaled day, seed 27: two replicas ran 32 adapters (max_loras_per_batch) in
+    # 39-40 of 64 rows, and the requests of other adapters waited there 0.41-0.65 s median
+    # where the free rows priced them at 22 ms. Here the home holds `a` on the device and
+    # runs 8 rows of 16 with 12 requests held: by its free rows it keeps `a` (5 ahead,
+    # 1.25 s < the 2 s read); with its batch at the cap of adapters that are not `a`, a
+    # request of `a` waits for a row of theirs to leave: 13 ahead, 3.25 s, so the idle
+    # replica serves sooner. A batch under its cap, no cap published, or `a` already in the
+    # batch: the free rows stand.
+    warm = replace(
+        replica("warm", device={"a"}, queue=20, slots=16),
+        running=8,
+        batch_adapters=frozenset(in_batch),
+        max_loras_per_batch=cap,
+    )
+    p = policy(load_cost_s=2.0, request_time_s=4.0)
+    assert p.choose("a", [warm, replica("idle", slots=16)])[0] == chosen
+    # the base model's requests take no adapter slot: the cap never holds them
+    assert batch_slots(warm) == 16
 
 
 def test_a_cold_adapter_skips_a_home_whose_kv_pages_are_full():
@@ -600,6 +630,8 @@ def test_routing_stats_contract():
         "queued_prefill_tokens": 700,
         "running": 2,
         "waiting_for_pages": 1,
+        "batch_adapters": ["a", "d"],
+        "max_loras_per_batch": 8,
         "max_concurrency": 32,
         "free_pages": 100,
         "requests_total": 10,
@@ -612,6 +644,8 @@ def test_routing_stats_contract():
         queued_prefill_tokens=700,
         running=2,
         waiting_for_pages=1,
+        batch_adapters=frozenset({"a", "d"}),
+        max_loras_per_batch=8,
         requests_finished=7,
         held=3,
     )

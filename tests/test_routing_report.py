@@ -104,6 +104,9 @@ def test_published_tiers_and_reads_are_the_engines_own(
                 # what one step prefills at most: more queued is a backlog (policy batch_slots)
                 budget = deployment.engine.core.scheduler.cfg.max_num_batched_tokens
                 assert reading["step_token_budget"] == budget > 0
+                # nothing runs yet; the cap a batch's adapters meet (policy batch_slots)
+                cap = deployment.engine.core.scheduler.cfg.max_loras_per_batch
+                assert reading["batch_adapters"] == [] and reading["max_loras_per_batch"] == cap
                 await chunks
                 stats = await deployment.record_routing_stats()
                 assert ids[0] in stats["device_adapters"] and stats["queue_len"] == 0

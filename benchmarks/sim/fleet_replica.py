@@ -34,7 +34,7 @@ from loraplex.benchmarks.sim.replica import (
     System,
 )
 from loraplex.benchmarks.sim.workload import AdapterSpec, SimRequest
-from loraplex.replica.engine import queued_prefill_tokens
+from loraplex.replica.engine import batch_adapters, queued_prefill_tokens
 from loraplex.replica.routing_report import routing_stats
 
 
@@ -368,6 +368,8 @@ class FleetReplica:
             "running": len(self.sim.scheduler.running),
             "waiting_for_pages": self.sim.scheduler.waiting_for_pages,
             "step_token_budget": self.sim.scheduler.cfg.max_num_batched_tokens,
+            "batch_adapters": batch_adapters(self.sim.scheduler),
+            "max_loras_per_batch": self.sim.scheduler.cfg.max_loras_per_batch,
         }
 
     def model_ids(self) -> frozenset[str]:

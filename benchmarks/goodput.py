@@ -94,6 +94,19 @@ def held_at_top_note(workload: Mapping[str, Any]) -> str:
     return f" (held the SLO at the top rate: {', '.join(held)}; a bound from the grid)"
 
 
+def ratio_at_ceiling(workload: Mapping[str, Any]) -> bool:
+    """Whether the workload's goodput ratio against the best Ray router is 1 by the sweep's
+    ceiling: in every repetition affinity and a Ray router both held the SLO at the top
+    rate (`held_slo_at_top_rate`), so both goodputs are that rate and the sweep never
+    found where they part."""
+    reps = workload.get("repetitions") or []
+    return bool(reps) and all(
+        (held := r.get("held_slo_at_top_rate") or {}).get("affinity", False)
+        and any(held.get(ray, False) for ray in RAY_ROUTERS)
+        for r in reps
+    )
+
+
 def fewest_replicas(holds: Callable[[int], bool], start: int, most: int) -> int | None:
     """The fewest replicas n in [1, most] for which `holds(n)` (the SLO held with n), found
     by doubling from `start` until it holds, then bisecting; None if `most` does not hold.

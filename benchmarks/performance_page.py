@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from loraplex.benchmarks.goodput import ratio_at_ceiling
+
 SUITES = ("engine", "registry", "sched", "router", "fleet", "autoscale")
 _OPS = {">=": operator.ge, "<=": operator.le, "<": operator.lt, ">": operator.gt}
 
@@ -231,20 +233,12 @@ def render(runs: dict[str, dict[str, Any]]) -> str:
 
 
 def _at_ceiling(run: dict[str, Any], key: str) -> bool:
-    """Whether a router goodput ratio is 1 by the sweep's ceiling: in every repetition
-    affinity and the better Ray router both held the SLO at the top rate offered, so both
-    goodputs are that rate and the sweep never found where they part."""
+    """Whether `key` is a router goodput ratio that is 1 by the sweep's ceiling
+    (goodput.py `ratio_at_ceiling`)."""
     parts = key.split(".")
     if len(parts) != 3 or parts[0] != "workloads" or "goodput_ratio_vs_best_ray" not in parts[2]:
         return False
-    reps = (run.get("workloads") or {}).get(parts[1], {}).get("repetitions") or []
-    return bool(reps) and all(
-        (held := r.get("held_slo_at_top_rate") or {}).get("affinity", False)
-        and any(held.get(ray, False) for ray in ("pow2", "multiplex"))
-        and max(r["goodput_rps"]["pow2"], r["goodput_rps"]["multiplex"])
-        == r["goodput_rps"]["affinity"]
-        for r in reps
-    )
+    return ratio_at_ceiling((run.get("workloads") or {}).get(parts[1], {}))
 
 
 def _non_finite(run: dict[str, Any], key: str) -> float | None:

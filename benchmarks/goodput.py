@@ -33,6 +33,12 @@ def goodput(rates: Sequence[float], p99s: Sequence[float | None], slo: float) ->
     return float(rates[-1])
 
 
+def held_at(p99s: Mapping[str, float | None], slo: float) -> list[str]:
+    """The routers whose p99 TTFT of a run held `slo` (a run with no completed request,
+    None, did not)."""
+    return [r for r, p in p99s.items() if p is not None and p <= slo]
+
+
 def ratio_vs_best_ray(values: Mapping[str, float | None], higher_is_better: bool) -> float | None:
     """affinity's value over the best Ray router's (the highest, or the lowest)."""
     ours = values.get("affinity")

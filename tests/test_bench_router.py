@@ -32,6 +32,7 @@ SMALL = replace(
     failover_window_s=8.0,
     rate_factors=(0.3,),
     reference_factor=0.3,
+    extra_rate_factors=(0.6,),  # run where a router held the SLO at 0.3
     failover_factors=(0.3,),
     request_timeout_s=60.0,
     repeats=2,
@@ -89,10 +90,13 @@ def test_router_bench_serves_every_request_and_reports_every_key(capsys, tmp_pat
     # the rates are fractions of the LoRA workload's saturated throughput, the best router's
     basis = max(results["lora_capacity_rps"].values())
     assert results["rate_basis_rps"] == basis < results["capacity_rps"], results
-    assert results["workloads"]["zipf"]["rates_rps"] == [f * basis for f in SMALL.rate_factors]
+    zipf = results["workloads"]["zipf"]
+    factors = SMALL.all_rate_factors[: len(zipf["rates_rps"])]
+    assert zipf["rates_rps"] == [f * basis for f in factors]
+    assert zipf["repetitions_per_rate"][0] == 2
     for router in bench_router.ROUTERS:
         assert results["lora_capacity_rps"][router] > 0, results["lora_capacity_rps"]
-        assert len(results["rates_over_lora_capacity"][router]) == len(SMALL.rate_factors)
+        assert len(results["rates_over_lora_capacity"][router]) == len(SMALL.all_rate_factors)
     costs = results["router_costs"]
     assert 0 < costs["host_load_cost_s"] <= costs["load_cost_s"] and costs["request_time_s"] > 0
 

@@ -41,3 +41,9 @@ def test_the_prefix_section_builds_its_workload_over_the_same_replicas():
 
 def test_host_tier_is_the_catalog_over_all_replicas_but_one():
     assert [host_tier(120, n) for n in (2, 3, 4, 5)] == [120, 60, 40, 30]
+
+
+def test_rates_past_the_grid_must_ascend_from_its_top():
+    with pytest.raises(ValueError, match="must ascend"):
+        replace(QUICK, extra_rate_factors=(1.2, 1.7))  # QUICK's grid tops at 1.3
+    assert replace(QUICK, extra_rate_factors=(1.7,)).all_rate_factors[-2:] == (1.3, 1.7)

@@ -70,7 +70,7 @@ def summary(
     per_rep = [
         {name: _workload(name, sweep, w, slo) for name, sweep in runs.items()} for runs in reps
     ]
-    workloads = {name: repeated([rep[name] for rep in per_rep]) for name in per_rep[0]}
+    workloads = {name: _over_reps([rep[name] for rep in per_rep]) for name in per_rep[0]}
     return {
         "repeats": len(reps),
         "workload": workload_dict(w),
@@ -91,11 +91,40 @@ def summary(
         "lora_capacity_rps": calibration.get("lora_capacity_rps"),
         "rate_basis_rps": calibration["rate_basis_rps"],
         "rates_over_lora_capacity": {
-            router: [f * calibration["rate_basis_rps"] / c for f in w.rate_factors]
+            router: [f * calibration["rate_basis_rps"] / c for f in w.all_rate_factors]
             for router, c in (calibration.get("lora_capacity_rps") or {}).items()
         },
         "workloads": workloads,
     }
+
+
+# each router's figures, one per rate run, and what stands for a rate a repetition did not
+PER_RATE = {
+    "p50_ttft_s": None,
+    "p99_ttft_s": None,
+    "within_slo_rps": None,
+    "load_avg_1m": [None, None],
+}
+
+
+def _over_reps(reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """One workload's figures over the repetitions. A sweep goes past the grid as far as
+    some router holds the SLO, so repetitions may have run different numbers of rates
+    (always a prefix of the same ones): the shorter lists are padded, and each rate's
+    figures are the medians of the repetitions that ran it (`repetitions_per_rate`)."""
+    n = max(len(r["rates_rps"]) for r in reps)
+    padded = []
+    for rep in reps:
+        short = n - len(rep["rates_rps"])
+        routers = {
+            router: {k: v + [PER_RATE[k]] * short if k in PER_RATE else v for k, v in f.items()}
+            for router, f in rep["routers"].items()
+        }
+        padded.append({**rep, "rates_rps": rep["rates_rps"] + [None] * short, "routers": routers})
+    out = repeated(padded)
+    out["repetitions"] = [{k: v for k, v in r.items() if k != "routers"} for r in reps]
+    out["repetitions_per_rate"] = [sum(len(r["rates_rps"]) > i for r in reps) for i in range(n)]
+    return out
 
 
 def _workload(name: str, sweep: dict, w: Workload, slo: float) -> dict[str, Any]:

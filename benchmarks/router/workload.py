@@ -5,6 +5,7 @@ router_runs.py."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from itertools import pairwise
 from typing import Any
 
 from loraplex.demo.synthetic import ModelSpec
@@ -32,6 +33,14 @@ class Workload:
     seed: int = 0
     repeats: int = 3  # the whole comparison again, fresh apps, the router order rotated
     min_requests: int = 0  # a run's arrivals span at least this many requests
+    # run one at a time past the grid, in order, while some router's p99 still held the SLO
+    # at the highest rate run (bench.py `_sweep`): a goodput at the grid's top is a floor
+    extra_rate_factors: tuple[float, ...] = ()
+
+    @property
+    def all_rate_factors(self) -> tuple[float, ...]:
+        """The grid and the rates past it that a sweep may run."""
+        return self.rate_factors + self.extra_rate_factors
 
     def run_requests(self, rate: float, window_s: float) -> int:
         """Requests in one run at `rate`: its window's, and at least `min_requests`."""
@@ -62,6 +71,9 @@ class Workload:
             )
         if self.reference_factor not in self.rate_factors:
             raise ValueError("reference_factor must be one of rate_factors")
+        grid = self.all_rate_factors
+        if any(b <= a for a, b in pairwise(grid)):
+            raise ValueError(f"rate factors must ascend, extra ones past the grid: {grid}")
         if self.num_replicas < 1 or self.window_s <= 0 or self.repeats < 1:
             raise ValueError("num_replicas, window_s and repeats must be > 0")
 

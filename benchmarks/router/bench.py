@@ -354,18 +354,23 @@ def _sweep(
         log(f"{workload} warm-up {router}: {sum(o.error is None for o in outcomes)} served")
     per_router: dict[str, list[dict]] = {r: [] for r in ROUTERS if r in apps}
     requests = []
-    run_factors, extra = list(factors), [] if failover else list(w.extra_rate_factors)
     slo = SLO_FACTOR * calibration["unloaded_ttft_s"]
-    i = 0
-    while i < len(run_factors) or extra:
-        if i == len(run_factors):
+
+    def rate_factors() -> Iterator[float]:
+        """The grid, then each extra rate while some router held the SLO at the last rate
+        run (asked for once that rate's runs are done)."""
+        yield from factors
+        for factor in () if failover else w.extra_rate_factors:
             held = held_at({r: runs[-1]["p99_ttft_s"] for r, runs in per_router.items()}, slo)
             if not held:
-                break
-            run_factors.append(extra.pop(0))
+                return
             log(f"{workload}: {', '.join(held)} held the SLO at the top rate; past the grid")
-        factor = run_factors[i]
+            yield factor
+
+    rates = []
+    for i, factor in enumerate(rate_factors()):
         rate = factor * capacity
+        rates.append(rate)
         reqs = fw.requests(
             workload,
             names,
@@ -380,10 +385,9 @@ def _sweep(
         for router, app in apps.items():
             began[router].append(time.perf_counter())
             per_router[router].append(_run(router, app, reqs, w, workload, rate, kill_at))
-        i += 1
     return {
         "router_order": list(apps),
-        "rates_rps": [f * capacity for f in run_factors],
+        "rates_rps": rates,
         "distinct_adapters": [len({r.adapter for r in reqs}) for reqs in requests],
         "kill_at_s": [fw.kill_at(reqs) for reqs in requests] if failover else None,
         "per_router": per_router,

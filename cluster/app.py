@@ -101,7 +101,7 @@ def build_app(args: dict[str, Any]) -> Application:
     if config.artifact_root is None:
         raise ValueError("artifact_root is not set: name a folder every node can read")
     replicas = deployment(**config.serve_options()).bind(
-        engine, etcd.model_dump(), config.artifact_root
+        engine, etcd.model_dump(), config.artifact_root, config.demand_window_s()
     )
     ingress = serve.deployment(
         Ingress,

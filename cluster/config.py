@@ -32,7 +32,7 @@ from loraplex.replica.config import (
     plain_engine_config,
 )
 from loraplex.replica.settings import EngineSettings
-from loraplex.router.autoscaling import Homes, serve_autoscaling_config
+from loraplex.router.autoscaling import Homes, LoraAutoscaling, serve_autoscaling_config
 from loraplex.router.limits import IngressLimits
 from loraplex.router.settings import RouterSettings
 from loraplex.settings import describe, setting
@@ -185,6 +185,12 @@ class LoraplexConfig(BaseModel):
     def ingress_capacity(self) -> int:
         """Requests the ingresses hold at once: more can never be sent to one replica."""
         return self.http.ingress_replicas * self.http.ingress_max_ongoing_requests
+
+    def demand_window_s(self) -> float:
+        """How long replicas remember the adapters' demand (`replicas.autoscaling.lora`'s
+        demand_window_s; its default without autoscaling)."""
+        lora = (self.replicas.autoscaling or {}).get("lora") or {}
+        return LoraAutoscaling(**lora).demand_window_s
 
     def serve_options(self) -> dict[str, Any]:
         """The options of the replica deployment (replica/deployment.py `deployment`): Serve's

@@ -35,6 +35,7 @@ from loraplex.registry.watch import RegistryWatcher
 from loraplex.replica.adapter_sync import AdapterSync
 from loraplex.replica.async_engine import Engine
 from loraplex.replica.config import build_engine_config
+from loraplex.replica.demand import DEMAND_TAU_S, AdapterDemand
 from loraplex.replica.memory.adapter_cache import UnknownAdapter
 from loraplex.replica.protocol import (
     AdapterNotFound,
@@ -47,6 +48,7 @@ from loraplex.replica.protocol import (
     measured_token_s,
     parse_adapter_id,
     sampling_params,
+    tier_bytes,
     token_utilisation,
 )
 from loraplex.replica.routing_report import published_tiers, routing_stats
@@ -64,6 +66,8 @@ class ReplicaDeployment:
     engine_config  EngineConfig fields (`scheduler` as a dict of SchedulerConfig fields)
     etcd           EtcdSettings fields; None serves the base model only
     artifact_root  where the registry's artifacts are (required with etcd)
+    demand_window_s  how long the adapters' demand is remembered for the autoscaling
+                   policy's step-down projection (replica/demand.py)
     """
 
     async def __init__(
@@ -71,6 +75,7 @@ class ReplicaDeployment:
         engine_config: dict[str, Any],
         etcd: dict[str, Any] | None = None,
         artifact_root: str | None = None,
+        demand_window_s: float = DEMAND_TAU_S,
     ):
         from ray import serve
 
@@ -83,7 +88,7 @@ class ReplicaDeployment:
             raise ValueError("artifact_root is required when etcd is given")
         self.max_concurrency = cfg.scheduler.max_num_seqs
         self.host_bytes = cfg.cache.host_bytes
-        self._start_counters()
+        self._start_counters(demand_window_s)
         self.engine = await asyncio.to_thread(Engine, cfg)  # reads the checkpoint
         if etcd is None:
             return
@@ -97,13 +102,14 @@ class ReplicaDeployment:
             await self.shutdown()
             raise
 
-    def _start_counters(self) -> None:
+    def _start_counters(self, demand_window_s: float = DEMAND_TAU_S) -> None:
         self.requests_total = 0  # generate calls received (for operators and tests)
         self.in_flight = 0  # generate calls not finished, those waiting for a read included
         self.output_tokens = 0  # tokens streamed (what the autoscaling report counts as made)
         # (when, store re-reads, prompt tokens computed, output tokens) at the last report
         self._autoscale_mark = (time.monotonic(), 0, 0, 0)
         self._asked: set[str] = set()  # adapters asked for since the last report
+        self.demand = AdapterDemand(time.monotonic(), demand_window_s)  # for fewer tiers' reads
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateChunk]:
         """Stream the request's chunks. AdapterNotFound if its adapter version is not
@@ -117,6 +123,7 @@ class ReplicaDeployment:
         else:
             held = self.sync.serving(adapter, request.get("adapter_revision"))
             self._asked.add(adapter)
+            self.demand.asked(adapter, self._adapter_bytes(adapter), time.monotonic())
         # aclosing: a caller that stops early must abort the engine's request at once
         self.in_flight += 1
         try:
@@ -188,7 +195,8 @@ class ReplicaDeployment:
         first reads' (the same artifacts from the same store, paced alike). The adapters
         asked for since the last report are reported in bytes (the registry's sizes), beside
         what its pool and host tier hold at most: the policy keeps the replicas that hold
-        them once their re-reads have stopped."""
+        them once their re-reads have stopped; and the reads its demand would make from
+        smaller tiers (replica/demand.py): what a step down would read."""
         assert self.engine is not None
         stats = await self.engine.stats()
         reads = stats["adapters"]["disk_reads"]
@@ -198,7 +206,7 @@ class ReplicaDeployment:
         self._autoscale_mark = (now, reads, prompt, self.output_tokens)
         held = self.sync.requests if self.sync else {}
         asked, self._asked = self._asked | {a for a, n in held.items() if n > 0}, set()
-        pool = stats["pool"]
+        tiers = tier_bytes(self.host_bytes, stats["adapters"]["held_bytes"])
         return autoscaling_stats(
             requests=self.in_flight,
             slots=self.max_concurrency,
@@ -218,9 +226,8 @@ class ReplicaDeployment:
             ),
             adapter_queue=held,
             set_bytes=sum(self._adapter_bytes(a) for a in asked),
-            tier_bytes=0
-            if self.host_bytes is None
-            else self.host_bytes + pool["num_pages"] * pool["page_bytes"],
+            tier_bytes=tiers,
+            reads_at=self.demand.reads_per_s(tiers, now) if tiers else None,
         )
 
     def _adapter_bytes(self, adapter: str) -> int:

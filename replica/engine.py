@@ -465,6 +465,7 @@ class LLMEngine:
                 "resident": sorted(self.adapters.resident),
                 "loading": sorted(self.adapters.loading),
                 "host": sorted(self.adapters.host),
+                "held_bytes": self.adapters.held_bytes(),
                 **{f: getattr(self.adapters.stats, f) for f in self.adapters.stats.__slots__},
             },
             "waiting": len(self.scheduler.policy),

@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, NotRequired, Protocol, TypedDict
 
+from loraplex.replica.demand import fraction_key
 from loraplex.replica.prefix_keys import extend_block_keys as extend_block_keys  # re-exported
 from loraplex.replica.prefix_keys import prefix_root as prefix_root  # re-exported
 from loraplex.replica.sampling import (
@@ -178,6 +179,9 @@ AUTOSCALE_UTILISATION = "token_utilisation"  # tokens made ÷ its token capacity
 AUTOSCALE_SET_BYTES = "adapter_set_bytes"  # the distinct adapters asked for since the last report
 AUTOSCALE_TIER_BYTES = "adapter_tier_bytes"  # what its device + host tiers hold at most (0: all)
 AUTOSCALE_ADAPTER = "adapter_requests:"  # + an adapter's name: its requests held here
+# + a tier fraction (replica/demand.py fraction_key): the store reads per second its demand
+# would make from a tier that fraction of its own
+AUTOSCALE_READS_AT = "store_reads_at_tier:"
 HOT_ADAPTERS_REPORTED = 4  # the adapters with most requests held, each reported by name
 
 
@@ -220,6 +224,16 @@ def token_utilisation(
     return seconds / elapsed_s
 
 
+def tier_bytes(host_bytes: int | None, held_bytes: int) -> int:
+    """What a replica's tiers hold of adapters at most (0: every adapter, a host tier without
+    a budget): its host budget, or what device and host hold together now (`held_bytes`,
+    AdapterCache.held_bytes) where that is more. Not the pool and the host summed: the host
+    tier keeps a copy of what the pool holds (a copy loads from it, a read from the store
+    lands in it), and the pool shares its pages with the KV cache; the pool adds only the
+    adapters it holds whose host copies the budget has dropped."""
+    return 0 if host_bytes is None else max(host_bytes, held_bytes)
+
+
 def autoscaling_stats(
     *,
     requests: int,
@@ -234,6 +248,7 @@ def autoscaling_stats(
     adapter_queue: Mapping[str, int],
     set_bytes: int = 0,
     tier_bytes: int = 0,
+    reads_at: Mapping[float, float] | None = None,
 ) -> dict[str, float]:
     """One report (the deployment's `record_autoscaling_stats` and the fleet simulator's):
     `reads` re-reads from the store so far (of adapters its tiers had dropped; not first
@@ -246,7 +261,9 @@ def autoscaling_stats(
     the HOT_ADAPTERS_REPORTED largest are reported by name; `set_bytes` the weights of the
     distinct adapters asked for since the last report (held now included), `tier_bytes`
     what its device pool and host tier can hold of them at most (0 where the host tier has
-    no budget: it keeps every adapter, none is read again)."""
+    no budget: it keeps every adapter, none is read again); `reads_at` the store reads per
+    second its demand would make from a tier of each fraction of its own
+    (`AdapterDemand.reads_per_s`; none where tier_bytes is 0)."""
     hot = sorted(((n, a) for a, n in adapter_queue.items() if n > 0), reverse=True)
     return {
         AUTOSCALE_REQUESTS: float(requests),
@@ -259,4 +276,5 @@ def autoscaling_stats(
         AUTOSCALE_SET_BYTES: float(set_bytes),
         AUTOSCALE_TIER_BYTES: float(tier_bytes),
         **{AUTOSCALE_ADAPTER + a: float(n) for n, a in hot[:HOT_ADAPTERS_REPORTED]},
+        **{AUTOSCALE_READS_AT + fraction_key(f): r for f, r in (reads_at or {}).items()},
     }

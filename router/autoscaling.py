@@ -29,7 +29,11 @@ Serve over `look_back_period_s`. The policy wants the largest of three counts:
                   last report and what its tiers hold at most; the count is not lowered
                   below the replicas whose tiers hold them all (it never raises it), since
                   re-reads stop once the tiers hold the set and would start again after
-                  a step down
+                  a step down; nor below current while the reads each replica's demand
+                  would make from tiers (current - 1) ÷ current of its own (Che's
+                  approximation, replica/demand.py) would keep current - 1 replicas past
+                  read_busy (`step_down_busy`): the re-reads measured now are near 0
+                  where the tiers hold the set, and so is any multiple of them
     hot adapter   the most homes one adapter wants: its requests held, summed over the
                   replicas (each reports its HOT_ADAPTERS_REPORTED largest by name), ÷
                   (the router's home_utilisation × slots), up to its max_homes_per_adapter;
@@ -67,10 +71,12 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from loraplex.replica.demand import DEMAND_TAU_S, fraction_for, fraction_key
 from loraplex.replica.protocol import (
     AUTOSCALE_ADAPTER,
     AUTOSCALE_PREFILL_TOKENS,
     AUTOSCALE_READ_S,
+    AUTOSCALE_READS_AT,
     AUTOSCALE_READS_PER_S,
     AUTOSCALE_REQUESTS,
     AUTOSCALE_SET_BYTES,
@@ -161,6 +167,15 @@ class LoraAutoscaling(BaseModel):
     cooldown_s: float = Field(
         60.0, ge=0, le=86400, description="No scale-down within this long of any scale event."
     )
+    demand_window_s: float = Field(
+        DEMAND_TAU_S,
+        ge=1,
+        le=86400,
+        description="How long a replica remembers each adapter's requests (the time "
+        "constant of a decaying count) to project the store reads fewer replicas' tiers "
+        "would make; an adapter not asked for in g seconds counts at most 3 ÷ g requests a "
+        "second, so a working set that has left is forgotten faster.",
+    )
 
 
 @dataclass(frozen=True)
@@ -177,6 +192,8 @@ class ReplicaReport:
     adapters: dict[str, float] = field(default_factory=dict)  # its hottest: requests held
     set_bytes: float = 0.0  # weights of the distinct adapters asked for since its last report
     tier_bytes: float = 0.0  # what its device + host tiers hold at most (0: every adapter)
+    # its demand's store reads per second from a tier of a fraction of its own (by fraction_key)
+    reads_at: dict[str, float] = field(default_factory=dict)
 
     @property
     def read_busy(self) -> float:
@@ -251,6 +268,13 @@ def wanted(
             by_reads,
             f"store reads would keep {by_reads - 1} replicas over read_busy",
         )
+    less = step_down_busy(reports, current)
+    if by_load < current and less > s.read_busy:
+        by_load, why_load = (
+            current,
+            f"{current - 1} replicas' tiers would keep them {less:.0%} busy reading their "
+            "adapters' demand",
+        )
     by_set = min(current, set_replicas(reports))
     if by_load < by_set:
         set_mib = sum(r.set_bytes for r in reports) / (1 << 20)
@@ -276,6 +300,21 @@ def hot_homes(reports: list[ReplicaReport], slots: float, homes: Homes | None) -
     most = max(per_adapter.values(), default=0.0)
     need = _ceil(most / (homes.home_utilisation * max(slots, 1.0)))
     return max(1, min(need, homes.max_homes_per_adapter))
+
+
+def step_down_busy(reports: list[ReplicaReport], current: int) -> float:
+    """The share of its time each of current - 1 replicas would spend reading adapters from
+    the store: the reads the replicas' demand would make from tiers (current - 1) ÷ current
+    of their own (replica/demand.py), at the mean read time. The re-reads measured now
+    cannot say it: where the current tiers hold the working set they are near 0, and so
+    is any multiple of them."""
+    fraction = fraction_for(current)
+    read_s = [r.read_s for r in reports if r.read_s > 0]
+    if fraction is None or not read_s:
+        return 0.0
+    key = fraction_key(fraction)
+    reads = sum(r.reads_at.get(key, 0.0) for r in reports)
+    return reads * (sum(read_s) / len(read_s)) / (current - 1)
 
 
 def set_replicas(reports: list[ReplicaReport]) -> int:
@@ -380,17 +419,23 @@ def reports_of(ctx: Any) -> list[ReplicaReport]:
     reports = []
     for replica in ctx.running_replicas:
         values = {name: (metrics.get(name) or {}).get(replica) for name in AUTOSCALING_METRICS}
-        if values[SLOTS] is None:  # not reported yet
+        slots = values[SLOTS]
+        if slots is None:  # not reported yet
             continue
         adapters = {
             name.removeprefix(AUTOSCALE_ADAPTER): per_replica[replica]
             for name, per_replica in metrics.items()
             if name.startswith(AUTOSCALE_ADAPTER) and per_replica.get(replica)
         }
+        reads_at = {
+            name.removeprefix(AUTOSCALE_READS_AT): per_replica[replica]
+            for name, per_replica in metrics.items()
+            if name.startswith(AUTOSCALE_READS_AT) and per_replica.get(replica) is not None
+        }
         reports.append(
             ReplicaReport(
                 requests=values[REQUESTS] or 0.0,
-                slots=values[SLOTS],
+                slots=float(slots),
                 reads_per_s=values[READS_PER_S] or 0.0,
                 read_s=values[READ_S] or 0.0,
                 prefill_tokens=values[PREFILL_TOKENS] or 0.0,
@@ -399,6 +444,7 @@ def reports_of(ctx: Any) -> list[ReplicaReport]:
                 adapters=adapters,
                 set_bytes=values[SET_BYTES] or 0.0,
                 tier_bytes=values[TIER_BYTES] or 0.0,
+                reads_at=reads_at,
             )
         )
     return reports

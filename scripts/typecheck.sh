@@ -12,6 +12,8 @@ for p in cluster demo replica router registry kernels benchmarks; do ln -s "$PWD
 MYPYPATH="$tree" .venv/bin/mypy \
   -p loraplex.router.policy \
   -p loraplex.replica.memory.pool \
+  -m loraplex.replica.demand \
+  -m loraplex.router.autoscaling \
   -p loraplex.registry \
   -m loraplex.adapter_format \
   -m loraplex.errors \

@@ -455,7 +455,7 @@ def test_a_count_the_reads_raised_is_kept_while_the_adapters_asked_for_fill_its_
     assert walk_down(2, set_mib=12, tier_mib=0) == 1
 
 
-def test_a_replica_reports_the_adapters_asked_for_and_its_tiers_and_the_policy_reads_them():
+def test_a_replica_reports_the_adapters_asked_for_its_tiers_and_their_reads_and_the_policy_reads_them():
     report = autoscaling_stats(
         requests=1,
         slots=16,
@@ -469,10 +469,13 @@ def test_a_replica_reports_the_adapters_asked_for_and_its_tiers_and_the_policy_r
         adapter_queue={"a": 1},
         set_bytes=12 * MiB,
         tier_bytes=8 * MiB,
+        reads_at={0.5: 0.25, 1.0: 0.0},
     )
     ctx = Context(["r0"], {name: {"r0": v} for name, v in report.items()}, current_time=0)
     (replica,) = reports_of(ctx)
     assert replica.set_bytes == 12 * MiB and replica.tier_bytes == 8 * MiB
+    # the reads fewer tiers would make (replica/demand.py), by fraction
+    assert replica.reads_at == {"0.500": 0.25, "1.000": 0.0}
 
 
 def noisy_rise(loads: tuple[float, ...], seconds: int) -> tuple[int, float | None]:

@@ -64,7 +64,9 @@ SENDERS = 3
 MAX_TOKENS = 8
 PUSH_INTERVAL_S = 0.5
 HOLD_S = 10.0  # the working set stays this long once both replicas run
-LORA = {"read_busy": 0.005, "downscale_delay_s": 8.0, "cooldown_s": 8.0}
+# the demand's memory shortened with the rest: the step-down projection forgets the
+# working set within ~a minute of its leaving, not over the default 10 minutes
+LORA = {"read_busy": 0.005, "downscale_delay_s": 8.0, "cooldown_s": 8.0, "demand_window_s": 10.0}
 
 
 @pytest.fixture(scope="module")

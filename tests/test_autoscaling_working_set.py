@@ -1,6 +1,8 @@
 """A real replica's working-set report (replica/deployment.py `record_autoscaling_stats`):
 the bytes of the distinct adapters asked for since its last report are the registry's sizes
-of their weights, and its tiers are its pool and host budget as configured. A real etcd
+of their weights, and its tiers hold its host budget or what its device and host tiers
+hold together, the larger (the host tier keeps a copy of what the pool holds: not the two
+summed). A real etcd
 registry, AdapterSync and engine on the demo model; the deployment class without Ray Serve
 around it."""
 
@@ -33,7 +35,8 @@ from loraplex.replica.protocol import (
 
 TENANT = "working-set-test"
 NAMES = ("sql-r8", "chat-r16", "code-r32")
-POOL_BYTES, PAGE_BYTES, HOST_BYTES = 16 << 20, 64 << 10, 3 << 20
+# a host budget below code-r32 alone: its host copy is dropped while the pool holds it
+POOL_BYTES, PAGE_BYTES, HOST_BYTES = 16 << 20, 64 << 10, 128 << 10
 
 
 @pytest.mark.etcd
@@ -77,7 +80,15 @@ def test_the_report_weighs_the_adapters_asked_for_against_the_replicas_tiers(
                     await _drain(replica.generate(_request("no-such-adapter")))
                 report = await replica.record_autoscaling_stats()
                 assert report[AUTOSCALE_SET_BYTES] == sizes["sql-r8"] + sizes["code-r32"]
-                assert report[AUTOSCALE_TIER_BYTES] == HOST_BYTES + POOL_BYTES
+                adapters = (await engine.stats())["adapters"]
+                by_id = {ids[n]: sizes[n] for n in NAMES}
+                held = sum(by_id[a] for a in set(adapters["resident"]) | set(adapters["host"]))
+                assert ids["code-r32"] in adapters["resident"]
+                assert ids["code-r32"] not in adapters["host"]  # over the budget alone
+                assert held > HOST_BYTES  # the pool holds what the host tier dropped
+                # the weights held; the registry's sizes are the files', a header more each
+                header = 8 << 10
+                assert held - 2 * header <= report[AUTOSCALE_TIER_BYTES] < held
                 again = await replica.record_autoscaling_stats()  # nothing asked since
                 assert again[AUTOSCALE_SET_BYTES] == 0
             finally:

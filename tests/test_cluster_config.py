@@ -25,6 +25,7 @@ from loraplex.cluster.sections import ReplicaSection
 from loraplex.net import free_port
 from loraplex.registry.etcd_client import EtcdSettings
 from loraplex.replica.config import ArtifactReadConfig, EngineConfig, build_engine_config
+from loraplex.replica.demand import DEMAND_TAU_S
 from loraplex.replica.memory.adapter_cache import CacheConfig
 from loraplex.replica.scheduling.scheduler import SchedulerConfig
 from loraplex.router.policy import AffinityConfig
@@ -190,6 +191,12 @@ def test_autoscaling_is_passed_through_and_replaces_num_replicas():
     assert local_cluster.ray_cpus(config) >= 4  # room for the largest scale-out
 
 
+def test_the_demand_window_reaches_the_replicas():
+    lora = {"policy": "lora", "lora": {"demand_window_s": 90}}
+    assert LoraplexConfig(replicas={"autoscaling": lora}).demand_window_s() == 90
+    assert LoraplexConfig().demand_window_s() == DEMAND_TAU_S
+
+
 def test_etcd_endpoints_unset_cannot_be_deployed_by_serve():
     with pytest.raises(ValueError, match="etcd.endpoints is not set"):
         LoraplexConfig().etcd_settings()
@@ -212,6 +219,10 @@ def test_etcd_endpoints_unset_cannot_be_deployed_by_serve():
         (
             {"replicas": {"autoscaling": {"min_replicas": 5, "max_replicas": 2}}},
             "not a Ray Serve autoscaling_config",
+        ),
+        (
+            {"replicas": {"autoscaling": {"policy": "lora", "lora": {"demand_window_s": 0}}}},
+            "demand_window_s",
         ),
         (
             {"engine": {"dtype": "int4"}},
@@ -338,6 +349,7 @@ def test_build_app_composes_replicas_behind_the_ingress(tmp_path, model_dir):
         config.engine_config(),
         config.etcd_settings().model_dump(),
         config.artifact_root,
+        config.demand_window_s(),
     )
     with pytest.raises(ValueError, match="etcd.endpoints is not set"):
         build_app(LoraplexConfig(model=str(model_dir), artifact_root="/a").model_dump())

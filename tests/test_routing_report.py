@@ -30,10 +30,10 @@ TENANT = "report-test"
 NAMES = ("sql-r8", "chat-r16", "code-r32")
 
 
-def replica(engine: Engine, sync: AdapterSync) -> ReplicaDeployment:
-    """The deployment as Serve's constructor leaves it, over this engine and sync."""
+def replica(engine: Engine, sync: AdapterSync, watcher: RegistryWatcher) -> ReplicaDeployment:
+    """The deployment as Serve's constructor leaves it, over this engine, sync and watch."""
     shell = ReplicaDeployment.__new__(ReplicaDeployment)
-    shell.replica_id, shell.engine, shell.sync, shell.watcher = "r0", engine, sync, None
+    shell.replica_id, shell.engine, shell.sync, shell.watcher = "r0", engine, sync, watcher
     shell.max_concurrency = 8
     shell._start_counters()  # as the constructor does: every counter a report reads
     return shell
@@ -67,7 +67,7 @@ def test_published_tiers_and_reads_are_the_engines_own(
             await until(lambda: _true(watcher.adapter(TENANT, NAMES[-1])), 5, "the watch")
             sync = AdapterSync(engine, watcher, artifacts)
             sync.start()
-            deployment = replica(engine, sync)
+            deployment = replica(engine, sync, watcher)
             try:
                 for adapter in ids:  # read one after another: the first copy is dropped
                     await sync.ensure(adapter)

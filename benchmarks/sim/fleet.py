@@ -54,6 +54,7 @@ from loraplex.benchmarks.peers.ray_routers import (
 from loraplex.benchmarks.sim.fleet_replica import FleetReplica, StoreModel
 from loraplex.benchmarks.sim.replica import System
 from loraplex.benchmarks.sim.workload import AdapterSpec, SimRequest
+from loraplex.replica.demand import DEMAND_TAU_S, AdapterDemand
 from loraplex.router.policy import AffinityConfig, AffinityPolicy
 from loraplex.router.routing_stats import ReplicaStats
 
@@ -144,6 +145,7 @@ class FleetRun:
 
 class FleetSim:
     recurring = _STATS_EVENTS  # events that recur only while there is other work
+    demand_window_s = DEMAND_TAU_S  # the replicas' demand memory (replica/demand.py)
 
     def __init__(
         self,
@@ -230,6 +232,7 @@ class FleetSim:
             models_per_replica=self.setup.models_per_replica if multiplex else None,
         )
         replica.clock.now = self.now
+        replica.demand = AdapterDemand(self.now, self.demand_window_s)
         self.replicas[rid] = replica
         self.model_ids[rid] = frozenset()
         if self.router != "pow2":

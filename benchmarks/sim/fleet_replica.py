@@ -34,6 +34,7 @@ from loraplex.benchmarks.sim.replica import (
     System,
 )
 from loraplex.benchmarks.sim.workload import AdapterSpec, SimRequest
+from loraplex.replica.demand import AdapterDemand
 from loraplex.replica.engine import batch_adapters, queued_prefill_tokens
 from loraplex.replica.routing_report import routing_stats
 
@@ -175,6 +176,7 @@ class FleetReplica:
         self.alive = True
         self._collected = 0
         self._routed: dict[int, SimRequest] = {}  # by rid, as the router sent them
+        self.demand = AdapterDemand(0.0)  # as the deployment keeps it; the fleet sets it
 
     # -- requests
 
@@ -188,6 +190,8 @@ class FleetReplica:
         self.requests_total += 1
         self._routed[req.rid] = req
         adapter = req.adapter
+        if adapter is not None:
+            self.demand.asked(adapter, self.catalog[adapter].nbytes, self.clock.now)
         if adapter is None:
             self._enqueue(req, None)
         elif self.lru is None:

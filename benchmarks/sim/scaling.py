@@ -45,7 +45,12 @@ from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
 from loraplex.benchmarks.sim.fleet import CONTROL_LOOP_S, FleetRun, FleetSetup, FleetSim
 from loraplex.benchmarks.sim.workload import AdapterSpec, SimRequest
-from loraplex.replica.protocol import autoscaling_stats, measured_token_s, token_utilisation
+from loraplex.replica.protocol import (
+    autoscaling_stats,
+    measured_token_s,
+    tier_bytes,
+    token_utilisation,
+)
 
 RECORD_FACTOR = 0.2  # RAY_SERVE_AUTOSCALING_METRIC_RECORD_INTERVAL_FACTOR
 PUSH_INTERVAL_S = 10.0  # RAY_SERVE_REPLICA_AUTOSCALING_METRIC_PUSH_INTERVAL_S
@@ -96,9 +101,12 @@ class ScalingFleetSim(FleetSim):
         setup: FleetSetup,
         scaling: Scaling,
     ):
+        self.config = scaling.config()
+        # the replicas' demand memory, as cluster/config.py passes the lora policy's to them
+        kwargs = getattr(self.config.policy, "policy_kwargs", None) or {}
+        self.demand_window_s = kwargs.get("demand_window_s", self.demand_window_s)
         super().__init__(router, requests, catalog, setup)
         self.scaling = scaling
-        self.config = scaling.config()
         self.scaler = _resolve_policy_callable(self.config.policy)
         self.deployment = DeploymentID(name="LoraplexReplica", app_name="loraplex")
         self.target = setup.num_replicas
@@ -152,6 +160,7 @@ class ScalingFleetSim(FleetSim):
             )
             self.marks[rid] = (self.now, reads, prompt, output)
             queue = replica.adapter_queue()
+            tier_bytes = self._tier_bytes(replica.sim)
             per_replica[rid] = autoscaling_stats(
                 requests=replica.in_flight,
                 slots=replica.max_concurrency,
@@ -171,7 +180,8 @@ class ScalingFleetSim(FleetSim):
                 ),
                 adapter_queue=queue,
                 set_bytes=sum(self.catalog[a].nbytes for a in finished | set(queue)),
-                tier_bytes=self._tier_bytes(replica.sim),
+                tier_bytes=tier_bytes,
+                reads_at=replica.demand.reads_per_s(tier_bytes, self.now) if tier_bytes else None,
             )
         ongoing = sum(r.in_flight for r in self.replicas.values()) + len(self.pending)
         self.samples.append((self.now, float(ongoing), per_replica))
@@ -196,10 +206,9 @@ class ScalingFleetSim(FleetSim):
         return prompt, output, adapters
 
     def _tier_bytes(self, sim) -> int:
-        """What a replica's device pool and host tier hold at most, as the deployment
-        reports it (0: a host tier without a budget keeps every adapter)."""
-        host = sim.cache.cfg.host_bytes
-        return 0 if host is None else host + sim.pool.num_pages * self.setup.profile.page_bytes
+        """What a replica's tiers hold at most, as the deployment reports it
+        (protocol.tier_bytes; 0: a host tier without a budget keeps every adapter)."""
+        return tier_bytes(sim.cache.cfg.host_bytes, sim.cache.held_bytes())
 
     def _on_push(self, _) -> None:
         """The pushed samples of the look-back window, averaged once (they change only here)."""

@@ -201,6 +201,11 @@ class AdapterCache:
     def nbytes_of(self, name: str) -> int:
         return self.entries[name].nbytes
 
+    def held_bytes(self) -> int:
+        """The weights of the distinct adapters held now, on the device or in the host tier
+        (one adapter in both counts once)."""
+        return sum(self.entries[n].nbytes for n in self.resident.keys() | self.host.keys())
+
     def version_of(self, name: str) -> str | None:
         return self.entries[name].version
 

@@ -20,7 +20,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping
 from typing import Any, NotRequired, Protocol, TypedDict
 
-from loraplex.replica.demand import fraction_key
+from loraplex.replica.demand import DEMAND_TAU_S as DEMAND_TAU_S  # re-exported
+from loraplex.replica.demand import fraction_for as fraction_for  # re-exported
+from loraplex.replica.demand import fraction_key as fraction_key  # re-exported
 from loraplex.replica.prefix_keys import extend_block_keys as extend_block_keys  # re-exported
 from loraplex.replica.prefix_keys import prefix_root as prefix_root  # re-exported
 from loraplex.replica.sampling import (

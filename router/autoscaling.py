@@ -71,7 +71,6 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from loraplex.replica.demand import DEMAND_TAU_S, fraction_for, fraction_key
 from loraplex.replica.protocol import (
     AUTOSCALE_ADAPTER,
     AUTOSCALE_PREFILL_TOKENS,
@@ -84,6 +83,9 @@ from loraplex.replica.protocol import (
     AUTOSCALE_TIER_BYTES,
     AUTOSCALE_TOKEN_S,
     AUTOSCALE_UTILISATION,
+    DEMAND_TAU_S,
+    fraction_for,
+    fraction_key,
 )
 
 # what a replica's record_autoscaling_stats reports (replica/deployment.py)

@@ -64,11 +64,11 @@ class AdapterDemand:
         window = self.tau_s * -math.expm1(-max(now - self.started, 1e-9) / self.tau_s)
         rates, sizes = [], []
         for adapter, (count, when) in list(self._counts.items()):
-            count *= math.exp(-(now - when) / self.tau_s)
+            gap = now - when
+            count *= math.exp(-gap / self.tau_s)
             if count < _FORGOTTEN:
                 del self._counts[adapter], self._bytes[adapter]
                 continue
-            gap = now - when
             rates.append(min(count / window, GAP_RATES / gap) if gap > 0 else count / window)
             sizes.append(self._bytes[adapter])
         return np.asarray(rates, dtype=np.float64), np.asarray(sizes, dtype=np.float64)
@@ -77,26 +77,18 @@ class AdapterDemand:
         """For each of READ_FRACTIONS, the store reads per second this demand would make
         from a tier of fraction × tier_bytes."""
         rates, sizes = self.rates(now)
-        return che_reads(rates, sizes, [f * tier_bytes for f in READ_FRACTIONS], READ_FRACTIONS)
+        return {f: che_reads(rates, sizes, f * tier_bytes) for f in READ_FRACTIONS}
 
 
-def che_reads(
-    rates: np.ndarray, sizes: np.ndarray, capacities: list[float], keys: tuple[float, ...]
-) -> dict[float, float]:
-    """Che's approximation: reads per second of an LRU tier of each capacity (bytes) under
+def che_reads(rates: np.ndarray, sizes: np.ndarray, capacity: float) -> float:
+    """Che's approximation: reads per second of an LRU tier of `capacity` bytes under
     independent requests at `rates` (per second) for items of `sizes` (bytes)."""
-    out = {}
-    total = float(sizes.sum())
-    for key, capacity in zip(keys, capacities, strict=True):
-        if total <= capacity or rates.size == 0:
-            out[key] = 0.0
-            continue
-        if capacity <= 0:
-            out[key] = float(rates.sum())
-            continue
-        t = _characteristic_time(rates, sizes, capacity)
-        out[key] = float((rates * np.exp(-rates * t)).sum())
-    return out
+    if rates.size == 0 or float(sizes.sum()) <= capacity:
+        return 0.0
+    if capacity <= 0:
+        return float(rates.sum())
+    t = _characteristic_time(rates, sizes, capacity)
+    return float((rates * np.exp(-rates * t)).sum())
 
 
 def _characteristic_time(rates: np.ndarray, sizes: np.ndarray, capacity: float) -> float:

@@ -424,16 +424,7 @@ def reports_of(ctx: Any) -> list[ReplicaReport]:
         slots = values[SLOTS]
         if slots is None:  # not reported yet
             continue
-        adapters = {
-            name.removeprefix(AUTOSCALE_ADAPTER): per_replica[replica]
-            for name, per_replica in metrics.items()
-            if name.startswith(AUTOSCALE_ADAPTER) and per_replica.get(replica)
-        }
-        reads_at = {
-            name.removeprefix(AUTOSCALE_READS_AT): per_replica[replica]
-            for name, per_replica in metrics.items()
-            if name.startswith(AUTOSCALE_READS_AT) and per_replica.get(replica) is not None
-        }
+        adapters = {a: n for a, n in _family(metrics, AUTOSCALE_ADAPTER, replica).items() if n}
         reports.append(
             ReplicaReport(
                 requests=values[REQUESTS] or 0.0,
@@ -446,10 +437,19 @@ def reports_of(ctx: Any) -> list[ReplicaReport]:
                 adapters=adapters,
                 set_bytes=values[SET_BYTES] or 0.0,
                 tier_bytes=values[TIER_BYTES] or 0.0,
-                reads_at=reads_at,
+                reads_at=_family(metrics, AUTOSCALE_READS_AT, replica),
             )
         )
     return reports
+
+
+def _family(metrics: dict[str, Any], prefix: str, replica: Any) -> dict[str, float]:
+    """One replica's values of the metrics named `prefix` + a key, by key."""
+    return {
+        name.removeprefix(prefix): per_replica[replica]
+        for name, per_replica in metrics.items()
+        if name.startswith(prefix) and per_replica.get(replica) is not None
+    }
 
 
 def serve_autoscaling_config(

@@ -59,14 +59,14 @@ def test_che_matches_a_simulated_lru_tier_of_bytes(zipf_a: float, share: float):
     rates *= 20.0 / rates.sum()  # 20 requests a second
     sizes = rng.choice([8, 16, 32, 64], size=n).astype(np.float64) * MiB  # ranks 8-64
     capacity = share * sizes.sum()
-    projected = che_reads(rates, sizes, [capacity], (1.0,))[1.0]
+    projected = che_reads(rates, sizes, capacity)
     measured = lru_reads_per_s(rates, sizes, capacity, seconds=4000.0, seed=11)
     assert projected == pytest.approx(measured, rel=0.08)
 
 
 def test_a_tier_that_holds_everything_reads_nothing_and_an_empty_one_reads_every_request():
     rates, sizes = np.array([1.0, 2.0]), np.array([MiB, MiB], dtype=np.float64)
-    assert che_reads(rates, sizes, [2 * MiB, 0.0], (1.0, 0.0)) == {1.0: 0.0, 0.0: 3.0}
+    assert (che_reads(rates, sizes, 2 * MiB), che_reads(rates, sizes, 0.0)) == (0.0, 3.0)
 
 
 def test_the_demand_measures_each_adapters_rate_from_its_requests():

@@ -230,9 +230,9 @@ class FleetSim:
             self.setup.store,
             self.catalog,
             models_per_replica=self.setup.models_per_replica if multiplex else None,
+            demand=AdapterDemand(self.now, self.demand_window_s),
         )
         replica.clock.now = self.now
-        replica.demand = AdapterDemand(self.now, self.demand_window_s)
         self.replicas[rid] = replica
         self.model_ids[rid] = frozenset()
         if self.router != "pow2":

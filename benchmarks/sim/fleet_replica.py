@@ -144,8 +144,11 @@ class FleetReplica:
         store: StoreModel,
         catalog: dict[str, AdapterSpec],
         models_per_replica: int | None = None,
+        *,
+        demand: AdapterDemand,
     ):
-        """`models_per_replica`: None for the sync deployment, else the multiplex LRU's size."""
+        """`models_per_replica`: None for the sync deployment, else the multiplex LRU's size;
+        `demand` the adapters' demand it keeps, as the deployment does."""
         self.replica_id = replica_id
         self.catalog = catalog
         self.links: FleetLink | None = None
@@ -176,7 +179,7 @@ class FleetReplica:
         self.alive = True
         self._collected = 0
         self._routed: dict[int, SimRequest] = {}  # by rid, as the router sent them
-        self.demand = AdapterDemand(0.0)  # as the deployment keeps it; the fleet sets it
+        self.demand = demand
 
     # -- requests
 

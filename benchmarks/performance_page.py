@@ -144,7 +144,9 @@ where a store read is what a router pays for sending an adapter where it is not 
 the catalog still fits with failover's killed replica gone. Poisson arrivals at fractions
 of the LoRA workload's measured capacity (a saturating burst of zipf's own requests through
 each router; the best router's, the same rates for all); goodput is the highest offered
-rate whose p99 TTFT meets the SLO (5 × the unloaded TTFT); `goodput_ratio_vs_best_ray_router`
+rate whose p99 TTFT meets the SLO (5 × the unloaded TTFT), a miss that the next rate's run
+holds being a stall left out, not a crossing (each repetition's p99s per rate are kept, as
+`p99_ttft_s_by_rate`); `goodput_ratio_vs_best_ray_router`
 divides affinity's by the better Ray router's. The whole comparison is repeated (3 times, `--quick` too: a full rotation) on other seeds with the
 router order rotated; figures are medians, each ratio with its 90% bootstrap interval
 (`_ci_low`, `_ci_high`). Past the grid's top (1.3 × the basis) the sweep goes on, at 1.7,

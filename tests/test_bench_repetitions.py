@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from loraplex.benchmarks.report import median_interval, over_repetitions
 
 
@@ -129,3 +131,27 @@ def test_routers_that_held_the_slo_at_the_top_rate_are_named_and_the_ratio_calle
     merged = over_repetitions([keys, {**keys, "held_slo_at_top_rate": {"affinity": False}}])
     assert "affinity in 1 of 2" in held_at_top_note(merged)
     assert held_at_top_note({"held_slo_at_top_rate": {"pow2": False}}) == ""
+
+
+def test_a_miss_that_the_next_rate_holds_is_a_stall_not_the_goodput():
+    """One paused run at a low rate used to set a router's goodput for its repetition
+    (`bench router` at 13adcf4: multiplexing crossed zipf at 28 req/s, then held at 40 and
+    52; it missed shift's lowest rate by 8 ms and held the next two). A miss the next run
+    holds is left out; a crossing the next run confirms, or the last rate's miss, stands."""
+    from loraplex.benchmarks.goodput import goodput
+
+    rates, slo = [14.0, 28.0, 40.0, 52.0, 68.0], 0.74
+    # the zipf repetition: a stall at 28, held at 40 and 52, crossed at 68
+    assert goodput(rates, [0.61, 2.25, 0.35, 0.70, 1.66], slo) == pytest.approx(
+        52.0 + (0.74 - 0.70) / (1.66 - 0.70) * 16.0
+    )
+    # the shift repetition: the lowest rate missed by 8 ms, held after it
+    assert goodput(rates[:3], [0.748, 0.43, 0.47], slo) == 40.0
+    # a run with no completed request is a miss like any other, and a stall if followed
+    # by a hold
+    assert goodput(rates[:3], [0.5, None, 0.6], slo) == 40.0
+    # confirmed crossings: the next run misses too, or nothing runs after the miss
+    assert goodput(rates[:3], [0.5, 1.0, 2.0], slo) == pytest.approx(14.0 + 0.24 / 0.5 * 14.0)
+    assert goodput(rates[:3], [0.5, 0.6, None], slo) == 28.0
+    assert goodput(rates[:2], [0.9, 1.0], slo) == 0.0
+    assert goodput(rates[:1], [0.9], slo) == 0.0

@@ -122,7 +122,14 @@ def _over_reps(reps: list[dict[str, Any]]) -> dict[str, Any]:
         }
         padded.append({**rep, "rates_rps": rep["rates_rps"] + [None] * short, "routers": routers})
     out = repeated(padded)
-    out["repetitions"] = [{k: v for k, v in r.items() if k != "routers"} for r in reps]
+    # each repetition's p99 per rate, so its goodput can be worked again from the figures
+    out["repetitions"] = [
+        {
+            **{k: v for k, v in r.items() if k != "routers"},
+            "p99_ttft_s_by_rate": {router: f["p99_ttft_s"] for router, f in r["routers"].items()},
+        }
+        for r in reps
+    ]
     out["repetitions_per_rate"] = [sum(len(r["rates_rps"]) > i for r in reps) for i in range(n)]
     return out
 

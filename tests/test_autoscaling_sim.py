@@ -142,6 +142,14 @@ def test_a_stopping_replica_past_the_graceful_timeout_resumes_its_streams(fleet)
     assert [n for _, n in record.timeline][-1] == 1
     assert len(run.ttft) == len(reqs)
     assert record.stopped_with_requests == 2 and run.streams_resumed > 0
+    # each change of the target count is timed: the steady run counts those past its warm-up
+    assert len(record.event_times) == record.scale_events >= 1
+    assert record.event_times == sorted(record.event_times)
+    summary = autoscale.summarize(run, record, slo=1.0, day_s=run.arrival.max(), warmup_s=0.0)
+    assert summary["scale_events_per_hour_after_warmup"] == summary["scale_events_per_hour"]
+    last = record.event_times[-1]
+    late = autoscale.summarize(run, record, slo=1.0, day_s=2 * last, warmup_s=last + 1e-6)
+    assert late["scale_events_per_hour_after_warmup"] == 0.0
 
 
 def test_the_day_swings_five_to_one_around_the_trace_arrivals():
@@ -161,6 +169,20 @@ def test_the_day_swings_five_to_one_around_the_trace_arrivals():
     assert middle / edge == pytest.approx(
         mean_rate(day / 2 - 180, day / 2 + 180) / mean_rate(0, 180), rel=0.1
     )
+
+
+def test_the_steady_load_keeps_the_trace_arrivals_at_one_rate():
+    """The steady run (the day's mean rate all through) has the trace's own gaps, scaled to
+    the rate: as many requests in the first half-hour as in the second."""
+    rng = np.random.default_rng(0)
+    trace = Trace("test", np.cumsum(rng.exponential(1.0, 5000)), np.ones(5000), np.ones(5000))
+    at = autoscale.steady_arrivals(trace, 3600.0, 6.0, seed=0)
+    assert len(at) == pytest.approx(6.0 * 3600, rel=0.03)
+    assert at.min() >= 0 and at.max() < 3600.0 and np.all(np.diff(at) >= 0)
+    assert np.sum(at < 1800) / np.sum(at >= 1800) == pytest.approx(1.0, rel=0.05)
+    # the first gaps are the trace's own, at the rate
+    gaps = np.diff(trace.timestamps)
+    assert np.diff(at[:50]) == pytest.approx(gaps[1:50] / gaps.mean() / 6.0)
 
 
 def test_model_load_is_the_weights_read_and_the_engine_start(fleet):

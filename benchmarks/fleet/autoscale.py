@@ -29,6 +29,13 @@ The day (stated values, FULL / QUICK):
                  recommended config (docs/cluster.md): Serve's downscale_delay_s
                  LORA_DOWNSCALE_DELAY_S, the policy having its own delay and cool-down
     static       peak_replicas all day (Serve's min = max)
+    steady       the same fleet at a steady load, for "no flapping": the day's mean rate all
+                 through (the trace's arrival process at that constant rate), Zipf(1)
+                 without the shift, ray_default at its best setting and lora; their scale
+                 events are counted after STEADY_WARMUP_S (10 min: the first replicas are
+                 asked for and up). The day itself cannot show flapping apart from
+                 following its ramp: every change of the count there has a cause in the
+                 rate
 
 SLO: the fleet bench's, 5 x the mean unloaded TTFT of the day's requests. Keys:
     autoscale.replica_hours_ratio_vs_ray_default   lora's replica-hours / ray_default's best
@@ -37,6 +44,8 @@ SLO: the fleet bench's, 5 x the mean unloaded TTFT of the day's requests. Keys:
     autoscale.slo_attainment_vs_ray_default        lora's attainment - ray_default's
     autoscale.requests_lost                        requests that never finished (0: asserted)
     autoscale.scale_events_per_hour.<policy>       changes of Serve's target count per hour
+    autoscale.steady.scale_events_per_hour.<policy>  the same at the steady load, after the
+                                                   warm-up
 Replica-hours count a replica from the moment Serve asks for it until it has stopped.
 """
 
@@ -66,6 +75,7 @@ WINDOW_S = 300.0  # the figure's P99 TTFT windows
 SERVE_DOWNSCALE_DELAY_S = 600.0  # Serve's default
 LORA_DOWNSCALE_DELAY_S = 30.0  # the recommended lora config's: one look-back window
 DOWNSCALE_DELAYS = (SERVE_DOWNSCALE_DELAY_S, LORA_DOWNSCALE_DELAY_S)  # Ray default's sweep
+STEADY_WARMUP_S = 600.0  # the steady run's events are counted after this
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,13 +98,23 @@ def diurnal_arrivals(trace: Trace, day_s: float, peak_rps: float, seed: int) -> 
     grid = np.linspace(0.0, day_s, 100_001)
     rate = trough + (peak_rps - trough) * (1 - np.cos(2 * np.pi * grid / day_s)) / 2
     cumulative = np.concatenate([[0.0], np.cumsum((rate[1:] + rate[:-1]) / 2 * np.diff(grid))])
+    return np.interp(_unit_times(trace, cumulative[-1], seed), cumulative, grid)
+
+
+def steady_arrivals(trace: Trace, duration_s: float, rate_rps: float, seed: int) -> np.ndarray:
+    """The trace's arrival process at a constant `rate_rps` for `duration_s`."""
+    return _unit_times(trace, rate_rps * duration_s, seed) / rate_rps
+
+
+def _unit_times(trace: Trace, end: float, seed: int) -> np.ndarray:
+    """The trace's arrival times at unit rate up to `end`: its own gaps, then gaps drawn
+    from them as needed."""
     gaps = np.diff(trace.timestamps)
     gaps = gaps / gaps.mean()  # unit rate
-    need = int(cumulative[-1] * 1.2) + 10
+    need = int(end * 1.2) + 10
     draws = np.random.default_rng(seed).integers(0, len(gaps), max(0, need - len(gaps)))
     unit = np.cumsum(np.concatenate([gaps, gaps[draws]])[:need])
-    unit = unit[unit < cumulative[-1]]
-    return np.interp(unit, cumulative, grid)
+    return unit[unit < end]
 
 
 def day_requests(
@@ -105,6 +125,15 @@ def day_requests(
     lengths = fw.Lengths(trace=fleet.trace, max_tokens=fb.MAX_TOKENS)
     reqs = fw.requests("shift", names, len(at), float(len(at)) / shape.day_s, lengths, seed)
     return [dataclasses.replace(r, arrival=float(t)) for r, t in zip(reqs, at, strict=True)], peak
+
+
+def steady_requests(
+    fleet: fb.Fleet, shape: DayShape, names: list[str], rate_rps: float, seed: int
+) -> list[SimRequest]:
+    at = steady_arrivals(fleet.trace, shape.day_s, rate_rps, seed)
+    lengths = fw.Lengths(trace=fleet.trace, max_tokens=fb.MAX_TOKENS)
+    reqs = fw.requests("zipf", names, len(at), rate_rps, lengths, seed)
+    return [dataclasses.replace(r, arrival=float(t)) for r, t in zip(reqs, at, strict=True)]
 
 
 def measure(quick: bool, trace_path: Path | None = None) -> dict[str, Any]:
@@ -126,14 +155,24 @@ def measure(quick: bool, trace_path: Path | None = None) -> dict[str, Any]:
     )  # max_homes_per_adapter: the most replicas
     serve = {"min_replicas": 1, "max_replicas": 2 * shape.peak_replicas, "initial_replicas": 1}
 
-    def day(name: str, autoscaling: dict[str, Any], replicas: int = 1) -> dict[str, Any]:
+    def day(
+        name: str,
+        autoscaling: dict[str, Any],
+        replicas: int = 1,
+        requests: list[SimRequest] = reqs,
+        warmup_s: float = 0.0,
+    ) -> dict[str, Any]:
         t0 = time.perf_counter()
         homes = Homes(setup.affinity.home_utilisation, setup.affinity.max_homes_per_adapter)
         scaling = Scaling(serve_autoscaling_config(autoscaling, homes), startup)
         run, record = simulate_scaling(
-            "affinity", reqs, catalog, dataclasses.replace(setup, num_replicas=replicas), scaling
+            "affinity",
+            requests,
+            catalog,
+            dataclasses.replace(setup, num_replicas=replicas),
+            scaling,
         )
-        out = summarize(run, record, slo, shape.day_s)
+        out = summarize(run, record, slo, shape.day_s, warmup_s)
         log(
             f"autoscale {name:22}: {out['replica_hours']:.2f} replica-h, SLO attainment "
             f"{out['slo_attainment']:.4f}, p99 {out['p99_ttft_s']:.3f} s, "
@@ -170,6 +209,24 @@ def measure(quick: bool, trace_path: Path | None = None) -> dict[str, Any]:
             shape.peak_replicas,
         ),
     }
+    # the same fleet at a steady load: the day's mean rate all through, Zipf(1) without the
+    # shift; its scale events are counted once the first replicas have come up
+    mean_rps = len(reqs) / shape.day_s
+    steady_reqs = steady_requests(fleet, shape, [a.name for a in adapters], mean_rps, seed=26)
+    steady = {
+        "ray_default": day(
+            f"steady ray_default {best}",
+            {
+                **serve,
+                "policy": "requests",
+                "target_ongoing_requests": settings[best][0],
+                "downscale_delay_s": settings[best][1],
+            },
+            requests=steady_reqs,
+            warmup_s=STEADY_WARMUP_S,
+        ),
+        "lora": day("steady lora", lora, requests=steady_reqs, warmup_s=STEADY_WARMUP_S),
+    }
     hours = {p: r["replica_hours"] for p, r in policies.items()}
     return {
         "profile": fleet.profile.name,
@@ -192,9 +249,20 @@ def measure(quick: bool, trace_path: Path | None = None) -> dict[str, Any]:
         "slo_attainment_vs_ray_default": (
             policies["lora"]["slo_attainment"] - policies["ray_default"]["slo_attainment"]
         ),
-        "requests_lost": sum(r["requests_lost"] for r in [*policies.values(), *sweep.values()]),
+        "requests_lost": sum(
+            r["requests_lost"] for r in [*policies.values(), *sweep.values(), *steady.values()]
+        ),
         "scale_events_per_hour": {p: r["scale_events_per_hour"] for p, r in policies.items()},
         "policies": policies,
+        "steady": {
+            "rate_rps": mean_rps,
+            "requests": len(steady_reqs),
+            "warmup_s": STEADY_WARMUP_S,
+            "scale_events_per_hour": {
+                p: r["scale_events_per_hour_after_warmup"] for p, r in steady.items()
+            },
+            "policies": {p: _brief_steady(r) for p, r in steady.items()},
+        },
     }
 
 
@@ -205,7 +273,9 @@ def best_setting(sweep: dict[str, dict[str, Any]]) -> str:
     return max(sweep, key=lambda t: sweep[t]["slo_attainment"])
 
 
-def summarize(run, record: ScalingRecord, slo: float, day_s: float) -> dict[str, Any]:
+def summarize(
+    run, record: ScalingRecord, slo: float, day_s: float, warmup_s: float = 0.0
+) -> dict[str, Any]:
     ttft = run.ttft
     windows = []
     for start in np.arange(0.0, day_s, WINDOW_S):
@@ -223,6 +293,8 @@ def summarize(run, record: ScalingRecord, slo: float, day_s: float) -> dict[str,
         "store_reads": run.counters.get("store_reads", 0),
         "scale_events": record.scale_events,
         "scale_events_per_hour": record.scale_events / (day_s / 3600),
+        "scale_events_per_hour_after_warmup": sum(t >= warmup_s for t in record.event_times)
+        / ((day_s - warmup_s) / 3600),
         "max_replicas": max(n for _, n in record.timeline),
         "replicas_timeline": [[round(t, 1), n] for t, n in record.timeline],
         "p99_ttft_windows": windows,
@@ -232,6 +304,11 @@ def summarize(run, record: ScalingRecord, slo: float, day_s: float) -> dict[str,
 def _brief(r: dict[str, Any]) -> dict[str, Any]:
     keys = ("replica_hours", "slo_attainment", "p99_ttft_s", "scale_events_per_hour")
     return {k: r[k] for k in keys}
+
+
+def _brief_steady(r: dict[str, Any]) -> dict[str, Any]:
+    keys = ("scale_events", "scale_events_per_hour_after_warmup", "max_replicas")
+    return {**_brief(r), **{k: r[k] for k in keys}, "replicas_timeline": r["replicas_timeline"]}
 
 
 def timeline_table(results: dict[str, Any], rows: int = 12) -> str:
@@ -315,6 +392,8 @@ def run_section(args) -> int:
     for key in ("slo_attainment", "scale_events_per_hour"):
         for policy, value in results[key].items():
             print(f"autoscale.{key}.{policy}: {value:.4g}")
+    for policy, value in results["steady"]["scale_events_per_hour"].items():
+        print(f"autoscale.steady.scale_events_per_hour.{policy}: {value:.4g}")
     print(f"autoscale.requests_lost: {results['requests_lost']}")
     write_json(args.json, out)
     return 0

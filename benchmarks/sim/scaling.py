@@ -83,6 +83,7 @@ class ScalingRecord:
 
     replica_seconds: float = 0.0  # starting, running and stopping replicas, integrated
     scale_events: int = 0  # changes of Serve's target count
+    event_times: list[float] = field(default_factory=list)  # when each change was made
     timeline: list[tuple[float, int]] = field(default_factory=list)  # (t, replicas held)
     stopped_with_requests: int = 0  # stopping replicas that reached the graceful timeout
 
@@ -234,6 +235,7 @@ class ScalingFleetSim(FleetSim):
         decision = max(self.config.min_replicas, min(self.config.max_replicas, decision))
         if decision != self.target:
             self.record.scale_events += 1
+            self.record.event_times.append(self.now)
             if decision > self.target:
                 self.last_up = self.now
                 for _ in range(decision - self.target):

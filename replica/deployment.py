@@ -123,7 +123,8 @@ class ReplicaDeployment:
         else:
             held = self.sync.serving(adapter, request.get("adapter_revision"))
             self._asked.add(adapter)
-            self.demand.asked(adapter, self._adapter_bytes(adapter), time.monotonic())
+            if nbytes := self._adapter_bytes(adapter):  # 0: not a version (refused below)
+                self.demand.asked(adapter, nbytes, time.monotonic())
         # aclosing: a caller that stops early must abort the engine's request at once
         self.in_flight += 1
         try:
@@ -228,6 +229,7 @@ class ReplicaDeployment:
             set_bytes=sum(self._adapter_bytes(a) for a in asked),
             tier_bytes=tiers,
             reads_at=self.demand.reads_per_s(tiers, now) if tiers else None,
+            sketch=self.demand.sketch(now) if tiers else None,
         )
 
     def _adapter_bytes(self, adapter: str) -> int:

@@ -17,10 +17,11 @@ prefix cache keys its blocks with the same functions.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any, NotRequired, Protocol, TypedDict
 
 from loraplex.replica.demand import DEMAND_TAU_S as DEMAND_TAU_S  # re-exported
+from loraplex.replica.demand import distinct_adapters as distinct_adapters  # re-exported
 from loraplex.replica.demand import fraction_for as fraction_for  # re-exported
 from loraplex.replica.demand import fraction_key as fraction_key  # re-exported
 from loraplex.replica.prefix_keys import extend_block_keys as extend_block_keys  # re-exported
@@ -184,6 +185,9 @@ AUTOSCALE_ADAPTER = "adapter_requests:"  # + an adapter's name: its requests hel
 # + a tier fraction (replica/demand.py fraction_key): the store reads per second its demand
 # would make from a tier that fraction of its own
 AUTOSCALE_READS_AT = "store_reads_at_tier:"
+AUTOSCALE_DEMAND_ADAPTERS = "demand_adapters"  # the adapters its demand remembers
+# + an adapter's hash (replica/demand.py adapter_hash): the SKETCH_K smallest of them
+AUTOSCALE_SKETCH = "demand_sketch:"
 HOT_ADAPTERS_REPORTED = 4  # the adapters with most requests held, each reported by name
 
 
@@ -251,6 +255,7 @@ def autoscaling_stats(
     set_bytes: int = 0,
     tier_bytes: int = 0,
     reads_at: Mapping[float, float] | None = None,
+    sketch: tuple[int, Sequence[str]] | None = None,
 ) -> dict[str, float]:
     """One report (the deployment's `record_autoscaling_stats` and the fleet simulator's):
     `reads` re-reads from the store so far (of adapters its tiers had dropped; not first
@@ -265,7 +270,8 @@ def autoscaling_stats(
     what its device pool and host tier can hold of them at most (0 where the host tier has
     no budget: it keeps every adapter, none is read again); `reads_at` the store reads per
     second its demand would make from a tier of each fraction of its own
-    (`AdapterDemand.reads_per_s`; none where tier_bytes is 0)."""
+    (`AdapterDemand.reads_per_s`; none where tier_bytes is 0); `sketch` the adapters its
+    demand remembers and the smallest of their hashes (`AdapterDemand.sketch`)."""
     hot = sorted(((n, a) for a, n in adapter_queue.items() if n > 0), reverse=True)
     return {
         AUTOSCALE_REQUESTS: float(requests),
@@ -279,4 +285,12 @@ def autoscaling_stats(
         AUTOSCALE_TIER_BYTES: float(tier_bytes),
         **{AUTOSCALE_ADAPTER + a: float(n) for n, a in hot[:HOT_ADAPTERS_REPORTED]},
         **{AUTOSCALE_READS_AT + fraction_key(f): r for f, r in (reads_at or {}).items()},
+        **(
+            {}
+            if sketch is None
+            else {
+                AUTOSCALE_DEMAND_ADAPTERS: float(sketch[0]),
+                **{AUTOSCALE_SKETCH + h: 1.0 for h in sketch[1]},
+            }
+        ),
     }

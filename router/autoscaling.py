@@ -33,7 +33,11 @@ Serve over `look_back_period_s`. The policy wants the largest of three counts:
                   would make from tiers (current - 1) ÷ current of its own (Che's
                   approximation, replica/demand.py) would keep current - 1 replicas past
                   read_busy (`step_down_busy`): the re-reads measured now are near 0
-                  where the tiers hold the set, and so is any multiple of them
+                  where the tiers hold the set, and so is any multiple of them. The
+                  tiers are taken that much larger again as the replicas share adapters
+                  (`demand_overlap`: the adapters they remember, summed, ÷ the distinct
+                  ones, merged from their sketches), since a shared adapter is read once
+                  after a step down, not once per replica that remembers it
     hot adapter   the most homes one adapter wants: its requests held, summed over the
                   replicas (each reports its HOT_ADAPTERS_REPORTED largest by name), ÷
                   (the router's home_utilisation × slots), up to its max_homes_per_adapter;
@@ -73,17 +77,20 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from loraplex.replica.protocol import (
     AUTOSCALE_ADAPTER,
+    AUTOSCALE_DEMAND_ADAPTERS,
     AUTOSCALE_PREFILL_TOKENS,
     AUTOSCALE_READ_S,
     AUTOSCALE_READS_AT,
     AUTOSCALE_READS_PER_S,
     AUTOSCALE_REQUESTS,
     AUTOSCALE_SET_BYTES,
+    AUTOSCALE_SKETCH,
     AUTOSCALE_SLOTS,
     AUTOSCALE_TIER_BYTES,
     AUTOSCALE_TOKEN_S,
     AUTOSCALE_UTILISATION,
     DEMAND_TAU_S,
+    distinct_adapters,
     fraction_for,
     fraction_key,
 )
@@ -97,6 +104,7 @@ UTILISATION, SET_BYTES, TIER_BYTES = (
     AUTOSCALE_SET_BYTES,
     AUTOSCALE_TIER_BYTES,
 )
+DEMAND_ADAPTERS = AUTOSCALE_DEMAND_ADAPTERS
 AUTOSCALING_METRICS = (
     REQUESTS,
     SLOTS,
@@ -107,6 +115,7 @@ AUTOSCALING_METRICS = (
     UTILISATION,
     SET_BYTES,
     TIER_BYTES,
+    DEMAND_ADAPTERS,
 )
 POLICY_FUNCTION = "loraplex.router.autoscaling:LoraAutoscalingPolicy"
 
@@ -196,6 +205,8 @@ class ReplicaReport:
     tier_bytes: float = 0.0  # what its device + host tiers hold at most (0: every adapter)
     # its demand's store reads per second from a tier of a fraction of its own (by fraction_key)
     reads_at: dict[str, float] = field(default_factory=dict)
+    demand_adapters: float = 0.0  # the adapters its demand remembers
+    sketch: frozenset[str] = frozenset()  # the smallest of their hashes (replica/demand.py)
 
     @property
     def read_busy(self) -> float:
@@ -307,16 +318,27 @@ def hot_homes(reports: list[ReplicaReport], slots: float, homes: Homes | None) -
 def step_down_busy(reports: list[ReplicaReport], current: int) -> float:
     """The share of its time each of current - 1 replicas would spend reading adapters from
     the store: the reads the replicas' demand would make from tiers (current - 1) ÷ current
-    of their own (replica/demand.py), at the mean read time. The re-reads measured now
-    cannot say it: where the current tiers hold the working set they are near 0, and so
-    is any multiple of them."""
-    fraction = fraction_for(current)
+    × `demand_overlap` of their own (replica/demand.py), at the mean read time. The re-reads
+    measured now cannot say it: where the current tiers hold the working set they are near
+    0, and so is any multiple of them."""
+    fraction = fraction_for(current, demand_overlap(reports))
     read_s = [r.read_s for r in reports if r.read_s > 0]
     if fraction is None or not read_s:
         return 0.0
     key = fraction_key(fraction)
     reads = sum(r.reads_at.get(key, 0.0) for r in reports)
     return reads * (sum(read_s) / len(read_s)) / (current - 1)
+
+
+def demand_overlap(reports: list[ReplicaReport]) -> float:
+    """The adapters the replicas' demand remembers, summed, ÷ the distinct ones among them
+    (merged from their sketches): how many replicas the router has sent each adapter to,
+    on average; 1 before any replica reports a sketch."""
+    sketches = [(r.demand_adapters, r.sketch) for r in reports if r.sketch]
+    distinct = distinct_adapters(sketches) if sketches else 0.0
+    if distinct <= 0:
+        return 1.0
+    return max(1.0, sum(count for count, _ in sketches) / distinct)
 
 
 def set_replicas(reports: list[ReplicaReport]) -> int:
@@ -438,6 +460,8 @@ def reports_of(ctx: Any) -> list[ReplicaReport]:
                 set_bytes=values[SET_BYTES] or 0.0,
                 tier_bytes=values[TIER_BYTES] or 0.0,
                 reads_at=_family(metrics, AUTOSCALE_READS_AT, replica),
+                demand_adapters=values[DEMAND_ADAPTERS] or 0.0,
+                sketch=frozenset(_family(metrics, AUTOSCALE_SKETCH, replica)),
             )
         )
     return reports

@@ -11,14 +11,18 @@ import pytest
 
 from loraplex.replica.demand import (
     READ_FRACTIONS,
+    SKETCH_K,
     AdapterDemand,
+    adapter_hash,
     che_reads,
+    distinct_adapters,
     fraction_for,
     fraction_key,
 )
 from loraplex.router.autoscaling import (
     LoraAutoscaling,
     ReplicaReport,
+    demand_overlap,
     step_down_busy,
     wanted,
 )
@@ -132,3 +136,77 @@ def test_a_replica_stays_while_its_demand_would_thrash_the_fewer_tiers():
     assert step_down_busy(flat_day_reports(reads_at=0.8), 3) == pytest.approx(0.36)
     # 0.2 reads/s each: 9% on two, a step down is fine
     assert wanted(flat_day_reports(reads_at=0.2), 3, s).replicas == 2
+
+
+def test_the_sketches_merge_into_the_distinct_adapters():
+    """Exact while every replica reported all its hashes; past SKETCH_K each, the merged
+    K-th smallest hash estimates the distinct count (to ~9%: within 25% here, where 4
+    replicas remember 1,500 of 2,000 adapters each)."""
+    names = [f"t{i}/a{i}@v1" for i in range(2000)]
+    small = [names[:50], names[25:100]]  # 125 remembered, 100 distinct
+    exact = [(len(s), frozenset(adapter_hash(a) for a in s)) for s in small]
+    assert distinct_adapters(exact) == 100
+    rng = np.random.default_rng(3)
+    sets = [rng.choice(names, 1500, replace=False) for _ in range(4)]
+    sketches = [(len(s), frozenset(sorted(adapter_hash(a) for a in s)[:SKETCH_K])) for s in sets]
+    union = len(set().union(*map(set, sets)))
+    assert distinct_adapters(sketches) == pytest.approx(union, rel=0.25)
+    # a replica's own sketch: how many it remembers, and its SKETCH_K smallest hashes
+    demand = AdapterDemand(0.0)
+    for i, a in enumerate(names[:300]):
+        demand.asked(a, 1, float(i))
+    count, hashes = demand.sketch(300.0)
+    assert count == 300 and hashes == sorted(adapter_hash(a) for a in names[:300])[:SKETCH_K]
+    # forgotten adapters leave it
+    assert demand.sketch(300.0 + 20 * 600.0) == (0, [])
+
+
+def overlapping_reports(reads_at: dict[float, float], overlap: float) -> list[ReplicaReport]:
+    """The flat-popularity day's evening (docs/cluster.md): four replicas each remembering
+    750 adapters, the router having sent each adapter to `overlap` of them on average."""
+    distinct = round(4 * 750 / overlap)
+    names = [f"a{i}" for i in range(distinct)]
+    sets = [[names[(750 * k + j) % distinct] for j in range(750)] for k in range(4)]
+    return [
+        ReplicaReport(
+            requests=4,
+            slots=16,
+            reads_per_s=0.0,
+            read_s=0.8,
+            utilisation=0.4,
+            set_bytes=2 * MiB,
+            tier_bytes=8 * MiB,
+            reads_at={fraction_key(f): r for f, r in reads_at.items()},
+            demand_adapters=750,
+            sketch=frozenset(sorted(adapter_hash(a) for a in s)[:SKETCH_K]),
+        )
+        for s in sets
+    ]
+
+
+def test_adapters_the_replicas_share_are_projected_once():
+    """The flat day's evening: four replicas whose demand projected 2.1 reads/s from tiers
+    3/4 of their own (0.56 of three replicas' time, past read_busy 0.3), but half of what
+    each remembered the others did too (3,020 remembered, 1,997 distinct), and three tiers
+    held the whole catalog: four replicas read 0-0.5 a second. Each of three replicas takes
+    4/3 of a share of the distinct demand: its own into a tier 3/4 x 1.5 of its own, which
+    the replicas' own tiers read 0.02 a second from."""
+    s = LoraAutoscaling()
+    reads = {0.75: 2.1 / 4, 1.0: 0.08 / 4}
+    shared = overlapping_reports(reads, overlap=1.5)
+    assert demand_overlap(shared) == pytest.approx(1.5, rel=0.25)
+    assert step_down_busy(shared, 4) == pytest.approx(0.08 * 0.8 / 3)
+    assert wanted(shared, 4, s).replicas == 3
+    # the same demand partitioned (no adapter on two replicas) keeps its fourth replica
+    apart = overlapping_reports(reads, overlap=1.0)
+    assert demand_overlap(apart) == pytest.approx(1.0, abs=0.01)
+    assert step_down_busy(apart, 4) == pytest.approx(2.1 * 0.8 / 3)
+    assert wanted(apart, 4, s).replicas == 4
+    # before any replica reports a sketch, nothing is shared
+    assert demand_overlap([ReplicaReport(requests=1, slots=16, reads_per_s=0, read_s=0)]) == 1.0
+
+
+def test_an_overlap_reaches_past_the_tier_itself():
+    assert fraction_for(4, overlap=1.5) == 1.0  # 3/4 x 1.5 = 1.125: the next smaller
+    assert fraction_for(2, overlap=3.0) == 1.5
+    assert fraction_for(3, overlap=0.5) == pytest.approx(2 / 3)  # never below no overlap

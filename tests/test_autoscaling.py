@@ -470,12 +470,15 @@ def test_a_replica_reports_the_adapters_asked_for_its_tiers_and_their_reads_and_
         set_bytes=12 * MiB,
         tier_bytes=8 * MiB,
         reads_at={0.5: 0.25, 1.0: 0.0},
+        sketch=(3, ["00ab", "01cd"]),
     )
     ctx = Context(["r0"], {name: {"r0": v} for name, v in report.items()}, current_time=0)
     (replica,) = reports_of(ctx)
     assert replica.set_bytes == 12 * MiB and replica.tier_bytes == 8 * MiB
     # the reads fewer tiers would make (replica/demand.py), by fraction
     assert replica.reads_at == {"0.500": 0.25, "1.000": 0.0}
+    # the adapters its demand remembers, and the smallest of their hashes
+    assert replica.demand_adapters == 3 and replica.sketch == {"00ab", "01cd"}
 
 
 def noisy_rise(loads: tuple[float, ...], seconds: int) -> tuple[int, float | None]:

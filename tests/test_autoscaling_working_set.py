@@ -24,9 +24,12 @@ from loraplex.registry.watch import RegistryWatcher
 from loraplex.replica.adapter_sync import AdapterSync
 from loraplex.replica.async_engine import Engine
 from loraplex.replica.config import CacheConfig, EngineConfig
+from loraplex.replica.demand import adapter_hash
 from loraplex.replica.deployment import ReplicaDeployment
 from loraplex.replica.protocol import (
+    AUTOSCALE_DEMAND_ADAPTERS,
     AUTOSCALE_SET_BYTES,
+    AUTOSCALE_SKETCH,
     AUTOSCALE_TIER_BYTES,
     AdapterNotFound,
     GenerateRequest,
@@ -89,6 +92,11 @@ def test_the_report_weighs_the_adapters_asked_for_against_the_replicas_tiers(
                 # the weights held; the registry's sizes are the files', a header more each
                 header = 8 << 10
                 assert held - 2 * header <= report[AUTOSCALE_TIER_BYTES] < held
+                # its demand: the two adapters asked for, and both their hashes (the policy
+                # merges the replicas' into the adapters they share)
+                assert report[AUTOSCALE_DEMAND_ADAPTERS] == 2
+                sketch = {k for k in report if k.startswith(AUTOSCALE_SKETCH)}
+                assert sketch == {AUTOSCALE_SKETCH + adapter_hash(ids[n]) for n in asked}
                 again = await replica.record_autoscaling_stats()  # nothing asked since
                 assert again[AUTOSCALE_SET_BYTES] == 0
             finally:

@@ -183,6 +183,7 @@ class ScalingFleetSim(FleetSim):
                 set_bytes=sum(self.catalog[a].nbytes for a in finished | set(queue)),
                 tier_bytes=tier_bytes,
                 reads_at=replica.demand.reads_per_s(tier_bytes, self.now) if tier_bytes else None,
+                sketch=replica.demand.sketch(self.now) if tier_bytes else None,
             )
         ongoing = sum(r.in_flight for r in self.replicas.values()) + len(self.pending)
         self.samples.append((self.now, float(ongoing), per_replica))

@@ -111,20 +111,27 @@ def flat_day_reports(reads_at: float, current: int = 3) -> list[ReplicaReport]:
     """The flat-popularity day at 3 replicas, as its reports read (docs/cluster.md): tiers
     that hold the working set (no re-reads, the per-report set a sample below them) and a
     load two replicas could take under scale_down_utilisation."""
-    key = fraction_key(fraction_for(current))  # type: ignore[arg-type]
-    return [
-        ReplicaReport(
-            requests=4,
-            slots=16,
-            reads_per_s=0.0,
-            read_s=0.3,
-            utilisation=0.35,
-            set_bytes=2 * MiB,
-            tier_bytes=8 * MiB,
-            reads_at={key: reads_at},
-        )
-        for _ in range(current)
-    ]
+    fraction = fraction_for(current)
+    assert fraction is not None
+    return [held_set_report(0.3, 0.35, {fraction: reads_at}) for _ in range(current)]
+
+
+def held_set_report(
+    read_s: float, utilisation: float, reads_at: dict[float, float], **demand
+) -> ReplicaReport:
+    """A replica of 16 slots holding 4 requests, whose tiers hold the working set (no
+    re-reads; the per-report set a sample below them), and its demand's projection."""
+    return ReplicaReport(
+        requests=4,
+        slots=16,
+        reads_per_s=0.0,
+        read_s=read_s,
+        utilisation=utilisation,
+        set_bytes=2 * MiB,
+        tier_bytes=8 * MiB,
+        reads_at={fraction_key(f): r for f, r in reads_at.items()},
+        **demand,
+    )
 
 
 def test_a_replica_stays_while_its_demand_would_thrash_the_fewer_tiers():
@@ -168,15 +175,10 @@ def overlapping_reports(reads_at: dict[float, float], overlap: float) -> list[Re
     names = [f"a{i}" for i in range(distinct)]
     sets = [[names[(750 * k + j) % distinct] for j in range(750)] for k in range(4)]
     return [
-        ReplicaReport(
-            requests=4,
-            slots=16,
-            reads_per_s=0.0,
-            read_s=0.8,
-            utilisation=0.4,
-            set_bytes=2 * MiB,
-            tier_bytes=8 * MiB,
-            reads_at={fraction_key(f): r for f, r in reads_at.items()},
+        held_set_report(
+            0.8,
+            0.4,
+            reads_at,
             demand_adapters=750,
             sketch=frozenset(sorted(adapter_hash(a) for a in s)[:SKETCH_K]),
         )

@@ -31,6 +31,7 @@ overlap of its own, a fraction above 1 where the overlap outweighs the replica l
 from __future__ import annotations
 
 import hashlib
+import heapq
 import math
 
 import numpy as np
@@ -108,16 +109,15 @@ class AdapterDemand:
             sizes.append(self._bytes[adapter])
         return np.asarray(rates, dtype=np.float64), np.asarray(sizes, dtype=np.float64)
 
-    def sketch(self, now: float) -> tuple[int, list[str]]:
-        """(adapters remembered, the SKETCH_K smallest of their hashes)."""
-        self.rates(now)  # forgets those decayed away
-        return len(self._hashes), sorted(self._hashes.values())[:SKETCH_K]
-
-    def reads_per_s(self, tier_bytes: float, now: float) -> dict[float, float]:
-        """For each of READ_FRACTIONS, the store reads per second this demand would make
-        from a tier of fraction × tier_bytes."""
-        rates, sizes = self.rates(now)
-        return {f: che_reads(rates, sizes, f * tier_bytes) for f in READ_FRACTIONS}
+    def report(
+        self, tier_bytes: float, now: float
+    ) -> tuple[dict[float, float], tuple[int, list[str]]]:
+        """What a replica reports of its demand, from one pass over it: for each of
+        READ_FRACTIONS the store reads per second it would make from a tier of fraction ×
+        tier_bytes; and (adapters remembered, the SKETCH_K smallest of their hashes)."""
+        rates, sizes = self.rates(now)  # forgets those decayed away
+        reads = {f: che_reads(rates, sizes, f * tier_bytes) for f in READ_FRACTIONS}
+        return reads, (len(self._hashes), heapq.nsmallest(SKETCH_K, self._hashes.values()))
 
 
 def che_reads(rates: np.ndarray, sizes: np.ndarray, capacity: float) -> float:

@@ -208,6 +208,7 @@ class ReplicaDeployment:
         held = self.sync.requests if self.sync else {}
         asked, self._asked = self._asked | {a for a, n in held.items() if n > 0}, set()
         tiers = tier_bytes(self.host_bytes, stats["adapters"]["held_bytes"])
+        reads_at, sketch = self.demand.report(tiers, now) if tiers else (None, None)
         return autoscaling_stats(
             requests=self.in_flight,
             slots=self.max_concurrency,
@@ -228,8 +229,8 @@ class ReplicaDeployment:
             adapter_queue=held,
             set_bytes=sum(self._adapter_bytes(a) for a in asked),
             tier_bytes=tiers,
-            reads_at=self.demand.reads_per_s(tiers, now) if tiers else None,
-            sketch=self.demand.sketch(now) if tiers else None,
+            reads_at=reads_at,
+            sketch=sketch,
         )
 
     def _adapter_bytes(self, adapter: str) -> int:

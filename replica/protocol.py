@@ -270,8 +270,8 @@ def autoscaling_stats(
     what its device pool and host tier can hold of them at most (0 where the host tier has
     no budget: it keeps every adapter, none is read again); `reads_at` the store reads per
     second its demand would make from a tier of each fraction of its own
-    (`AdapterDemand.reads_per_s`; none where tier_bytes is 0); `sketch` the adapters its
-    demand remembers and the smallest of their hashes (`AdapterDemand.sketch`)."""
+    (`AdapterDemand.report`; none where tier_bytes is 0); `sketch` the adapters its
+    demand remembers and the smallest of their hashes (the same report)."""
     hot = sorted(((n, a) for a, n in adapter_queue.items() if n > 0), reverse=True)
     return {
         AUTOSCALE_REQUESTS: float(requests),

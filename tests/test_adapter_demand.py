@@ -162,10 +162,10 @@ def test_the_sketches_merge_into_the_distinct_adapters():
     demand = AdapterDemand(0.0)
     for i, a in enumerate(names[:300]):
         demand.asked(a, 1, float(i))
-    count, hashes = demand.sketch(300.0)
+    _, (count, hashes) = demand.report(1 << 40, 300.0)
     assert count == 300 and hashes == sorted(adapter_hash(a) for a in names[:300])[:SKETCH_K]
     # forgotten adapters leave it
-    assert demand.sketch(300.0 + 20 * 600.0) == (0, [])
+    assert demand.report(1 << 40, 300.0 + 20 * 600.0)[1] == (0, [])
 
 
 def overlapping_reports(reads_at: dict[float, float], overlap: float) -> list[ReplicaReport]:

@@ -162,6 +162,7 @@ class ScalingFleetSim(FleetSim):
             self.marks[rid] = (self.now, reads, prompt, output)
             queue = replica.adapter_queue()
             tier_bytes = self._tier_bytes(replica.sim)
+            demand = replica.demand.report(tier_bytes, self.now) if tier_bytes else (None, None)
             per_replica[rid] = autoscaling_stats(
                 requests=replica.in_flight,
                 slots=replica.max_concurrency,
@@ -182,8 +183,8 @@ class ScalingFleetSim(FleetSim):
                 adapter_queue=queue,
                 set_bytes=sum(self.catalog[a].nbytes for a in finished | set(queue)),
                 tier_bytes=tier_bytes,
-                reads_at=replica.demand.reads_per_s(tier_bytes, self.now) if tier_bytes else None,
-                sketch=replica.demand.sketch(self.now) if tier_bytes else None,
+                reads_at=demand[0],
+                sketch=demand[1],
             )
         ongoing = sum(r.in_flight for r in self.replicas.values()) + len(self.pending)
         self.samples.append((self.now, float(ongoing), per_replica))

@@ -99,7 +99,10 @@ conv trace, adapters drawn Zipf-like from 32 of ranks 8–64) through loraplex's
 batching and through transformers + peft `generate` in mixed-adapter static batches,
 alternating rounds, median of the per-round ratios; the first greedy tokens are checked
 equal. `lora_overhead`: a decode step of batch 32 with 8 adapters of rank 16 on q/k/v/o ÷
-the base model's, interleaved rounds, fastest of each. `tp.*`: tp = 2 over gloo beside
+the base model's, interleaved rounds, fastest of each. The base model's GEMMs run on weights
+reordered once for oneDNN (`kernels/dense.py`); `dense_gemm_step_ratio` is that base step ÷
+the same step on F.linear, and `gemm_efficiency` times the GEMMs alone on the engine's own
+weights. `tp.*`: tp = 2 over gloo beside
 tp = 1, bytes rank 0 sends. `prefix.*`: 16 tenants with long system prompts, caching on ÷
 off on the same arrivals. `detok.*`: the output path's time per token at 2,000 ÷ at 20
 output tokens.""",

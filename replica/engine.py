@@ -76,7 +76,7 @@ class LLMEngine:
             self.model, mc = self.tp.model, self.tp.plan.rank_config
         else:
             self.model = LlamaModel(
-                mc, load_weights(Path(cfg.model), mc, device), self.max_model_len
+                mc, load_weights(Path(cfg.model), mc, device), self.max_model_len, cfg.dense_gemm
             )
         self.tokenizer = Tokenizer(cfg.model) if Tokenizer.exists(cfg.model) else None
         elem = torch.empty((), dtype=mc.dtype).element_size()

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from loraplex.replica.config import (
     AdapterLoading,
     CacheConfig,
+    DenseGemm,
     Dtype,
     EngineConfig,
     Eviction,
@@ -53,6 +54,7 @@ class EngineSettings(BaseModel):
     high_watermark: float = setting(CacheConfig, "high_watermark")
     host_mib: int | None = setting(CacheConfig, "host_bytes", unit=MiB)
     kernels: Kernels = setting(EngineConfig, "kernels")
+    dense_gemm: DenseGemm = setting(EngineConfig, "dense_gemm")
     stream_events_per_s: float = setting(EngineConfig, "stream_events_per_s")
     stream_events_per_s_per_stream: float = setting(EngineConfig, "stream_events_per_s_per_stream")
     enable_prefix_caching: bool = setting(EngineConfig, "enable_prefix_caching")
@@ -87,6 +89,7 @@ class EngineSettings(BaseModel):
             cache=self.cache_config(),
             seed=self.seed,
             kernels=self.kernels,
+            dense_gemm=self.dense_gemm,
             enable_prefix_caching=self.enable_prefix_caching,
             share_base_prefix=self.share_base_prefix,
             stream_events_per_s=self.stream_events_per_s,

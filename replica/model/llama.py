@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from loraplex.kernels.attention import write_kv
 from loraplex.kernels.backend import KernelBackend, TorchBackend
+from loraplex.kernels.dense import linear, pack, use_packed
 from loraplex.kernels.lora_tables import LoraLayout
 from loraplex.replica.model.config import ModelConfig
 from loraplex.replica.model.lora_groups import DOWN, GATE_UP, LORA_GROUPS, OUT, QKV
@@ -50,11 +51,28 @@ class ForwardOps:
         return logits
 
 
+DENSE = ("qkv", "o", "gate_up", "down")
+
+
 class LlamaModel:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_positions: int):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor],
+        max_positions: int,
+        dense_gemm: str,
+    ):
+        """dense_gemm: how the projections and the LM head multiply (kernels/dense.py); with
+        their weights reordered, `weights` holds the reordered copies in their place."""
         self.cfg = cfg
         self.w = weights
         device = weights["embed"].device
+        dense = [f"layers.{i}.{k}" for i in range(cfg.num_layers) for k in DENSE] + ["lm_head"]
+        # what the step's GEMMs read, whatever their layout
+        self.dense_bytes = sum(weights[k].nbytes for k in dense)
+        if use_packed(dense_gemm, device, weights["embed"].dtype):
+            for k in dense:  # a tied LM head is reordered apart from the embedding it shares
+                weights[k] = pack(weights[k])
         self.rope = RotaryEmbedding(cfg, max_positions, device)
         self.layers = [
             {
@@ -107,24 +125,24 @@ class LlamaModel:
         for i, layer in enumerate(self.layers):
             lora = loras[i]
             x = rms_norm(h, layer["input_norm"], cfg.rms_norm_eps)
-            qkv = F.linear(x, layer["qkv"])
+            qkv = linear(x, layer["qkv"])
             ops.lora(qkv, x, lora, QKV)
             qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, -1, cfg.head_dim)
             q, k = rotate(qk, cos, signed_sin).split((cfg.num_heads, cfg.num_kv_heads), dim=1)
             v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
             write_kv(kv_rows, k, v, batch.kv_rows[i, 0], batch.kv_rows[i, 1])
             attn = attention(q, i).reshape(t, cfg.q_size)
-            o = F.linear(attn, layer["o"])
+            o = linear(attn, layer["o"])
             ops.lora(o, attn, lora, OUT)
             h += ops.reduce(o)
 
             x = rms_norm(h, layer["post_norm"], cfg.rms_norm_eps)
-            gate_up = F.linear(x, layer["gate_up"])
+            gate_up = linear(x, layer["gate_up"])
             ops.lora(gate_up, x, lora, GATE_UP)
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-            down = F.linear(act, layer["down"])
+            down = linear(act, layer["down"])
             ops.lora(down, act, lora, DOWN)
             h += ops.reduce(down)
         h = rms_norm(h[batch.sample_idx], self.w["norm"], cfg.rms_norm_eps)
-        return ops.gather_logits(F.linear(h, self.w["lm_head"])).float()
+        return ops.gather_logits(linear(h, self.w["lm_head"])).float()

@@ -60,8 +60,10 @@ def _use_ray(launcher: Launcher) -> bool:
 class DriverModel(RankModel):
     """Rank 0's model: sends each step to the workers, then runs its own share."""
 
-    def __init__(self, plan, weights, max_positions: int, group: TensorParallelGroup):
-        super().__init__(plan, weights, max_positions)
+    def __init__(
+        self, plan, weights, max_positions: int, dense_gemm: str, group: TensorParallelGroup
+    ):
+        super().__init__(plan, weights, max_positions, dense_gemm)
         self.group = group
 
     def forward(self, batch: StepBatch, kv_cache, kv_rows) -> torch.Tensor:

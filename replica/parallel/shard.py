@@ -128,9 +128,15 @@ class RankModel(LlamaModel):
     """One rank's share of the model (`weights` read with `plan.checkpoint_part`). The
     LoRA of o and down writes the rank's slice of the hidden columns of the partial output."""
 
-    def __init__(self, plan: ShardPlan, weights: dict[str, torch.Tensor], max_positions: int):
+    def __init__(
+        self,
+        plan: ShardPlan,
+        weights: dict[str, torch.Tensor],
+        max_positions: int,
+        dense_gemm: str,
+    ):
         self.plan = plan
-        super().__init__(plan.rank_config, weights, max_positions)
+        super().__init__(plan.rank_config, weights, max_positions, dense_gemm)
 
     def output_columns(self, group: int) -> dict[str, tuple[int, int]]:
         if group in (OUT, DOWN):

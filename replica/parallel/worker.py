@@ -72,7 +72,7 @@ def load_rank(
     """(plan, model) of one rank: only its share of each matrix is read from disk."""
     plan = ShardPlan(model_config(cfg), rank, cfg.tp)
     weights = load_weights(Path(cfg.model), plan.cfg, device, plan.checkpoint_part)
-    return plan, cls(plan, plan.pad_head(weights), max_model_len, **kw)
+    return plan, cls(plan, plan.pad_head(weights), max_model_len, cfg.dense_gemm, **kw)
 
 
 class RankWorker:

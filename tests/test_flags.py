@@ -91,6 +91,7 @@ def test_generate_flags_make_the_engine_the_yaml_config_makes(tmp_path: Path):
         "high_watermark": 0.2,
         "host_mib": 64,
         "kernels": "torch",
+        "dense_gemm": "torch",
         "enable_prefix_caching": False,
         "share_base_prefix": True,
         "stream_events_per_s": 120.0,

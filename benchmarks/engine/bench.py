@@ -49,6 +49,7 @@ from loraplex.kernels.dense import linear
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.model.config import DTYPES
+from loraplex.replica.model.llama import DENSE
 from loraplex.replica.sampling import SamplingParams
 from loraplex.replica.scheduling.scheduler import SchedulerConfig
 from loraplex.settings import MiB
@@ -387,11 +388,7 @@ def interleaved(fns: list[Callable[[], object]], rounds: int) -> list[float]:
 def _gemm_pass(engine: LLMEngine, batch: int) -> Callable[[], None]:
     """The decode step's base GEMMs alone: the engine's own GEMM (`kernels/dense.py`) on
     the same weights, in the same layout, and shapes."""
-    weights = [
-        w
-        for layer in engine.model.layers
-        for w in (layer["qkv"], layer["o"], layer["gate_up"], layer["down"])
-    ]
+    weights = [layer[k] for layer in engine.model.layers for k in DENSE]
     weights.append(engine.model.w["lm_head"])
     inputs = [torch.randn(batch, w.shape[1], dtype=w.dtype) for w in weights]
 
@@ -400,10 +397,6 @@ def _gemm_pass(engine: LLMEngine, batch: int) -> Callable[[], None]:
             linear(x, w)
 
     return run
-
-
-def _base_bytes(engine: LLMEngine) -> int:
-    return engine.model.dense_bytes
 
 
 def _step_overheads(
@@ -455,13 +448,13 @@ def _step_overheads(
     if heavy is not None:
         heavy_t = t["decode_step_lora_32x_r8_64_all"]
         adapter_bytes = sum(heavy_engine.adapters.host[n].nbytes for n in heavy_names[:batch])
-        bound = adapter_bytes / _base_bytes(base_engine)
+        bound = adapter_bytes / base_engine.model.dense_bytes
         out["lora_overhead_heavy"] = heavy_t / base_t - 1
         out["lora_traffic_bound"] = bound
         out["lora_overhead_heavy_vs_bound"] = (heavy_t / base_t - 1) / bound
         out["timings_ms"] |= {
             "adapter_bytes_heavy": adapter_bytes,
-            "base_weight_bytes": _base_bytes(base_engine),
+            "base_weight_bytes": base_engine.model.dense_bytes,
         }
     return out
 

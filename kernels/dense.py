@@ -26,6 +26,14 @@ import torch.nn.functional as F
 # with it (a prefill of 300 tokens still gained 1.2x).
 PACK_BATCH = 16
 
+# `auto` leaves smaller weights plain: oneDNN's call costs ~15 us more than MKL's, which a
+# small GEMM does not win back. Per call on the 2-core EPYC (2 threads; F.linear /
+# reordered, us): 256x128 at 1 row 5.7 / 21.3, at 32 rows 26 / 44; 384x384 at 8 rows
+# 52 / 52; 512x512 at 8 rows 85 / 65 (at 1 row 36 / 49); 960x576 at 8 rows 152 / 98;
+# 3072x576 at 8 rows 520 / 201. SmolLM2's weights are all above it; the router bench's
+# 128-wide model's layers all below.
+MIN_PACKED_ELEMENTS = 512 * 512
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x Wᵀ, W plain ([out, in]) or reordered by `pack`."""
@@ -56,8 +64,20 @@ def packed_gemm_works(dtype: torch.dtype) -> bool:
     return got.shape == want.shape and torch.allclose(got, want, rtol=2e-2, atol=2e-2)
 
 
+def pack_in_place(choice: str, weights: dict[str, torch.Tensor], keys: list[str]) -> None:
+    """Reorders `weights[k]` in place for each key `choice` reorders (`engine.dense_gemm`):
+    auto, those of at least MIN_PACKED_ELEMENTS on a CPU where it works; onednn, every
+    one (a clear error where it cannot); torch, none."""
+    first = weights[keys[0]]
+    if not use_packed(choice, first.device, first.dtype):
+        return
+    for k in keys:
+        if choice == "onednn" or weights[k].numel() >= MIN_PACKED_ELEMENTS:
+            weights[k] = pack(weights[k])
+
+
 def use_packed(choice: str, device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the model's dense weights are reordered (`engine.dense_gemm`): auto, on a CPU
+    """Whether `choice` reorders weights of this device and dtype at all: auto, on a CPU
     where it works; onednn insists (a clear error where it cannot); torch never."""
     if choice == "torch":
         return False

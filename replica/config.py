@@ -271,9 +271,10 @@ class EngineConfig:
     dense_gemm: DenseGemm = Field(
         "auto",
         description="The base model's GEMMs: auto (on a CPU, float32 or bfloat16 weights "
-        "reordered once at load into oneDNN's layout, about twice F.linear's speed on a "
-        "decode batch of an AMD EPYC; F.linear elsewhere, or where this torch lacks the op), "
-        "onednn (insist) or torch (F.linear). A tied LM head is then a copy beside the "
+        "of at least 512 x 512 elements reordered once at load into oneDNN's layout, about "
+        "twice F.linear's speed on a decode batch of an AMD EPYC; F.linear for smaller "
+        "weights, elsewhere, or where this torch lacks the op), onednn (reorder every "
+        "weight) or torch (F.linear). A tied LM head, reordered, is a copy beside the "
         "embedding: vocab x hidden more bytes.",
     )
     tp: int = Field(

@@ -7,7 +7,14 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.demo.assets import DemoAssets
-from loraplex.kernels.dense import linear, pack, packed_gemm_works, use_packed
+from loraplex.kernels.dense import (
+    MIN_PACKED_ELEMENTS,
+    linear,
+    pack,
+    pack_in_place,
+    packed_gemm_works,
+    use_packed,
+)
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.sampling import SamplingParams
@@ -48,6 +55,28 @@ def test_each_choice_reorders_where_it_should_and_onednn_says_why_it_cannot():
         use_packed("onednn", torch.device("cuda"), torch.float32)
     with pytest.raises(ValueError, match="here: cpu, float16"):
         use_packed("onednn", CPU, torch.float16)
+
+
+@needs_onednn
+def test_auto_leaves_a_small_weight_plain_and_onednn_reorders_every_one():
+    """A small GEMM loses on the reordered layout (oneDNN's call costs more than MKL's):
+    auto keeps the router bench's 128-wide layers plain and reorders SmolLM2's."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"small": (256, 128), "narrow": (128, 352), "edge": (512, 512), "big": (960, 576)}
+    assert 128 * 352 < 512 * 512 == MIN_PACKED_ELEMENTS
+    plain = {k: torch.randn(*s, generator=gen) for k, s in shapes.items()}
+    for choice, want in (
+        ("auto", {"edge", "big"}),
+        ("onednn", set(shapes)),
+        ("torch", set()),
+    ):
+        weights = dict(plain)
+        pack_in_place(choice, weights, list(shapes))
+        assert {k for k, w in weights.items() if w.is_mkldnn} == want, choice
+        x = torch.randn(8, 576, generator=gen)
+        for k, w in weights.items():
+            xk = x[:, : w.shape[1]]
+            torch.testing.assert_close(linear(xk, w), F.linear(xk, plain[k]), rtol=1e-4, atol=1e-4)
 
 
 @needs_onednn

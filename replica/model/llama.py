@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from loraplex.kernels.attention import write_kv
 from loraplex.kernels.backend import KernelBackend, TorchBackend
-from loraplex.kernels.dense import linear, pack, use_packed
+from loraplex.kernels.dense import linear, pack_in_place
 from loraplex.kernels.lora_tables import LoraLayout
 from loraplex.replica.model.config import ModelConfig
 from loraplex.replica.model.lora_groups import DOWN, GATE_UP, LORA_GROUPS, OUT, QKV
@@ -70,9 +70,8 @@ class LlamaModel:
         dense = [f"layers.{i}.{k}" for i in range(cfg.num_layers) for k in DENSE] + ["lm_head"]
         # what the step's GEMMs read, whatever their layout
         self.dense_bytes = sum(weights[k].nbytes for k in dense)
-        if use_packed(dense_gemm, device, weights["embed"].dtype):
-            for k in dense:  # a tied LM head is reordered apart from the embedding it shares
-                weights[k] = pack(weights[k])
+        # a tied LM head, reordered, is a copy apart from the embedding it shares
+        pack_in_place(dense_gemm, weights, dense)
         self.rope = RotaryEmbedding(cfg, max_positions, device)
         self.layers = [
             {

@@ -36,6 +36,7 @@ SMALL = replace(
     failover_factors=(0.3,),
     request_timeout_s=60.0,
     repeats=2,
+    capacity_bursts=2,
     min_requests=0,  # the window's: a functional run, not a p99
 )
 WORKLOAD_KEYS = {
@@ -96,6 +97,10 @@ def test_router_bench_serves_every_request_and_reports_every_key(capsys, tmp_pat
     assert zipf["repetitions_per_rate"][0] == 2
     for router in bench_router.ROUTERS:
         assert results["lora_capacity_rps"][router] > 0, results["lora_capacity_rps"]
+        # each router's capacity is the median of its bursts (with two, their mean)
+        bursts = results["lora_capacity_bursts_rps"][router]
+        assert len(bursts) == 2 and all(b > 0 for b in bursts), bursts
+        assert results["lora_capacity_rps"][router] == pytest.approx(sum(bursts) / 2)
         assert len(results["rates_over_lora_capacity"][router]) == len(SMALL.all_rate_factors)
     costs = results["router_costs"]
     assert 0 < costs["host_load_cost_s"] <= costs["load_cost_s"] and costs["request_time_s"] > 0

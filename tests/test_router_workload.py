@@ -47,3 +47,17 @@ def test_rates_past_the_grid_must_ascend_from_its_top():
     with pytest.raises(ValueError, match="must ascend"):
         replace(QUICK, extra_rate_factors=(1.2, 1.7))  # QUICK's grid tops at 1.3
     assert replace(QUICK, extra_rate_factors=(1.7,)).all_rate_factors[-2:] == (1.3, 1.7)
+
+
+def test_each_router_takes_each_place_once_a_rotation_and_bursts_must_be_positive():
+    """The repetitions and the LoRA capacity bursts rotate the routers' order: over three
+    rounds each router runs first, second and last once."""
+    routers = ("affinity", "pow2", "multiplex")
+    orders = [QUICK.rotated(routers, k) for k in range(3)]
+    assert orders[0] == routers and orders[1] == ("pow2", "multiplex", "affinity")
+    for place in range(3):
+        assert sorted(order[place] for order in orders) == sorted(routers)
+    assert QUICK.rotated(routers, 3) == routers
+    assert QUICK.capacity_bursts == 3
+    with pytest.raises(ValueError, match="capacity_bursts must be > 0"):
+        replace(QUICK, capacity_bursts=0)

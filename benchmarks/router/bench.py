@@ -47,16 +47,19 @@ is the median over the repetitions, every ratio also its 90% bootstrap interval
 Wall time of `--quick` on a quiet 2-core machine: 36 minutes in the run of 2026-11-27
 14:34, three repetitions (8 s windows: a run took ~9.7 s with its counters, a workload's three warm-ups ~12 s,
 three apps ~5 s each to start; per repetition 3 x (12 runs + warm-ups) + failover (3 x
-~26 s + warm-ups), 10 app sets (8 workloads', the capacity burst's and the LoRA bursts')
-started together and deleted ~ 15 s each, assets, costs and Ray ~ 25 s, then the fairness
-and prefix sections ~ 4 minutes).
+~26 s + warm-ups), 14 app sets (12 workload runs', the capacity burst's and the LoRA
+bursts') started together and deleted ~ 15 s each, assets, costs and Ray ~ 25 s, then the
+fairness and prefix sections ~ 4 minutes). On 2026-12-01, with the machine ~1.6 x slower,
+it took 60 minutes.
 
 Before the runs one engine of the replicas' configuration measures (benchmarks/router/costs.py)
 the costs the affinity router is told and the unloaded TTFT (a request alone on an idle
 engine that reads its adapter from the store); `capacity_rps` is what the first app shows on
-a saturating burst of base-model requests, and `lora_capacity_rps` per router a burst of the
-zipf workload's own requests (after its warm-up) through a fresh app of that router, which
-pays the adapters' reads, loads and segments. The offered rates are fractions of the best
+a saturating burst of base-model requests, and `lora_capacity_rps` per router the median of
+`capacity_bursts` bursts (QUICK 3; each in `lora_capacity_bursts_rps`) of the zipf workload's
+own requests (after its warm-up) through that router's app, the routers' order rotated
+round to round, which pays the adapters' reads, loads and segments (one burst each measured
+affinity anywhere from 19.7 to 43 req/s across five runs). The offered rates are fractions of the best
 router's LoRA capacity (`rate_basis_rps`, the same rates for every router;
 `rates_over_lora_capacity` states them against each router's): the base burst overstates
 what the replicas sustain on LoRA work (in the run of 2026-11-27 its 0.7 and 0.9 were 1.9-3.0 x
@@ -80,6 +83,7 @@ import asyncio
 import contextlib
 import math
 import os
+import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -204,15 +208,14 @@ def run_measured(
         calibration["capacity_rps"] = _capacity(routers[0], w, cluster)
         log(f"capacity: {calibration['capacity_rps']:.1f} req/s (base model, saturated)")
         names = list(cluster.paths)  # version ids, in catalog order
-        calibration["lora_capacity_rps"] = {
-            router: _lora_capacity(router, w, cluster, names, calibration["capacity_rps"])
-            for router in routers
-        }
-        log(f"LoRA-workload capacity (zipf, saturated): {calibration['lora_capacity_rps']}")
+        bursts = _lora_capacity_bursts(routers, w, cluster, names, calibration["capacity_rps"])
+        calibration["lora_capacity_bursts_rps"] = bursts
+        calibration["lora_capacity_rps"] = {r: statistics.median(b) for r, b in bursts.items()}
+        log(f"LoRA-workload capacity (zipf, saturated, median of bursts): {bursts}")
         calibration["rate_basis_rps"] = rate_basis(calibration["lora_capacity_rps"])
         reps = []
         for rep in range(w.repeats):
-            order = routers[rep % len(routers) :] + routers[: rep % len(routers)]
+            order = w.rotated(routers, rep)
             runs = {}
             for i, workload in enumerate(workloads):
                 with _fresh_apps(order, w, cluster, f"{workload}-{rep}") as apps:
@@ -292,27 +295,39 @@ def rate_basis(lora_capacity_rps: dict[str, float]) -> float:
     return max(lora_capacity_rps.values())
 
 
-def _lora_capacity(
-    router: str, w: Workload, cluster: BenchCluster, names: list[str], capacity: float
-) -> float:
-    """What the replicas serve when saturated with the zipf workload's own requests, through
-    `router`: its warm-up (one 1-token request per adapter at the sweep's lowest rate), then
-    `_capacity`'s 10 full batches per replica all at once, of the workload's adapters and
-    lengths, so it pays their reads, loads and adapter segments; completions per second."""
+def _lora_capacity_bursts(
+    routers: tuple[str, ...], w: Workload, cluster: BenchCluster, names: list[str], capacity: float
+) -> dict[str, list[float]]:
+    """What the replicas serve when saturated with the zipf workload's own requests, per
+    router: `w.capacity_bursts` bursts of `_capacity`'s 10 full batches per replica all at
+    once, of the workload's adapters and lengths, so they pay their reads, loads and adapter
+    segments; completions per second. One app per router, deployed together as in the
+    sweeps, each warmed first (one 1-token request per adapter at the sweep's lowest rate);
+    every round sends the same burst to each router, the order rotated. One burst each was
+    noise: affinity's measured 19.7 to 43 req/s across five runs, and the best router's
+    sets every rate of the sweep (`rate_basis`)."""
     rate = w.rate_factors[0] * capacity
     warm = fw.requests(
         "zipf", names, len(names), rate, fw.Lengths(prompt=(16, 16), output=(1, 1)), seed=7
     )
     n = 10 * w.num_replicas * w.max_num_seqs
     lengths = fw.Lengths(prompt=w.prompt_tokens, output=w.output_tokens)
-    burst = [replace(r, arrival=0.0) for r in fw.requests("zipf", names, n, rate, lengths, seed=8)]
-    with _fresh_apps((router,), w, cluster, "lora-capacity") as apps:
-        backend = apps[router].backend
-        asyncio.run(drive(backend, _bench(warm, w), "lora-capacity-warm", w.request_timeout_s))
-        outcomes, elapsed = asyncio.run(
-            drive(backend, _bench(burst, w), "lora-capacity", w.request_timeout_s)
-        )
-    return sum(o.error is None for o in outcomes) / elapsed
+    bursts: dict[str, list[float]] = {router: [] for router in routers}
+    with _fresh_apps(routers, w, cluster, "lora-capacity") as apps:
+        for router in routers:
+            backend = apps[router].backend
+            asyncio.run(drive(backend, _bench(warm, w), "lora-capacity-warm", w.request_timeout_s))
+        for k in range(w.capacity_bursts):
+            burst = fw.requests("zipf", names, n, rate, lengths, seed=8 + k)
+            burst = [replace(r, arrival=0.0) for r in burst]
+            for router in w.rotated(routers, k):
+                outcomes, elapsed = asyncio.run(
+                    drive(
+                        apps[router].backend, _bench(burst, w), "lora-capacity", w.request_timeout_s
+                    )
+                )
+                bursts[router].append(sum(o.error is None for o in outcomes) / elapsed)
+    return bursts
 
 
 def _sweep(

@@ -89,6 +89,7 @@ def summary(
         "slo_s": slo,
         "capacity_rps": calibration["capacity_rps"],
         "lora_capacity_rps": calibration.get("lora_capacity_rps"),
+        "lora_capacity_bursts_rps": calibration.get("lora_capacity_bursts_rps"),
         "rate_basis_rps": calibration["rate_basis_rps"],
         "rates_over_lora_capacity": {
             router: [f * calibration["rate_basis_rps"] / c for f in w.all_rate_factors]
@@ -202,9 +203,13 @@ def print_table(r: dict[str, Any]) -> None:
     )
     if r.get("lora_capacity_rps"):
         print(
-            "LoRA-workload capacity (zipf burst): "
+            "LoRA-workload capacity (zipf bursts, median): "
             + ", ".join(
-                f"{router} {c:.1f} req/s (rates "
+                f"{router} {c:.1f} req/s ("
+                + "/".join(
+                    f"{b:.1f}" for b in (r.get("lora_capacity_bursts_rps") or {}).get(router, [])
+                )
+                + "; rates "
                 + "/".join(f"{x:.2f}" for x in r["rates_over_lora_capacity"][router])
                 + " x it)"
                 for router, c in r["lora_capacity_rps"].items()

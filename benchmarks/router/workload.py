@@ -32,6 +32,8 @@ class Workload:
     request_timeout_s: float = 120.0
     seed: int = 0
     repeats: int = 3  # the whole comparison again, fresh apps, the router order rotated
+    # LoRA capacity bursts per router, the order rotated; its capacity is their median
+    capacity_bursts: int = 3
     min_requests: int = 0  # a run's arrivals span at least this many requests
     # run one at a time past the grid, in order, while some router's p99 still held the SLO
     # at the highest rate run (bench.py `_sweep`): a goodput at the grid's top is a floor
@@ -74,8 +76,18 @@ class Workload:
         grid = self.all_rate_factors
         if any(b <= a for a, b in pairwise(grid)):
             raise ValueError(f"rate factors must ascend, extra ones past the grid: {grid}")
-        if self.num_replicas < 1 or self.window_s <= 0 or self.repeats < 1:
-            raise ValueError("num_replicas, window_s and repeats must be > 0")
+        if (
+            self.num_replicas < 1
+            or self.window_s <= 0
+            or min(self.repeats, self.capacity_bursts) < 1
+        ):
+            raise ValueError("num_replicas, window_s, repeats and capacity_bursts must be > 0")
+
+    @staticmethod
+    def rotated(routers: tuple[str, ...], k: int) -> tuple[str, ...]:
+        """The routers' order in round k: each runs first, second, ... once per len rounds."""
+        k %= len(routers)
+        return routers[k:] + routers[:k]
 
 
 def workload_dict(w: Workload) -> dict[str, Any]:

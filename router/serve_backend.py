@@ -152,8 +152,9 @@ class ServeBackend:
                         f"request {request['request_id']}: the replica failed after streaming "
                         f"began, and {resumes} resumes on other replicas failed too: {error}"
                     ) from error
+                if resumes == 0:  # streams, not tries: a resume may reach the dead replica
+                    self.resumed += 1
                 resumes += 1
-                self.resumed += 1
                 log.warning(
                     "request %s: its replica failed after %d tokens (%s); resuming elsewhere",
                     request["request_id"],

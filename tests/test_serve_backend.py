@@ -7,13 +7,17 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from ray.exceptions import RayActorError
+
 from loraplex.replica.protocol import GenerateChunk, GenerateRequest
 from loraplex.router.serve_backend import ServeBackend
 
 
 class RecordedStream:
-    def __init__(self, chunks: list[GenerateChunk]):
+    def __init__(self, chunks: list[GenerateChunk], dies: bool = False):
+        """dies: the replica dies after the chunks (a dead actor's error, as Ray raises)."""
         self.chunks = chunks
+        self.dies = dies
         self.cancelled = False
 
     def __aiter__(self):
@@ -22,6 +26,8 @@ class RecordedStream:
     async def _items(self):
         for chunk in self.chunks:
             yield chunk
+        if self.dies:
+            raise RayActorError()
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -82,3 +88,19 @@ def test_a_stream_read_to_its_last_chunk_is_not_cancelled_one_left_early_is():
 
     assert len(asyncio.run(read(backend, 1))) == 1
     assert left.cancelled  # the caller went away mid-stream: the replica must stop
+
+
+def test_a_stream_resumed_twice_counts_once_among_the_streams_resumed():
+    """Its replica dies mid-stream, and the resume lands on the dead replica again (routers
+    still count it in for a moment): the client gets every token once, and `resumed`, the
+    ingress's count of streams resumed (its metric and the kill tests' bound), counts the
+    stream once. It counted each try: a fresh-clone CI run read 5 resumed of the 3 streams
+    the killed replica held."""
+    first = RecordedStream([chunk([1, 2], False)], dies=True)
+    dead_again = RecordedStream([], dies=True)
+    rest = RecordedStream([chunk([3, 4], True)])
+    backend = ServeBackend(RecordingHandle([first, dead_again, rest]))  # type: ignore[arg-type]
+
+    chunks = asyncio.run(read(backend, None))
+    assert [i for c in chunks for i in c["new_token_ids"]] == [1, 2, 3, 4]
+    assert backend.resumed == 1

@@ -306,9 +306,10 @@ def _lora_capacity_bursts(
     every round sends the same burst to each router, the order rotated. One burst each was
     noisy (affinity's measured 19.7 to 43 req/s across five runs), and the best router's
     sets every rate of the sweep (`rate_basis`). Three in the run of 2026-12-02 showed
-    affinity's steady below the others' (11.9-18.5 against 25.2-30.4 req/s): not imbalance
-    (its replicas took even shares) nor its choose() (0.9 s of the driver's 19.6 s CPU), but
-    how Serve's routing tasks retry a saturated fleet through its ranks (the issue's note)."""
+    affinity's steady below the others' (11.9-18.5 against 25.2-30.4 req/s). Not imbalance
+    (its replicas took even shares) nor its choose() (0.9 s of the driver's 19.6 s CPU): the
+    driver's router spends its time sending requests that replicas turn away, and cancelling
+    them (the issue's note has the profile)."""
     rate = w.rate_factors[0] * capacity
     warm = fw.requests(
         "zipf", names, len(names), rate, fw.Lengths(prompt=(16, 16), output=(1, 1)), seed=7

@@ -58,8 +58,8 @@ engine that reads its adapter from the store); `capacity_rps` is what the first 
 a saturating burst of base-model requests, and `lora_capacity_rps` per router the median of
 `capacity_bursts` bursts (QUICK 3; each in `lora_capacity_bursts_rps`) of the zipf workload's
 own requests (after its warm-up) through that router's app, the routers' order rotated
-round to round, which pays the adapters' reads, loads and segments (one burst each measured
-affinity anywhere from 19.7 to 43 req/s across five runs). The offered rates are fractions of the best
+round to round, which pays the adapters' reads, loads and segments (`_lora_capacity_bursts`
+says why several, and what they showed). The offered rates are fractions of the best
 router's LoRA capacity (`rate_basis_rps`, the same rates for every router;
 `rates_over_lora_capacity` states them against each router's): the base burst overstates
 what the replicas sustain on LoRA work (in the run of 2026-11-27 its 0.7 and 0.9 were 1.9-3.0 x
@@ -275,13 +275,21 @@ def _capacity(router: str, w: Workload, cluster: BenchCluster) -> float:
     """What the replicas serve when saturated: 10 full batches' worth of base-model
     requests of mean lengths, all at once, through one app of its own; completions per
     second."""
-    n = 10 * w.num_replicas * w.max_num_seqs
     prompt = ordinary_ids(sum(w.prompt_tokens) // 2, w.model.vocab_size)
     out = sum(w.output_tokens) // 2
-    burst = [BenchRequest(0.0, None, prompt, out) for _ in range(n)]
+    burst = [BenchRequest(0.0, None, prompt, out) for _ in range(_burst_size(w))]
     with _fresh_apps((router,), w, cluster, "capacity") as apps:
-        backend = apps[router].backend
-        outcomes, elapsed = asyncio.run(drive(backend, burst, "capacity", w.request_timeout_s))
+        return _served_per_s(apps[router], burst, "capacity", w)
+
+
+def _burst_size(w: Workload) -> int:
+    """A saturating burst: 10 full batches per replica."""
+    return 10 * w.num_replicas * w.max_num_seqs
+
+
+def _served_per_s(app: App, burst: list[BenchRequest], tag: str, w: Workload) -> float:
+    """Completions per second of `burst`, sent all through `app`."""
+    outcomes, elapsed = asyncio.run(drive(app.backend, burst, tag, w.request_timeout_s))
     return sum(o.error is None for o in outcomes) / elapsed
 
 
@@ -314,23 +322,16 @@ def _lora_capacity_bursts(
     warm = fw.requests(
         "zipf", names, len(names), rate, fw.Lengths(prompt=(16, 16), output=(1, 1)), seed=7
     )
-    n = 10 * w.num_replicas * w.max_num_seqs
     lengths = fw.Lengths(prompt=w.prompt_tokens, output=w.output_tokens)
     bursts: dict[str, list[float]] = {router: [] for router in routers}
     with _fresh_apps(routers, w, cluster, "lora-capacity") as apps:
         for router in routers:
-            backend = apps[router].backend
-            asyncio.run(drive(backend, _bench(warm, w), "lora-capacity-warm", w.request_timeout_s))
+            _served_per_s(apps[router], _bench(warm, w), "lora-capacity-warm", w)
         for k in range(w.capacity_bursts):
-            burst = fw.requests("zipf", names, n, rate, lengths, seed=8 + k)
-            burst = [replace(r, arrival=0.0) for r in burst]
+            zipf = fw.requests("zipf", names, _burst_size(w), rate, lengths, seed=8 + k)
+            burst = _bench([replace(r, arrival=0.0) for r in zipf], w)
             for router in w.rotated(routers, k):
-                outcomes, elapsed = asyncio.run(
-                    drive(
-                        apps[router].backend, _bench(burst, w), "lora-capacity", w.request_timeout_s
-                    )
-                )
-                bursts[router].append(sum(o.error is None for o in outcomes) / elapsed)
+                bursts[router].append(_served_per_s(apps[router], burst, "lora-capacity", w))
     return bursts
 
 

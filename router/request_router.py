@@ -6,7 +6,9 @@ its cache has none), moving to the next rank when a rank is full, and backing of
 every rank is. This class only translates: each replica's published routing stats
 (`record_routing_stats` of replica/deployment.py) become `ReplicaStats`, the policy ranks
 them, and every replica becomes a rank of its own, best first, except those Serve already
-knows to be full: last, in one rank (`ranks_by_room`).
+knows to be full: last, two of them at random in one rank (`ranks_by_room`). Each choice
+waits for one turn of the event loop first, so that Serve has counted the requests already
+placed (`yield_before_choosing`).
 
 The adapter is the request's `multiplexed_model_id` ("" for the base model), set by the
 caller through `handle.options(multiplexed_model_id=...)`: a version id,
@@ -25,7 +27,9 @@ each choice with the request it was made for.
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -39,6 +43,7 @@ from loraplex.router.policy import AffinityConfig, AffinityPolicy
 from loraplex.router.routing_stats import ReplicaStats
 
 _MEMO = 1024  # requests whose prefix keys are kept between choosing and routing
+_RNG = random.Random()  # the pair of full replicas probed (`ranks_by_room`)
 
 if TYPE_CHECKING:
     from ray.serve._private.replica_result import ReplicaResult
@@ -54,6 +59,10 @@ class AffinityRequestRouter(RequestRouter):
         self._parsed: dict[str, tuple[dict[str, Any], ReplicaStats]] = {}
         live_routers.add(self)
         self._prefixes: collections.OrderedDict[str, tuple[bytes, ...]] = collections.OrderedDict()
+        # Sends to replicas, and those a replica accepted: the difference, once nothing is in
+        # flight, is how many it turned away (at max_ongoing_requests).
+        self.sends = 0
+        self.accepted = 0
 
     def initialize_state(self, **config: Any) -> None:
         """`request_router_kwargs`: AffinityConfig fields."""
@@ -67,6 +76,11 @@ class AffinityRequestRouter(RequestRouter):
         if pending_request is not None:
             # Every rank was tried once: let Serve back off before asking again.
             pending_request.routing_context.should_backoff = True
+        # Let the requests already given a replica be sent before choosing again: Serve
+        # counts a send in its queue-length cache only when the request's own task resumes,
+        # and a routing task that never yields hands every pending request to the same
+        # replica with room (see `yield_before_choosing`).
+        await yield_before_choosing()
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         stats = [self._replica_stats(r) for r in candidate_replicas]
         prefix = self._prefix(pending_request, stats)
@@ -75,9 +89,14 @@ class AffinityRequestRouter(RequestRouter):
             [by_id[replica_id] for replica_id in ranked], self.replica_queue_len_cache.get
         )
 
+    def on_send_request(self, replica_id: ReplicaID) -> None:
+        self.sends += 1
+        super().on_send_request(replica_id)
+
     def on_request_routed(
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
+        self.accepted += 1
         prefix = self._prefixes.pop(pending_request.metadata.request_id, ())
         self.policy.observe(
             _adapter(pending_request), replica_id.unique_id, prefix, _prompt_tokens(pending_request)
@@ -121,23 +140,48 @@ class AffinityRequestRouter(RequestRouter):
         return stats if queue_len is None else replace(stats, queue_len=queue_len)
 
 
+async def yield_before_choosing() -> None:
+    """One turn of the event loop. Serve's routing task gives a chosen replica to a request
+    by resolving its future (ray/serve/_private/request_router/request_router.py,
+    `_fulfill_pending_requests`), and only the request's own task, once it resumes, sends
+    it and adds it to the queue-length cache (router.py, `_route_and_send_request_once`,
+    `on_send_request`). Without a turn in between, the routing task goes on to the next
+    pending request with the cache as it was: in a burst, every pending request went to
+    the one replica the cache showed with room, and all but its free slots were turned
+    away and routed again. On the router bench's LoRA-capacity burst (480 requests, 3
+    replicas at max_ongoing_requests 32) that was 5,500-6,130 sends turned away, 12 a
+    request (Serve's power of two: 530-900), and 14-16 completions a second against its
+    23-34; with the turn, 1,110-1,310 turned away and 19-24 a second. Ray's own routers
+    choose a random pair, which spreads the same herd over replicas; ranks ordered by
+    room put it all on one."""
+    await asyncio.sleep(0)
+
+
 def ranks_by_room(
-    ranked: list[RunningReplica], queue_len: Callable[[ReplicaID], int | None]
+    ranked: list[RunningReplica],
+    queue_len: Callable[[ReplicaID], int | None],
+    rng: random.Random | None = None,
 ) -> list[list[RunningReplica]]:
     """Serve's ranks from the policy's order: each replica a rank of its own, best first,
     but those Serve's queue-length cache says are full (at `max_ongoing_requests`) last and
-    together. Serve probes a full replica before sending to it, and each rank it finds full
-    raises the next probe's deadline (0.1 s, doubling up to 1 s, ray/serve/_private/
-    request_router/request_router.py, `_probe_queue_lens`): with a rank each, a saturated
-    fleet of N was probed one replica after another, N deadlines an attempt, each a round
-    trip to a busy replica; in one rank they are probed at once, as Ray's own routers' ranks
-    are, and Serve takes the least loaded with room."""
+    together, two of them at random when more are full. Serve probes a full replica before
+    sending to it, and each rank it finds full raises the next probe's deadline (0.1 s,
+    doubling up to 1 s, ray/serve/_private/request_router/request_router.py,
+    `_probe_queue_lens`): with a rank each, a saturated fleet of N was probed one replica
+    after another, N deadlines an attempt, each a round trip to a busy replica; in one rank
+    they are probed at once, as Ray's own routers' ranks are, and Serve takes the least
+    loaded with room. All of them in that rank sent every routing task probing at once to
+    the same least loaded one, where all but the first were turned away; a random pair, as
+    Serve's power of two draws, spreads them (the LoRA-capacity burst's sends turned away:
+    1,110-1,310 with every full replica in the rank, 650-720 with a pair)."""
     room, full = [], []
     for replica in ranked:
         held = queue_len(replica.replica_id)
         (full if held is not None and held >= replica.max_ongoing_requests else room).append(
             replica
         )
+    if len(full) > 2:
+        full = (rng or _RNG).sample(full, 2)
     return [[replica] for replica in room] + ([full] if full else [])
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 from loraplex.router.request_router import ranks_by_room
@@ -31,5 +32,16 @@ def test_full_replicas_go_last_together_so_serve_probes_them_at_once():
     ranked = [Replica("home"), Replica("b"), Replica("c"), Replica("d", max_ongoing_requests=64)]
     held = {"home": 32, "b": 40, "c": 3, "d": 40}
     assert names(ranks_by_room(ranked, held.get)) == [["c"], ["d"], ["home", "b"]]
+
+
+def test_of_more_than_two_full_replicas_a_random_pair_is_probed():
+    """Every routing task probing all the full replicas at once picked the same least loaded
+    one, and all but the first were turned away: each draws two, as Serve's power of two
+    does, and over many draws every full replica is in some pair."""
+    ranked = [Replica("home"), Replica("b"), Replica("c"), Replica("d", max_ongoing_requests=64)]
     saturated = {"home": 32, "b": 32, "c": 33, "d": 64}
-    assert names(ranks_by_room(ranked, saturated.get)) == [["home", "b", "c", "d"]]
+    rng = random.Random(0)
+    pairs = [names(ranks_by_room(ranked, saturated.get, rng)) for _ in range(200)]
+    assert all(len(p) == 1 and len(p[0]) == 2 == len(set(p[0])) for p in pairs)
+    assert {r for p in pairs for r in p[0]} == {"home", "b", "c", "d"}
+    assert len({tuple(sorted(p[0])) for p in pairs}) == 6  # each of the four's six pairs

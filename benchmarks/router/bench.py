@@ -313,11 +313,11 @@ def _lora_capacity_bursts(
     sweeps, each warmed first (one 1-token request per adapter at the sweep's lowest rate);
     every round sends the same burst to each router, the order rotated. One burst each was
     noisy (affinity's measured 19.7 to 43 req/s across five runs), and the best router's
-    sets every rate of the sweep (`rate_basis`). Three in the run of 2026-12-02 showed
-    affinity's steady below the others' (11.9-18.5 against 25.2-30.4 req/s). Not imbalance
-    (its replicas took even shares) nor its choose() (0.9 s of the driver's 19.6 s CPU): the
-    driver's router spends its time sending requests that replicas turn away, and cancelling
-    them (the issue's note has the profile)."""
+    sets every rate of the sweep (`rate_basis`). Three in a run of 2026-12-02 showed
+    affinity's steady at half the others' (11.9-18.5 against 25.2-30.4 req/s): its router
+    sent every pending request to the one replica with room, which turned all but its free
+    slots away, 12 sends a request (router/request_router.py, `yield_before_choosing`). With
+    that fixed, the run after it measured affinity 25.2-25.4 against 26.6-41.7."""
     rate = w.rate_factors[0] * capacity
     warm = fw.requests(
         "zipf", names, len(names), rate, fw.Lengths(prompt=(16, 16), output=(1, 1)), seed=7

@@ -253,7 +253,7 @@ def _bench_stream(
         seed=10 * index + 100_000 * rep,
         popularity_seed=order,
     )
-    n = 10 * w.num_replicas * w.max_num_seqs if burst else w.run_requests(rate, w.window_s)
+    n = w.burst_requests if burst else w.run_requests(rate, w.window_s)
     run = fw.requests(
         workload,
         b.names,

@@ -277,14 +277,9 @@ def _capacity(router: str, w: Workload, cluster: BenchCluster) -> float:
     second."""
     prompt = ordinary_ids(sum(w.prompt_tokens) // 2, w.model.vocab_size)
     out = sum(w.output_tokens) // 2
-    burst = [BenchRequest(0.0, None, prompt, out) for _ in range(_burst_size(w))]
+    burst = [BenchRequest(0.0, None, prompt, out) for _ in range(w.burst_requests)]
     with _fresh_apps((router,), w, cluster, "capacity") as apps:
         return _served_per_s(apps[router], burst, "capacity", w)
-
-
-def _burst_size(w: Workload) -> int:
-    """A saturating burst: 10 full batches per replica."""
-    return 10 * w.num_replicas * w.max_num_seqs
 
 
 def _served_per_s(app: App, burst: list[BenchRequest], tag: str, w: Workload) -> float:
@@ -328,7 +323,7 @@ def _lora_capacity_bursts(
         for router in routers:
             _served_per_s(apps[router], _bench(warm, w), "lora-capacity-warm", w)
         for k in range(w.capacity_bursts):
-            zipf = fw.requests("zipf", names, _burst_size(w), rate, lengths, seed=8 + k)
+            zipf = fw.requests("zipf", names, w.burst_requests, rate, lengths, seed=8 + k)
             burst = _bench([replace(r, arrival=0.0) for r in zipf], w)
             for router in w.rotated(routers, k):
                 bursts[router].append(_served_per_s(apps[router], burst, "lora-capacity", w))

@@ -49,6 +49,11 @@ class Workload:
         return max(1, self.min_requests, round(rate * window_s))
 
     @property
+    def burst_requests(self) -> int:
+        """A saturating burst's requests: 10 full batches per replica."""
+        return 10 * self.num_replicas * self.max_num_seqs
+
+    @property
     def aggregate_host_adapters(self) -> int:
         """What the fleet's host tiers hold together, in adapters of mean size."""
         return self.num_replicas * self.host_adapters_per_replica

@@ -42,9 +42,10 @@ Keys (TTFT: from a request's scheduled arrival to its first streamed event, at t
                                   the same of protected_haproxy (HAProxy's stats page and
                                   exporter bind every interface, on free ports, while it runs)
     a_429s, b_429s                requests refused for the tenant's in-flight limit, protected
-                                  apps (A's finished streams are its `completed`; those cut at the
-                                  window's end are not counted)
-    apps.<app>.<window>.<tenant>  offered, completed, 429s, failed, p50/p99 TTFT per window
+                                  apps
+    apps.<app>.<window>.<tenant>  offered, completed, cut, 429s, failed, p50/p99 TTFT per window
+                                  (A's streams still open at a window's end are `cut`: offered,
+                                  neither completed nor failed)
                                   (B's: every TTFT too, `ttft_ms`)
     apps.<app>.flood.a_chunks_per_s  streamed chunks of A's the client received a second: what
                                   the relay carried
@@ -251,6 +252,7 @@ class Outcome:
     status: int | None = None
     ttft_s: float | None = None
     error: str | None = None
+    cut: bool = False  # an A stream still open when the window ended: offered, not completed
 
 
 def _schedule(w: FairnessWorkload, tenant: str, rate: float, seed: int) -> list[Request]:
@@ -432,9 +434,18 @@ async def _stream_on(
     outcomes: list[Outcome],
     chunks: list[int],
 ) -> None:
-    """`r` again and again, each outcome added once its stream has ended, until cancelled."""
+    """`r` again and again, each outcome added once its stream has ended, until cancelled; the
+    stream open at the cancel is added as `cut` (on a slow machine a window can end before any
+    of A's streams has finished, and its figures must still show them offered)."""
     while True:
-        outcomes.append(await _one(client, keys, r, time.perf_counter(), chunks))
+        outcome = Outcome(r.tenant)
+        try:
+            await _one(client, keys, r, time.perf_counter(), chunks, outcome)
+        except asyncio.CancelledError:
+            outcome.cut = True
+            raise
+        finally:
+            outcomes.append(outcome)
 
 
 async def _one(
@@ -443,10 +454,13 @@ async def _one(
     r: Request,
     start: float,
     chunks: list[int] | None = None,
+    outcome: Outcome | None = None,
 ) -> Outcome:
+    """`r` streamed at its arrival; its status, TTFT and error filled into `outcome` as they
+    come (a new one unless given), so a caller that cancels it still holds what was seen."""
     arrival = start + r.at_s
+    outcome = outcome or Outcome(r.tenant)
     await asyncio.sleep(max(0.0, arrival - time.perf_counter()))
-    outcome = Outcome(r.tenant)
     body = {
         "model": "bench",
         "prompt": r.prompt,
@@ -480,7 +494,7 @@ def _line(outcomes: list[Outcome]) -> str:
         if mine:
             f = _figures(mine)
             parts.append(
-                f"{t}: {f['completed']}/{f['offered']} done, {f['rate_limited']} x 429, "
+                f"{t}: {f['completed']}/{f['offered']} done, {f['cut']} cut, {f['rate_limited']} x 429, "
                 f"p99 TTFT {_ms(f['p99_ttft_ms'])}"
             )
     return "; ".join(parts)
@@ -495,14 +509,16 @@ def _ttfts_ms(outcomes: list[Outcome], tenant: str | None = None) -> np.ndarray:
 
 def _figures(outcomes: list[Outcome]) -> dict[str, Any]:
     ttft = _ttfts_ms(outcomes)
+    failed = [
+        o for o in outcomes if not o.cut and (o.error is not None or o.status not in (200, 429))
+    ]
     return {
         "offered": len(outcomes),
-        "completed": sum(o.status == 200 and o.error is None for o in outcomes),
+        "completed": sum(o.status == 200 and o.error is None and not o.cut for o in outcomes),
+        "cut": sum(o.cut for o in outcomes),
         "rate_limited": sum(o.status == 429 for o in outcomes),
-        "failed": sum(o.error is not None or o.status not in (200, 429) for o in outcomes),
-        "errors": sorted(
-            {o.error or str(o.status) for o in outcomes if o.error or o.status not in (200, 429)}
-        )[:5],
+        "failed": len(failed),
+        "errors": sorted({o.error or str(o.status) for o in failed})[:5],
         "p50_ttft_ms": float(np.percentile(ttft, 50)) if len(ttft) else None,
         "p99_ttft_ms": float(np.percentile(ttft, 99)) if len(ttft) else None,
     }
@@ -571,7 +587,7 @@ def print_fairness(r: dict[str, Any]) -> None:
         f"protected: the default limits + fair admission"
     )
     print(
-        f"{'app':12} {'window':6} {'tenant':6} {'done':>5} {'429':>5} {'failed':>6} "
+        f"{'app':12} {'window':6} {'tenant':6} {'done':>5} {'cut':>5} {'429':>5} {'failed':>6} "
         f"{'p50 ttft':>9} {'p99 ttft':>9} {'loadavg':>8}"
     )
     for app, windows in r["apps"].items():
@@ -581,7 +597,8 @@ def print_fairness(r: dict[str, Any]) -> None:
                 if not f["offered"]:
                     continue
                 print(
-                    f"{app:12} {window:6} {tenant:6} {f['completed']:5d} {f['rate_limited']:5d} "
+                    f"{app:12} {window:6} {tenant:6} {f['completed']:5d} {f.get('cut', 0):5d} "
+                    f"{f['rate_limited']:5d} "
                     f"{f['failed']:6d} {_ms(f['p50_ttft_ms'])} {_ms(f['p99_ttft_ms'])} "
                     f"{max(windows['load_avg_1m']):8.1f}"
                 )

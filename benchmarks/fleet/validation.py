@@ -273,7 +273,7 @@ def _bench_stream(
 
 def lora_capacity(b: BenchLike, router: str, workload: str = "zipf", rep: int = 0) -> float:
     """What the simulated replicas serve of the workload's own requests, through `router`:
-    `bench router`'s capacity burst (10 full batches per replica, all at once) made of the
+    `bench router`'s capacity burst (`burst_requests`, all at once) made of the
     workload's adapters and lengths after its warm-up, so it pays their reads, loads and
     adapter segments, where the bench's capacity is measured on base-model requests."""
     capacity = b.capacity_rps  # the bench's LoRA burst follows a warm-up at the base burst's rate

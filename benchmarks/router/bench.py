@@ -272,9 +272,9 @@ def _fresh_apps(
 
 
 def _capacity(router: str, w: Workload, cluster: BenchCluster) -> float:
-    """What the replicas serve when saturated: 10 full batches' worth of base-model
-    requests of mean lengths, all at once, through one app of its own; completions per
-    second."""
+    """What the replicas serve when saturated: `w.burst_requests` (`burst_batches` full
+    batches per replica) base-model requests of mean lengths, all at once, through one app
+    of its own; completions per second."""
     prompt = ordinary_ids(sum(w.prompt_tokens) // 2, w.model.vocab_size)
     out = sum(w.output_tokens) // 2
     burst = [BenchRequest(0.0, None, prompt, out) for _ in range(w.burst_requests)]
@@ -302,7 +302,7 @@ def _lora_capacity_bursts(
     routers: tuple[str, ...], w: Workload, cluster: BenchCluster, names: list[str], capacity: float
 ) -> dict[str, list[float]]:
     """What the replicas serve when saturated with the zipf workload's own requests, per
-    router: `w.capacity_bursts` bursts of `_capacity`'s 10 full batches per replica all at
+    router: `w.capacity_bursts` bursts of `_capacity`'s `w.burst_requests` all at
     once, of the workload's adapters and lengths, so they pay their reads, loads and adapter
     segments; completions per second. One app per router, deployed together as in the
     sweeps, each warmed first (one 1-token request per adapter at the sweep's lowest rate);

@@ -34,6 +34,7 @@ class Workload:
     repeats: int = 3  # the whole comparison again, fresh apps, the router order rotated
     # LoRA capacity bursts per router, the order rotated; its capacity is their median
     capacity_bursts: int = 3
+    burst_batches: int = 10  # a saturating burst: this many full batches per replica
     min_requests: int = 0  # a run's arrivals span at least this many requests
     # run one at a time past the grid, in order, while some router's p99 still held the SLO
     # at the highest rate run (bench.py `_sweep`): a goodput at the grid's top is a floor
@@ -50,8 +51,8 @@ class Workload:
 
     @property
     def burst_requests(self) -> int:
-        """A saturating burst's requests: 10 full batches per replica."""
-        return 10 * self.num_replicas * self.max_num_seqs
+        """A saturating burst's requests: `burst_batches` full batches per replica."""
+        return self.burst_batches * self.num_replicas * self.max_num_seqs
 
     @property
     def aggregate_host_adapters(self) -> int:

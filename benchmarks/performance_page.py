@@ -156,7 +156,11 @@ router order rotated; figures are medians, each ratio with its 90% bootstrap int
 2.2 and 2.9 ×, while any router still holds the SLO; a rate's figures are the medians of
 the repetitions that ran it (`repetitions_per_rate`). Where the routers compared all hold
 the SLO at the sweep's top rate even so (`held_slo_at_top_rate`), each goodput is that rate
-and the ratio is 1 by that ceiling, not a tie the sweep found. Fairness: tenant A holds 64 streams of 256 tokens open (8× the
+and the ratio is 1 by that ceiling, not a tie the sweep found. Store reads are counted at
+the reference rate (0.5 × the basis, `--quick` 0.35), against their floor (`reads_floor`: the adapters
+that run asks for that its warm-up did not, each read once by some replica whatever the
+router); where multiplexing reads no more than the floor, `reads_ratio_vs_multiplex`
+cannot go below 1, and the table says so beside the miss. Fairness: tenant A holds 64 streams of 256 tokens open (8× the
 replica's batch), tenant B's p99 TTFT ÷ B alone, in alternating windows (3 rounds of 10 s,
 `--quick` 5 of 6 s: 95 and 85 of B's requests a window kind; a quiet window starts once the
 replica has drained the flood), with its 90% bootstrap interval over B's requests;
@@ -227,6 +231,8 @@ def render(runs: dict[str, dict[str, Any]]) -> str:
         mark = {True: "yes", False: "**no**", None: "—"}[met]
         if run is not None and _at_ceiling(run, h.key):
             mark = "— (all held the SLO at the top rate)"
+        elif met is False and run is not None and _peer_at_reads_floor(run, h.key):
+            mark = "**no** (multiplexing at the floor: each new adapter read once)"
         shown = "not run" if run is None else _value(value)
         lines.append(
             f"| `{h.suite}` `{h.key}` | {shown} | {h.target} | {mark} | {h.against} | "
@@ -249,6 +255,18 @@ def _at_ceiling(run: dict[str, Any], key: str) -> bool:
     if len(parts) != 3 or parts[0] != "workloads" or "goodput_ratio_vs_best_ray" not in parts[2]:
         return False
     return ratio_at_ceiling((run.get("workloads") or {}).get(parts[1], {}))
+
+
+def _peer_at_reads_floor(run: dict[str, Any], key: str) -> bool:
+    """Whether `key` is a reads ratio against multiplexing whose store reads were at the
+    floor (router/figures.py `reads_floor`): then no router can read fewer, and the ratio
+    says the peer cannot be beaten on reads at that rate, not that affinity read more."""
+    parts = key.split(".")
+    if len(parts) != 3 or parts[0] != "workloads" or parts[2] != "reads_ratio_vs_multiplex":
+        return False
+    workload = (run.get("workloads") or {}).get(parts[1], {})
+    peer = (workload.get("reads_vs_floor") or {}).get("multiplex")
+    return workload.get("reads_floor") is not None and peer is not None and peer <= 1.0
 
 
 def _non_finite(run: dict[str, Any], key: str) -> float | None:

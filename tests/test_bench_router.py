@@ -79,6 +79,12 @@ def test_router_bench_serves_every_request_and_reports_every_key(capsys, tmp_pat
         assert WORKLOAD_KEYS <= set(workload), name
         assert set(workload["routers"]) == set(bench_router.ROUTERS)
         assert workload["distinct_adapters_requested"] > 0, name
+        assert 0 <= workload["reads_floor"] <= workload["distinct_adapters_requested"], name
+        for rep in workload["repetitions"]:
+            # every adapter new to the fleet in a run is read from the store by some replica
+            # (failover's killed replica takes its counts with it)
+            if name != "failover":
+                assert min(rep["reads"].values()) >= rep["reads_floor"], (name, rep)
         first, second = (r["router_order"] for r in workload["repetitions"])
         assert sorted(first) == sorted(bench_router.ROUTERS) and second == first[1:] + first[:1]
         for router, figures in workload["routers"].items():
@@ -264,6 +270,30 @@ def test_a_flood_stream_open_when_the_window_ends_is_offered_and_cut_not_lost():
     b_figures = bench_fairness._figures([o for o in outcomes if o.tenant == "b"])
     assert b_figures["offered"] == b_figures["completed"] == 1 and b_figures["cut"] == 0
     assert chunks[0] >= 3
+
+
+def test_the_store_reads_floor_counts_each_adapter_new_to_the_fleet_once():
+    """A run's floor is the adapters it asks for that neither the warm-up nor an earlier run
+    did; each router's reads at the reference rate are taken over it (the quick run of
+    2026-12-02 read 46 where the floor was 46, and the 82 distinct adapters requested made
+    it look like 0.56)."""
+    from loraplex.benchmarks.router.figures import reads_floor
+    from loraplex.benchmarks.sim.workload import SimRequest
+
+    def reqs(*adapters: str) -> list[SimRequest]:
+        return [SimRequest(i, 0.0, 8, 4, 4, a) for i, a in enumerate(adapters)]
+
+    warm = reqs("a", "b")
+    runs = [reqs("a", "c", "c", "d"), reqs("b", "c", "e"), reqs("a")]
+    assert bench_router.new_adapters(warm, runs) == [2, 1, 0]
+    sweep = {"new_adapters": [2, 1, 0]}
+    at = {"affinity": {"reads": 2.0}, "pow2": {"reads": 5.0}, "multiplex": {"reads": 2.0}}
+    figures = reads_floor(at, sweep, 0)
+    assert figures == {
+        "reads_floor": 2,
+        "reads_vs_floor": {"affinity": 1.0, "pow2": 2.5, "multiplex": 1.0},
+    }
+    assert reads_floor(at, {}, 0) == {}  # a sweep from before the floor was recorded
 
 
 def test_the_fairness_ratio_interval_brackets_the_ratio_and_narrows_with_requests():

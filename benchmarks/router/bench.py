@@ -68,8 +68,11 @@ SLO = 5 x the unloaded TTFT; goodput = the highest offered rate whose p99 TTFT s
 it (benchmarks/goodput.py). Keys per workload: goodput_ratio_vs_best_ray_router,
 load_seconds_ratio_vs_best_ray_router (at the reference rate: seconds replicas spent reading
 and copying adapters, affinity / the lower Ray router), loads_vs_floor (device loads /
-distinct adapters requested; below 1 where the warm-up left adapters resident); failover:
-recovery_s, streams_failed, requests_lost.
+distinct adapters requested; below 1 where the warm-up left adapters resident), reads_vs_floor
+(store reads / the adapters the run asks for that neither the warm-up nor an earlier run did,
+`reads_floor`: each is read once by some replica whatever the router, so 1 is the least any
+router reads; `reads_ratio_vs_multiplex` cannot go below multiplexing's own ratio to it);
+failover: recovery_s, streams_failed, requests_lost.
 
 Section `fairness` (benchmarks/router/fairness.py): a tenant holding 64 long streams open
 beside one sending short requests, through the ingress and one replica, behind Serve's
@@ -107,6 +110,7 @@ from loraplex.benchmarks.router.runs import (
     wait_for_replicas,
 )
 from loraplex.benchmarks.router.workload import Workload
+from loraplex.benchmarks.sim.workload import SimRequest
 from loraplex.demo.synthetic import ModelSpec
 from loraplex.router.serve_backend import ServeBackend
 
@@ -404,6 +408,7 @@ def _sweep(
         "router_order": list(apps),
         "rates_rps": rates,
         "distinct_adapters": [len({r.adapter for r in reqs}) for reqs in requests],
+        "new_adapters": new_adapters(warm, requests),
         "kill_at_s": [fw.kill_at(reqs) for reqs in requests] if failover else None,
         "per_router": per_router,
         # what a replay needs: the streams, and when each began after the warm-up's start
@@ -413,6 +418,19 @@ def _sweep(
             "offsets_s": {r: [t - ts[0] for t in ts[1:]] for r, ts in began.items()},
         },
     }
+
+
+def new_adapters(warm: list[SimRequest], runs: list[list[SimRequest]]) -> list[int]:
+    """Per run, the adapters it asks for that neither the warm-up nor an earlier run did:
+    each is read from the store at least once, by some replica, whatever the router (the
+    store reads' floor; the warm-up's reads are not counted in a run's)."""
+    seen = {r.adapter for r in warm}
+    out = []
+    for reqs in runs:
+        asked = {r.adapter for r in reqs}
+        out.append(len(asked - seen))
+        seen |= asked
+    return out
 
 
 def _run(router: str, app: App, reqs, w: Workload, workload: str, rate: float, kill_at) -> dict:

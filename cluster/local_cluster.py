@@ -80,6 +80,12 @@ def add_parsers(sub) -> None:
     up.add_argument("--etcd-host", help="address the started etcd listens on (overrides etcd.host)")
     up.add_argument("--object-store-mib", type=int, default=256, help="Ray object store")
     up.add_argument("--timeout", type=float, default=600, help="seconds to wait for serving")
+    up.add_argument(
+        "--check",
+        action="store_true",
+        help="only check the config, the model and the configured etcd as `up` would, and "
+        "start or write nothing (the `ray up` files run it before `ray start`)",
+    )
     sub.add_parser("down", parents=[state], help="stop the local cluster (data is kept)")
     status_parser = sub.add_parser(
         "status", parents=[state], help="replicas, adapters per tier, pool use"
@@ -109,23 +115,21 @@ def up(args: argparse.Namespace, state_dir: Path, env: dict[str, str]) -> int:
     started = time.monotonic()
     check_app_importable()
     state = read_state(state_dir)
-    if state and pid_alive(state.get("pid")):
+    if not args.check and state and pid_alive(state.get("pid")):
         print(f"loraplex is already running ({state.get('phase')}); `loraplex status` shows it")
         return 0
-    config = load_config(args.config)
-    try:
-        config = config.overridden("http", **flag_values(args, HTTPSection, ["port"]))
-        if args.etcd_host is not None:
-            config = config.overridden("etcd", host=args.etcd_host)
-    except ValueError as e:
-        raise CLIError(f"--port / --etcd-host: {e}") from None
-    # Refusals first: nothing is written or started for a config that cannot serve.
-    if config.model is not None:
-        check_model(Path(config.model), on_cluster=args.address is not None)
+    config = checked_config(args)
+    if args.check:
+        etcd = (
+            f"etcd at {', '.join(config.etcd.endpoints)} answers"
+            if config.etcd.endpoints is not None
+            else "etcd: `loraplex up` starts one"
+        )
+        model = f"model {config.model} is a checkpoint" if config.model else "model: the demo's"
+        print(f"loraplex up --check: the config reads; {model}; {etcd}")
+        return 0
     if args.address is None:
         check_port_free(config.http.host, config.http.port)
-    if config.etcd.endpoints is not None:
-        check_etcd(config.etcd_settings())
     state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     demo = None
     if config.model is None:
@@ -175,6 +179,24 @@ def up(args: argparse.Namespace, state_dir: Path, env: dict[str, str]) -> int:
     demo_key = demo_tenant_key(state_dir, url, admin_key)
     print_welcome(config, state_dir, url, admin_key, demo_key, demo, time.monotonic() - started)
     return 0
+
+
+def checked_config(args: argparse.Namespace) -> LoraplexConfig:
+    """The config `up` runs, its flags applied, once it has passed the refusals a cluster is
+    not needed for (the model is a checkpoint on this node; a configured etcd answers):
+    CLIError otherwise. Nothing is written or started for a config that cannot serve."""
+    config = load_config(args.config)
+    try:
+        config = config.overridden("http", **flag_values(args, HTTPSection, ["port"]))
+        if args.etcd_host is not None:
+            config = config.overridden("etcd", host=args.etcd_host)
+    except ValueError as e:
+        raise CLIError(f"--port / --etcd-host: {e}") from None
+    if config.model is not None:
+        check_model(Path(config.model), on_cluster=args.address is not None)
+    if config.etcd.endpoints is not None:
+        check_etcd(config.etcd_settings())
+    return config
 
 
 def check_app_importable() -> None:

@@ -73,6 +73,13 @@ SETUP_COMMANDS: list[Command] = [
 # record_local_head_state_if_needed). Ports are Ray's defaults, named so that a firewall can
 # let them through.
 HEAD_START_RAY_COMMANDS: list[Command] = [
+    # The refusals that need no cluster first (a model this node cannot read, an etcd that
+    # does not answer): a bad config starts nothing and leaves a running cluster running.
+    (
+        "python3 -m loraplex.cluster.cli up --check",
+        "--config ~/loraplex-cluster/serve_config.yaml --address auto",
+        f"--etcd-host {_NODE_IP}",
+    ),
     ("ray stop",),
     (
         f"ulimit -n 65536; {_PROXY_ENV}",

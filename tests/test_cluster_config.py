@@ -480,6 +480,33 @@ def test_up_refuses_an_etcd_that_does_not_answer_before_starting_anything(
     assert not state_dir.exists()
 
 
+def test_up_check_refuses_as_up_does_and_passes_a_good_config_starting_nothing(
+    tmp_path, capsys, model_dir
+):
+    """`loraplex up --check`, which the `ray up` files run before `ray start`: a missing
+    model is refused with `up`'s message, a good config passes, and neither writes the
+    state dir or starts anything (a supervisor would have written cluster.json there)."""
+    missing = write_yaml(tmp_path / "bad.yaml", {"model": str(tmp_path / "absent")})
+    good = write_yaml(tmp_path / "good.yaml", {"model": str(model_dir)})
+    state_dir = tmp_path / "state"
+    common = ["--state-dir", str(state_dir), "--address", "auto", "--check"]
+    assert cli_main(["up", "--config", str(missing), *common]) == 2
+    assert "on this node (every node of the cluster needs it)" in capsys.readouterr().err
+    assert cli_main(["up", "--config", str(good), *common]) == 0
+    out = capsys.readouterr().out
+    assert f"model {model_dir} is a checkpoint" in out and "`loraplex up` starts one" in out
+    assert not state_dir.exists()
+
+
+def test_the_ray_up_files_check_the_config_before_ray_starts():
+    """The head's first command is the check, before `ray stop` and `ray start`: a bad
+    config starts nothing and leaves a running cluster running."""
+    for name in ("cluster.yaml", "cluster-onprem.yaml"):
+        head = yaml.safe_load((CLUSTER / name).read_text())["head_start_ray_commands"]
+        assert head[0].startswith("python3 -m loraplex.cluster.cli up --check"), (name, head[0])
+        assert head[1] == "ray stop" and "ray start --head" in head[2], (name, head)
+
+
 def test_admin_key_is_generated_once_and_private(tmp_path):
     key = local_cluster.admin_key_for(tmp_path, None)
     assert len(key) >= 16

@@ -30,7 +30,8 @@ and PIP_NO_INDEX, so nothing is downloaded (this machine's pip keeps no HTTP cac
 
 Oracle: the engine run offline in this process on the same checkpoint, adapter and prompt.
 Bad input (a model path that does not exist, an etcd that does not answer) makes `ray up`
-fail with loraplex's own message in its output, within a bounded time.
+fail with loraplex's own message in its output, within a bounded time, before anything
+starts on the head (no raylet, GCS or etcd).
 """
 
 from __future__ import annotations
@@ -496,6 +497,13 @@ def test_ray_up_fails_with_loraplex_message_on_bad_input(
     try:
         assert up.returncode != 0, _tail(up)
         assert message in up.stdout + up.stderr, _tail(up)
+        # refused before `ray start` (the head's `loraplex up --check`): nothing started
+        running = {
+            pid: c
+            for pid, c in head_only.node(HEAD).pids().items()
+            if re.search(r"raylet|gcs_server|etcd", c)
+        }
+        assert not running, f"a refused `ray up` started {running}"
     finally:
         down = head_only.ray("down", "-y", path, timeout=DOWN_TIMEOUT_S)
         assert down.returncode == 0, _tail(down)

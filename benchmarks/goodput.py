@@ -68,11 +68,14 @@ def comparison(
     loads: str,
     reads: str,
     distinct: int | None = None,
+    reads_floor: int | None = None,
 ) -> dict[str, Any]:
     """The keys every router bench reports per workload, from each router's
     `goodput_at_slo_rps` and its `at_reference` figures (`load_seconds`, and device loads and
     store reads under the names `loads` and `reads`); floors over `distinct` adapters
-    requested, or each run's own `distinct_adapters` when not given; affinity's store
+    requested, or each run's own `distinct_adapters` when not given, and the store reads'
+    over `reads_floor` where the bench knows it (the adapters new to the fleet in the run:
+    router/bench.py `new_adapters`), reported beside them; affinity's store
     reads over multiplexing's (`reads_ratio_vs_multiplex`); and the routers whose p99 held
     the SLO at `top_rate`, the sweep's highest (`held_slo_at_top_rate`): their goodput is
     the grid's top, a floor of what they sustain, so a goodput ratio between two of them
@@ -82,6 +85,7 @@ def comparison(
     floor = {
         r: max(1, a["distinct_adapters"] if distinct is None else distinct) for r, a in at.items()
     }
+    read_floor = floor if reads_floor is None else {r: max(1, reads_floor) for r in at}
     return {
         "goodput_rps": good,
         "goodput_ratio_vs_best_ray_router": ratio_vs_best_ray(good, higher_is_better=True),
@@ -94,7 +98,8 @@ def comparison(
         "reads": {r: a[reads] for r, a in at.items()},
         "reads_ratio_vs_multiplex": _ratio(at, "affinity", "multiplex", reads),
         "loads_vs_floor": {r: a[loads] / floor[r] for r, a in at.items()},
-        "reads_vs_floor": {r: a[reads] / floor[r] for r, a in at.items()},
+        "reads_vs_floor": {r: a[reads] / read_floor[r] for r, a in at.items()},
+        **({} if reads_floor is None else {"reads_floor": reads_floor}),
     }
 
 

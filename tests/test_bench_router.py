@@ -277,7 +277,7 @@ def test_the_store_reads_floor_counts_each_adapter_new_to_the_fleet_once():
     did; each router's reads at the reference rate are taken over it (the quick run of
     2026-12-02 read 46 where the floor was 46, and the 82 distinct adapters requested made
     it look like 0.56)."""
-    from loraplex.benchmarks.router.figures import reads_floor
+    from loraplex.benchmarks.goodput import comparison
     from loraplex.benchmarks.sim.workload import SimRequest
 
     def reqs(*adapters: str) -> list[SimRequest]:
@@ -286,14 +286,21 @@ def test_the_store_reads_floor_counts_each_adapter_new_to_the_fleet_once():
     warm = reqs("a", "b")
     runs = [reqs("a", "c", "c", "d"), reqs("b", "c", "e"), reqs("a")]
     assert bench_router.new_adapters(warm, runs) == [2, 1, 0]
-    sweep = {"new_adapters": [2, 1, 0]}
-    at = {"affinity": {"reads": 2.0}, "pow2": {"reads": 5.0}, "multiplex": {"reads": 2.0}}
-    figures = reads_floor(at, sweep, 0)
-    assert figures == {
-        "reads_floor": 2,
-        "reads_vs_floor": {"affinity": 1.0, "pow2": 2.5, "multiplex": 1.0},
+    reads = {"affinity": 2.0, "pow2": 5.0, "multiplex": 2.0}
+    routers = {
+        r: {
+            "goodput_at_slo_rps": 1.0,
+            "at_reference": {"reads": n, "loads": n, "load_seconds": 0.0},
+        }
+        for r, n in reads.items()
     }
-    assert reads_floor(at, {}, 0) == {}  # a sweep from before the floor was recorded
+    figures = comparison(routers, 1.0, loads="loads", reads="reads", distinct=4, reads_floor=2)
+    assert figures["reads_floor"] == 2
+    assert figures["reads_vs_floor"] == {"affinity": 1.0, "pow2": 2.5, "multiplex": 1.0}
+    # a sweep from before the floor was recorded: reads over the distinct adapters
+    older = comparison(routers, 1.0, loads="loads", reads="reads", distinct=4)
+    assert "reads_floor" not in older
+    assert older["reads_vs_floor"] == {"affinity": 0.5, "pow2": 1.25, "multiplex": 0.5}
 
 
 def test_the_fairness_ratio_interval_brackets_the_ratio_and_narrows_with_requests():

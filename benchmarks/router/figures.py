@@ -164,8 +164,15 @@ def _workload(name: str, sweep: dict, w: Workload, slo: float) -> dict[str, Any]
         "reference_rate_rps": rates[ref],
         "slo_s": slo,
         "distinct_adapters_requested": distinct,
-        **comparison(routers, rates[-1], loads="loads", reads="reads", distinct=distinct),
-        **reads_floor(at, sweep, ref),
+        **comparison(
+            routers,
+            rates[-1],
+            loads="loads",
+            reads="reads",
+            distinct=distinct,
+            # a sweep recorded before the floor was: reads over the distinct adapters
+            reads_floor=sweep["new_adapters"][ref] if "new_adapters" in sweep else None,
+        ),
         "reloads": {r: a["loads"] - distinct for r, a in at.items()},
         "p50_ttft_s": {r: a["p50_ttft_s"] for r, a in at.items()},
         "p99_ttft_s": {r: a["p99_ttft_s"] for r, a in at.items()},
@@ -187,20 +194,6 @@ def _workload(name: str, sweep: dict, w: Workload, slo: float) -> dict[str, Any]
         out["streams_failed"] = {r: a["streams_failed"] for r, a in at.items()}
         out["requests_lost"] = {r: a["lost"] for r, a in at.items()}
     return out
-
-
-def reads_floor(at: dict[str, dict[str, Any]], sweep: dict[str, Any], ref: int) -> dict[str, Any]:
-    """The store reads' floor at the reference rate (bench.py `new_adapters`: the adapters
-    new to the fleet in that run) and each router's reads over it; nothing from a sweep
-    recorded before the floor was (its `reads_vs_floor` stays comparison()'s, over the
-    distinct adapters requested)."""
-    if "new_adapters" not in sweep:
-        return {}
-    floor = sweep["new_adapters"][ref]
-    return {
-        "reads_floor": floor,
-        "reads_vs_floor": {r: a["reads"] / max(1, floor) for r, a in at.items()},
-    }
 
 
 def print_table(r: dict[str, Any]) -> None:

@@ -158,8 +158,10 @@ the repetitions that ran it (`repetitions_per_rate`). Where the routers compared
 the SLO at the sweep's top rate even so (`held_slo_at_top_rate`), each goodput is that rate
 and the ratio is 1 by that ceiling, not a tie the sweep found. Store reads are counted at
 the reference rate (0.5 × the basis, `--quick` 0.35), against their floor (`reads_floor`: the adapters
-that run asks for that its warm-up did not, each read once by some replica whatever the
-router); where multiplexing reads no more than the floor, `reads_ratio_vs_multiplex`
+that run asks for that neither its warm-up nor an earlier run did, each read once by some
+replica whatever the router; the warm-up asks for every adapter of the catalog once, so the
+floor is 0 and every read counted is a re-read, a router sending an adapter where it is no
+longer held); where multiplexing reads no more than the floor, `reads_ratio_vs_multiplex`
 cannot go below 1, and the table says so beside the miss. Fairness: tenant A holds 64 streams of 256 tokens open (8× the
 replica's batch), tenant B's p99 TTFT ÷ B alone, in alternating windows (3 rounds of 10 s,
 `--quick` 5 of 6 s: 95 and 85 of B's requests a window kind; a quiet window starts once the
@@ -265,8 +267,8 @@ def _peer_at_reads_floor(run: dict[str, Any], key: str) -> bool:
     if len(parts) != 3 or parts[0] != "workloads" or parts[2] != "reads_ratio_vs_multiplex":
         return False
     workload = (run.get("workloads") or {}).get(parts[1], {})
-    peer = (workload.get("reads_vs_floor") or {}).get("multiplex")
-    return workload.get("reads_floor") is not None and peer is not None and peer <= 1.0
+    peer, floor = (workload.get("reads") or {}).get("multiplex"), workload.get("reads_floor")
+    return floor is not None and peer is not None and peer <= floor
 
 
 def _non_finite(run: dict[str, Any], key: str) -> float | None:

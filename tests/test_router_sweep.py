@@ -103,3 +103,17 @@ def test_repetitions_that_ran_different_rates_merge_rate_by_rate(monkeypatch):
     # each repetition's goodput, where its p99 crosses the SLO (linear between rates): 11
     # (0.4 at 10, 0.9 at 15), then 16; their median
     assert hot["goodput_rps"]["affinity"] == pytest.approx(13.5)
+
+
+def test_the_warm_up_asks_for_every_adapter_of_the_catalog_once(monkeypatch):
+    """Before a run every adapter has been read once, so the reference run's p99 is not its
+    first reads: a warm-up of `len(names)` draws from the zipf popularity left 37-47 of 120
+    adapters to the reference run (the quick run of 2026-12-02). Every later run's floor of
+    store reads (`new_adapters`) is then 0."""
+    sweep = _sweep(monkeypatch, "zipf", dict.fromkeys(bench.ROUTERS, 99.0))
+    warm = sweep["requests"]["warm-up"]
+    names = [f"a{i}" for i in range(W.num_adapters)]
+    assert sorted(r.adapter for r in warm) == sorted(names)
+    assert [r.adapter for r in warm] != names  # in a drawn order, not the catalog's
+    assert all(r.output == 1 for r in warm)
+    assert sweep["new_adapters"] == [0] * len(sweep["rates_rps"])

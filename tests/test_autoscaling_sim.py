@@ -255,3 +255,24 @@ def test_the_day_is_drawn_as_replicas_and_p99_ttft_per_policy(tmp_path):
     }
     png = autoscale.plot_day(results, tmp_path / "figures" / "autoscale_day.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("peak_replicas", [1, 4, 12])
+def test_a_clairvoyant_fleet_of_whole_replicas_needs_more_than_the_days_mean(peak_replicas):
+    """The bound beside `replica_hours_ratio_vs_static`: at each moment the fewest whole
+    replicas that keep each at or below the static fleet's peak load. Checked against the
+    curve's crossings worked out by hand: the rate is at most k replicas' worth for the
+    share arccos(1 - 2 (k / P - 1 / 5) / (4 / 5)) / pi of the day, and the mean of a whole
+    count is the sum over k of the share of the day it exceeds k."""
+    day_s, p = 3600.0, peak_replicas
+
+    def share_at_most(k: int) -> float:
+        if k <= p / autoscale.PEAK_TO_TROUGH:
+            return 0.0
+        return float(np.arccos(1 - 2 * (k / p - 1 / 5) / (4 / 5)) / np.pi)
+
+    mean_replicas = sum(1 - share_at_most(k) for k in range(p))
+    hours = autoscale.clairvoyant_replica_hours(p, day_s)
+    assert hours == pytest.approx(mean_replicas * day_s / 3600, rel=1e-4)
+    assert hours / p == pytest.approx({1: 1.0, 4: 0.6993, 12: 0.6377}[p], abs=1e-3)
+    assert hours / p > (1 + 1 / autoscale.PEAK_TO_TROUGH) / 2  # the day's mean over its peak

@@ -168,3 +168,25 @@ def test_a_reads_ratio_against_a_peer_at_the_floor_says_so(floor, peer_reads, ma
         line for line in page.splitlines() if "`workloads.zipf.reads_ratio_vs_multiplex`" in line
     )
     assert mark in row, row
+
+
+@pytest.mark.parametrize(
+    ("clairvoyant", "mark"),
+    [
+        (0.699, "| **no** (a clairvoyant fleet of whole replicas: 0.699) |"),
+        (0.55, "| 0.902 | <= 0.6 | **no** |"),  # reachable by such a fleet: a plain miss
+        (None, "| 0.902 | <= 0.6 | **no** |"),  # a run from before the bound
+    ],
+    ids=["bound-above-target", "bound-below-target", "no-bound"],
+)
+def test_the_hours_against_the_static_fleet_say_where_a_clairvoyant_fleet_lands(clairvoyant, mark):
+    """The quick day of 2026-11-28: lora's hours 0.902 of the static fleet's against a
+    target of 0.6, which is the day's mean rate over its peak: only fractional replicas
+    reach it. Where a clairvoyant fleet of whole replicas misses it too, the miss says so."""
+    bound = {} if clairvoyant is None else {"replica_hours_clairvoyant_vs_static": clairvoyant}
+    results = {"autoscale": {"replica_hours_ratio_vs_static": 0.902, **bound}, "quick": True}
+    page = render({"autoscale": results})
+    (row,) = (
+        line for line in page.splitlines() if "`autoscale.replica_hours_ratio_vs_static`" in line
+    )
+    assert mark in row, row

@@ -40,6 +40,12 @@ The day (stated values, FULL / QUICK):
 SLO: the fleet bench's, 5 x the mean unloaded TTFT of the day's requests. Keys:
     autoscale.replica_hours_ratio_vs_ray_default   lora's replica-hours / ray_default's best
     autoscale.replica_hours_ratio_vs_static        lora's / the static fleet's
+    autoscale.replica_hours_clairvoyant_vs_static  a fleet that knows the rate, of whole
+                                                   replicas each at most at the static
+                                                   fleet's peak load, up and down at once
+                                                   (`clairvoyant_replica_hours`) / the
+                                                   static fleet's: where lora's ratio
+                                                   could go at best
     autoscale.slo_attainment.<policy>              share of requests with TTFT within the SLO
     autoscale.slo_attainment_vs_ray_default        lora's attainment - ray_default's
     autoscale.requests_lost                        requests that never finished (0: asserted)
@@ -115,6 +121,20 @@ def _unit_times(trace: Trace, end: float, seed: int) -> np.ndarray:
     draws = np.random.default_rng(seed).integers(0, len(gaps), max(0, need - len(gaps)))
     unit = np.cumsum(np.concatenate([gaps, gaps[draws]])[:need])
     return unit[unit < end]
+
+
+def clairvoyant_replica_hours(peak_replicas: int, day_s: float) -> float:
+    """The replica-hours of a fleet that knows the day's rate: at each moment the fewest
+    whole replicas that keep every replica at or below the static fleet's load at the peak
+    (REFERENCE_LOAD of its capacity), each up the moment it is wanted and gone the moment
+    it is not. The rate is `diurnal_arrivals`' curve, so in replicas it runs from
+    peak_replicas / PEAK_TO_TROUGH to peak_replicas. Fractional replicas would need the
+    day's mean over its peak, (1 + 1 / PEAK_TO_TROUGH) / 2 = 0.6 of the static fleet's
+    hours; whole ones need more, the most where the peak is a few replicas (4: 0.70)."""
+    phase = np.linspace(0.0, 1.0, 1_000_001)
+    share = 1 / PEAK_TO_TROUGH + (1 - 1 / PEAK_TO_TROUGH) * (1 - np.cos(2 * np.pi * phase)) / 2
+    wanted = np.ceil(peak_replicas * share - 1e-9)  # whole replicas; exact multiples not rounded up
+    return float(wanted.mean()) * day_s / 3600
 
 
 def day_requests(
@@ -245,6 +265,10 @@ def measure(quick: bool, trace_path: Path | None = None) -> dict[str, Any]:
         "ray_default_sweep": {t: _brief(r) for t, r in sweep.items()},
         "replica_hours_ratio_vs_ray_default": hours["lora"] / hours["ray_default"],
         "replica_hours_ratio_vs_static": hours["lora"] / hours["static"],
+        # what no policy of whole replicas at the static fleet's peak load can go below
+        "replica_hours_clairvoyant_vs_static": (
+            clairvoyant_replica_hours(shape.peak_replicas, shape.day_s) / hours["static"]
+        ),
         "slo_attainment": {p: r["slo_attainment"] for p, r in policies.items()},
         "slo_attainment_vs_ray_default": (
             policies["lora"]["slo_attainment"] - policies["ray_default"]["slo_attainment"]
@@ -387,7 +411,11 @@ def run_section(args) -> int:
     if getattr(args, "plot", None):
         log(f"figure: {plot_day(results, Path(args.plot) / 'autoscale_day.png')}")
     print(timeline_table(results))
-    for key in ("replica_hours_ratio_vs_ray_default", "replica_hours_ratio_vs_static"):
+    for key in (
+        "replica_hours_ratio_vs_ray_default",
+        "replica_hours_ratio_vs_static",
+        "replica_hours_clairvoyant_vs_static",
+    ):
         print(f"autoscale.{key}: {results[key]:.3f}")
     for key in ("slo_attainment", "scale_events_per_hour"):
         for policy, value in results[key].items():

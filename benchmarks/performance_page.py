@@ -244,6 +244,8 @@ def render(runs: dict[str, dict[str, Any]]) -> str:
         elif met is False and run is not None and (bound := _clairvoyant(run, h)) is not None:
             mark = f"**no** (a clairvoyant fleet of whole replicas: {_value(bound)})"
         shown = "not run" if run is None else _value(value)
+        if run is not None and value is None and _neither_read(run, h.key):
+            shown = "— (0 / 0: neither read an adapter)"
         lines.append(
             f"| `{h.suite}` `{h.key}` | {shown} | {h.target} | {mark} | {h.against} | "
             f"{_run_label(run)} |"
@@ -277,6 +279,16 @@ def _peer_at_reads_floor(run: dict[str, Any], key: str) -> bool:
     workload = (run.get("workloads") or {}).get(parts[1], {})
     peer, floor = (workload.get("reads") or {}).get("multiplex"), workload.get("reads_floor")
     return floor is not None and peer is not None and peer <= floor
+
+
+def _neither_read(run: dict[str, Any], key: str) -> bool:
+    """Whether `key` is a reads ratio against multiplexing left out because both routers
+    read nothing at the reference rate (goodput.py `_ratio`: 0 / 0 has no value)."""
+    parts = key.split(".")
+    if len(parts) != 3 or parts[0] != "workloads" or parts[2] != "reads_ratio_vs_multiplex":
+        return False
+    reads = ((run.get("workloads") or {}).get(parts[1], {})).get("reads") or {}
+    return reads.get("affinity") == 0 and reads.get("multiplex") == 0
 
 
 def _clairvoyant(run: dict[str, Any], h: Headline) -> float | None:

@@ -190,3 +190,20 @@ def test_the_hours_against_the_static_fleet_say_where_a_clairvoyant_fleet_lands(
         line for line in page.splitlines() if "`autoscale.replica_hours_ratio_vs_static`" in line
     )
     assert mark in row, row
+
+
+def test_a_reads_ratio_of_two_routers_that_read_nothing_says_so():
+    """The quick run of 2026-12-02 (the warm-up reading the whole catalog): affinity and
+    multiplexing each read no adapter at the reference rate, so the ratio has no value;
+    the table said "not in this run"."""
+    results = {
+        "workloads": {
+            "zipf": {"reads_floor": 0, "reads": {"affinity": 0.0, "pow2": 97.0, "multiplex": 0.0}}
+        },
+        "quick": True,
+    }
+    page = render({"router": results})
+    (row,) = (
+        line for line in page.splitlines() if "`workloads.zipf.reads_ratio_vs_multiplex`" in line
+    )
+    assert "| — (0 / 0: neither read an adapter) | <= 0.7 | — |" in row, row

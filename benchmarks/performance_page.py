@@ -273,10 +273,7 @@ def _peer_at_reads_floor(run: dict[str, Any], key: str) -> bool:
     """Whether `key` is a reads ratio against multiplexing whose store reads were at the
     floor (router/figures.py `reads_floor`): then no router can read fewer, and the ratio
     says the peer cannot be beaten on reads at that rate, not that affinity read more."""
-    parts = key.split(".")
-    if len(parts) != 3 or parts[0] != "workloads" or parts[2] != "reads_ratio_vs_multiplex":
-        return False
-    workload = (run.get("workloads") or {}).get(parts[1], {})
+    workload = _reads_ratio_workload(run, key)
     peer, floor = (workload.get("reads") or {}).get("multiplex"), workload.get("reads_floor")
     return floor is not None and peer is not None and peer <= floor
 
@@ -284,11 +281,16 @@ def _peer_at_reads_floor(run: dict[str, Any], key: str) -> bool:
 def _neither_read(run: dict[str, Any], key: str) -> bool:
     """Whether `key` is a reads ratio against multiplexing left out because both routers
     read nothing at the reference rate (goodput.py `_ratio`: 0 / 0 has no value)."""
+    reads = _reads_ratio_workload(run, key).get("reads") or {}
+    return reads.get("affinity") == 0 and reads.get("multiplex") == 0
+
+
+def _reads_ratio_workload(run: dict[str, Any], key: str) -> dict[str, Any]:
+    """The workload's figures where `key` is its `reads_ratio_vs_multiplex`, else {}."""
     parts = key.split(".")
     if len(parts) != 3 or parts[0] != "workloads" or parts[2] != "reads_ratio_vs_multiplex":
-        return False
-    reads = ((run.get("workloads") or {}).get(parts[1], {})).get("reads") or {}
-    return reads.get("affinity") == 0 and reads.get("multiplex") == 0
+        return {}
+    return (run.get("workloads") or {}).get(parts[1], {})
 
 
 def _clairvoyant(run: dict[str, Any], h: Headline) -> float | None:

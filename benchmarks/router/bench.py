@@ -50,7 +50,7 @@ three apps ~5 s each to start; per repetition 3 x (12 runs + warm-ups) + failove
 ~26 s + warm-ups), 14 app sets (12 workload runs', the capacity burst's and the LoRA
 bursts') started together and deleted ~ 15 s each, assets, costs and Ray ~ 25 s, then the
 fairness and prefix sections ~ 4 minutes). On 2026-12-01, with the machine ~1.6 x slower,
-it took 60 minutes.
+it took 60 minutes; on 2026-12-02, ~2 x slower (a request 88 ms against 52 the day before), 68.
 
 Before the runs one engine of the replicas' configuration measures (benchmarks/router/costs.py)
 the costs the affinity router is told and the unloaded TTFT (a request alone on an idle

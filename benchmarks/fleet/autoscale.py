@@ -97,14 +97,20 @@ QUICK = DayShape(day_s=3600.0, adapters=2_000, peak_replicas=4, targets=(16, 24,
 
 
 def diurnal_arrivals(trace: Trace, day_s: float, peak_rps: float, seed: int) -> np.ndarray:
-    """The trace's arrival process warped onto rate(t) = trough + (peak - trough) x
-    (1 - cos 2 pi t / day) / 2: unit-rate trace times s (the trace repeated as needed) are
-    mapped to t with Lambda(t) = s, Lambda the rate's integral."""
-    trough = peak_rps / PEAK_TO_TROUGH
+    """The trace's arrival process warped onto `diurnal_rate`: unit-rate trace times s (the
+    trace repeated as needed) are mapped to t with Lambda(t) = s, Lambda the rate's
+    integral."""
     grid = np.linspace(0.0, day_s, 100_001)
-    rate = trough + (peak_rps - trough) * (1 - np.cos(2 * np.pi * grid / day_s)) / 2
+    rate = diurnal_rate(grid, day_s, peak_rps)
     cumulative = np.concatenate([[0.0], np.cumsum((rate[1:] + rate[:-1]) / 2 * np.diff(grid))])
     return np.interp(_unit_times(trace, cumulative[-1], seed), cumulative, grid)
+
+
+def diurnal_rate(t: np.ndarray, day_s: float, peak: float) -> np.ndarray:
+    """The day's rate at times `t`: trough + (peak - trough) x (1 - cos 2 pi t / day) / 2,
+    the trough peak / PEAK_TO_TROUGH."""
+    trough = peak / PEAK_TO_TROUGH
+    return trough + (peak - trough) * (1 - np.cos(2 * np.pi * t / day_s)) / 2
 
 
 def steady_arrivals(trace: Trace, duration_s: float, rate_rps: float, seed: int) -> np.ndarray:
@@ -127,13 +133,12 @@ def clairvoyant_replica_hours(peak_replicas: int, day_s: float) -> float:
     """The replica-hours of a fleet that knows the day's rate: at each moment the fewest
     whole replicas that keep every replica at or below the static fleet's load at the peak
     (REFERENCE_LOAD of its capacity), each up the moment it is wanted and gone the moment
-    it is not. The rate is `diurnal_arrivals`' curve, so in replicas it runs from
+    it is not. The rate is `diurnal_rate`, so in replicas it runs from
     peak_replicas / PEAK_TO_TROUGH to peak_replicas. Fractional replicas would need the
     day's mean over its peak, (1 + 1 / PEAK_TO_TROUGH) / 2 = 0.6 of the static fleet's
     hours; whole ones need more, the most where the peak is a few replicas (4: 0.70)."""
-    phase = np.linspace(0.0, 1.0, 1_000_001)
-    share = 1 / PEAK_TO_TROUGH + (1 - 1 / PEAK_TO_TROUGH) * (1 - np.cos(2 * np.pi * phase)) / 2
-    wanted = np.ceil(peak_replicas * share - 1e-9)  # whole replicas; exact multiples not rounded up
+    in_replicas = diurnal_rate(np.linspace(0.0, day_s, 1_000_001), day_s, peak_replicas)
+    wanted = np.ceil(in_replicas - 1e-9)  # whole replicas; exact multiples not rounded up
     return float(wanted.mean()) * day_s / 3600
 
 

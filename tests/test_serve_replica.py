@@ -540,12 +540,12 @@ def test_killed_replica_neither_hangs_requests_nor_loses_adapters(cluster: Clust
         fresh = [asyncio.create_task(collect(backend, request(adapters[i % 3]))) for i in range(3)]
         results = await asyncio.wait_for(asyncio.gather(*streaming), timeout=120)
         # mid-stream: every stream the victim still ran was resumed on the survivor (its
-        # tokens checked below). The stats are one moment's engine queue and bound nothing:
-        # one may end between the stats and the kill (a fresh-clone CI run: 5 resumed of the
-        # 6 the stats counted), and the fresh-clone CI of 2026-12-02 resumed 2 where they read
-        # 1. `resumed` counts tries, not streams: a resume that reached the victim again was
-        # counted twice (another run: 5 of 3, test_serve_backend.py).
-        assert 0 < backend.resumed <= 2 * len(wanted), (backend.resumed, running)
+        # tokens checked below). The stats are one moment's engine queue and bound nothing
+        # (one may end between the stats and the kill, or start after them: fresh-clone CI
+        # runs resumed 5 of the 6 they counted, and 2 where they read 1). `resumed` counts
+        # streams, once each however many tries its resume takes (test_serve_backend.py),
+        # and a stream sent at the kill may still reach the victim before it dies.
+        assert 0 < backend.resumed <= len(wanted) + len(fresh), (backend.resumed, running)
         for got, want in zip(results, expected, strict=True):
             assert got == want
         for tokens in await asyncio.wait_for(asyncio.gather(*fresh), timeout=60):

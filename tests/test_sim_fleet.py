@@ -355,3 +355,23 @@ def test_the_router_benchs_json_replays_in_the_simulator_at_its_rates():
         (run,) = out["workloads"]["zipf"][router]["0.35"]
         assert 0 <= run["within_slo"] <= 1 and run["p50_ttft_s"] <= run["p99_ttft_s"]
         assert ("estimate_p50_s" in run) == (router == "affinity")
+
+
+def test_the_replayed_bench_stream_warms_the_catalog_as_the_bench_does():
+    """`replay_bench`'s stream starts with `bench router`'s own warm-up (each adapter of the
+    catalog once, in the sweep's seeded order), so a replayed run pays no store read the
+    real run did not: a warm-up drawn from the popularity left ~40 of 120 adapters unread."""
+    from loraplex.benchmarks.fleet.validation import BenchLike, _bench_stream
+    from loraplex.benchmarks.router import bench as bench_router
+
+    w = bench_router.QUICK
+    names = [f"a{i}" for i in range(w.num_adapters)]
+    b = BenchLike(w, None, {}, names, 40.0, 1.0, 20.0)  # type: ignore[arg-type]
+    for rep, workload in ((0, "zipf"), (1, "shift")):
+        stream, first = _bench_stream(b, workload, rep, 0, 10.0, 20.0)
+        warm = stream[:first]
+        assert sorted(r.adapter for r in warm) == sorted(names)
+        index = fw.WORKLOADS.index(workload)
+        expected = bench_router.warm_up(names, w.rate_factors[0] * 20.0, 10 * index + 100_000 * rep)
+        assert [r.adapter for r in warm] == [r.adapter for r in expected]
+        assert min(r.arrival for r in stream[first:]) > max(r.arrival for r in warm)

@@ -67,6 +67,25 @@ def rows_of(arena: torch.Tensor, width: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True, slots=True)
+class GroupShape:
+    """What one bucket's gather plan for a layer and group would hold, from the ranks alone:
+    enough to decide whether to gather (`GatheredPlanner._reads_in_place`) before building
+    any index."""
+
+    in_width: int
+    rank: int  # r: the largest rank of a present target over the bucket's slots
+    present: tuple[int, ...]  # the targets some slot has
+    cols: tuple[tuple[int, int], ...]  # their (first, end) columns of y
+    num_slots: int
+
+    @property
+    def gathered_elems(self) -> int:
+        """GroupPlan.gathered_elems of the plan this shape gives."""
+        rows = self.num_slots * self.rank
+        return rows * (len(self.present) * self.in_width + sum(e - s for s, e in self.cols))
+
+
+@dataclass(frozen=True, slots=True)
 class GroupPlan:
     """One bucket of slots for one layer and group."""
 
@@ -289,19 +308,30 @@ class GatheredPlanner:
         return tables
 
     def _plan(self, residents: list[HasLoraGroups]) -> None:
+        """A new set of adapters: its buckets, which layers and groups read in place, and the
+        gather plans of the others. Which ones read in place is decided on each group's
+        shape first (ranks and widths, no tensor built), so a set whose groups all read in
+        place builds no plan: a set changes at most steps of a churning batch, and building
+        every plan before deciding was 26 ms a new set on the router bench's replica, whose
+        groups all read in place (3 x its base step; the LoRA burst's capacity 0.22 x the
+        base-model burst's, on one engine, 2026-12-02)."""
         tabs = [self._tables_of(r) for r in residents]
         by_rank: dict[int, list[int]] = {}
         for slot, t in enumerate(tabs):
             top = int(t.t_rank.max())
             by_rank.setdefault(1 << max(top - 1, 0).bit_length(), []).append(slot)
         self._buckets = [by_rank[k] for k in sorted(by_rank)]
-        self._groups = [
-            self._group_plans([tabs[slot] for slot in bucket], [residents[s] for s in bucket])
+        shapes = [
+            self._group_shapes([tabs[slot] for slot in bucket], [residents[s] for s in bucket])
             for bucket in self._buckets
         ]
         self._in_place = [
-            [self._reads_in_place(residents, layer, g) for g in range(len(per_layer))]
-            for layer, per_layer in enumerate(self._groups[0])
+            [self._reads_in_place(residents, layer, g, shapes) for g in range(len(per_layer))]
+            for layer, per_layer in enumerate(shapes[0])
+        ]
+        self._groups = [
+            self._group_plans([tabs[slot] for slot in bucket], bucket_shapes)
+            for bucket, bucket_shapes in zip(self._buckets, shapes, strict=True)
         ]
         self._keep_gathered(len(residents))
 
@@ -327,62 +357,91 @@ class GatheredPlanner:
                         bts=tuple(bt.to(dtype) for bt in plan.gather_bts(self.arena, slots)),
                     )
 
-    def _reads_in_place(self, residents: list[HasLoraGroups], layer: int, group: int) -> bool:
+    def _reads_in_place(
+        self,
+        residents: list[HasLoraGroups],
+        layer: int,
+        group: int,
+        shapes: list[list[list[GroupShape | None]]],
+    ) -> bool:
         """Whether the reference's ops on the pool's views beat gathering (see
         GATHER_BYTES_PER_SAVED_OP)."""
-        plans = [p[layer][group] for p in self._groups if p[layer][group] is not None]
-        if not plans:
+        gathered = [b[layer][group] for b in shapes if b[layer][group] is not None]
+        if not gathered:
             return False
         weights = [w for r in residents if (w := r.groups[layer][group]) is not None]
         in_place_ops = sum(len(w.a) + sum(len(t.bt) for t in w.outs) for w in weights)
-        gathered_ops = sum(4 + 2 * len(p.cols) for p in plans)
-        gathered_bytes = self.arena.element_size() * sum(p.gathered_elems for p in plans)
+        gathered_ops = sum(4 + 2 * len(shape.present) for shape in gathered)
+        gathered_bytes = self.arena.element_size() * sum(s.gathered_elems for s in gathered)
         saved = in_place_ops - gathered_ops
         return saved <= 0 or gathered_bytes > saved * GATHER_BYTES_PER_SAVED_OP
 
-    def _group_plans(
+    def _group_shapes(
         self, tabs: list[AdapterTables], residents: list[HasLoraGroups]
-    ) -> list[list[GroupPlan | None]]:
-        t_rank = torch.stack([t.t_rank for t in tabs]).long()  # [S, L, G, J]
-        t_hoff = torch.stack([t.t_hoff for t in tabs]).long()
-        a_rows = torch.stack([t.a_rows for t in tabs])  # [S, L, G, J * r_cap]
-        b_rows = torch.stack([t.b_rows for t in tabs])  # [S, L, G, J, r_cap]
-        num_slots = len(residents)
-        plans: list[list[GroupPlan | None]] = []
-        for layer in range(self.layout.num_layers):
-            plans.append([])
-            for g, columns in enumerate(self.layout.group_columns):
-                ranks = t_rank[:, layer, g]  # [S, J]
-                present = [j for j in range(len(columns)) if bool(ranks[:, j].any())]
+    ) -> list[list[GroupShape | None]]:
+        """[layer][group] of one bucket: what its gather plan would hold (None: no adapter of
+        the bucket has the group there), from the ranks alone."""
+        # [L][G][J]: the largest rank of each target over the bucket's slots
+        top = torch.stack([t.t_rank for t in tabs]).amax(0).tolist()
+        slots = len(tabs)
+        shapes: list[list[GroupShape | None]] = []
+        for layer, per_layer in enumerate(top):
+            shapes.append([])
+            for g, (columns, ranks) in enumerate(
+                zip(self.layout.group_columns, per_layer, strict=True)
+            ):
+                present = tuple(j for j in range(len(columns)) if ranks[j] > 0)
                 if not present:
-                    plans[layer].append(None)
+                    shapes[layer].append(None)
                     continue
-                rank = int(ranks.max())
-                k = torch.arange(rank)
-                valid = k < ranks[:, present, None]  # [S, J', r]
-                pos = (t_hoff[:, layer, g, present, None] + k).clamp(max=a_rows.shape[-1] - 1)
-                a_off = a_rows[:, layer, g].gather(1, pos.view(num_slots, -1)).view(valid.shape)
-                a_idx = torch.where(valid, a_off, a_off[valid][0]).view(-1)
-                b_idx = []
-                for i, j in enumerate(present):
-                    b_off = b_rows[:, layer, g, j, :rank]
-                    b_idx.append(torch.where(valid[:, i], b_off, b_off[valid[:, i]][0]).view(-1))
                 in_width = next(
                     r.groups[layer][g].a[0].shape[1]
                     for r in residents
                     if r.groups[layer][g] is not None
                 )
-                mask = None
-                if not bool(valid.all()):
-                    mask = valid.view(num_slots, 1, -1).to(self.arena.dtype)
-                plans[layer].append(
-                    GroupPlan(
+                shapes[layer].append(
+                    GroupShape(
                         in_width,
-                        rank,
-                        a_idx,
-                        tuple(b_idx),
+                        max(ranks),
+                        present,
                         tuple(columns[j] for j in present),
-                        mask,
+                        slots,
                     )
                 )
+        return shapes
+
+    def _group_plans(
+        self, tabs: list[AdapterTables], shapes: list[list[GroupShape | None]]
+    ) -> list[list[GroupPlan | None]]:
+        """The bucket's gather plans, built for the layers and groups that gather (None for
+        the others: absent from the bucket, or read in place)."""
+        built = [
+            (layer, g, shape)
+            for layer, per_layer in enumerate(shapes)
+            for g, shape in enumerate(per_layer)
+            if shape is not None and not self._in_place[layer][g]
+        ]
+        plans: list[list[GroupPlan | None]] = [[None] * len(p) for p in shapes]
+        if not built:
+            return plans
+        t_rank = torch.stack([t.t_rank for t in tabs]).long()  # [S, L, G, J]
+        t_hoff = torch.stack([t.t_hoff for t in tabs]).long()
+        a_rows = torch.stack([t.a_rows for t in tabs])  # [S, L, G, J * r_cap]
+        b_rows = torch.stack([t.b_rows for t in tabs])  # [S, L, G, J, r_cap]
+        num_slots = len(tabs)
+        for layer, g, shape in built:
+            present, rank = list(shape.present), shape.rank
+            k = torch.arange(rank)
+            valid = k < t_rank[:, layer, g, present, None]  # [S, J', r]
+            pos = (t_hoff[:, layer, g, present, None] + k).clamp(max=a_rows.shape[-1] - 1)
+            a_off = a_rows[:, layer, g].gather(1, pos.view(num_slots, -1)).view(valid.shape)
+            a_idx = torch.where(valid, a_off, a_off[valid][0]).view(-1)
+            b_idx = []
+            for i, j in enumerate(present):
+                b_off = b_rows[:, layer, g, j, :rank]
+                b_idx.append(torch.where(valid[:, i], b_off, b_off[valid[:, i]][0]).view(-1))
+            mask = None
+            if not bool(valid.all()):
+                mask = valid.view(num_slots, 1, -1).to(self.arena.dtype)
+            plans[layer][g] = GroupPlan(shape.in_width, rank, a_idx, tuple(b_idx), shape.cols, mask)
         return plans

@@ -160,6 +160,26 @@ def test_steps_of_the_same_adapters_gather_their_rows_once(
         assert gathers == (1 if keep and repeat else 5), (step, record.names)
 
 
+@pytest.mark.parametrize("gather", [True, False])
+def test_a_new_set_builds_gather_plans_only_for_the_groups_it_gathers(
+    gather: bool, monkeypatch: pytest.MonkeyPatch
+):
+    """Whether a group reads in place is decided on its ranks and widths, before any index is
+    built: a set of adapters that reads every group in place (small adapters, the router
+    bench's replica) builds no gather plan when it first appears, which a churning batch
+    pays at most steps (26 ms a new set there, 3 x its base step, before this)."""
+    monkeypatch.setattr(lora_gathered, "GATHER_BYTES_PER_SAVED_OP", 1 << 40 if gather else 0)
+    fan_in, widths = group_shape("qkv", 1)
+    arena, residents = scattered_adapters(fan_in, widths, RANKS[3], torch.float32)
+    backend = _backend(arena, widths)
+    runs, num_tokens = _runs(DECODE, residents)
+    with _RecordOps() as record:
+        args = backend.prepare([(s, e, r) for s, e, r in runs if r is not None], num_tokens, True)
+    built = {"gather.default", "where.self"} & set(record.names)
+    assert (args[0][0].in_place is None) == gather
+    assert bool(built) == gather, record.names
+
+
 @pytest.mark.parametrize("plan", ["decode", "prefill", "long_prefill"])
 @pytest.mark.parametrize("gather", ["kept", "per_step"])
 def test_bf16_gathered_ops_equal_the_fp32_reference(

@@ -375,3 +375,15 @@ def test_the_replayed_bench_stream_warms_the_catalog_as_the_bench_does():
         expected = bench_router.warm_up(names, w.rate_factors[0] * 20.0, 10 * index + 100_000 * rep)
         assert [r.adapter for r in warm] == [r.adapter for r in expected]
         assert min(r.arrival for r in stream[first:]) > max(r.arrival for r in warm)
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_the_validation_runs_the_router_bench_at_its_reference_rate_alone(quick: bool):
+    """One run per router at the reference rate, which the simulator replays; no rate past
+    the grid, where a sweep goes while a router holds the SLO."""
+    from loraplex.benchmarks.fleet.validation import validation_workload
+    from loraplex.benchmarks.router import bench as bench_router
+
+    w = validation_workload(quick)
+    base = bench_router.QUICK if quick else bench_router.FULL
+    assert w.all_rate_factors == (base.reference_factor,) and w.repeats == 1

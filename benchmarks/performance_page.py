@@ -20,7 +20,7 @@ from typing import Any
 
 from loraplex.benchmarks.goodput import ratio_at_ceiling
 
-SUITES = ("engine", "registry", "sched", "router", "fleet", "autoscale")
+SUITES = ("engine", "registry", "sched", "router", "fleet", "fleet_validation", "autoscale")
 _OPS = {">=": operator.ge, "<=": operator.le, "<": operator.lt, ">": operator.gt}
 
 
@@ -79,8 +79,8 @@ HEADLINES = [
     Headline("fleet", "fleet.workloads.zipf.replicas_needed_ratio_vs_best_ray_router", "<= 0.7", "the replicas the better Ray router needs for the SLO"),
     Headline("fleet", "fleet.workloads.shift.replicas_needed_ratio_vs_best_ray_router", "<= 0.7", "the replicas the better Ray router needs for the SLO"),
     Headline("fleet", "fleet.workloads.zipf.placement_miss_rate.affinity", "<= 0.05", "placements the router predicted warm that read from the store"),
-    Headline("fleet", "fleet.validation.p99_ttft_error", "<= 0.25", "a real run of the same workload"),
-    Headline("fleet", "fleet.validation.loads_error", "<= 0.10", "a real run of the same workload"),
+    Headline("fleet_validation", "fleet.validation.p99_ttft_error", "<= 0.25", "a real run of the same workload"),
+    Headline("fleet_validation", "fleet.validation.loads_error", "<= 0.10", "a real run of the same workload"),
     # autoscale (issue 26): a simulated day under Ray Serve's autoscaler (bench fleet --section autoscale)
     Headline("autoscale", "autoscale.replica_hours_ratio_vs_ray_default", "<= 0.8", "Ray's default policy, target_ongoing_requests swept to its best"),
     Headline("autoscale", "autoscale.slo_attainment.lora", ">= 0.99", "requests within the SLO (5 x the unloaded TTFT)"),
@@ -174,9 +174,22 @@ Serve's proxy actor (the default), then on a second Ray behind HAProxy
 simulator — 16 × H100 serving a 7B model, 2,000–10,000 adapters — whose replicas are the real
 adapter cache and scheduler and whose routers are the real affinity policy and Ray Serve's
 routers modelled from Ray 2.60's source. The catalog is larger than one replica's 64 GiB host
-tier and smaller than the fleet's, store reads take ~0.3 s; every figure is the median over
-seeds (3, `--quick` 2) and each ratio has its 90% bootstrap interval. `validation.*` compares
-the simulator configured like a real run with that run.""",
+tier and smaller than the fleet's, store reads take ~0.3 s. What one run asks for still fits
+one replica's device pool and host tier together: in the scale sweep's zipf runs at the
+reference rate no router's replicas evicted or dropped an adapter (`evictions`, `host_drops`
+0, power of two included), so there the routers differ in reads and queueing, not in what the
+fleet holds; the `eviction` run (a node's 256 GiB host tier, 4 × the catalog) is where pools
+evict. Every figure is the median over
+seeds (3, `--quick` 2) and each ratio has its 90% bootstrap interval. The table reads the
+simulator's validation from `fleet_validation` (below), which `--validation-only` writes.""",
+    "fleet_validation": """\
+`loraplex bench fleet --validation-only [--quick] --json docs/bench/fleet_validation.json`
+(`benchmarks/fleet/validation.py`): one `bench router` run of zipf at its reference rate on
+a real local Ray, every router, then the simulator configured like it (the same warm-up and
+requests, adapters, pool, host tier, read model, Serve settings and router costs, a CPU
+profile fitted on the run's engine steps and scaled to the replicas' measured capacity);
+`p99_ttft_error` and `loads_error` are the mean over the routers of |simulated − real| ÷
+real.""",
     "autoscale": """\
 `loraplex bench fleet --section autoscale` (`benchmarks/fleet/autoscale.py`): the fleet
 simulator under Ray Serve's autoscaler (`benchmarks/sim/scaling.py`: Ray 2.60's

@@ -245,7 +245,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return 0
     results = {"quick": bool(args.quick), "fleet": measure(shape, args.trace)}
     if getattr(args, "sim_only", False):
-        reason = "not run: --sim-only (run `bench fleet --validation-only` for it)"
+        reason = "not run: --sim-only (`bench fleet --validation-only` writes it)"
         results["fleet"]["validation"] = {
             "p99_ttft_error": None,
             "loads_error": None,

@@ -180,6 +180,27 @@ def test_a_new_set_builds_gather_plans_only_for_the_groups_it_gathers(
     assert bool(built) == gather, record.names
 
 
+@pytest.mark.parametrize("kind", ["qkv", "gate_up", "o", "down"])
+def test_a_groups_shape_gives_the_size_of_the_plan_it_would_build(kind: str):
+    """The decision to gather reads each group's shape (`GroupShape.gathered_elems`) where
+    it read the built plan's: the two agree for every bucket, layer and group."""
+    fan_in, widths = group_shape(kind, 1)
+    arena, residents = scattered_adapters(fan_in, widths, RANKS[len(widths)], torch.float32)
+    planner = _backend(arena, widths).planner
+    planner._plan(residents)
+    planner._in_place = [[False] * len(per_layer) for per_layer in planner._in_place]
+    for bucket in planner._buckets:
+        tabs = [planner._tables_of(residents[slot]) for slot in bucket]
+        shapes = planner._group_shapes(tabs, [residents[slot] for slot in bucket])
+        plans = planner._group_plans(tabs, shapes)
+        for shape_row, plan_row in zip(shapes, plans, strict=True):
+            for shape, plan in zip(shape_row, plan_row, strict=True):
+                assert (shape is None) == (plan is None)
+                if plan is not None:
+                    assert shape.gathered_elems == plan.gathered_elems
+                    assert shape.cols == plan.cols and shape.rank == plan.rank
+
+
 @pytest.mark.parametrize("plan", ["decode", "prefill", "long_prefill"])
 @pytest.mark.parametrize("gather", ["kept", "per_step"])
 def test_bf16_gathered_ops_equal_the_fp32_reference(

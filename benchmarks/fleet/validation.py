@@ -245,7 +245,7 @@ def _bench_stream(
     basis_rps: float,
     burst: bool = False,
 ) -> tuple[list[SimRequest], int]:
-    """`bench router`'s warm-up (`bench.warm_up`: each adapter of the catalog once, at its
+    """`bench router`'s warm-up (`bench.sweep_warm_up`: each adapter of the catalog once, at its
     lowest rate factor x `basis_rps`) then its run `i` of repetition `rep` at `rate` (its
     own seeds: benchmarks/router/bench.py `_sweep`), the run 5 s after the warm-up's last
     arrival; with `burst` every run request arrives at once. The replay drew its own
@@ -254,9 +254,7 @@ def _bench_stream(
     paid 37-50 store reads that the real runs (0 at the reference rate) did not."""
     w, index = b.workload, fw.WORKLOADS.index(workload)
     order = 1000 * rep + index
-    warm = bench_router.warm_up(
-        b.names, w.rate_factors[0] * basis_rps, seed=10 * index + 100_000 * rep
-    )
+    warm = bench_router.sweep_warm_up(b.names, w.rate_factors[0] * basis_rps, index, rep)
     n = w.burst_requests if burst else w.run_requests(rate, w.window_s)
     run = fw.requests(
         workload,

@@ -354,7 +354,7 @@ def _sweep(
     factors = w.failover_factors if failover else w.rate_factors
     window = w.failover_window_s if failover else w.window_s
     order = 1000 * rep + index  # the popularity order's seed
-    warm = warm_up(names, factors[0] * capacity, seed=10 * index + 100_000 * rep)
+    warm = sweep_warm_up(names, factors[0] * capacity, index, rep)
     began: dict[str, list[float]] = {r: [] for r in apps}  # each stream's start, per router
     for router, app in apps.items():
         began[router].append(time.perf_counter())
@@ -424,6 +424,12 @@ def warm_up(names: list[str], rate: float, seed: int) -> list[SimRequest]:
     )
     order = np.random.default_rng(seed).permutation(len(names))
     return [replace(r, adapter=names[k]) for r, k in zip(reqs, order, strict=True)]
+
+
+def sweep_warm_up(names: list[str], rate: float, index: int, rep: int) -> list[SimRequest]:
+    """`warm_up` as workload `index`'s sweep in repetition `rep` draws it (its own seed):
+    the sweep and the simulator's replay of it (fleet/validation.py) ask for the same."""
+    return warm_up(names, rate, seed=10 * index + 100_000 * rep)
 
 
 def new_adapters(warm: list[SimRequest], runs: list[list[SimRequest]]) -> list[int]:

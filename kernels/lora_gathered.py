@@ -330,7 +330,7 @@ class GatheredPlanner:
             for layer, per_layer in enumerate(shapes[0])
         ]
         self._groups = [
-            self._group_plans([tabs[slot] for slot in bucket], bucket_shapes)
+            self._group_plans([tabs[slot] for slot in bucket], bucket_shapes, self._in_place)
             for bucket, bucket_shapes in zip(self._buckets, shapes, strict=True)
         ]
         self._keep_gathered(len(residents))
@@ -411,15 +411,18 @@ class GatheredPlanner:
         return shapes
 
     def _group_plans(
-        self, tabs: list[AdapterTables], shapes: list[list[GroupShape | None]]
+        self,
+        tabs: list[AdapterTables],
+        shapes: list[list[GroupShape | None]],
+        in_place: list[list[bool]],
     ) -> list[list[GroupPlan | None]]:
         """The bucket's gather plans, built for the layers and groups that gather (None for
-        the others: absent from the bucket, or read in place)."""
+        the others: absent from the bucket, or read in place, `in_place[layer][group]`)."""
         built = [
             (layer, g, shape)
             for layer, per_layer in enumerate(shapes)
             for g, shape in enumerate(per_layer)
-            if shape is not None and not self._in_place[layer][g]
+            if shape is not None and not in_place[layer][g]
         ]
         plans: list[list[GroupPlan | None]] = [[None] * len(p) for p in shapes]
         if not built:

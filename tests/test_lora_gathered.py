@@ -188,11 +188,11 @@ def test_a_groups_shape_gives_the_size_of_the_plan_it_would_build(kind: str):
     arena, residents = scattered_adapters(fan_in, widths, RANKS[len(widths)], torch.float32)
     planner = _backend(arena, widths).planner
     planner._plan(residents)
-    planner._in_place = [[False] * len(per_layer) for per_layer in planner._in_place]
+    gather_all = [[False] * len(per_layer) for per_layer in planner._in_place]
     for bucket in planner._buckets:
         tabs = [planner._tables_of(residents[slot]) for slot in bucket]
         shapes = planner._group_shapes(tabs, [residents[slot] for slot in bucket])
-        plans = planner._group_plans(tabs, shapes)
+        plans = planner._group_plans(tabs, shapes, gather_all)
         for shape_row, plan_row in zip(shapes, plans, strict=True):
             for shape, plan in zip(shape_row, plan_row, strict=True):
                 assert (shape is None) == (plan is None)

@@ -18,7 +18,11 @@ since its last one (`deltas`: a request's tokens leave the pool when reserved; u
 come back to `free`, capped, as the single bucket refunded them), and its whole holdings
 (`snapshot`), which a ledger that does not know it (restarted, or its lease lapsed) takes
 instead. Messages are numbered: a snapshot includes the deltas of its own and earlier
-messages, so a later-arriving earlier message is not counted twice.
+messages, so a later-arriving earlier message is not counted twice. A new ledger that hears
+from a client which had spoken to an earlier one (its first message here is not its first)
+replaced a ledger that died: other clients may hold shares it has not heard of yet, so it
+grants nothing until every live client has had time to report (`recover_s`); a borrow waits
+that out.
 
 `ShareLedger` is the pure bookkeeping with an injected clock; `LedgerService` adds the waits:
 a client's `poll` returns at once when the ledger wants a share back, and a `borrow` that the
@@ -40,6 +44,7 @@ Kind = Literal["requests", "tokens"]
 Key = tuple[str, Kind]  # (tenant, kind)
 GRANT_FRACTION = 2  # a grant is at least capacity / (2 x clients): few asks, room for others
 LEASES_PER_SYNC = 10  # a client silent for 10 report periods has lost its shares
+RECOVER_SYNCS = 3  # a live client reports within two report periods of a ledger's start
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +62,7 @@ class Message:
 class Grant:
     amount: int
     wait_s: float  # when amount is 0: how long until the free part could cover the need
-    answered: bool = True  # False: the ledger could not be reached (the limiter's own)
+    answered: bool = True  # False: the ledger could not check (unreachable, or recovering)
 
 
 @dataclass(slots=True)
@@ -83,11 +88,20 @@ class _Client:
 
 
 class ShareLedger:
-    def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self, lease_s: float, clock: Callable[[], float] = time.monotonic, recover_s: float = 0.0
+    ) -> None:
         self.lease_s = lease_s
+        self.recover_s = recover_s
         self.clock = clock
+        self.started = clock()
+        self.recovered_at = self.started  # no grant before this
         self.pools: dict[Key, _Pool] = {}
         self.clients: dict[str, _Client] = {}
+
+    def recovering_s(self) -> float:
+        """How long until this ledger has heard from every live client (0: it has)."""
+        return max(0.0, self.recovered_at - self.clock())
 
     def report(self, message: Message) -> None:
         """Take a client's message: its deltas, or its snapshot when it is new here."""
@@ -95,6 +109,9 @@ class ShareLedger:
         self.expire(now)
         client = self.clients.get(message.client)
         if client is None:
+            replaced = message.seq > 1 and now - self.started < self.lease_s
+            if replaced and self.recovered_at <= self.started:  # the first sign of it
+                self.recovered_at = now + self.recover_s
             self.clients[message.client] = _Client(now, message.seq)
             for key, (held, capacity) in message.snapshot.items():
                 pool = self._pool(key, capacity, now)
@@ -121,6 +138,8 @@ class ShareLedger:
         """Up to a batch of the pool for `client`, at least `need`; nothing if the free part
         cannot cover `need` (Grant.wait_s: until the refill could)."""
         now = self.clock()
+        if now < self.recovered_at:
+            return Grant(0, self.recovered_at - now, answered=False)
         pool = self._pool(key, capacity, now)
         per_minute = key[1] == "tokens"
         pool.refill(now, per_minute)
@@ -182,9 +201,11 @@ class LedgerService:
 
     @classmethod
     def for_sync(cls, sync_s: float, clock: Callable[[], float] = time.monotonic) -> LedgerService:
-        """The ledger of clients that report every `sync_s`: a lease of ten reports, and a
-        borrow waits at most one report for room."""
-        return cls(ShareLedger(LEASES_PER_SYNC * sync_s, clock), reclaim_s=sync_s)
+        """The ledger of clients that report every `sync_s`: a lease of ten reports, a
+        borrow waits at most one report for room, and a replacement ledger three reports
+        for every live client's holdings."""
+        ledger = ShareLedger(LEASES_PER_SYNC * sync_s, clock, RECOVER_SYNCS * sync_s)
+        return cls(ledger, reclaim_s=sync_s)
 
     async def poll(self, message: Message, wait_s: float) -> list[Key]:
         """Report; then wait up to `wait_s` for the ledger to want shares back. Returns the
@@ -214,6 +235,8 @@ class LedgerService:
         """At least `need` of the pool for the client, or nothing once every other holder
         has given back what it does not use (or `reclaim_s` passed)."""
         self.ledger.report(message)
+        if wait_s := self.ledger.recovering_s():  # replacing a dead ledger
+            await asyncio.sleep(wait_s)
         client = message.client
         grant = self.ledger.grant(client, key, capacity, need)
         asked = self.ledger.holders(key, but=client)

@@ -226,6 +226,46 @@ def test_a_restarted_ledger_learns_the_holdings_from_the_snapshots():
     assert ledger.pools[key].free == 3 and ledger.grant("b", key, 4, 3).amount == 3
 
 
+def test_a_replacement_ledger_grants_nothing_until_every_client_could_report():
+    """A ledger whose first message from a client is not that client's first replaced one
+    that died: b's share is unknown to it until b reports, so a's ask for the one place a's
+    snapshot leaves free waits for that (the limit is four; b holds one). A first ledger
+    (messages numbered from one) and a client back after its lease lapsed do not wait."""
+    clock = Clock()
+    key = ("t", "requests")
+    ledger = ShareLedger(lease_s=10, clock=clock, recover_s=3)
+    ledger.report(Message("a", seq=9, deltas={}, snapshot={key: (3.0, 4)}))
+    refused = ledger.grant("a", key, 4, 1)
+    assert (refused.amount, refused.answered, refused.wait_s) == (0, False, 3)
+    clock.now += 1
+    ledger.report(Message("b", seq=7, deltas={}, snapshot={key: (1.0, 4)}))
+    assert ledger.recovering_s() == 2  # from the first sign of a restart, not each one
+    clock.now += 2
+    full = ledger.grant("a", key, 4, 1)
+    assert (full.amount, full.answered) == (0, True)
+
+    first = ShareLedger(lease_s=10, clock=clock, recover_s=3)
+    first.report(Message("a", seq=1, deltas={}, snapshot={}))
+    assert first.grant("a", key, 4, 1).amount == 2
+    clock.now += 11  # past the first lease: a client back after its own lapsed
+    first.report(Message("c", seq=40, deltas={}, snapshot={}))
+    assert first.recovering_s() == 0
+
+
+@run
+async def test_a_borrow_from_a_replacement_ledger_waits_for_the_other_shares():
+    """Through the service: the borrow made in the restart's window comes back refused
+    for the room b holds, not granted from a ledger that had not heard of b."""
+    service = LedgerService(ShareLedger(lease_s=10, recover_s=0.2), reclaim_s=0.1)
+    key = ("t", "requests")
+    a = Message("a", seq=9, deltas={}, snapshot={key: (3.0, 4)})
+    borrowing = asyncio.create_task(service.borrow(a, key, 4, 1))
+    await asyncio.sleep(0.05)
+    await service.poll(Message("b", seq=7, deltas={}, snapshot={key: (1.0, 4)}), 0)
+    grant = await borrowing
+    assert (grant.amount, grant.answered) == (0, True)
+
+
 class ReplyingInReverse:
     """The cluster's ledger as Ray can deliver it: each ask is answered by a real
     LedgerService, but the replies are held until `burst` asks are out (or 0.2 s passed)

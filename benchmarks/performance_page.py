@@ -187,7 +187,9 @@ simulator's validation from `fleet_validation` (below), which `--validation-only
 (`benchmarks/fleet/validation.py`): one `bench router` run of zipf at its reference rate on
 a real local Ray, every router, then the simulator configured like it (the same warm-up and
 requests, adapters, pool, host tier, read model, Serve settings and router costs, a CPU
-profile fitted on the run's engine steps and scaled to the replicas' measured capacity);
+profile fitted on one engine's steps, slowed by the replicas' share of the cores, plus a
+cost per request outside the steps that brings the replicas' base-model burst to the
+capacity they showed);
 `p99_ttft_error` and `loads_error` are the mean over the routers of |simulated − real| ÷
 real.""",
     "autoscale": """\

@@ -11,7 +11,7 @@ import pytest
 
 from loraplex.benchmarks.sched import sim as sched_sim
 from loraplex.benchmarks.sched import systems as sched_systems
-from loraplex.benchmarks.sim.profiles import StepLoad, a40_llama7b, fit_linear
+from loraplex.benchmarks.sim.profiles import LinearProfile, StepLoad, a40_llama7b, fit_linear
 from loraplex.benchmarks.sim.run import simulate
 from loraplex.benchmarks.sim.workload import (
     AdapterSpec,
@@ -103,14 +103,49 @@ def test_four_replicas_serve_four_times_the_load_about_as_fast_as_one():
 
 
 def test_linear_fit_recovers_known_coefficients_and_ignores_a_slow_outlier():
+    """Every term apart, the LoRA ones and a decode row's included: steps whose LoRA tokens
+    are not all their tokens (base-model rows), and prefill steps of many prompt tokens."""
     rng = np.random.default_rng(0)
+    truth = (0.002, 1e-5, 2e-7, 3e-7, 5e-4, 4e-5)
     samples = []
-    for _ in range(200):
-        load = StepLoad(int(rng.integers(1, 500)), int(rng.integers(1, 5000)), 0, 0)
-        samples.append((load, 0.002 + 1e-5 * load.tokens + 2e-7 * load.context))
-    samples.append((StepLoad(10, 10, 0, 0), 5.0))  # descheduled by another process
+    for _ in range(300):
+        rows = int(rng.integers(1, 17))
+        tokens = rows + int(rng.integers(0, 500))
+        adapters = int(rng.integers(0, rows + 1))
+        load = StepLoad(
+            tokens,
+            int(rng.integers(tokens, 5000)),
+            int(rng.integers(0, tokens * 64)),
+            0,
+            adapters=adapters,
+            rows=rows,
+        )
+        x = (1, load.tokens, load.context, load.token_rank, load.adapters, load.rows)
+        samples.append((load, float(np.dot(truth, x))))
+    samples.append((StepLoad(10, 10, 0, 0, rows=1), 5.0))  # descheduled by another process
     coef, r2 = fit_linear(samples)
-    assert coef[:3] == pytest.approx((0.002, 1e-5, 2e-7), rel=1e-3) and r2 > 0.999
+    assert coef == pytest.approx(truth, rel=1e-3) and r2 > 0.999
+
+
+def test_a_profiles_request_cost_is_paid_once_by_the_step_that_starts_the_request():
+    """`request_s` (what a serving framework costs a request outside the engine's steps) is
+    charged to the step that computes a request's first chunk, not to its later steps."""
+    fitted = LinearProfile(
+        name="t",
+        source="",
+        model=dict(PROFILE.model, torch_dtype="float32"),
+        pool_bytes=PROFILE.pool_bytes,
+        page_bytes=PROFILE.page_bytes,
+        link_bytes_per_s=PROFILE.link_bytes_per_s,
+        load_setup_s=0.0,
+        coef=(0.01, 1e-4, 0.0, 0.0, 0.0, 0.0),
+    )
+    charged = dataclasses.replace(fitted, request_s=0.25)
+    reqs = [SimRequest(i, 10.0 * i, 40, 8, 8, None) for i in range(3)]  # each alone
+    system = sched_systems.systems(5.0)["fifo_cache"]
+    free, paid = (simulate(reqs, p, system, [], 4096) for p in (fitted, charged))
+    assert paid.ttft == pytest.approx(free.ttft + 0.25)
+    assert paid.e2e - paid.ttft == pytest.approx(free.e2e - free.ttft)  # decode steps: no charge
 
 
 def test_throughput_at_slo_interpolates_the_crossing():

@@ -5,9 +5,13 @@ real local Ray (benchmarks/router/bench.py), then the simulator configured like 
 warm-up and requests (arrivals, adapters, lengths), the same adapters (rank, bytes), pool,
 host tier, read model, Serve settings and router costs, and a CPU profile fitted on this
 machine: the step timings `bench router` recorded on one engine (least squares,
-sim_profiles.fit_linear), scaled by how much slower the replicas ran together than alone
-(the capacity they showed on the saturating burst over the capacity the fitted profile
-predicts for them on the same burst: they share the machine's cores).
+sim_profiles.fit_linear), slowed by each replica's share of the cores (replicas ÷ cores),
+plus `request_s`, what a request costs outside the engine's steps (Serve's handling of its
+call and stream, in the replica and the driver): the difference between the real
+replicas' time per request on the saturating base-model burst and their steps' on the
+same burst. It was one factor on every step (12 x in a replay of 2026-12-02, once the fit
+priced LoRA): a request's prefill then cost 12 steps' time and the simulated p99 TTFT at
+the lowest rate was 2.2 x the real one.
 
     p99_ttft_error = mean over routers of |simulated p99 TTFT - real| / real
     loads_error    = mean over routers of |simulated device loads - real| / real
@@ -24,6 +28,7 @@ runs before it was published).
 from __future__ import annotations
 
 import dataclasses
+import os
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -123,16 +128,25 @@ def cpu_profile(measured: bench_router.Measured, w: bench_router.Workload) -> Li
         coef=coef,
         fit_r2=r2,
     )
-    predicted = w.num_replicas * _burst_capacity(alone, w)
-    slowdown = max(1.0, predicted / measured.calibration["capacity_rps"])
+    cpus = os.cpu_count() or 1
+    shared = max(1.0, w.num_replicas / cpus)  # each replica's steps get a share of the cores
+    contended = dataclasses.replace(alone, coef=tuple(c * shared for c in coef))
+    per_replica = measured.calibration["capacity_rps"] / w.num_replicas
+    steps_only = _burst_capacity(contended, w)
+    # what the steps do not account for of the real replicas' time per request: Serve's
+    # handling of each call and stream, in the replica and the driver (on 2 cores a
+    # replica's engine thread was 71% of its CPU at 18 req/s; the driver took ~21 ms a
+    # request, the replicas' other threads ~19 ms: 2026-12-02)
+    request_s = max(0.0, 1.0 / per_replica - 1.0 / steps_only)
     return dataclasses.replace(
-        alone,
-        coef=tuple(c * slowdown for c in coef),
+        contended,
+        request_s=request_s,
         source=(
             f"least squares over {len(measured.calibration['steps'])} engine steps on this "
-            f"machine (R² {r2:.2f}), x {slowdown:.2f}: the replicas served "
-            f"{measured.calibration['capacity_rps']:.1f} req/s together, alone they would "
-            f"have served {predicted:.1f}"
+            f"machine (R² {r2:.2f}), x {shared:.2f} ({w.num_replicas} replicas on {cpus} "
+            f"cores), + {request_s * 1e3:.1f} ms a request: the replicas served "
+            f"{measured.calibration['capacity_rps']:.1f} req/s together, their steps alone "
+            f"would have served {w.num_replicas * steps_only:.1f}"
         ),
     )
 

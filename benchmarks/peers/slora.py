@@ -472,6 +472,8 @@ class SLoRAReplica:
                 n * self.rank[r.adapter] for r, n in zip(batch, tokens, strict=True) if r.adapter
             ),
             adapter_bytes=sum(self.spec[a].nbytes for a in adapters),
+            adapters=len(adapters),
+            rows=len(batch),
         )
 
     def _prefill(self, batch: list[SReq]) -> None:

@@ -228,7 +228,14 @@ def engine_section(shape: EngineShape) -> dict:
         "cpu_profile": {
             "coef_s": dict(
                 zip(
-                    ("step", "per_token", "per_context_token", "per_token_rank"),
+                    (
+                        "step",
+                        "per_token",
+                        "per_context_token",
+                        "per_token_rank",
+                        "per_adapter",
+                        "per_row",
+                    ),
                     profile.coef,
                     strict=True,
                 )
@@ -434,6 +441,8 @@ def _step_load(batch: list[tuple[str | None, int, int]], nbytes: dict[str, int])
         context=sum(c + n for _, c, n in batch),
         token_rank=sum(n * ranks[a] for a, _, n in batch if a is not None),
         adapter_bytes=sum(nbytes[a] for a in adapters),
+        adapters=len(adapters),
+        rows=len(batch),
     )
 
 

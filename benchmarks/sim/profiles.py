@@ -37,6 +37,9 @@ class StepLoad:
     context: int  # KV tokens the step's rows attend over
     token_rank: int  # sum over the step's tokens of their adapter's rank
     adapter_bytes: int  # weight bytes of the distinct adapters in the step
+    adapters: int = 0  # distinct adapters in the step: a LoRA segment each
+    rows: int = 0  # sequences in the step (a prefill chunk or a decode row each)
+    started: int = 0  # sequences whose first chunk the step computes (requests arriving)
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +191,10 @@ def gpu_profile(gpu: str, model: str) -> RooflineProfile:
 
 @dataclass(frozen=True, slots=True)
 class LinearProfile:
-    """step = c0 + c_tokens·tokens + c_context·context + c_lora·token_rank, fitted."""
+    """step = c0 + c_tokens·tokens + c_context·context + c_lora·token_rank
+    + c_adapter·adapters + c_row·rows, fitted; + request_s·started: what a request costs
+    its replica outside the engine's steps (a serving framework's handling of its call
+    and stream), charged to the step that starts it."""
 
     name: str
     source: str
@@ -197,27 +203,32 @@ class LinearProfile:
     page_bytes: int
     link_bytes_per_s: float
     load_setup_s: float
-    coef: tuple[float, float, float, float]
+    coef: tuple[float, float, float, float, float, float]
     adapter_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     fit_r2: float = field(default=0.0)
+    request_s: float = 0.0
 
     def kv_bytes_per_token(self) -> int:
         cfg = ModelConfig.from_dict(self.model)
         return cfg.kv_elems_per_token() * (4 if self.model.get("torch_dtype") == "float32" else 2)
 
     def step_time(self, load: StepLoad) -> float:
-        c0, ct, cc, cl = self.coef
-        return max(c0, c0 + ct * load.tokens + cc * load.context + cl * load.token_rank)
+        c0, ct, cc, cl, ca, cr = self.coef
+        varying = ct * load.tokens + cc * load.context + cl * load.token_rank
+        varying += ca * load.adapters + cr * load.rows + self.request_s * load.started
+        return max(c0, c0 + varying)
 
 
 def fit_linear(
     samples: list[tuple[StepLoad, float]],
-) -> tuple[tuple[float, float, float, float], float]:
-    """Least squares of step seconds on (1, tokens, context, token_rank). Negative
+) -> tuple[tuple[float, float, float, float, float, float], float]:
+    """Least squares of step seconds on (1, tokens, context, token_rank, adapters, rows):
+    a decode row costs more than a prompt token of a prefill chunk (sampling, its own
+    attention), and each adapter in the step adds a segment to every LoRA op. Negative
     coefficients (noise) are dropped and the rest refitted; steps slowed by other
     processes (residual above 3x the median absolute residual) are trimmed once. Returns
     the coefficients and R² on the kept steps."""
-    x = np.array([[1.0, s.tokens, s.context, s.token_rank] for s, _ in samples])
+    x = np.array([[1.0, s.tokens, s.context, s.token_rank, s.adapters, s.rows] for s, _ in samples])
     y = np.array([t for _, t in samples])
     full = _fit(x, y)
     resid = y - x @ full
@@ -226,17 +237,18 @@ def fit_linear(
     full = _fit(x, y)
     pred = x @ full
     r2 = 1.0 - float(((y - pred) ** 2).sum()) / max(float(((y - y.mean()) ** 2).sum()), 1e-30)
-    return (float(full[0]), float(full[1]), float(full[2]), float(full[3])), r2
+    c0, ct, cc, cl, ca, cr = (float(c) for c in full)
+    return (c0, ct, cc, cl, ca, cr), r2
 
 
 def _fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    cols = [0, 1, 2, 3]
+    cols = list(range(x.shape[1]))
     while True:
         coef, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
         negative = [k for k, c in zip(cols, coef, strict=True) if c < 0 and k != 0]
         if not negative:
             break
         cols = [k for k in cols if k not in negative]
-    full = np.zeros(4)
+    full = np.zeros(x.shape[1])
     full[cols] = coef
     return full

@@ -256,6 +256,9 @@ class SimReplica:
             context=sum(s.num_computed + n for s, n in scheduled),
             token_rank=sum(n * self.rank[s.adapter] for s, n in scheduled if s.adapter),
             adapter_bytes=sum(self.cache.nbytes_of(a) for a in adapters),
+            adapters=len(adapters),
+            rows=len(scheduled),
+            started=sum(1 for s, _ in scheduled if s.num_computed == 0),
         )
         dt = self.profile.step_time(load)
         self.step_costs.record_step(*step_rows(scheduled), len(adapters), dt)

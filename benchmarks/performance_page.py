@@ -188,8 +188,8 @@ simulator's validation from `fleet_validation` (below), which `--validation-only
 a real local Ray, every router, then the simulator configured like it (the same warm-up and
 requests, adapters, pool, host tier, read model, Serve settings and router costs, a CPU
 profile fitted on one engine's steps, slowed by the replicas' share of the cores, plus a
-cost per request outside the steps that brings the replicas' base-model burst to the
-capacity they showed);
+cost per streamed token outside the steps that brings the replicas' base-model burst to
+the capacity they showed);
 `p99_ttft_error` and `loads_error` are the mean over the routers of |simulated − real| ÷
 real.""",
     "autoscale": """\

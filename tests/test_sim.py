@@ -11,7 +11,7 @@ import pytest
 
 from loraplex.benchmarks.sched import sim as sched_sim
 from loraplex.benchmarks.sched import systems as sched_systems
-from loraplex.benchmarks.sim.profiles import LinearProfile, StepLoad, a40_llama7b, fit_linear
+from loraplex.benchmarks.sim.profiles import StepLoad, a40_llama7b, fit_linear
 from loraplex.benchmarks.sim.run import simulate
 from loraplex.benchmarks.sim.workload import (
     AdapterSpec,
@@ -125,27 +125,6 @@ def test_linear_fit_recovers_known_coefficients_and_ignores_a_slow_outlier():
     samples.append((StepLoad(10, 10, 0, 0, rows=1), 5.0))  # descheduled by another process
     coef, r2 = fit_linear(samples)
     assert coef == pytest.approx(truth, rel=1e-3) and r2 > 0.999
-
-
-def test_a_profiles_request_cost_is_paid_once_by_the_step_that_starts_the_request():
-    """`request_s` (what a serving framework costs a request outside the engine's steps) is
-    charged to the step that computes a request's first chunk, not to its later steps."""
-    fitted = LinearProfile(
-        name="t",
-        source="",
-        model=dict(PROFILE.model, torch_dtype="float32"),
-        pool_bytes=PROFILE.pool_bytes,
-        page_bytes=PROFILE.page_bytes,
-        link_bytes_per_s=PROFILE.link_bytes_per_s,
-        load_setup_s=0.0,
-        coef=(0.01, 1e-4, 0.0, 0.0, 0.0, 0.0),
-    )
-    charged = dataclasses.replace(fitted, request_s=0.25)
-    reqs = [SimRequest(i, 10.0 * i, 40, 8, 8, None) for i in range(3)]  # each alone
-    system = sched_systems.systems(5.0)["fifo_cache"]
-    free, paid = (simulate(reqs, p, system, [], 4096) for p in (fitted, charged))
-    assert paid.ttft == pytest.approx(free.ttft + 0.25)
-    assert paid.e2e - paid.ttft == pytest.approx(free.e2e - free.ttft)  # decode steps: no charge
 
 
 def test_throughput_at_slo_interpolates_the_crossing():

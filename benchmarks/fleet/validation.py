@@ -6,12 +6,14 @@ warm-up and requests (arrivals, adapters, lengths), the same adapters (rank, byt
 host tier, read model, Serve settings and router costs, and a CPU profile fitted on this
 machine: the step timings `bench router` recorded on one engine (least squares,
 sim_profiles.fit_linear), slowed by each replica's share of the cores (replicas ÷ cores),
-plus `request_s`, what a request costs outside the engine's steps (Serve's handling of its
-call and stream, in the replica and the driver): the difference between the real
-replicas' time per request on the saturating base-model burst and their steps' on the
-same burst. It was one factor on every step (12 x in a replay of 2026-12-02, once the fit
-priced LoRA): a request's prefill then cost 12 steps' time and the simulated p99 TTFT at
-the lowest rate was 2.2 x the real one.
+plus what a request costs outside the engine's steps (Serve's handling of its call and of
+each streamed chunk, in the replica and the driver), charged to each decode row: the
+difference between the real replicas' time per request on the saturating base-model burst
+and their steps' on the same burst, over its output tokens. It was one factor on every
+step (12 x in a replay of 2026-12-02, once the fit priced LoRA): a request's prefill then
+cost 12 steps' time and the simulated p99 TTFT at the lowest rate was 2.2 x the real one;
+charged to a request's first step instead, it put ~55 ms before every first token where
+the real p50 TTFT was 28 ms.
 
     p99_ttft_error = mean over routers of |simulated p99 TTFT - real| / real
     loads_error    = mean over routers of |simulated device loads - real| / real
@@ -133,18 +135,22 @@ def cpu_profile(measured: bench_router.Measured, w: bench_router.Workload) -> Li
     contended = dataclasses.replace(alone, coef=tuple(c * shared for c in coef))
     per_replica = measured.calibration["capacity_rps"] / w.num_replicas
     steps_only = _burst_capacity(contended, w)
-    # what the steps do not account for of the real replicas' time per request: Serve's
-    # handling of each call and stream, in the replica and the driver (on 2 cores a
-    # replica's engine thread was 71% of its CPU at 18 req/s; the driver took ~21 ms a
-    # request, the replicas' other threads ~19 ms: 2026-12-02)
-    request_s = max(0.0, 1.0 / per_replica - 1.0 / steps_only)
+    # What the steps leave out of the real replicas' time per request: Serve's handling of
+    # the call and of each streamed chunk, in the replica and the driver (on 2 cores at 18
+    # req/s a replica's engine thread was 71% of its CPU; its other threads ~19 ms a
+    # request, the driver ~21 ms: 2026-12-02). Most of it comes with the chunks, after the
+    # first token (real p50 TTFT 28 ms at the lowest rate, where this is ~55 ms a request):
+    # charged to each decode row (a chunk each at these rates), not to the prefill.
+    out = sum(w.output_tokens) / 2
+    stream_s = max(0.0, 1.0 / per_replica - 1.0 / steps_only) / out
+    c0, ct, cc, cl, ca, cr = contended.coef
     return dataclasses.replace(
         contended,
-        request_s=request_s,
+        coef=(c0, ct, cc, cl, ca, cr + stream_s),
         source=(
             f"least squares over {len(measured.calibration['steps'])} engine steps on this "
             f"machine (R² {r2:.2f}), x {shared:.2f} ({w.num_replicas} replicas on {cpus} "
-            f"cores), + {request_s * 1e3:.1f} ms a request: the replicas served "
+            f"cores), + {stream_s * 1e3:.1f} ms a streamed token: the replicas served "
             f"{measured.calibration['capacity_rps']:.1f} req/s together, their steps alone "
             f"would have served {w.num_replicas * steps_only:.1f}"
         ),

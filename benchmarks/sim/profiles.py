@@ -39,7 +39,6 @@ class StepLoad:
     adapter_bytes: int  # weight bytes of the distinct adapters in the step
     adapters: int = 0  # distinct adapters in the step: a LoRA segment each
     rows: int = 0  # sequences in the step (a prefill chunk or a decode row each)
-    started: int = 0  # sequences whose first chunk the step computes (requests arriving)
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,9 +191,7 @@ def gpu_profile(gpu: str, model: str) -> RooflineProfile:
 @dataclass(frozen=True, slots=True)
 class LinearProfile:
     """step = c0 + c_tokens·tokens + c_context·context + c_lora·token_rank
-    + c_adapter·adapters + c_row·rows, fitted; + request_s·started: what a request costs
-    its replica outside the engine's steps (a serving framework's handling of its call
-    and stream), charged to the step that starts it."""
+    + c_adapter·adapters + c_row·rows, fitted."""
 
     name: str
     source: str
@@ -206,7 +203,6 @@ class LinearProfile:
     coef: tuple[float, float, float, float, float, float]
     adapter_targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     fit_r2: float = field(default=0.0)
-    request_s: float = 0.0
 
     def kv_bytes_per_token(self) -> int:
         cfg = ModelConfig.from_dict(self.model)
@@ -215,7 +211,7 @@ class LinearProfile:
     def step_time(self, load: StepLoad) -> float:
         c0, ct, cc, cl, ca, cr = self.coef
         varying = ct * load.tokens + cc * load.context + cl * load.token_rank
-        varying += ca * load.adapters + cr * load.rows + self.request_s * load.started
+        varying += ca * load.adapters + cr * load.rows
         return max(c0, c0 + varying)
 
 

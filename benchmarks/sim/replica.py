@@ -258,7 +258,6 @@ class SimReplica:
             adapter_bytes=sum(self.cache.nbytes_of(a) for a in adapters),
             adapters=len(adapters),
             rows=len(scheduled),
-            started=sum(1 for s, _ in scheduled if s.num_computed == 0),
         )
         dt = self.profile.step_time(load)
         self.step_costs.record_step(*step_rows(scheduled), len(adapters), dt)

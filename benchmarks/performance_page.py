@@ -189,7 +189,8 @@ a real local Ray, every router, then the simulator configured like it (the same 
 requests, adapters, pool, host tier, read model, Serve settings and router costs, a CPU
 profile fitted on one engine's steps, slowed by the replicas' share of the cores, plus a
 cost per streamed token outside the steps that brings the replicas' base-model burst to
-the capacity they showed);
+the capacity they showed, and per request a draw of the path's latency: 30 lone
+base-model requests' TTFT through the real app less the simulated one, `path_latency_s`);
 `p99_ttft_error` and `loads_error` are the mean over the routers of |simulated − real| ÷
 real.""",
     "autoscale": """\

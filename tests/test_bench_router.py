@@ -113,6 +113,9 @@ def test_router_bench_serves_every_request_and_reports_every_key(capsys, tmp_pat
         assert len(bursts) == 2 and all(b > 0 for b in bursts), bursts
         assert results["lora_capacity_rps"][router] == pytest.approx(sum(bursts) / 2)
         assert len(results["rates_over_lora_capacity"][router]) == len(SMALL.all_rate_factors)
+    # the path's latency for the fleet validation: lone requests through the real app
+    lone = results["lone_ttft_s"]
+    assert len(lone) == bench_router.LONE_REQUESTS and min(lone) > 0, lone
     costs = results["router_costs"]
     assert 0 < costs["host_load_cost_s"] <= costs["load_cost_s"] and costs["request_time_s"] > 0
 

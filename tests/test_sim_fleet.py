@@ -79,6 +79,40 @@ def test_a_lone_request_costs_the_read_the_copy_and_the_prefill(router):
 
 
 @pytest.mark.parametrize("router", ROUTERS)
+def test_the_paths_latency_is_added_to_each_first_token_as_a_measured_draw(router):
+    """`FleetSetup.path_s`: what the real path adds to a first token without the replicas'
+    CPU (fleet/validation.py `path_latency`), one draw per request from the samples; the
+    replicas' own timing is unchanged, and every router gets the same draws."""
+    adapters, by_name = catalog()
+    reqs = stream(adapters, n=100)
+    bare = simulate_fleet(router, reqs, by_name, setup())
+    one = simulate_fleet(router, reqs, by_name, setup(path_s=(0.05,)))
+    assert np.allclose(one.ttft, bare.ttft + 0.05) and np.allclose(one.e2e, bare.e2e + 0.05)
+    two = simulate_fleet(router, reqs, by_name, setup(path_s=(0.0, 0.1)))
+    added = np.round(two.ttft - bare.ttft, 9)
+    assert set(added) == {0.0, 0.1} and 0.2 < np.mean(added == 0.1) < 0.8
+    draws = np.random.default_rng(setup().seed).choice((0.0, 0.1), len(reqs))
+    assert np.allclose(added, draws)
+    with pytest.raises(ValueError, match="path_s"):
+        setup(path_s=(-0.01,))
+
+
+def test_the_path_latency_is_the_lone_requests_real_ttft_less_the_simulated_one():
+    """Each lone base-model request's TTFT through the real app, less what the simulated
+    replica gives the same request alone (one prefill step on the profile); none below 0,
+    and nothing for a run that did not measure it."""
+    from loraplex.benchmarks.fleet.validation import path_latency
+    from loraplex.benchmarks.router import bench as bench_router
+
+    w = bench_router.QUICK
+    prompt = sum(w.prompt_tokens) // 2
+    own = PROFILE.step_time(StepLoad(prompt, prompt, 0, 0))
+    lone = [own + 0.010, own + 0.030, own - 0.001]
+    assert path_latency(lone, PROFILE, w) == pytest.approx((0.010, 0.030, 0.0), abs=1e-9)
+    assert path_latency(None, PROFILE, w) == () and path_latency([], PROFILE, w) == ()
+
+
+@pytest.mark.parametrize("router", ROUTERS)
 def test_every_request_finishes_and_a_run_repeats_exactly(router):
     adapters, by_name = catalog()
     reqs = stream(adapters)

@@ -9,7 +9,9 @@ sim_profiles.fit_linear), slowed by each replica's share of the cores (replicas 
 plus what a request costs outside the engine's steps (Serve's handling of its call and of
 each streamed chunk, in the replica and the driver), charged to each decode row: the
 difference between the real replicas' time per request on the saturating base-model burst
-and their steps' on the same burst, over its output tokens. It was one factor on every
+and their steps' on the same burst, over its output tokens. And what the path adds to a
+first token without the replicas' CPU (Ray's handle and actor hops): a draw per request
+from the lone requests' TTFTs through the real app less the simulated one (`path_latency`). It was one factor on every
 step (12 x in a replay of 2026-12-02, once the fit priced LoRA): a request's prefill then
 cost 12 steps' time and the simulated p99 TTFT at the lowest rate was 2.2 x the real one;
 charged to a request's first step instead, it put ~55 ms before every first token where
@@ -90,11 +92,18 @@ def validate(quick: bool) -> dict[str, Any]:
         "workload": "zipf",
         "rate_rps": real["rates_rps"][0],
         "profile": profile.source,
+        "path_latency_s": _spread(setup.path_s),
         "routers": routers,
         "p99_ttft_error": _error(routers, "p99_ttft_s"),
         "loads_error": _error(routers, "loads"),
         "real": {k: v for k, v in measured.figures.items() if k != "workloads"},
     }
+
+
+def _spread(samples: tuple[float, ...]) -> dict[str, float] | None:
+    if not samples:
+        return None
+    return {f"p{q}": float(np.percentile(samples, q)) for q in (10, 50, 90, 99)}
 
 
 def _error(routers: dict[str, dict], key: str) -> float | None:
@@ -106,7 +115,11 @@ def _error(routers: dict[str, dict], key: str) -> float | None:
     return float(np.mean(errors)) if errors else None
 
 
-def cpu_profile(measured: bench_router.Measured, w: bench_router.Workload) -> LinearProfile:
+def cpu_profile(
+    measured: bench_router.Measured, w: bench_router.Workload, cpus: int | None = None
+) -> LinearProfile:
+    """The profile of the replicas of `measured`, which ran on `cpus` cores (this machine's
+    when None: the validation runs both sides here; a replay takes the published run's)."""
     coef, r2 = fit_linear(measured.calibration["steps"])
     spec = w.model
     alone = LinearProfile(
@@ -130,7 +143,7 @@ def cpu_profile(measured: bench_router.Measured, w: bench_router.Workload) -> Li
         coef=coef,
         fit_r2=r2,
     )
-    cpus = os.cpu_count() or 1
+    cpus = cpus or os.cpu_count() or 1
     shared = max(1.0, w.num_replicas / cpus)  # each replica's steps get a share of the cores
     contended = dataclasses.replace(alone, coef=tuple(c * shared for c in coef))
     per_replica = measured.calibration["capacity_rps"] / w.num_replicas
@@ -157,6 +170,25 @@ def cpu_profile(measured: bench_router.Measured, w: bench_router.Workload) -> Li
     )
 
 
+def path_latency(
+    lone_ttft_s: list[float] | None, profile: LinearProfile, w: bench_router.Workload
+) -> tuple[float, ...]:
+    """What the real path adds to a first token beyond the simulated replica's own time:
+    each TTFT of `bench router`'s lone base-model requests through the app on idle replicas
+    (`_lone_ttfts`: Ray's handle and actor hops, the client's loop, the replica's threads)
+    less the simulated TTFT of the same request alone on the profile; the simulator draws
+    one per request. On 2026-12-02 the simulated p50 TTFT at the lowest rate was 14 ms
+    against the real 28 ms, and the two routers that read nothing were simulated 40-55%
+    low at p99. () for a run that did not measure it (before 2026-12-03)."""
+    if not lone_ttft_s:
+        return ()
+    prompt = sum(w.prompt_tokens) // 2
+    system = System("fifo", SchedulerConfig(max_num_seqs=w.max_num_seqs), CacheConfig())
+    alone = simulate([SimRequest(0, 0.0, prompt, 1, 1, None)], profile, system, [], 4096)
+    own = alone.summary()["p50_ttft_s"]
+    return tuple(max(0.0, t - own) for t in lone_ttft_s)
+
+
 def _burst_capacity(profile: LinearProfile, w: bench_router.Workload) -> float:
     """One simulated replica's completions per second on `bench router`'s capacity burst."""
     n = 10 * w.max_num_seqs
@@ -171,6 +203,7 @@ def _setup(measured: bench_router.Measured, w: bench_router.Workload, profile) -
     reads = config["artifacts"]
     costs = {k: v for k, v in measured.costs.items()}
     return FleetSetup(
+        path_s=path_latency(measured.calibration.get("lone_ttft_s"), profile, w),
         profile=profile,
         num_replicas=w.num_replicas,
         system=System(
@@ -237,11 +270,12 @@ def bench_like(figures: dict[str, Any]) -> BenchLike:
         store = ArtifactStore(root / "artifacts")
         versions = {n: adapter_id(TENANT, n, store.put_dir(p).digest) for n, p in sources.items()}
     calibration["capacity_rps"] = figures["capacity_rps"]
+    calibration["lone_ttft_s"] = figures.get("lone_ttft_s")
     adapters = {versions[n]: size for n, size in sizes.items()}
     measured = bench_router.Measured(
         {}, engine_config, figures["router_costs"], calibration, adapters, []
     )
-    profile = cpu_profile(measured, w)
+    profile = cpu_profile(measured, w, figures.get("run", {}).get("cpus"))
     setup = _setup(measured, w, profile)
     # as the bench's affinity app: told the costs, replaced by what the replicas measure
     affinity = dataclasses.replace(setup.affinity, use_measured_costs=True)
@@ -330,6 +364,7 @@ def replay_bench(
             router: [f * b.rate_basis_rps / c for f in factors] for router, c in capacity.items()
         },
         "profile": b.setup.profile.source,
+        "path_latency_s": _spread(b.setup.path_s),
         "workloads": {},
     }
     for workload in workloads:

@@ -117,6 +117,7 @@ from loraplex.demo.synthetic import ModelSpec
 from loraplex.router.serve_backend import ServeBackend
 
 ROUTERS = ("affinity", "pow2", "multiplex")
+LONE_REQUESTS = 30  # `_lone_ttfts`, after 3 not counted (a fresh app's first requests)
 
 
 def host_tier(num_adapters: int, num_replicas: int) -> int:
@@ -211,7 +212,7 @@ def run_measured(
     logging.getLogger("ray.serve").setLevel(logging.ERROR)  # queue-probe warnings on 2 cores
     with bench_cluster(w, "router") as cluster:
         calibration = dict(cluster.calibration)
-        calibration["capacity_rps"] = _capacity(routers[0], w, cluster)
+        calibration["capacity_rps"], calibration["lone_ttft_s"] = _capacity(routers[0], w, cluster)
         log(f"capacity: {calibration['capacity_rps']:.1f} req/s (base model, saturated)")
         names = list(cluster.paths)  # version ids, in catalog order
         bursts = _lora_capacity_bursts(routers, w, cluster, names, calibration["capacity_rps"])
@@ -277,15 +278,26 @@ def _fresh_apps(
             serve.delete(app.name)
 
 
-def _capacity(router: str, w: Workload, cluster: BenchCluster) -> float:
+def _capacity(router: str, w: Workload, cluster: BenchCluster) -> tuple[float, list[float]]:
     """What the replicas serve when saturated: `w.burst_requests` (`burst_batches` full
     batches per replica) base-model requests of mean lengths, all at once, through one app
-    of its own; completions per second."""
+    of its own; completions per second. Before it, on the idle app, `_lone_ttfts`."""
     prompt = ordinary_ids(sum(w.prompt_tokens) // 2, w.model.vocab_size)
     out = sum(w.output_tokens) // 2
     burst = [BenchRequest(0.0, None, prompt, out) for _ in range(w.burst_requests)]
     with _fresh_apps((router,), w, cluster, "capacity") as apps:
-        return _served_per_s(apps[router], burst, "capacity", w)
+        lone = _lone_ttfts(apps[router], prompt, w)
+        return _served_per_s(apps[router], burst, "capacity", w), lone
+
+
+def _lone_ttfts(app: App, prompt: list[int], w: Workload, n: int = LONE_REQUESTS) -> list[float]:
+    """TTFT of base-model requests of the mean prompt sent one at a time (0.2 s apart, one
+    token each: none waits for another) through `app` on idle replicas: the first token's
+    time through the real path, Ray's handle and actor hops included, which the fleet
+    validation sets beside what its simulated replica gives the same request alone."""
+    lone = [BenchRequest(0.2 * i, None, prompt, 1) for i in range(3 + n)]
+    outcomes, _ = asyncio.run(drive(app.backend, lone, "lone", w.request_timeout_s))
+    return [o.ttft_s for o in outcomes[3:] if o.error is None and o.ttft_s is not None]
 
 
 def _served_per_s(app: App, burst: list[BenchRequest], tag: str, w: Workload) -> float:

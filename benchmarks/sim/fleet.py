@@ -79,6 +79,10 @@ class FleetSetup:
     replace_after_s: float = 30.0
     max_len: int = 4096
     seed: int = 0
+    # what the serving path adds to a first token without the replicas' CPU (Ray's handle
+    # and actor hops, the client's loop), as measured samples: each request draws one
+    # (fleet/validation.py `path_latency`); () adds nothing
+    path_s: tuple[float, ...] = ()
 
     def __post_init__(self):
         if self.num_replicas < 1 or self.max_ongoing_requests < 1 or self.models_per_replica < 1:
@@ -87,6 +91,8 @@ class FleetSetup:
             )
         if self.stats_period_s <= 0 or self.stats_delay_s < 0:
             raise ValueError("stats_period_s must be > 0 and stats_delay_s >= 0")
+        if any(not s >= 0 for s in self.path_s):
+            raise ValueError("path_s must be latencies >= 0")
 
 
 @dataclass(slots=True, eq=False)
@@ -415,6 +421,9 @@ class FleetSim:
         arrival = np.array([original[r.request.rid].arrival for r in done])
         first = np.array([self.first_token.get(r.request.rid, r.first_token) for r in done])
         finish = np.array([r.finish for r in done])
+        if self.setup.path_s:  # a draw per request, in request order: the same for every router
+            path = np.random.default_rng(self.setup.seed).choice(self.setup.path_s, len(done))
+            first, finish = first + path, finish + path
         where = {}
         for rep in self._every_replica():
             for r in rep.sim.done:

@@ -9,13 +9,13 @@ sim_profiles.fit_linear), slowed by each replica's share of the cores (replicas 
 plus what a request costs outside the engine's steps (Serve's handling of its call and of
 each streamed chunk, in the replica and the driver), charged to each decode row: the
 difference between the real replicas' time per request on the saturating base-model burst
-and their steps' on the same burst, over its output tokens. And what the path adds to a
-first token without the replicas' CPU (Ray's handle and actor hops): a draw per request
-from the lone requests' TTFTs through the real app less the simulated one (`path_latency`). It was one factor on every
+and their steps' on the same burst, over its output tokens. It was one factor on every
 step (12 x in a replay of 2026-12-02, once the fit priced LoRA): a request's prefill then
 cost 12 steps' time and the simulated p99 TTFT at the lowest rate was 2.2 x the real one;
 charged to a request's first step instead, it put ~55 ms before every first token where
-the real p50 TTFT was 28 ms.
+the real p50 TTFT was 28 ms. And what the path adds to a first token without the
+replicas' CPU (Ray's handle and actor hops): a draw per request from the lone requests'
+TTFTs through the real app less the simulated one (`path_latency`).
 
     p99_ttft_error = mean over routers of |simulated p99 TTFT - real| / real
     loads_error    = mean over routers of |simulated device loads - real| / real
@@ -183,8 +183,7 @@ def path_latency(
     if not lone_ttft_s:
         return ()
     prompt = sum(w.prompt_tokens) // 2
-    system = System("fifo", SchedulerConfig(max_num_seqs=w.max_num_seqs), CacheConfig())
-    alone = simulate([SimRequest(0, 0.0, prompt, 1, 1, None)], profile, system, [], 4096)
+    alone = simulate([SimRequest(0, 0.0, prompt, 1, 1, None)], profile, _one_replica(w), [], 4096)
     own = alone.summary()["p50_ttft_s"]
     return tuple(max(0.0, t - own) for t in lone_ttft_s)
 
@@ -194,8 +193,12 @@ def _burst_capacity(profile: LinearProfile, w: bench_router.Workload) -> float:
     n = 10 * w.max_num_seqs
     prompt, out = sum(w.prompt_tokens) // 2, sum(w.output_tokens) // 2
     reqs = [SimRequest(i, 0.0, prompt, out, out, None) for i in range(n)]
-    system = System("fifo", SchedulerConfig(max_num_seqs=w.max_num_seqs), CacheConfig())
-    return simulate(reqs, profile, system, [], 4096).summary()["throughput_rps"]
+    return simulate(reqs, profile, _one_replica(w), [], 4096).summary()["throughput_rps"]
+
+
+def _one_replica(w: bench_router.Workload) -> System:
+    """A replica of the bench's batch size with no adapter: the base-model requests above."""
+    return System("fifo", SchedulerConfig(max_num_seqs=w.max_num_seqs), CacheConfig())
 
 
 def _setup(measured: bench_router.Measured, w: bench_router.Workload, profile) -> FleetSetup:

@@ -158,6 +158,25 @@ class _Client(aetcd.Client):
         )
         self._connected.set()
 
+    async def close(self) -> None:
+        # aetcd's close shuts its watcher down first, under the watcher's lock, which aetcd
+        # holds across awaits that can wait forever (a cancel request put on a full queue of
+        # 10 that no stream drains any more): bounded, then the channel is closed anyway,
+        # which cancels every call on it, so nothing that stops ever hangs on a stuck stream.
+        try:
+            await asyncio.wait_for(super().close(), self._timeout)
+        except TimeoutError:
+            log.warning(
+                "etcd client %s: the watch stream did not shut down within %gs; "
+                "closing its channel",
+                self.endpoint,
+                self._timeout,
+            )
+            if self.channel is not None:
+                await self.channel.close()
+            self._init_channel_attrs()
+            self._connected.clear()
+
 
 async def _channel_ready(channel: grpc.aio.Channel, timeout: float) -> bool:
     """Whether `channel` reaches READY within `timeout`; False at once on a refused connect."""

@@ -80,7 +80,8 @@ class RegistryWatcher:
         """Stop following and close the connection. A watch cancelled while aetcd is still
         setting its stream up may not end (seen once in five test runs, when an app was
         stopped right after it started): it is waited for settings.timeout_s at most, and
-        closing the connection ends it."""
+        closing the connection ends it. Closing is bounded too (`_Client.close`): at most
+        2 x settings.timeout_s in all."""
         task, self._task = self._task, None
         if task is not None:
             task.cancel()

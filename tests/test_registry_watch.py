@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import Callable
 
 import aetcd
+import grpc
 import pytest
 from etcd_server import EtcdServer, TcpProxy, etcd_server_fixture  # noqa: F401 (fixture)
 
@@ -324,5 +325,35 @@ def test_an_alias_is_never_seen_before_the_version_it_names(etcd_server: EtcdSer
         for i in aliases:
             named = version_key("o", "a", seen[i].value.version)
             assert named in keys[:i], f"alias event {i} came before its version: {keys}"
+
+    asyncio.run(body())
+
+
+def test_stop_ends_even_when_aetcds_watch_stream_cannot_shut_down(etcd_server: EtcdServer):
+    """aetcd's close shuts its watcher down under the watcher's lock first, and that lock is
+    held across awaits that can wait forever (a response handler putting a cancel request on
+    a full queue of 10 that no stream drains any more): stop() then waited forever, and an
+    app with it. Here a task holds that lock, as such a handler would, on a real stream to a
+    real etcd: stop() ends within its bound, and the channel is closed all the same."""
+
+    async def body():
+        watcher = RegistryWatcher(etcd_server.settings(timeout_s=0.5))
+        await watcher.start()
+        await until(lambda: watcher.connected)
+        client = watcher._connection._client
+        assert client is not None and client._watcher is not None
+        held = asyncio.Event()
+
+        async def stuck_stream():
+            async with client._watcher._lock:
+                held.set()
+                await asyncio.Event().wait()
+
+        holder = asyncio.create_task(stuck_stream())
+        await held.wait()
+        channel = client.channel
+        await asyncio.wait_for(watcher.stop(), 5.0)
+        assert channel.get_state() == grpc.ChannelConnectivity.SHUTDOWN
+        holder.cancel()
 
     asyncio.run(body())

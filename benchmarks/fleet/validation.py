@@ -217,7 +217,8 @@ def _setup(measured: bench_router.Measured, w: bench_router.Workload, profile) -
         store=StoreModel(reads["read_bandwidth_mib_s"] * (1 << 20), reads["read_latency_ms"] / 1e3),
         # the real replicas publish measured costs too; these are what the router starts from
         affinity=AffinityConfig(**costs, use_measured_costs=False),
-        max_ongoing_requests=2 * w.max_num_seqs,
+        # as the real apps ran: runs before it was recorded held 2 x max_num_seqs
+        max_ongoing_requests=measured.calibration.get("max_ongoing_requests") or 2 * w.max_num_seqs,
         models_per_replica=w.host_adapters_per_replica,
         stats_period_s=w.routing_stats_period_s,
         max_len=4096,
@@ -274,6 +275,7 @@ def bench_like(figures: dict[str, Any]) -> BenchLike:
         versions = {n: adapter_id(TENANT, n, store.put_dir(p).digest) for n, p in sources.items()}
     calibration["capacity_rps"] = figures["capacity_rps"]
     calibration["lone_ttft_s"] = figures.get("lone_ttft_s")
+    calibration["max_ongoing_requests"] = figures.get("max_ongoing_requests")
     adapters = {versions[n]: size for n, size in sizes.items()}
     measured = bench_router.Measured(
         {}, engine_config, figures["router_costs"], calibration, adapters, []

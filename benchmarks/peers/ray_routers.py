@@ -46,6 +46,12 @@ from dataclasses import dataclass, field
 MATCHING_TIMEOUT_S = 1.0  # RAY_SERVE_MULTIPLEXED_MODEL_ID_MATCHING_TIMEOUT_S
 PUSH_MODEL_IDS_INTERVAL_S = 0.1  # PUSH_MULTIPLEXED_MODEL_IDS_INTERVAL_S
 MAX_ROUTING_TASKS = 50  # RequestRouter.max_num_routing_tasks_cap
+# How Ray Serve LLM deploys an LLMServer: `DEFAULT_MAX_ONGOING_REQUESTS` (1e9, env
+# RAY_SERVE_LLM_DEFAULT_MAX_ONGOING_REQUESTS) in ray/llm/_internal/serve/constants.py, set by
+# `DEFAULT_DEPLOYMENT_OPTIONS` in builder_llm_server.py (`build_llm_deployment`): the engine
+# queues and Serve only forwards. A bench that caps it holds requests back in the handle,
+# where no engine can batch them.
+SERVE_LLM_MAX_ONGOING_REQUESTS = 10**9
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from loraplex.benchmarks.peers.ray_routers import SERVE_LLM_MAX_ONGOING_REQUESTS
 from loraplex.registry.artifacts import ArtifactStore
 from loraplex.registry.etcd_client import EtcdSettings
 from loraplex.replica.async_engine import Engine
@@ -168,8 +169,9 @@ def build_app(
     common: dict[str, Any] = {
         "num_replicas": w.num_replicas,
         "ray_actor_options": {"num_cpus": 0, "runtime_env": {"env_vars": REPLICA_ENV}},
-        # above max_num_seqs: the engine batches, Serve holds back what exceeds this
-        "max_ongoing_requests": 2 * w.max_num_seqs,
+        # as Ray Serve LLM deploys its engines (and as loraplex's own default, the ingresses'
+        # capacity, does): requests queue in the engine, where it can batch them
+        "max_ongoing_requests": SERVE_LLM_MAX_ONGOING_REQUESTS,
         "graceful_shutdown_wait_loop_s": 0.2,
         "graceful_shutdown_timeout_s": 2.0,
         "health_check_period_s": 2.0,

@@ -14,7 +14,11 @@ adapters of mean size) and reads adapters through the artifact read model (`read
 replica/memory/store_reads.py): what makes a load cost what it costs behind a network store.
 Sync replicas keep `host_adapters_per_replica` adapters of mean size in their host tier;
 multiplexed ones keep as many models (max_num_models_per_replica). Serve's
-max_ongoing_requests is 2 x max_num_seqs for all three.
+max_ongoing_requests is Ray Serve LLM's (1e9) for all three: requests queue in the engines,
+where they can be batched, as they do behind Ray Serve LLM and behind loraplex by default
+(`replicas.max_ongoing_requests` unset is the ingresses' capacity). At 2 x max_num_seqs, as
+runs before 2026-12-03 held, most of a burst waited in the handle: LoRA bursts served
+20-26 req/s through affinity and pow2, and 32-42 with the engines queueing.
 
 The catalog is in the regime routing exists for: larger than one replica's host tier and no
 larger than the fleet's (Workload checks it). Each host tier holds the catalog over all
@@ -98,6 +102,7 @@ import numpy as np
 
 from loraplex.benchmarks.fleet import workloads as fw
 from loraplex.benchmarks.goodput import SLO_FACTOR, held_at
+from loraplex.benchmarks.peers.ray_routers import SERVE_LLM_MAX_ONGOING_REQUESTS
 from loraplex.benchmarks.report import log
 from loraplex.benchmarks.router.apps import build_app
 from loraplex.benchmarks.router.assets import BenchCluster, bench_cluster
@@ -212,6 +217,7 @@ def run_measured(
     logging.getLogger("ray.serve").setLevel(logging.ERROR)  # queue-probe warnings on 2 cores
     with bench_cluster(w, "router") as cluster:
         calibration = dict(cluster.calibration)
+        calibration["max_ongoing_requests"] = SERVE_LLM_MAX_ONGOING_REQUESTS  # build_app's
         calibration["capacity_rps"], calibration["lone_ttft_s"] = _capacity(routers[0], w, cluster)
         log(f"capacity: {calibration['capacity_rps']:.1f} req/s (base model, saturated)")
         names = list(cluster.paths)  # version ids, in catalog order
@@ -330,7 +336,11 @@ def _lora_capacity_bursts(
     affinity's steady at half the others' (11.9-18.5 against 25.2-30.4 req/s): its router
     sent every pending request to the one replica with room, which turned all but its free
     slots away, 12 sends a request (router/request_router.py, `yield_before_choosing`). With
-    that fixed, the run after it measured affinity 25.2-25.4 against 26.6-41.7."""
+    that fixed, the run after it measured affinity 25.2-25.4 against 26.6-41.7. Those runs
+    held max_ongoing_requests at 2 x max_num_seqs, so most of a burst waited in the handle
+    (the driver's routing loop probing and retrying, the engines' batches short); with the
+    engines queueing, as Ray Serve LLM's default has them, the same bursts served 1.4-1.7 x
+    as much through affinity and pow2 (32-42 req/s)."""
     rate = w.rate_factors[0] * capacity
     warm = warm_up(names, rate, seed=7)
     lengths = fw.Lengths(prompt=w.prompt_tokens, output=w.output_tokens)

@@ -88,6 +88,7 @@ def summary(
         "unloaded_ttft_s": calibration["unloaded_ttft_s"],
         "slo_s": slo,
         "capacity_rps": calibration["capacity_rps"],
+        "max_ongoing_requests": calibration.get("max_ongoing_requests"),
         "lone_ttft_s": calibration.get("lone_ttft_s"),
         "lora_capacity_rps": calibration.get("lora_capacity_rps"),
         "lora_capacity_bursts_rps": calibration.get("lora_capacity_bursts_rps"),

@@ -140,7 +140,10 @@ with bypass, squash and prefetch, as in the simulator.""",
 `loraplex bench router` (`benchmarks/router/bench.py`): a real local Ray and etcd, three Serve apps
 side by side — the affinity router, Ray Serve's power of two and Ray Serve multiplexing —
 each of 3 replicas of a tiny Llama on the shared cores, 300 adapters (`--quick` 120) of ranks
-8–128 read from a store paced like a network one; fresh apps for every workload. Each replica's
+8–128 read from a store paced like a network one; fresh apps for every workload. Serve's
+`max_ongoing_requests` is Ray Serve LLM's default (1e9) for all three: requests queue in
+the engines, as behind Ray Serve LLM and behind loraplex's own default (runs before
+2026-12-03 capped it at 2 × the batch, which held most of a burst in the handle). Each replica's
 host tier holds the catalog over all replicas but one (150 adapters of mean size, `--quick`
 60): the catalog is 2 × one host tier and 2/3 of the fleet's, the regime routing exists for,
 where a store read is what a router pays for sending an adapter where it is not held, and

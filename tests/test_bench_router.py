@@ -41,7 +41,7 @@ SMALL = replace(
     request_timeout_s=60.0,
     repeats=2,
     capacity_bursts=2,
-    burst_batches=3,  # past every slot (max_ongoing_requests is 2 x max_num_seqs): functional
+    burst_batches=3,  # past every batch slot: functional
     min_requests=0,  # the window's: a functional run, not a p99
 )
 WORKLOAD_KEYS = {

@@ -99,9 +99,12 @@ def test_router_bench_serves_every_request_and_reports_every_key(capsys, tmp_pat
     failover = results["workloads"]["failover"]
     assert {"recovery_s", "streams_failed", "requests_lost"} <= set(failover)
     assert all(lost == 0 for lost in failover["requests_lost"].values()), failover
-    # the rates are fractions of the LoRA workload's saturated throughput, the best router's
+    # the rates are fractions of the LoRA workload's saturated throughput, the best router's.
+    # Whether it is below the base model's is a figure, not asserted: on this 4-layer model a
+    # LoRA request costs about what a base one does, and the landing CI of 272d84c measured
+    # the best router's median of two LoRA bursts at 45.2 req/s against one base burst's 39.5
     basis = max(results["lora_capacity_rps"].values())
-    assert results["rate_basis_rps"] == basis < results["capacity_rps"], results
+    assert results["rate_basis_rps"] == basis and results["capacity_rps"] > 0, results
     zipf = results["workloads"]["zipf"]
     factors = SMALL.all_rate_factors[: len(zipf["rates_rps"])]
     assert zipf["rates_rps"] == [f * basis for f in factors]

@@ -126,6 +126,8 @@ class LLMEngine:
         self.read_pacer = None if model is None else ReadPacer(model)
         self.prompt_tokens = 0  # of the requests added
         self.prompt_tokens_computed = 0  # prompt positions computed (cache hits are not)
+        self.steps = 0  # forward passes run, and the seconds they took (an engine's busy time)
+        self.step_seconds = 0.0
 
     # adapters
 
@@ -313,11 +315,14 @@ class LLMEngine:
         ):  # sampled with each request's own generator (on the host, so a stream resumed on
             # another replica draws the same tokens), and logits leave the replica on the host
             logits = logits.cpu()
+        seconds = time.perf_counter() - started
+        self.steps += 1
+        self.step_seconds += seconds
         self.step_costs.record_step(
             prompt_tokens,
             decode_rows,
             len({seq.adapter for seq, _ in scheduled if seq.adapter is not None}),
-            time.perf_counter() - started,
+            seconds,
         )
         for i, seq in enumerate(batch.sampled):
             try:
@@ -477,6 +482,8 @@ class LLMEngine:
             "batch_adapters": batch_adapters(self.scheduler),
             "max_loras_per_batch": self.scheduler.cfg.max_loras_per_batch,
             "preemptions": self.scheduler.num_preemptions,
+            "steps": self.steps,
+            "step_seconds": self.step_seconds,
             "kv_block_size": self.kv.block_size,
             "prefix_cache": self._prefix_stats(),
             "step_costs": None if (c := self.step_costs.estimate()) is None else asdict(c),

@@ -428,6 +428,23 @@ def test_the_stats_count_requests_held_back_for_pages_and_not_for_the_step(asset
     assert waited > 0 and eng.scheduler.num_preemptions > 0
 
 
+def test_the_stats_count_forward_passes_and_the_seconds_they_took(assets: DemoAssets):
+    # an engine's busy time, which the fleet validation sets beside its simulated replicas'
+    # (benchmarks/fleet/validation.py `step_seconds_ratio`): a step that runs nothing is
+    # not counted
+    eng = make_engine(assets)
+    assert eng.stats()["steps"] == 0 and eng.stats()["step_seconds"] == 0.0
+    eng.step()
+    assert eng.stats()["steps"] == 0
+    eng.add_request(list(range(1, 20)), greedy(5, ignore_eos=True), request_id="r")
+    started = time.perf_counter()
+    _, streams = drain(eng)
+    took = time.perf_counter() - started
+    stats = eng.stats()
+    assert stats["steps"] == len(streams["r"]) == 5  # a prefill, then a decode per token
+    assert 0 < stats["step_seconds"] <= took
+
+
 def test_continuous_batching_mixes_a_new_prefill_with_running_decodes(assets: DemoAssets):
     eng = make_engine(assets)
     eng.add_request(PROMPTS[0], greedy(20, ignore_eos=True), request_id="old")

@@ -76,6 +76,9 @@ def test_a_lone_request_costs_the_read_the_copy_and_the_prefill(router):
     prefill = PROFILE.step_time(StepLoad(500, 500, 500 * a.rank, a.nbytes))
     assert run.ttft[0] == pytest.approx(read + copy + prefill, rel=1e-6)
     assert run.counters["store_reads"] == 1 and run.counters["device_loads"] == 1
+    # the engines' busy time, as a real engine counts it (one forward pass: the prefill)
+    assert run.counters["steps"] == 1
+    assert run.counters["step_seconds"] == pytest.approx(prefill, rel=1e-6)
 
 
 @pytest.mark.parametrize("router", ROUTERS)
@@ -110,6 +113,23 @@ def test_the_path_latency_is_the_lone_requests_real_ttft_less_the_simulated_one(
     lone = [own + 0.010, own + 0.030, own - 0.001]
     assert path_latency(lone, PROFILE, w) == pytest.approx((0.010, 0.030, 0.0), abs=1e-9)
     assert path_latency(None, PROFILE, w) == () and path_latency([], PROFILE, w) == ()
+
+
+def test_the_validation_sets_the_real_engines_step_seconds_beside_the_simulated():
+    """`step_seconds_ratio`: the median over routers of the real engines' forward-pass
+    seconds over the simulated ones' in the same window; a router either side did not
+    count is left out, and with none there is no ratio."""
+    from loraplex.benchmarks.fleet.validation import _ratio
+
+    routers = {
+        "affinity": {"real_step_seconds": 6.0, "sim_step_seconds": 2.0},
+        "pow2": {"real_step_seconds": 4.0, "sim_step_seconds": 2.0},
+        "multiplex": {"real_step_seconds": 2.5, "sim_step_seconds": 1.0},
+        "old": {"real_step_seconds": None, "sim_step_seconds": 1.0},  # a run before the count
+        "idle": {"real_step_seconds": 1.0, "sim_step_seconds": 0.0},
+    }
+    assert _ratio(routers, "step_seconds") == pytest.approx(2.5)
+    assert _ratio({"old": routers["old"]}, "step_seconds") is None
 
 
 @pytest.mark.parametrize("router", ROUTERS)

@@ -73,19 +73,30 @@ def validate(quick: bool) -> dict[str, Any]:
     catalog = {
         name: AdapterSpec(name, rank, nbytes) for name, (rank, nbytes) in measured.adapters.items()
     }
+    contended, _, _ = _contended(measured, w, None)
+    stream_s = _stream_s(measured, w, _burst_capacity(contended, w))
     routers: dict[str, Any] = {}
     for router in ROUTERS:
         requests, first = _replay(measured.requests[0]["zipf"], router)
         run = simulate_fleet(router, requests, catalog, setup, measured_from=first)
         sim = run.summary()
         at = real["routers"][router]["at_reference"]
+        decode_rows = sum(r.output - 1 for r in requests[first:])
         routers[router] = {
             "real_p99_ttft_s": at["p99_ttft_s"],
             "sim_p99_ttft_s": sim["p99_ttft_s"],
+            "real_p50_ttft_s": at["p50_ttft_s"],
+            "sim_p50_ttft_s": sim["p50_ttft_s"],
             "real_loads": at["loads"],
             "sim_loads": sim["device_loads"],
             "real_reads": at["reads"],
             "sim_reads": sim["store_reads"],
+            # the engines' forward passes over the window, without the streamed tokens'
+            # charge the simulated steps carry (the real ones run it on other threads)
+            "real_steps": at.get("steps"),
+            "sim_steps": sim["steps"],
+            "real_step_seconds": at.get("step_seconds"),
+            "sim_step_seconds": max(0.0, sim["step_seconds"] - stream_s * decode_rows),
         }
         log(f"validation {router}: {routers[router]}")
     return {
@@ -96,6 +107,7 @@ def validate(quick: bool) -> dict[str, Any]:
         "routers": routers,
         "p99_ttft_error": _error(routers, "p99_ttft_s"),
         "loads_error": _error(routers, "loads"),
+        "step_seconds_ratio": _ratio(routers, "step_seconds"),
         "real": {k: v for k, v in measured.figures.items() if k != "workloads"},
     }
 
@@ -104,6 +116,22 @@ def _spread(samples: tuple[float, ...]) -> dict[str, float] | None:
     if not samples:
         return None
     return {f"p{q}": float(np.percentile(samples, q)) for q in (10, 50, 90, 99)}
+
+
+def _ratio(routers: dict[str, dict], key: str) -> float | None:
+    """The median over routers of real / simulated: for `step_seconds`, how much longer
+    the real engines' forward passes took than the profile's over the same window. The
+    profile is one engine's steps measured alone, x replicas / cores; a replica on 2 shared
+    cores also competes with the driver, Serve's threads and the other replicas' loops,
+    and more so the higher the rate (the steps of one run of 2026-12-03 took 8.5 ms at
+    3 req/s, 17.8 at 10.2 and 28.0 at 17.9 for 1.0, 1.5 and 2.7 decode rows): the
+    simulated replicas then serve at a speed the real ones do not have."""
+    ratios = [
+        r[f"real_{key}"] / r[f"sim_{key}"]
+        for r in routers.values()
+        if r.get(f"real_{key}") is not None and r.get(f"sim_{key}")
+    ]
+    return float(np.median(ratios)) if ratios else None
 
 
 def _error(routers: dict[str, dict], key: str) -> float | None:
@@ -115,11 +143,11 @@ def _error(routers: dict[str, dict], key: str) -> float | None:
     return float(np.mean(errors)) if errors else None
 
 
-def cpu_profile(
-    measured: bench_router.Measured, w: bench_router.Workload, cpus: int | None = None
-) -> LinearProfile:
-    """The profile of the replicas of `measured`, which ran on `cpus` cores (this machine's
-    when None: the validation runs both sides here; a replay takes the published run's)."""
+def _contended(
+    measured: bench_router.Measured, w: bench_router.Workload, cpus: int | None
+) -> tuple[LinearProfile, float, float]:
+    """One engine's steps measured alone, fitted, each replica's share of the cores applied:
+    the profile, that factor and the fit's R²."""
     coef, r2 = fit_linear(measured.calibration["steps"])
     spec = w.model
     alone = LinearProfile(
@@ -146,16 +174,18 @@ def cpu_profile(
     cpus = cpus or os.cpu_count() or 1
     shared = max(1.0, w.num_replicas / cpus)  # each replica's steps get a share of the cores
     contended = dataclasses.replace(alone, coef=tuple(c * shared for c in coef))
-    per_replica = measured.calibration["capacity_rps"] / w.num_replicas
+    return contended, shared, r2
+
+
+def cpu_profile(
+    measured: bench_router.Measured, w: bench_router.Workload, cpus: int | None = None
+) -> LinearProfile:
+    """The profile of the replicas of `measured`, which ran on `cpus` cores (this machine's
+    when None: the validation runs both sides here; a replay takes the published run's)."""
+    contended, shared, r2 = _contended(measured, w, cpus)
+    cpus = cpus or os.cpu_count() or 1
     steps_only = _burst_capacity(contended, w)
-    # What the steps leave out of the real replicas' time per request: Serve's handling of
-    # the call and of each streamed chunk, in the replica and the driver (on 2 cores at 18
-    # req/s a replica's engine thread was 71% of its CPU; its other threads ~19 ms a
-    # request, the driver ~21 ms: 2026-12-02). Most of it comes with the chunks, after the
-    # first token (real p50 TTFT 28 ms at the lowest rate, where this is ~55 ms a request):
-    # charged to each decode row (a chunk each at these rates), not to the prefill.
-    out = sum(w.output_tokens) / 2
-    stream_s = max(0.0, 1.0 / per_replica - 1.0 / steps_only) / out
+    stream_s = _stream_s(measured, w, steps_only)
     c0, ct, cc, cl, ca, cr = contended.coef
     return dataclasses.replace(
         contended,
@@ -168,6 +198,22 @@ def cpu_profile(
             f"would have served {w.num_replicas * steps_only:.1f}"
         ),
     )
+
+
+def _stream_s(
+    measured: bench_router.Measured, w: bench_router.Workload, steps_only: float
+) -> float:
+    """What the steps leave out of the real replicas' time per request, per streamed token:
+    Serve's handling of the call and of each streamed chunk, in the replica and the driver
+    (on 2 cores at 18 req/s a replica's engine thread was 71% of its CPU; its other threads
+    ~19 ms a request, the driver ~21 ms: 2026-12-02). Most of it comes with the chunks,
+    after the first token (real p50 TTFT 28 ms at the lowest rate, where this is ~55 ms a
+    request): the profile charges it to each decode row (a chunk each at these rates), not
+    to the prefill. `steps_only`: one simulated replica's burst capacity on the contended
+    profile (`_contended`)."""
+    per_replica = measured.calibration["capacity_rps"] / w.num_replicas
+    out = sum(w.output_tokens) / 2
+    return max(0.0, 1.0 / per_replica - 1.0 / steps_only) / out
 
 
 def path_latency(

@@ -45,6 +45,8 @@ async def _engine_counters(engine: Engine) -> dict[str, float]:
         "registered": adapters["registered"],
         "resident": len(adapters["resident"]),
         "preemptions": stats["preemptions"],
+        "steps": stats["steps"],
+        "step_seconds": stats["step_seconds"],
     }
 
 

@@ -20,7 +20,16 @@ log = logging.getLogger(__name__)
 if TYPE_CHECKING:
     from loraplex.router.serve_backend import ServeBackend
 
-COUNTERS = ("loads", "reads", "load_seconds", "hits", "evictions", "preemptions")
+COUNTERS = (
+    "loads",
+    "reads",
+    "load_seconds",
+    "hits",
+    "evictions",
+    "preemptions",
+    "steps",
+    "step_seconds",
+)
 
 
 @contextlib.contextmanager

@@ -422,4 +422,6 @@ class FleetReplica:
             "predicted_held": self.predicted_held,
             "placement_misses": self.placement_misses,
             "preemptions": self.sim.scheduler.num_preemptions,
+            "steps": self.sim.steps,
+            "step_seconds": self.sim.busy_s,
         }

@@ -195,7 +195,17 @@ cost per streamed token outside the steps that brings the replicas' base-model b
 the capacity they showed, and per request a draw of the path's latency: 30 lone
 base-model requests' TTFT through the real app less the simulated one, `path_latency_s`);
 `p99_ttft_error` and `loads_error` are the mean over the routers of |simulated − real| ÷
-real.""",
+real. The engines count their forward passes and the seconds they took on both sides:
+`step_seconds_ratio` (the median over the routers of real ÷ simulated, the streamed tokens'
+charge left out) is how much slower the real engines ran than the profile over the window,
+and `p99_ttft_error_at_real_step_speed` replays each router with its engines that much
+slower. In the run of 2026-12-03 the real steps took 1.27 x and the error moved only from
+0.34 to 0.32: the miss is not the engines' mean speed but when they slow and what the path
+adds under load. A decomposition of first tokens (zipf, 3 to 17.9 req/s) put the tail in
+the replicas' queue and prefill, their steps slowing with the rate (8.5 ms at 3 req/s, 28
+at 17.9) as everything on the 2 cores got busy at once, and the hops to and from a replica
+growing too (p99 30 and 12 ms at 3 req/s, 80 and 61 at 17.9); the simulated replicas keep
+one speed and the path one idle draw. On GPUs each replica has its own device.""",
     "autoscale": """\
 `loraplex bench fleet --section autoscale` (`benchmarks/fleet/autoscale.py`): the fleet
 simulator under Ray Serve's autoscaler (`benchmarks/sim/scaling.py`: Ray 2.60's

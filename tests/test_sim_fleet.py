@@ -132,6 +132,20 @@ def test_the_validation_sets_the_real_engines_step_seconds_beside_the_simulated(
     assert _ratio({"old": routers["old"]}, "step_seconds") is None
 
 
+def test_the_replay_at_the_real_step_speed_slows_the_engine_not_the_stream():
+    """`_at_speed`: every step coefficient of the contended profile x the factor, and the
+    streamed tokens' charge added to the row term once, unscaled (it is Serve's, not the
+    engine's)."""
+    from loraplex.benchmarks.fleet.validation import _at_speed
+    from loraplex.benchmarks.sim.profiles import LinearProfile
+
+    profile = LinearProfile(
+        "cpu", "", {}, 1 << 20, 1 << 16, 1e9, 0.0, (1.0, 2.0, 3.0, 4.0, 5.0, 6.0)
+    )
+    assert _at_speed(profile, 2.0, 0.5).coef == (2.0, 4.0, 6.0, 8.0, 10.0, 12.5)
+    assert _at_speed(profile, 1.0, 0.0).coef == profile.coef
+
+
 @pytest.mark.parametrize("router", ROUTERS)
 def test_every_request_finishes_and_a_run_repeats_exactly(router):
     adapters, by_name = catalog()

@@ -70,6 +70,12 @@ def print_validation(v: dict) -> None:
     print(
         f"validation: p99_ttft_error {_fmt(v['p99_ttft_error'])} (target <= 0.25), "
         f"loads_error {_fmt(v['loads_error'])} (target <= 0.10)"
+        + (
+            f"; the real engines' steps took {_fmt(v['step_seconds_ratio'])} x the simulated "
+            f"ones' (p99_ttft_error at their speed {_fmt(v.get('p99_ttft_error_at_real_step_speed'))})"
+            if v.get("step_seconds_ratio") is not None
+            else ""
+        )
         + (f"; {v['skipped']}" if v.get("skipped") else "")
     )
 

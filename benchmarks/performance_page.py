@@ -182,7 +182,12 @@ one replica's device pool and host tier together: in the scale sweep's zipf runs
 reference rate no router's replicas evicted or dropped an adapter (`evictions`, `host_drops`
 0, power of two included), so there the routers differ in reads and queueing, not in what the
 fleet holds; the `eviction` run (a node's 256 GiB host tier, 4 × the catalog) is where pools
-evict. Every figure is the median over
+evict. Serve's `max_ongoing_requests` is Ray Serve LLM's 1e9 for every router (the engine
+queues, Serve only forwards; `max_ongoing_requests` in the JSON), as in `bench router`;
+runs before 2026-12-03 held 128 (2 × the batch). Here that cap seldom bound: the run of
+2026-12-03 at 1e9 gave the run of 2026-11-28's goodputs within 2% (multiplexing's 44.5 /
+27.0 / 40.7 req/s became 44.4 / 26.5 / 40.5, every ratio the same), where on the 2-core real
+bench it held most of a burst in the handle. Every figure is the median over
 seeds (3, `--quick` 2) and each ratio has its 90% bootstrap interval. The table reads the
 simulator's validation from `fleet_validation` (below), which `--validation-only` writes.""",
     "fleet_validation": """\
@@ -224,7 +229,9 @@ rate and holds at each moment the fewest whole replicas that keep each at or bel
 static fleet's load at the peak, started and stopped at once. Its hours are the day's mean
 rate over its peak (0.6) only with fractional replicas; with whole ones they are 0.70 of the
 static fleet's at a peak of 4 (`--quick`) and 0.64 at 12, so `<= 0.6` is below what such a
-fleet reaches, and the table says so beside the miss.""",
+fleet reaches, and the table says so beside the miss. Its published run (2026-12-02) held
+Serve's `max_ongoing_requests` at 128 (2 × the batch); the fleet section has run at Ray Serve
+LLM's 1e9 since 2026-12-03, and the next autoscale run will too.""",
 }
 
 

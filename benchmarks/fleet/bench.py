@@ -12,8 +12,11 @@ Fleet (stated values, FULL / QUICK):
                  max_num_models_per_replica = what 64 GiB holds of mean-size adapters
     store        artifact reads at 400 MiB/s after 50 ms (an object store per replica: a
                  mean adapter in 0.3 s)
-    Serve        max_ongoing_requests 128 (2 x the batch) for all routers; routing stats
-                 every 1 s; model ids pushed every 0.1 s, at the router 0.05 s later
+    Serve        max_ongoing_requests 1e9 for all routers, as Ray Serve LLM deploys its
+                 engines (benchmarks/peers/ray_routers.py SERVE_LLM_MAX_ONGOING_REQUESTS:
+                 the engine queues, Serve only forwards; runs before 2026-12-03 held 128,
+                 2 x the batch); routing stats every 1 s; model ids pushed every 0.1 s, at
+                 the router 0.05 s later
     affinity     its costs from the profile and store, as replicas would measure them: a
                  cold load is a mean adapter's read and copy, a host load the copy;
                  busy_cost_s 2 x what one more decode row adds to a step of 32 at the
@@ -94,6 +97,7 @@ from loraplex.benchmarks.goodput import (
     repeated,
     within_slo_rps,
 )
+from loraplex.benchmarks.peers.ray_routers import SERVE_LLM_MAX_ONGOING_REQUESTS
 from loraplex.benchmarks.report import log, over_repetitions, write_json
 from loraplex.benchmarks.sim.fleet import ROUTERS, FleetRun, FleetSetup, simulate_fleet
 from loraplex.benchmarks.sim.fleet_replica import StoreModel
@@ -194,7 +198,7 @@ class Fleet:
             ),
             store=STORE,
             affinity=affinity,
-            max_ongoing_requests=2 * SCHED.max_num_seqs,
+            max_ongoing_requests=SERVE_LLM_MAX_ONGOING_REQUESTS,
             models_per_replica=max(1, int(self.shape.host_bytes // mean)),
             replace_after_s=KILL_REPLACE_S,
             max_len=self.profile.model["max_position_embeddings"],
@@ -305,6 +309,7 @@ def measure(shape: FleetShape, trace_path: Path | None = None) -> dict[str, Any]
         "request_time_s": fleet.request_time_s,
         "busy_cost_s": fleet.busy_cost_s,
         "prefill_token_cost_s": fleet.prefill_token_cost_s,
+        "max_ongoing_requests": SERVE_LLM_MAX_ONGOING_REQUESTS,
         "store": dataclasses.asdict(STORE),
         "host_bytes_per_replica": shape.host_bytes,
         "window_s": shape.window_s,

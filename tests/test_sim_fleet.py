@@ -142,8 +142,8 @@ def test_the_replay_at_the_real_step_speed_slows_the_engine_not_the_stream():
     profile = LinearProfile(
         "cpu", "", {}, 1 << 20, 1 << 16, 1e9, 0.0, (1.0, 2.0, 3.0, 4.0, 5.0, 6.0)
     )
-    assert _at_speed(profile, 2.0, 0.5).coef == (2.0, 4.0, 6.0, 8.0, 10.0, 12.5)
-    assert _at_speed(profile, 1.0, 0.0).coef == profile.coef
+    assert _at_speed(profile, 0.5, 2.0).coef == (2.0, 4.0, 6.0, 8.0, 10.0, 12.5)
+    assert _at_speed(profile, 0.0).coef == profile.coef
 
 
 @pytest.mark.parametrize("router", ROUTERS)

@@ -68,13 +68,11 @@ def validate(quick: bool) -> dict[str, Any]:
     w = validation_workload(quick)
     measured = bench_router.run_measured(w, workloads=("zipf",))
     real = measured.figures["workloads"]["zipf"]
-    profile = cpu_profile(measured, w)
-    setup = _setup(measured, w, profile)
+    contended, stream_s = _cpu_fit(measured, w)
+    setup = _setup(measured, w, _at_speed(contended, stream_s))
     catalog = {
         name: AdapterSpec(name, rank, nbytes) for name, (rank, nbytes) in measured.adapters.items()
     }
-    contended, _, _ = _contended(measured, w, None)
-    stream_s = _stream_s(measured, w, _burst_capacity(contended, w))
     routers: dict[str, Any] = {}
     for router in ROUTERS:
         requests, first = _replay(measured.requests[0]["zipf"], router)
@@ -103,28 +101,21 @@ def validate(quick: bool) -> dict[str, Any]:
         # not: 0.34 -> 0.32; they slow when everything on the 2 cores is busy at once)
         ratio = _ratio({router: routers[router]}, "step_seconds")
         if ratio is not None:
-            slowed = replace(setup, profile=_at_speed(contended, ratio, stream_s))
+            slowed = replace(setup, profile=_at_speed(contended, stream_s, ratio))
             again = simulate_fleet(router, requests, catalog, slowed, measured_from=first)
             routers[router]["sim_p99_ttft_s_at_real_step_speed"] = again.summary()["p99_ttft_s"]
         log(f"validation {router}: {routers[router]}")
     return {
         "workload": "zipf",
         "rate_rps": real["rates_rps"][0],
-        "profile": profile.source,
+        "profile": contended.source,
         "path_latency_s": _spread(setup.path_s),
         "routers": routers,
         "p99_ttft_error": _error(routers, "p99_ttft_s"),
         "loads_error": _error(routers, "loads"),
         "step_seconds_ratio": _ratio(routers, "step_seconds"),
         "p99_ttft_error_at_real_step_speed": _error(
-            {
-                r: {
-                    "real_x": f["real_p99_ttft_s"],
-                    "sim_x": f.get("sim_p99_ttft_s_at_real_step_speed"),
-                }
-                for r, f in routers.items()
-            },
-            "x",
+            routers, "p99_ttft_s", sim="sim_p99_ttft_s_at_real_step_speed"
         ),
         "real": {k: v for k, v in measured.figures.items() if k != "workloads"},
     }
@@ -152,20 +143,25 @@ def _ratio(routers: dict[str, dict], key: str) -> float | None:
     return float(np.median(ratios)) if ratios else None
 
 
-def _error(routers: dict[str, dict], key: str) -> float | None:
+def _error(routers: dict[str, dict], key: str, sim: str | None = None) -> float | None:
+    """The mean over routers of |simulated - real| / real for `key` (the simulated figure
+    under `sim` when given); routers without both are left out."""
+    sim = sim or f"sim_{key}"
     errors = [
-        abs(r[f"sim_{key}"] - r[f"real_{key}"]) / r[f"real_{key}"]
+        abs(r[sim] - r[f"real_{key}"]) / r[f"real_{key}"]
         for r in routers.values()
-        if r[f"real_{key}"] and r[f"sim_{key}"] is not None
+        if r[f"real_{key}"] and r.get(sim) is not None
     ]
     return float(np.mean(errors)) if errors else None
 
 
-def _contended(
-    measured: bench_router.Measured, w: bench_router.Workload, cpus: int | None
-) -> tuple[LinearProfile, float, float]:
-    """One engine's steps measured alone, fitted, each replica's share of the cores applied:
-    the profile, that factor and the fit's R²."""
+def _cpu_fit(
+    measured: bench_router.Measured, w: bench_router.Workload, cpus: int | None = None
+) -> tuple[LinearProfile, float]:
+    """The replicas of `measured`, which ran on `cpus` cores (this machine's when None: the
+    validation runs both sides here; a replay takes the published run's): one engine's
+    steps measured alone, fitted, each replica's share of the cores applied (the profile,
+    its source said), and what Serve adds a streamed token outside the steps (`_stream_s`)."""
     coef, r2 = fit_linear(measured.calibration["steps"])
     spec = w.model
     alone = LinearProfile(
@@ -192,32 +188,28 @@ def _contended(
     cpus = cpus or os.cpu_count() or 1
     shared = max(1.0, w.num_replicas / cpus)  # each replica's steps get a share of the cores
     contended = dataclasses.replace(alone, coef=tuple(c * shared for c in coef))
-    return contended, shared, r2
+    steps_only = _burst_capacity(contended, w)
+    stream_s = _stream_s(measured, w, steps_only)
+    source = (
+        f"least squares over {len(measured.calibration['steps'])} engine steps on this "
+        f"machine (R² {r2:.2f}), x {shared:.2f} ({w.num_replicas} replicas on {cpus} "
+        f"cores), + {stream_s * 1e3:.1f} ms a streamed token: the replicas served "
+        f"{measured.calibration['capacity_rps']:.1f} req/s together, their steps alone "
+        f"would have served {w.num_replicas * steps_only:.1f}"
+    )
+    return dataclasses.replace(contended, source=source), stream_s
 
 
 def cpu_profile(
     measured: bench_router.Measured, w: bench_router.Workload, cpus: int | None = None
 ) -> LinearProfile:
-    """The profile of the replicas of `measured`, which ran on `cpus` cores (this machine's
-    when None: the validation runs both sides here; a replay takes the published run's)."""
-    contended, shared, r2 = _contended(measured, w, cpus)
-    cpus = cpus or os.cpu_count() or 1
-    steps_only = _burst_capacity(contended, w)
-    stream_s = _stream_s(measured, w, steps_only)
-    return dataclasses.replace(
-        _at_speed(contended, 1.0, stream_s),
-        source=(
-            f"least squares over {len(measured.calibration['steps'])} engine steps on this "
-            f"machine (R² {r2:.2f}), x {shared:.2f} ({w.num_replicas} replicas on {cpus} "
-            f"cores), + {stream_s * 1e3:.1f} ms a streamed token: the replicas served "
-            f"{measured.calibration['capacity_rps']:.1f} req/s together, their steps alone "
-            f"would have served {w.num_replicas * steps_only:.1f}"
-        ),
-    )
+    """The profile the simulated replicas of `measured` run on (`_cpu_fit`): the fitted
+    steps plus the streamed tokens' charge."""
+    return _at_speed(*_cpu_fit(measured, w, cpus))
 
 
-def _at_speed(contended: LinearProfile, factor: float, stream_s: float) -> LinearProfile:
-    """`contended`'s steps `factor` x as long, plus `stream_s` a decode row."""
+def _at_speed(contended: LinearProfile, stream_s: float, factor: float = 1.0) -> LinearProfile:
+    """`contended`'s steps `factor` x as long, plus `stream_s` a row."""
     c0, ct, cc, cl, ca, cr = (c * factor for c in contended.coef)
     return dataclasses.replace(contended, coef=(c0, ct, cc, cl, ca, cr + stream_s))
 
@@ -232,7 +224,7 @@ def _stream_s(
     after the first token (real p50 TTFT 28 ms at the lowest rate, where this is ~55 ms a
     request): the profile charges it to each decode row (a chunk each at these rates), not
     to the prefill. `steps_only`: one simulated replica's burst capacity on the contended
-    profile (`_contended`)."""
+    profile (`_cpu_fit`)."""
     per_replica = measured.calibration["capacity_rps"] / w.num_replicas
     out = sum(w.output_tokens) / 2
     return max(0.0, 1.0 / per_replica - 1.0 / steps_only) / out

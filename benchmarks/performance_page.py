@@ -204,8 +204,10 @@ real. The engines count their forward passes and the seconds they took on both s
 `step_seconds_ratio` (the median over the routers of real ÷ simulated, the streamed tokens'
 charge left out) is how much slower the real engines ran than the profile over the window,
 and `p99_ttft_error_at_real_step_speed` replays each router with its engines that much
-slower. In the run of 2026-12-03 the real steps took 1.27 x and the error moved only from
-0.34 to 0.32: the miss is not the engines' mean speed but when they slow and what the path
+slower. In the run of 2026-12-03 the real steps took 1.27 x (the code of that run took the
+streamed tokens' charge off decode rows only, where the profile puts it on every row: with
+each request's prefill row too the ratio is ~1.34, worked from its JSON) and the error moved
+only from 0.34 to 0.32: the miss is not the engines' mean speed but when they slow and what the path
 adds under load. A decomposition of first tokens (zipf, 3 to 17.9 req/s) put the tail in
 the replicas' queue and prefill, their steps slowing with the rate (8.5 ms at 3 req/s, 28
 at 17.9) as everything on the 2 cores got busy at once, and the hops to and from a replica

@@ -77,7 +77,7 @@ def test_a_lone_request_costs_the_read_the_copy_and_the_prefill(router):
     assert run.ttft[0] == pytest.approx(read + copy + prefill, rel=1e-6)
     assert run.counters["store_reads"] == 1 and run.counters["device_loads"] == 1
     # the engines' busy time, as a real engine counts it (one forward pass: the prefill)
-    assert run.counters["steps"] == 1
+    assert run.counters["steps"] == 1 and run.counters["step_rows"] == 1
     assert run.counters["step_seconds"] == pytest.approx(prefill, rel=1e-6)
 
 

@@ -424,4 +424,5 @@ class FleetReplica:
             "preemptions": self.sim.scheduler.num_preemptions,
             "steps": self.sim.steps,
             "step_seconds": self.sim.busy_s,
+            "step_rows": sum(self.sim.batch_sizes),  # a prefill chunk or a decode row each
         }

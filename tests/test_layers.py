@@ -233,3 +233,37 @@ def _topological(arrows: dict[str, set[str]]) -> list[str] | None:
             if indegree[t] == 0:
                 ready.append(t)
     return order if len(order) == len(arrows) else None
+
+
+def test_a_folder_named_like_an_installed_package_yields_to_it():
+    """The folders sit at the repository root, and `python -m ...`, `python -c`, a notebook or a
+    Ray worker started from the checkout (Ray puts the driver's working directory on every
+    worker's path) put that root first on sys.path. Hugging Face's `kernels` (a dependency of
+    transformers >= 5.25) then resolved to kernels/, and `import peft` failed in CI on
+    2026-12-03 (`cannot import name 'CUDAProperties' from 'kernels'`). From the root, a name an
+    installed distribution owns imports that distribution, and transformers' models load."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    owners = importlib.metadata.packages_distributions()
+    taken = sorted(
+        folder
+        for folder in {path.split("/")[0] for path in PACKAGE_DIRS.values()}
+        if folder in owners and "loraplex" not in owners[folder]
+    )
+    if not taken:
+        pytest.skip("no installed distribution owns a name of the root's folders")
+    code = (
+        "import importlib, sys\n"
+        f"for name in {taken!r}:\n"
+        "    print(name, importlib.import_module(name).__file__)\n"
+        "import transformers.modeling_utils\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    for line in done.stdout.splitlines():
+        name, origin = line.split(" ", 1)
+        assert not Path(origin).is_relative_to(ROOT / name), line

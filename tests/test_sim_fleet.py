@@ -132,6 +132,29 @@ def test_the_validation_sets_the_real_engines_step_seconds_beside_the_simulated(
     assert _ratio({"old": routers["old"]}, "step_seconds") is None
 
 
+def test_the_validation_compares_the_means_over_the_repetitions():
+    """Each repetition side by side (`_side_by_side`: the simulated step seconds less the
+    streamed tokens' charge on every row), then each figure's mean over the repetitions; a
+    figure one repetition lacks has no mean, and the error is taken on the means."""
+    from loraplex.benchmarks.fleet.validation import _error, _mean_over, _side_by_side
+
+    def real(p99: float, seconds: float | None) -> dict:
+        return {"p99_ttft_s": p99, "p50_ttft_s": p99 / 4, "loads": 10, "reads": 5,
+                "steps": 100, "step_seconds": seconds}  # fmt: skip
+
+    def sim(p99: float) -> dict:
+        return {"p99_ttft_s": p99, "p50_ttft_s": p99 / 4, "device_loads": 12,
+                "store_reads": 5, "steps": 90, "step_seconds": 3.0, "step_rows": 200}  # fmt: skip
+
+    first = {"a": _side_by_side(real(1.0, 2.0), sim(0.5), 0.01)}
+    second = {"a": _side_by_side(real(3.0, None), sim(2.5), 0.01)}
+    assert first["a"]["sim_step_seconds"] == pytest.approx(1.0)  # 3.0 - 0.01 x 200
+    (means,) = _mean_over([first, second]).values()
+    assert means["real_p99_ttft_s"] == 2.0 and means["sim_p99_ttft_s"] == 1.5
+    assert means["sim_loads"] == 12 and means["real_step_seconds"] is None
+    assert _error({"a": means}, "p99_ttft_s") == pytest.approx(0.25)  # not 0.5 and 0.17
+
+
 def test_the_replay_at_the_real_step_speed_slows_the_engine_not_the_stream():
     """`_at_speed`: every step coefficient of the contended profile x the factor, and the
     streamed tokens' charge added to the row term once, unscaled (it is Serve's, not the
@@ -447,11 +470,11 @@ def test_the_replayed_bench_stream_warms_the_catalog_as_the_bench_does():
 
 @pytest.mark.parametrize("quick", [True, False])
 def test_the_validation_runs_the_router_bench_at_its_reference_rate_alone(quick: bool):
-    """One run per router at the reference rate, which the simulator replays; no rate past
-    the grid, where a sweep goes while a router holds the SLO."""
+    """The bench's repetitions at the reference rate, each of which the simulator replays;
+    no rate past the grid, where a sweep goes while a router holds the SLO."""
     from loraplex.benchmarks.fleet.validation import validation_workload
     from loraplex.benchmarks.router import bench as bench_router
 
     w = validation_workload(quick)
     base = bench_router.QUICK if quick else bench_router.FULL
-    assert w.all_rate_factors == (base.reference_factor,) and w.repeats == 1
+    assert w.all_rate_factors == (base.reference_factor,) and w.repeats == base.repeats > 1

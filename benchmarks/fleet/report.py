@@ -71,6 +71,15 @@ def print_validation(v: dict) -> None:
         f"validation: p99_ttft_error {_fmt(v['p99_ttft_error'])} (target <= 0.25), "
         f"loads_error {_fmt(v['loads_error'])} (target <= 0.10)"
         + (
+            f" on the means of {v['repetitions']} repetitions (each: p99 "
+            + ", ".join(_fmt(e) for e in v["p99_ttft_error_by_repetition"])
+            + "; loads "
+            + ", ".join(_fmt(e) for e in v["loads_error_by_repetition"])
+            + ")"
+            if v.get("repetitions")
+            else ""
+        )
+        + (
             f"; the real engines' steps took {_fmt(v['step_seconds_ratio'])} x the simulated "
             f"ones' (p99_ttft_error at their speed {_fmt(v.get('p99_ttft_error_at_real_step_speed'))})"
             if v.get("step_seconds_ratio") is not None

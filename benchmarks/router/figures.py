@@ -125,11 +125,13 @@ def _over_reps(reps: list[dict[str, Any]]) -> dict[str, Any]:
         }
         padded.append({**rep, "rates_rps": rep["rates_rps"] + [None] * short, "routers": routers})
     out = repeated(padded)
-    # each repetition's p99 per rate, so its goodput can be worked again from the figures
+    # each repetition's p99 per rate, so its goodput can be worked again from the figures,
+    # and its figures at the reference rate, which the fleet validation replays one by one
     out["repetitions"] = [
         {
             **{k: v for k, v in r.items() if k != "routers"},
             "p99_ttft_s_by_rate": {router: f["p99_ttft_s"] for router, f in r["routers"].items()},
+            "at_reference": {router: f["at_reference"] for router, f in r["routers"].items()},
         }
         for r in reps
     ]

@@ -168,6 +168,17 @@ class _ReplicaStats(Collector):
             "Requests preempted (their KV freed, to be recomputed) for want of KV pages.",
             labels=["replica"],
         )
+        steps = CounterMetricFamily(
+            "loraplex_engine_steps",
+            "Forward passes a replica's engine ran (a step with no request is not one).",
+            labels=["replica"],
+        )
+        busy = CounterMetricFamily(
+            "loraplex_engine_step_seconds",
+            "Seconds a replica's engine spent in its forward passes: its rate is the share of "
+            "the time the engine is busy, and that over the steps' rate is the mean step.",
+            labels=["replica"],
+        )
         resumes = CounterMetricFamily(
             "loraplex_stream_resumes",
             "Streams this ingress resumed on another replica after theirs died mid-stream.",
@@ -186,7 +197,9 @@ class _ReplicaStats(Collector):
             for state in ("waiting", "running"):
                 queue.add_metric([replica, state], stats[state])
             preemptions.add_metric([replica], stats["preemptions"])
-        yield from (reporting, resumes, pages, adapters, cache, queue, preemptions)
+            steps.add_metric([replica], stats["steps"])
+            busy.add_metric([replica], stats["step_seconds"])
+        yield from (reporting, resumes, pages, adapters, cache, queue, preemptions, steps, busy)
 
 
 class _AdapterHomes(Collector):

@@ -902,6 +902,8 @@ def expected_samples(stats: dict[str, Any]) -> dict[tuple, float]:
     for state in ("waiting", "running"):
         samples["loraplex_replica_requests", ("state", state)] = stats[state]
     samples[("loraplex_replica_preemptions_total",)] = stats["preemptions"]
+    samples[("loraplex_engine_steps_total",)] = stats["steps"]
+    samples[("loraplex_engine_step_seconds_total",)] = stats["step_seconds"]
     return samples
 
 

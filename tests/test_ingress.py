@@ -625,6 +625,9 @@ def test_models_health_and_metrics(tenants_app: Served, anonymous: Served, keys,
         assert value("loraplex_replica_requests", replica="local", state=state) == 0
     preempted = value("loraplex_replica_preemptions_total", replica="local")
     assert preempted == core.scheduler.num_preemptions
+    assert value("loraplex_engine_steps_total", replica="local") == core.steps > 0
+    busy = value("loraplex_engine_step_seconds_total", replica="local")
+    assert busy == pytest.approx(core.step_seconds) and busy > 0
 
     # one registry per app: the anonymous app counted none of acme's requests
     other = samples(anonymous.url)

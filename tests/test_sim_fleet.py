@@ -130,6 +130,8 @@ def test_the_validation_sets_the_real_engines_step_seconds_beside_the_simulated(
     }
     assert _ratio(routers, "step_seconds") == pytest.approx(2.5)
     assert _ratio({"old": routers["old"]}, "step_seconds") is None
+    charged = {"a": {"real_step_seconds": 6.0, "sim_step_seconds": 2.0, "with": 4.0}}
+    assert _ratio(charged, "step_seconds", sim="with") == pytest.approx(1.5)
 
 
 def test_the_validation_compares_the_means_over_the_repetitions():
@@ -149,6 +151,7 @@ def test_the_validation_compares_the_means_over_the_repetitions():
     first = {"a": _side_by_side(real(1.0, 2.0), sim(0.5), 0.01)}
     second = {"a": _side_by_side(real(3.0, None), sim(2.5), 0.01)}
     assert first["a"]["sim_step_seconds"] == pytest.approx(1.0)  # 3.0 - 0.01 x 200
+    assert first["a"]["sim_step_seconds_with_stream"] == 3.0
     (means,) = _mean_over([first, second]).values()
     assert means["real_p99_ttft_s"] == 2.0 and means["sim_p99_ttft_s"] == 1.5
     assert means["sim_loads"] == 12 and means["real_step_seconds"] is None
@@ -157,8 +160,9 @@ def test_the_validation_compares_the_means_over_the_repetitions():
 
 def test_the_replay_at_the_real_step_speed_slows_the_engine_not_the_stream():
     """`_at_speed`: every step coefficient of the contended profile x the factor, and the
-    streamed tokens' charge added to the row term once, unscaled (it is Serve's, not the
-    engine's)."""
+    streamed tokens' charge added to the row term, unscaled unless asked (the replay at the
+    real step speed takes it for Serve's, paid outside the steps; the replay at the real
+    busy time slows the whole simulated step, charge included)."""
     from loraplex.benchmarks.fleet.validation import _at_speed
     from loraplex.benchmarks.sim.profiles import LinearProfile
 
@@ -167,6 +171,7 @@ def test_the_replay_at_the_real_step_speed_slows_the_engine_not_the_stream():
     )
     assert _at_speed(profile, 0.5, 2.0).coef == (2.0, 4.0, 6.0, 8.0, 10.0, 12.5)
     assert _at_speed(profile, 0.0).coef == profile.coef
+    assert _at_speed(profile, 0.5, 2.0, 2.0).coef == (2.0, 4.0, 6.0, 8.0, 10.0, 13.0)
 
 
 @pytest.mark.parametrize("router", ROUTERS)

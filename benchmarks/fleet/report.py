@@ -81,7 +81,10 @@ def print_validation(v: dict) -> None:
         )
         + (
             f"; the real engines' steps took {_fmt(v['step_seconds_ratio'])} x the simulated "
-            f"ones' (p99_ttft_error at their speed {_fmt(v.get('p99_ttft_error_at_real_step_speed'))})"
+            f"ones' (p99_ttft_error at their speed {_fmt(v.get('p99_ttft_error_at_real_step_speed'))}); "
+            f"{_fmt(v.get('step_seconds_ratio_with_stream'))} x the simulated steps with the "
+            f"streamed tokens' charge (p99_ttft_error with those slowed to the real steps' "
+            f"seconds {_fmt(v.get('p99_ttft_error_at_real_busy_time'))})"
             if v.get("step_seconds_ratio") is not None
             else ""
         )

@@ -204,20 +204,24 @@ base-model requests' TTFT through the real app less the simulated one, `path_lat
 real, each figure the mean over the repetitions (one run's p99 at one rate on the 2 shared
 cores moved 0.35-1.2 s between runs), each repetition's error beside
 (`..._by_repetition`). The engines count their forward passes and the seconds they took on
-both sides: `step_seconds_ratio` (the median over the routers of real ÷ simulated, the
-streamed tokens' charge left out) is how much slower the real engines ran than the profile
-over the window, and `p99_ttft_error_at_real_step_speed` replays each router with its
-engines that much slower. In the run of 2026-12-03 16:48 (11.6 req/s; load average 3-5
-during it) the error was 0.32 on the means (0.33, 0.40 and 0.24 by repetition; the runs of
-13:31 and 11:14 gave 0.34 and 0.62 once each), the real engines' steps took 2.21 x the
-profile's, and replayed at that speed the error was 0.12: the simulated queues, placements
-and loads follow the real ones (loads_error 0.06, pow2's reads 95 against 98), and the miss
-is the engines' speed under contention, which the profile takes from one engine alone x
-replicas / cores. It does not hold steady: the run of 13:31 gave ~1.34 x (its replay at
-1.27 x, before 40a619c's correction, gave 0.32), where a decomposition of first tokens (zipf, 3 to 17.9 req/s) put the tail
-in the replicas' queue and prefill, their steps slowing with the rate (8.5 ms at 3 req/s,
-28 at 17.9) as everything on the 2 cores got busy at once, and the hops to and from a
-replica growing too (p99 30 and 12 ms at 3 req/s, 80 and 61 at 17.9). On GPUs each replica
+both sides. `step_seconds_ratio` is the median over the routers of the real steps' seconds ÷
+the simulated ones' less the streamed tokens' charge (as if Serve's threads paid it outside
+the steps), `step_seconds_ratio_with_stream` the same against the simulated steps with it;
+`p99_ttft_error_at_real_step_speed` replays each router with the fitted steps slowed by the
+first and the charge on top, `p99_ttft_error_at_real_busy_time` with the whole simulated
+step slowed by the second. In the run of 2026-12-03 17:07 (12.6 req/s; load average 0.7
+before, 4-7 during it) the error was 0.47 on the means (0.41, 0.56 and 0.42 by repetition;
+a run of 16:48 at 11.6 req/s, load 3-5, gave 0.32: 0.33, 0.40, 0.24), loads_error 0.06
+(pow2's reads 93 against 102). The real engines were busy 1.07 x the simulated steps with
+the charge, so the engines' mean speed is modelled (the charge is paid inside the real
+steps: they ran 1.88 x the simulated steps without it), and replayed at the real busy time
+the error stays 0.46. The miss is the tail and the path: the simulated p50 TTFT is 26 ms
+against the real 62-102, and the simulated p99 0.08-0.10 s against 0.22-0.26 for the two
+routers that read nothing. A decomposition of first tokens (zipf, 3 to 17.9 req/s) put the
+real tail in the replicas' queue and prefill, their steps slowing with the rate (8.5 ms at
+3 req/s, 28 at 17.9) as everything on the 2 cores got busy at once, and the hops to and
+from a replica growing too (p99 30 and 12 ms at 3 req/s, 80 and 61 at 17.9), where the
+simulated replicas keep one speed and the path is one draw from idle requests. On GPUs each replica
 has its own device.""",
     "autoscale": """\
 `loraplex bench fleet --section autoscale` (`benchmarks/fleet/autoscale.py`): the fleet

@@ -143,8 +143,10 @@ def _side_by_side(real: dict[str, Any], sim: dict[str, Any], stream_s: float) ->
         "sim_loads": sim["device_loads"],
         "real_reads": real["reads"],
         "sim_reads": sim["store_reads"],
-        # the engines' forward passes over the window, without the streamed tokens' charge
-        # the simulated steps carry on every row (the real replicas pay it on other threads)
+        # the engines' forward passes over the window, the simulated ones without and with
+        # the streamed tokens' charge they carry on every row: on 2026-12-03 the real steps
+        # took 1.07 x the simulated ones with it (they pay it, Serve's threads sharing their
+        # process and cores) and 1.88 x without
         "real_steps": real.get("steps"),
         "sim_steps": sim["steps"],
         "real_step_seconds": real.get("step_seconds"),
@@ -197,9 +199,8 @@ def _ratio(routers: dict[str, dict], key: str, sim: str | None = None) -> float 
     profile is one engine's steps measured alone, x replicas / cores; a replica on 2 shared
     cores also competes with the driver, Serve's threads and the other replicas' loops,
     and more so the higher the rate (the steps of one run of 2026-12-03 took 8.5 ms at
-    3 req/s, 17.8 at 10.2 and 28.0 at 17.9 for 1.0, 1.5 and 2.7 decode rows): the
-    simulated replicas then serve at a speed the real ones do not have. The simulated
-    figure under `sim` when given."""
+    3 req/s, 17.8 at 10.2 and 28.0 at 17.9 for 1.0, 1.5 and 2.7 decode rows). The
+    simulated figure under `sim` when given."""
     sim = sim or f"sim_{key}"
     ratios = [
         r[f"real_{key}"] / r[sim]

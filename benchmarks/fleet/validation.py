@@ -1,13 +1,14 @@
 """The fleet simulator against a real run (`loraplex bench fleet`'s validation keys).
 
-One `loraplex bench router` run of the zipf workload at one rate, the three routers on a
-real local Ray (benchmarks/router/bench.py), then the simulator configured like it: the same
-warm-up and requests (arrivals, adapters, lengths), the same adapters (rank, bytes), pool,
+`loraplex bench router`'s repetitions of the zipf workload at one rate, the three routers on
+a real local Ray (benchmarks/router/bench.py), each replayed in the simulator configured like
+it: the same warm-up and requests (arrivals, adapters, lengths), the same adapters (rank,
+bytes), pool,
 host tier, read model, Serve settings and router costs, and a CPU profile fitted on this
 machine: the step timings `bench router` recorded on one engine (least squares,
 sim_profiles.fit_linear), slowed by each replica's share of the cores (replicas ÷ cores),
 plus what a request costs outside the engine's steps (Serve's handling of its call and of
-each streamed chunk, in the replica and the driver), charged to each decode row: the
+each streamed chunk, in the replica and the driver), charged to each step row: the
 difference between the real replicas' time per request on the saturating base-model burst
 and their steps' on the same burst, over its output tokens. It was one factor on every
 step (12 x in a replay of 2026-12-02, once the fit priced LoRA): a request's prefill then
@@ -19,6 +20,7 @@ TTFTs through the real app less the simulated one (`path_latency`).
 
     p99_ttft_error = mean over routers of |simulated p99 TTFT - real| / real
     loads_error    = mean over routers of |simulated device loads - real| / real
+    (each figure the mean over the repetitions)
 
 `replay_bench` (python -m loraplex.benchmarks.fleet.validation ROUTER_JSON) needs no real
 run: the simulator configured like a published `bench router` run from its JSON (capacity,
@@ -96,14 +98,13 @@ def validate(quick: bool) -> dict[str, Any]:
         # charge included, slowed to the real steps' seconds (as if the steps paid it)
         ratio = _ratio({router: figures}, "step_seconds")
         whole = _ratio({router: figures}, "step_seconds", sim="sim_step_seconds_with_stream")
-        for key, profile in (
-            ("sim_p99_ttft_s_at_real_step_speed", ratio and _at_speed(contended, stream_s, ratio)),
-            (
-                "sim_p99_ttft_s_at_real_busy_time",
-                whole and _at_speed(contended, stream_s, whole, whole),
-            ),
-        ):
-            if profile:
+        speeds = {  # key: (the steps' factor, the charge's factor)
+            "sim_p99_ttft_s_at_real_step_speed": (ratio, 1.0),
+            "sim_p99_ttft_s_at_real_busy_time": (whole, whole),
+        }
+        for key, (factor, stream_factor) in speeds.items():
+            if factor:
+                profile = _at_speed(contended, stream_s, factor, stream_factor)
                 slowed = replace(setup, profile=profile)
                 figures[key] = _mean_p99(router, replays[router], catalog, slowed)
     return {
@@ -228,7 +229,8 @@ def _cpu_fit(
     """The replicas of `measured`, which ran on `cpus` cores (this machine's when None: the
     validation runs both sides here; a replay takes the published run's): one engine's
     steps measured alone, fitted, each replica's share of the cores applied (the profile,
-    its source said), and what Serve adds a streamed token outside the steps (`_stream_s`)."""
+    its source said), and what Serve adds a streamed token beyond those steps (`_stream_s`:
+    the real steps pay most of it, its threads sharing their process and cores)."""
     coef, r2 = fit_linear(measured.calibration["steps"])
     spec = w.model
     alone = LinearProfile(
@@ -291,9 +293,9 @@ def _stream_s(
     (on 2 cores at 18 req/s a replica's engine thread was 71% of its CPU; its other threads
     ~19 ms a request, the driver ~21 ms: 2026-12-02). Most of it comes with the chunks,
     after the first token (real p50 TTFT 28 ms at the lowest rate, where this is ~55 ms a
-    request): the profile charges it to each decode row (a chunk each at these rates), not
-    to the prefill. `steps_only`: one simulated replica's burst capacity on the contended
-    profile (`_cpu_fit`)."""
+    request): the profile charges it to each step row (a decode row or a prefill chunk; a
+    chunk is streamed for each at these rates). `steps_only`: one simulated replica's
+    burst capacity on the contended profile (`_cpu_fit`)."""
     per_replica = measured.calibration["capacity_rps"] / w.num_replicas
     out = sum(w.output_tokens) / 2
     return max(0.0, 1.0 / per_replica - 1.0 / steps_only) / out

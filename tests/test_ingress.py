@@ -655,7 +655,9 @@ def test_closing_a_local_stream_aborts_before_aclose_returns(backend: LocalBacke
 
     async def run() -> None:
         stream = backend.generate(request)
-        assert (await anext(stream))["num_output_tokens"] == 1
+        # the tokens so far: 1, or more where the engine stepped again before this read
+        # (seen once with another test process on the second core)
+        assert (await anext(stream))["num_output_tokens"] >= 1
         await stream.aclose()
         assert not engine.core.requests  # no garbage collector, no later task involved
 

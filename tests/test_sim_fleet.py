@@ -115,6 +115,34 @@ def test_the_path_latency_is_the_lone_requests_real_ttft_less_the_simulated_one(
     assert path_latency(None, PROFILE, w) == () and path_latency([], PROFILE, w) == ()
 
 
+def test_the_loaded_path_is_the_calibration_streams_real_ttft_less_the_simulated_by_quantile():
+    """`loaded_path`: the calibration stream (base-model requests at the validated rate,
+    before the repetitions) replayed on the setup; the i-th shortest real TTFT less the i-th
+    shortest simulated one, none below 0, failed requests left out on both sides, and the
+    lone requests' path kept for a router or a run that did not measure it."""
+    from loraplex.benchmarks.fleet.validation import loaded_path
+
+    base = [dataclasses.replace(r, adapter=None) for r in stream(catalog(4)[0], n=60)]
+    lone = setup(path_s=(0.004,))
+    sim = simulate_fleet("pow2", base, {}, setup()).ttft
+    offsets = np.linspace(0.0, 0.05, len(base))  # the longest simulated gets the most added
+    real = (sim + offsets[np.argsort(np.argsort(sim))]).tolist()
+    real[0] = None  # failed: out on both sides
+    loaded = {
+        "rate_rps": 30.0,
+        "requests": [[r.arrival, r.prompt, r.output, r.max_tokens] for r in base],
+        "ttft_s": {"pow2": real},
+    }
+    path = loaded_path(loaded, "pow2", lone)
+    served = np.sort(sim[1:] + offsets[np.argsort(np.argsort(sim))][1:])
+    assert path == pytest.approx(tuple(np.maximum(0.0, served - np.sort(sim[1:]))), abs=1e-12)
+    assert len(path) == len(base) - 1 and max(path) > 0.04 and min(path) >= 0.0
+    faster = {**loaded, "ttft_s": {"pow2": [None, *(sim[1:] - 1.0).tolist()]}}
+    assert set(loaded_path(faster, "pow2", lone)) == {0.0}
+    assert loaded_path(loaded, "affinity", lone) == (0.004,)
+    assert loaded_path(None, "pow2", lone) == (0.004,)
+
+
 def test_the_validation_sets_the_real_engines_step_seconds_beside_the_simulated():
     """`step_seconds_ratio`: the median over routers of the real engines' forward-pass
     seconds over the simulated ones' in the same window; a router either side did not
@@ -483,3 +511,4 @@ def test_the_validation_runs_the_router_bench_at_its_reference_rate_alone(quick:
     w = validation_workload(quick)
     base = bench_router.QUICK if quick else bench_router.FULL
     assert w.all_rate_factors == (base.reference_factor,) and w.repeats == base.repeats > 1
+    assert w.loaded_path and not base.loaded_path  # its calibration, which the bench skips

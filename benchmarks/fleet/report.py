@@ -88,6 +88,12 @@ def print_validation(v: dict) -> None:
             if v.get("step_seconds_ratio") is not None
             else ""
         )
+        + (
+            f"; the path under load drawn from a calibration stream at the same rate (with the "
+            f"lone requests' path p99_ttft_error {_fmt(v['p99_ttft_error_lone_path'])})"
+            if v.get("p99_ttft_error_lone_path") is not None
+            else ""
+        )
         + (f"; {v['skipped']}" if v.get("skipped") else "")
     )
 

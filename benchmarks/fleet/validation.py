@@ -63,7 +63,9 @@ def validation_workload(quick: bool) -> bench_router.Workload:
     holds the SLO, and with every router holding it at the reference rate the run of
     2026-12-02 went on to 1.7 x the basis, then failed on the runs it could not replay)."""
     base = bench_router.QUICK if quick else bench_router.FULL
-    return replace(base, rate_factors=(base.reference_factor,), extra_rate_factors=())
+    return replace(
+        base, rate_factors=(base.reference_factor,), extra_rate_factors=(), loaded_path=True
+    )
 
 
 def validate(quick: bool) -> dict[str, Any]:
@@ -74,7 +76,9 @@ def validate(quick: bool) -> dict[str, Any]:
     measured = bench_router.run_measured(w, workloads=("zipf",))
     real = measured.figures["workloads"]["zipf"]
     contended, stream_s = _cpu_fit(measured, w)
-    setup = _setup(measured, w, _at_speed(contended, stream_s))
+    lone = _setup(measured, w, _at_speed(contended, stream_s))
+    loaded = measured.calibration.get("loaded_path")
+    setups = {r: replace(lone, path_s=loaded_path(loaded, r, lone)) for r in ROUTERS}
     catalog = {
         name: AdapterSpec(name, rank, nbytes) for name, (rank, nbytes) in measured.adapters.items()
     }
@@ -86,8 +90,11 @@ def validate(quick: bool) -> dict[str, Any]:
         for router in ROUTERS:
             stream, first = _replay(requests["zipf"], router)
             replays[router].append((stream, first))
-            sim = simulate_fleet(router, stream, catalog, setup, measured_from=first).summary()
-            routers[router] = _side_by_side(at[router], sim, stream_s)
+            run = simulate_fleet(router, stream, catalog, setups[router], measured_from=first)
+            routers[router] = _side_by_side(at[router], run.summary(), stream_s)
+            # the same replay with the lone requests' path, the model before 2026-12-04
+            alone = simulate_fleet(router, stream, catalog, lone, measured_from=first)
+            routers[router]["sim_p99_ttft_s_lone_path"] = alone.summary()["p99_ttft_s"]
             log(f"validation {router}, repetition {rep}: {routers[router]}")
         per_rep.append(routers)
     routers = _mean_over(per_rep)
@@ -105,17 +112,25 @@ def validate(quick: bool) -> dict[str, Any]:
         for key, (factor, stream_factor) in speeds.items():
             if factor:
                 profile = _at_speed(contended, stream_s, factor, stream_factor)
-                slowed = replace(setup, profile=profile)
+                slowed = replace(setups[router], profile=profile)
                 figures[key] = _mean_p99(router, replays[router], catalog, slowed)
     return {
         "workload": "zipf",
         "rate_rps": real["rates_rps"][0],
         "repetitions": len(per_rep),
         "profile": contended.source,
-        "path_latency_s": _spread(setup.path_s),
+        "path_latency_s": _spread(lone.path_s),
+        # the calibration stream's real TTFTs, and what the path added to the simulated ones
+        "loaded_path_ttft_s": None
+        if not loaded
+        else {
+            r: _spread(tuple(x for x in t if x is not None)) for r, t in loaded["ttft_s"].items()
+        },
+        "loaded_path_latency_s": {r: _spread(s.path_s) for r, s in setups.items()},
         "routers": routers,
         "p99_ttft_error": _error(routers, "p99_ttft_s"),
         "loads_error": _error(routers, "loads"),
+        "p99_ttft_error_lone_path": _error(routers, "p99_ttft_s", sim="sim_p99_ttft_s_lone_path"),
         "p99_ttft_error_by_repetition": [_error(r, "p99_ttft_s") for r in per_rep],
         "loads_error_by_repetition": [_error(r, "loads") for r in per_rep],
         "step_seconds_ratio": _ratio(routers, "step_seconds"),
@@ -317,6 +332,31 @@ def path_latency(
     alone = simulate([SimRequest(0, 0.0, prompt, 1, 1, None)], profile, _one_replica(w), [], 4096)
     own = alone.summary()["p50_ttft_s"]
     return tuple(max(0.0, t - own) for t in lone_ttft_s)
+
+
+def loaded_path(loaded: dict[str, Any] | None, router: str, setup: FleetSetup) -> tuple[float, ...]:
+    """What the real path adds to a first token at the validated rate, for `router`: the
+    TTFTs of `bench router`'s loaded-path calibration (`_loaded_path`: base-model requests
+    at the reference rate through the router's app, before the repetitions, so no figure
+    validated here is in it) less the simulated TTFTs of the same stream on `setup`,
+    quantile by quantile (the i-th shortest real less the i-th shortest simulated), none
+    below 0; the simulator draws one per request, as it did the lone requests' (`setup`'s
+    path_s, which this replaces where the run measured it). On 2026-12-03 the lone path put
+    the simulated p50 TTFT at 24-27 ms against the real 62-102: the path under load (the
+    driver's client and handle, Serve's threads, every replica's loop on 2 cores) is not
+    the idle path."""
+    if not loaded or router not in loaded["ttft_s"]:
+        return setup.path_s
+    stream = [
+        SimRequest(i, arrival, prompt, output, max_tokens, None)
+        for i, (arrival, prompt, output, max_tokens) in enumerate(loaded["requests"])
+    ]
+    sim = simulate_fleet(router, stream, {}, replace(setup, path_s=())).ttft
+    served = [i for i, t in enumerate(loaded["ttft_s"][router]) if t is not None]
+    if not served:
+        return setup.path_s
+    real = np.sort([loaded["ttft_s"][router][i] for i in served])
+    return tuple(float(d) for d in np.maximum(0.0, real - np.sort(sim[served])))
 
 
 def _burst_capacity(profile: LinearProfile, w: bench_router.Workload) -> float:

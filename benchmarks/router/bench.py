@@ -226,6 +226,9 @@ def run_measured(
         calibration["lora_capacity_rps"] = {r: statistics.median(b) for r, b in bursts.items()}
         log(f"LoRA-workload capacity (zipf, saturated, median of bursts): {bursts}")
         calibration["rate_basis_rps"] = rate_basis(calibration["lora_capacity_rps"])
+        if w.loaded_path:
+            rate = w.reference_factor * calibration["rate_basis_rps"]
+            calibration["loaded_path"] = _loaded_path(routers, w, cluster, rate)
         reps = []
         for rep in range(w.repeats):
             order = w.rotated(routers, rep)
@@ -304,6 +307,41 @@ def _lone_ttfts(app: App, prompt: list[int], w: Workload, n: int = LONE_REQUESTS
     lone = [BenchRequest(0.2 * i, None, prompt, 1) for i in range(3 + n)]
     outcomes, _ = asyncio.run(drive(app.backend, lone, "lone", w.request_timeout_s))
     return [o.ttft_s for o in outcomes[3:] if o.error is None and o.ttft_s is not None]
+
+
+def _loaded_path(
+    routers: tuple[str, ...], w: Workload, cluster: BenchCluster, rate: float
+) -> dict[str, Any]:
+    """TTFTs of base-model requests arriving at `rate` (Poisson, the workload's lengths, no
+    adapter: no store read, no load) through each router's app, the apps deployed together
+    as in the sweeps and driven one at a time: what a first token costs on the real path
+    under the load the validation replays, without what routing adapters adds. The fleet
+    validation sets them beside the simulated replicas' TTFTs of the same stream
+    (validation.py `loaded_path`), measured before and apart from the repetitions it
+    validates. 3 lone requests first warm each app (a fresh app's first requests)."""
+    lengths = fw.Lengths(prompt=w.prompt_tokens, output=w.output_tokens)
+    n = w.run_requests(rate, w.window_s)
+    stream = [replace(r, adapter=None) for r in fw.requests("zipf", ["base"], n, rate, lengths)]
+    ttft: dict[str, list[float | None]] = {}
+    with _fresh_apps(routers, w, cluster, "loaded-path") as apps:
+        for router, app in apps.items():
+            prompt = ordinary_ids(sum(w.prompt_tokens) // 2, w.model.vocab_size)
+            _lone_ttfts(app, prompt, w, n=0)
+            outcomes, _ = asyncio.run(
+                drive(app.backend, _bench(stream, w), f"loaded-{router}", w.request_timeout_s)
+            )
+            ttft[router] = [o.ttft_s if o.error is None else None for o in outcomes]
+            done = [t for t in ttft[router] if t is not None]
+            log(
+                f"loaded path {router}: {len(done)}/{n} at {rate:.1f} req/s, p50 "
+                f"{_ms(float(np.percentile(done, 50)) if done else None)} p99 "
+                f"{_ms(float(np.percentile(done, 99)) if done else None)}"
+            )
+    return {
+        "rate_rps": rate,
+        "requests": [[r.arrival, r.prompt, r.output, r.max_tokens] for r in stream],
+        "ttft_s": ttft,
+    }
 
 
 def _served_per_s(app: App, burst: list[BenchRequest], tag: str, w: Workload) -> float:

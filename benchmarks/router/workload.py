@@ -39,6 +39,9 @@ class Workload:
     # run one at a time past the grid, in order, while some router's p99 still held the SLO
     # at the highest rate run (bench.py `_sweep`): a goodput at the grid's top is a floor
     extra_rate_factors: tuple[float, ...] = ()
+    # the fleet validation's calibration: base-model requests at the reference rate through
+    # each router's app before the repetitions (bench.py `_loaded_path`); the bench skips it
+    loaded_path: bool = False
 
     @property
     def all_rate_factors(self) -> tuple[float, ...]:

@@ -143,6 +143,19 @@ def test_the_loaded_path_is_the_calibration_streams_real_ttft_less_the_simulated
     assert loaded_path(None, "pow2", lone) == (0.004,)
 
 
+def test_the_ranked_path_adds_the_calibrations_longest_paths_to_the_longest_waits():
+    """`ranked_path`: the request at quantile q of the simulated TTFTs gets the path at q
+    (ties in arrival order), whatever the two lengths; no path adds nothing."""
+    from loraplex.benchmarks.fleet.validation import ranked_path
+
+    ttft = np.array([0.30, 0.01, 0.02, 0.10, 0.02])
+    path = (0.0, 0.0, 0.1, 0.2, 0.5)
+    assert ranked_path(ttft, path) == pytest.approx([0.80, 0.01, 0.02, 0.30, 0.12])
+    longer = tuple(np.linspace(0.0, 1.0, 101))  # quantiles 0, 0.25, ..., 1 -> 0, 0.25, ...
+    assert ranked_path(ttft, longer) - ttft == pytest.approx([1.0, 0.0, 0.25, 0.75, 0.5])
+    assert ranked_path(ttft, ()) is ttft
+
+
 def test_the_validation_sets_the_real_engines_step_seconds_beside_the_simulated():
     """`step_seconds_ratio`: the median over routers of the real engines' forward-pass
     seconds over the simulated ones' in the same window; a router either side did not

@@ -90,7 +90,8 @@ def print_validation(v: dict) -> None:
         )
         + (
             f"; the path under load drawn from a calibration stream at the same rate (with the "
-            f"lone requests' path p99_ttft_error {_fmt(v['p99_ttft_error_lone_path'])})"
+            f"lone requests' path p99_ttft_error {_fmt(v['p99_ttft_error_lone_path'])}, with "
+            f"the path added by rank {_fmt(v.get('p99_ttft_error_ranked_path'))})"
             if v.get("p99_ttft_error_lone_path") is not None
             else ""
         )

@@ -198,31 +198,31 @@ repetition then replayed in the simulator configured like it (the same warm-up a
 requests, adapters, pool, host tier, read model, Serve settings and router costs, a CPU
 profile fitted on one engine's steps, slowed by the replicas' share of the cores, plus a
 cost per streamed token outside the steps that brings the replicas' base-model burst to
-the capacity they showed, and per request a draw of the path's latency: 30 lone
-base-model requests' TTFT through the real app less the simulated one, `path_latency_s`);
+the capacity they showed, and per request a draw of the path's latency under load: before
+the repetitions, base-model requests at the same rate through each router's app, whose real
+TTFTs less the simulated ones of the same stream, quantile by quantile, are the samples,
+`loaded_path_latency_s`);
 `p99_ttft_error` and `loads_error` are the mean over the routers of |simulated − real| ÷
 real, each figure the mean over the repetitions (one run's p99 at one rate on the 2 shared
 cores moved 0.35-1.2 s between runs), each repetition's error beside
-(`..._by_repetition`). The engines count their forward passes and the seconds they took on
-both sides. `step_seconds_ratio` is the median over the routers of the real steps' seconds ÷
-the simulated ones' less the streamed tokens' charge (as if Serve's threads paid it outside
-the steps), `step_seconds_ratio_with_stream` the same against the simulated steps with it;
-`p99_ttft_error_at_real_step_speed` replays each router with the fitted steps slowed by the
-first and the charge on top, `p99_ttft_error_at_real_busy_time` with the whole simulated
-step slowed by the second. In the run of 2026-12-03 17:07 (12.6 req/s; load average 0.7
-before, 4-7 during it) the error was 0.47 on the means (0.41, 0.56 and 0.42 by repetition;
-a run of 16:48 at 11.6 req/s, load 3-5, gave 0.32: 0.33, 0.40, 0.24), loads_error 0.06
-(pow2's reads 93 against 102). The real engines were busy 1.07 x the simulated steps with
-the charge, so the engines' mean speed is modelled (the charge is paid inside the real
-steps: they ran 1.88 x the simulated steps without it), and replayed at the real busy time
-the error stays 0.46. The miss is the tail and the path: the simulated p50 TTFT is 26 ms
-against the real 62-102, and the simulated p99 0.08-0.10 s against 0.22-0.26 for the two
-routers that read nothing. A decomposition of first tokens (zipf, 3 to 17.9 req/s) put the
-real tail in the replicas' queue and prefill, their steps slowing with the rate (8.5 ms at
-3 req/s, 28 at 17.9) as everything on the 2 cores got busy at once, and the hops to and
-from a replica growing too (p99 30 and 12 ms at 3 req/s, 80 and 61 at 17.9), where the
-simulated replicas keep one speed and the path is one draw from idle requests. On GPUs each replica
-has its own device.""",
+(`..._by_repetition`). Beside it, the same replays with the path of 30 lone requests on
+idle replicas (`p99_ttft_error_lone_path`, the model until 2026-12-04) and with the loaded
+path added by rank instead of drawn (`p99_ttft_error_ranked_path`: the longest simulated
+waits get the calibration's longest paths). The engines count their forward passes and the
+seconds they took on both sides. `step_seconds_ratio` is the median over the routers of the
+real steps' seconds ÷ the simulated ones' less the streamed tokens' charge (as if Serve's
+threads paid it outside the steps), `step_seconds_ratio_with_stream` the same against the
+simulated steps with it; `p99_ttft_error_at_real_step_speed` replays each router with the
+fitted steps slowed by the first and the charge on top, `p99_ttft_error_at_real_busy_time`
+with the whole simulated step slowed by the second. Four runs on 2026-12-04 (25-27 req/s;
+load average 1.5-3.5 before, 3.5-4.5 during): p99_ttft_error 0.49, 0.20, 0.23 and 0.31 (median 0.27) with the drawn loaded
+path, 0.58, 0.48, 0.52 and 0.51 (median 0.51) with the lone path in the same runs, 0.24 and 0.16 added by rank (the last two
+runs); loads_error 0.05-0.08. The published run is the fourth (17:37, 24.3 req/s, load 0.8 before and 3.3 after): the one above the median. The lone path put the
+simulated p50 TTFT at 21-27 ms where the real was 23-69 and the p99 of the routers that
+read nothing at 0.04 s against 0.13-0.21: the path on idle replicas is not the path under
+load. What is left is run-to-run: a calibration stream's p99 rests on its 3 longest of 320
+requests (affinity's 0.105 s in one run, 0.185 in the next), and the repetitions' own real
+p99 moves as much. On GPUs each replica has its own device.""",
     "autoscale": """\
 `loraplex bench fleet --section autoscale` (`benchmarks/fleet/autoscale.py`): the fleet
 simulator under Ray Serve's autoscaler (`benchmarks/sim/scaling.py`: Ray 2.60's

@@ -11,9 +11,10 @@ PYTEST=(.venv/bin/python -m pytest)
 if [ $# -gt 0 ]; then
   exec "${PYTEST[@]}" "$@"
 fi
+workers=${LORAPLEX_TEST_WORKERS:-2}
 status=0
-printf '\n==> tests without Ray, on %s processes\n' "${LORAPLEX_TEST_WORKERS:-2}"
-"${PYTEST[@]}" -m "not ray" -n "${LORAPLEX_TEST_WORKERS:-2}" || status=$?
+printf '\n==> tests without Ray, on %s processes\n' "$workers"
+"${PYTEST[@]}" -m "not ray" -n "$workers" || status=$?
 printf '\n==> tests with a real Ray cluster, one at a time\n'
 "${PYTEST[@]}" -m ray || { rc=$?; [ "$status" -ne 0 ] || status=$rc; }
 exit "$status"

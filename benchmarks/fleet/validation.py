@@ -90,15 +90,16 @@ def validate(quick: bool) -> dict[str, Any]:
         for router in ROUTERS:
             stream, first = _replay(requests["zipf"], router)
             replays[router].append((stream, first))
-            run = simulate_fleet(router, stream, catalog, setups[router], measured_from=first)
+            bare = simulate_fleet(
+                router, stream, catalog, replace(lone, path_s=()), measured_from=first
+            )
+            run = bare.with_path(setups[router].path_s, lone.seed)
             routers[router] = _side_by_side(at[router], run.summary(), stream_s)
-            # the same replay with the lone requests' path, the model before 2026-12-04
-            alone = simulate_fleet(router, stream, catalog, lone, measured_from=first)
-            routers[router]["sim_p99_ttft_s_lone_path"] = alone.summary()["p99_ttft_s"]
-            # and with the loaded path by rank instead of drawn (`ranked_path`)
-            bare = replace(setups[router], path_s=())
-            ttft = simulate_fleet(router, stream, catalog, bare, measured_from=first).ttft
-            ranked = ranked_path(ttft, setups[router].path_s)
+            # the same replay with the lone requests' path, the model before 2026-12-04, and
+            # with the loaded path by rank instead of drawn (`ranked_path`)
+            alone = bare.with_path(lone.path_s, lone.seed).summary()["p99_ttft_s"]
+            ranked = ranked_path(bare.ttft, setups[router].path_s)
+            routers[router]["sim_p99_ttft_s_lone_path"] = alone
             routers[router]["sim_p99_ttft_s_ranked_path"] = float(np.percentile(ranked, 99))
             log(f"validation {router}, repetition {rep}: {routers[router]}")
         per_rep.append(routers)

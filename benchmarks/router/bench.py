@@ -322,10 +322,10 @@ def _loaded_path(
     lengths = fw.Lengths(prompt=w.prompt_tokens, output=w.output_tokens)
     n = w.run_requests(rate, w.window_s)
     stream = [replace(r, adapter=None) for r in fw.requests("zipf", ["base"], n, rate, lengths)]
+    prompt = ordinary_ids(sum(w.prompt_tokens) // 2, w.model.vocab_size)  # the warm-up's
     ttft: dict[str, list[float | None]] = {}
     with _fresh_apps(routers, w, cluster, "loaded-path") as apps:
         for router, app in apps.items():
-            prompt = ordinary_ids(sum(w.prompt_tokens) // 2, w.model.vocab_size)
             _lone_ttfts(app, prompt, w, n=0)
             outcomes, _ = asyncio.run(
                 drive(app.backend, _bench(stream, w), f"loaded-{router}", w.request_timeout_s)

@@ -126,6 +126,22 @@ class FleetRun:
     routed_at: np.ndarray = field(default_factory=lambda: np.zeros(0))
     estimated_ttft: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
+    def with_path(self, path_s: tuple[float, ...], seed: int) -> FleetRun:
+        """This run with what the real path adds (`FleetSetup.path_s`): a draw per completed
+        request from `path_s`, in request order (the same draws for every router), added to
+        its first token and its end; the run itself where there are no samples. The path
+        waits on nothing the replicas do, so a replay can take several paths from one run."""
+        if not path_s:
+            return self
+        path = np.random.default_rng(seed).choice(path_s, len(self.ttft))
+        finish = self.arrival + self.e2e + path
+        return replace(
+            self,
+            ttft=self.ttft + path,
+            e2e=self.e2e + path,
+            duration_s=float(finish.max() - self.arrival.min()) if len(finish) else 0.0,
+        )
+
     def summary(self) -> dict:
         pct = (lambda q: float(np.percentile(self.ttft, q))) if len(self.ttft) else (lambda q: None)
         return {
@@ -421,9 +437,6 @@ class FleetSim:
         arrival = np.array([original[r.request.rid].arrival for r in done])
         first = np.array([self.first_token.get(r.request.rid, r.first_token) for r in done])
         finish = np.array([r.finish for r in done])
-        if self.setup.path_s:  # a draw per request, in request order: the same for every router
-            path = np.random.default_rng(self.setup.seed).choice(self.setup.path_s, len(done))
-            first, finish = first + path, finish + path
         where = {}
         for rep in self._every_replica():
             for r in rep.sim.done:
@@ -454,7 +467,7 @@ class FleetSim:
             duration_s=float(finish.max() - arrival.min()) if len(done) else 0.0,
             routed_at=np.array([self.routed_at.get(r.request.rid, np.nan) for r in done]),
             estimated_ttft=np.array([self.estimated.get(r.request.rid, np.nan) for r in done]),
-        )
+        ).with_path(self.setup.path_s, self.setup.seed)
 
 
 def simulate_fleet(

@@ -43,7 +43,7 @@ SMALL = replace(
     capacity_bursts=2,
     burst_batches=3,  # past every batch slot: functional
     min_requests=0,  # the window's: a functional run, not a p99
-    loaded_path=True,  # the fleet validation's calibration stream (the bench skips it)
+    loaded_path_runs=2,  # the fleet validation's calibration stream (the bench skips it)
 )
 WORKLOAD_KEYS = {
     "goodput_ratio_vs_best_ray_router",
@@ -76,7 +76,7 @@ def test_router_bench_serves_every_request_and_reports_every_key(capsys, tmp_pat
     results = measured.figures
     loaded = measured.calibration["loaded_path"]
     assert loaded["rate_rps"] == pytest.approx(SMALL.reference_factor * results["rate_basis_rps"])
-    assert len(loaded["requests"]) == SMALL.run_requests(loaded["rate_rps"], SMALL.window_s)
+    assert len(loaded["requests"]) == 2 * SMALL.run_requests(loaded["rate_rps"], SMALL.window_s)
     for router in bench_router.ROUTERS:
         ttfts = loaded["ttft_s"][router]
         assert len(ttfts) == len(loaded["requests"]) and all(t and t > 0 for t in ttfts), router

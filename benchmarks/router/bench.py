@@ -226,7 +226,7 @@ def run_measured(
         calibration["lora_capacity_rps"] = {r: statistics.median(b) for r, b in bursts.items()}
         log(f"LoRA-workload capacity (zipf, saturated, median of bursts): {bursts}")
         calibration["rate_basis_rps"] = rate_basis(calibration["lora_capacity_rps"])
-        if w.loaded_path:
+        if w.loaded_path_runs:
             rate = w.reference_factor * calibration["rate_basis_rps"]
             calibration["loaded_path"] = _loaded_path(routers, w, cluster, rate)
         reps = []
@@ -320,7 +320,7 @@ def _loaded_path(
     (validation.py `loaded_path`), measured before and apart from the repetitions it
     validates. 3 lone requests first warm each app (a fresh app's first requests)."""
     lengths = fw.Lengths(prompt=w.prompt_tokens, output=w.output_tokens)
-    n = w.run_requests(rate, w.window_s)
+    n = w.loaded_path_runs * w.run_requests(rate, w.window_s)
     stream = [replace(r, adapter=None) for r in fw.requests("zipf", ["base"], n, rate, lengths)]
     prompt = ordinary_ids(sum(w.prompt_tokens) // 2, w.model.vocab_size)  # the warm-up's
     ttft: dict[str, list[float | None]] = {}

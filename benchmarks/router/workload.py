@@ -40,8 +40,9 @@ class Workload:
     # at the highest rate run (bench.py `_sweep`): a goodput at the grid's top is a floor
     extra_rate_factors: tuple[float, ...] = ()
     # the fleet validation's calibration: base-model requests at the reference rate through
-    # each router's app before the repetitions (bench.py `_loaded_path`); the bench skips it
-    loaded_path: bool = False
+    # each router's app before the repetitions (bench.py `_loaded_path`), as many as this
+    # many runs hold (one run's 320 put its p99 on 3 requests); 0, as the bench has it: none
+    loaded_path_runs: int = 0
 
     @property
     def all_rate_factors(self) -> tuple[float, ...]:
@@ -89,8 +90,12 @@ class Workload:
             self.num_replicas < 1
             or self.window_s <= 0
             or min(self.repeats, self.capacity_bursts) < 1
+            or self.loaded_path_runs < 0
         ):
-            raise ValueError("num_replicas, window_s, repeats and capacity_bursts must be > 0")
+            raise ValueError(
+                "num_replicas, window_s, repeats and capacity_bursts must be > 0, "
+                "loaded_path_runs >= 0"
+            )
 
     @staticmethod
     def rotated(routers: tuple[str, ...], k: int) -> tuple[str, ...]:

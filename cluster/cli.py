@@ -62,6 +62,18 @@ def main(argv: list[str] | None = None) -> int:
         help="fleet: only the simulator's validation against a real run",
     )
     bench.add_argument(
+        "--save-run",
+        type=Path,
+        help="fleet --validation-only: also write the real run's measurements here (requests, "
+        "step timings, calibration; a few MB), for --from-run",
+    )
+    bench.add_argument(
+        "--from-run",
+        type=Path,
+        help="fleet --validation-only: validate the simulator against a real run that "
+        "--save-run wrote, without running it (no Ray; seconds instead of ~8 min)",
+    )
+    bench.add_argument(
         "--scenario",
         choices=["paper", "long-prompt", "bursty"],
         default="paper",
@@ -125,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"--section {args.section}: a section of `bench {SECTIONS[args.section]}`, "
                 f"not of `bench {args.suite}`"
             )
+        if (args.save_run or args.from_run) and not (
+            args.suite == "fleet" and args.validation_only
+        ):
+            raise CLIError("--save-run and --from-run: `bench fleet --validation-only` only")
+        if args.from_run is not None and not args.from_run.is_file():
+            raise CLIError(f"--from-run {args.from_run}: no such file")
         if args.suite == "report":
             from loraplex.benchmarks.performance_page import run_report
 

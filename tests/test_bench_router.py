@@ -133,6 +133,14 @@ def test_router_bench_serves_every_request_and_reports_every_key(capsys, tmp_pat
 
     print_table(results)
     assert "goodput ratio" in capsys.readouterr().out
+
+    # the fleet validation on this run, and on the run as `--save-run` keeps it: the same
+    from loraplex.benchmarks.fleet.validation import validate_measured
+
+    kept = bench_router.Measured.from_json(json.loads(json.dumps(measured.to_json())))
+    validated = validate_measured(measured, SMALL, 2)
+    assert validated["p99_ttft_error"] >= 0 and validated["loads_error"] >= 0, validated
+    assert json.dumps(validate_measured(kept, SMALL, 2)) == json.dumps(validated)
     from loraplex.benchmarks.goodput import plot_goodput
 
     assert plot_goodput(results["workloads"], tmp_path / "g.png", "t").stat().st_size > 0
@@ -316,6 +324,32 @@ def test_the_store_reads_floor_counts_each_adapter_new_to_the_fleet_once():
     older = comparison(routers, 1.0, loads="loads", reads="reads", distinct=4)
     assert "reads_floor" not in older
     assert older["reads_vs_floor"] == {"affinity": 0.5, "pow2": 1.25, "multiplex": 0.5}
+
+
+def test_a_measured_run_survives_json_whole():
+    """What the fleet validation replays (`bench fleet --save-run`, `--from-run`): the
+    steps' loads, the requests and the adapters' sizes come back as the types they were,
+    through json.dumps and loads (NaN included)."""
+    from loraplex.benchmarks.sim.profiles import StepLoad
+    from loraplex.benchmarks.sim.workload import SimRequest
+
+    warm = [SimRequest(0, 0.0, 20, 1, 1, "a@1")]
+    run = [SimRequest(1, 0.5, 17, 9, 12, None), SimRequest(2, 0.7, 31, 8, 16, "b@1")]
+    measured = bench_router.Measured(
+        figures={"workloads": {"zipf": {"p99_ttft_s": float("nan"), "rates_rps": [3.0]}}},
+        engine_config={"pool_bytes": 1 << 20},
+        costs={"load_cost_s": 0.1},
+        calibration={
+            "steps": [(StepLoad(33, 400, 256, 1024, 2, 3), 0.012)],
+            "loaded_path": {"rate_rps": 3.0, "requests": [[0.1, 20, 9, 12]], "ttft_s": {}},
+        },
+        adapters={"a@1": (8, 4096), "b@1": (16, 8192)},
+        requests=[{"zipf": {"warm-up": warm, "runs": [run], "offsets_s": {"pow2": [1.5]}}}],
+    )
+    back = bench_router.Measured.from_json(json.loads(json.dumps(measured.to_json())))
+    assert np.isnan(back.figures["workloads"]["zipf"].pop("p99_ttft_s"))
+    measured.figures["workloads"]["zipf"].pop("p99_ttft_s")
+    assert back == measured
 
 
 def test_the_fairness_ratio_interval_brackets_the_ratio_and_narrows_with_requests():

@@ -487,3 +487,26 @@ def test_bench_repeat_is_the_engine_benchs_and_at_least_one(argv, capsys):
     assert main(["bench", *argv, "--quick"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("loraplex: error: --repeat") and "engine only" in err, err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["router", "--save-run", "run.json"],
+        ["fleet", "--from-run", "run.json"],  # without --validation-only
+        ["sched", "--validation-only", "--save-run", "run.json"],
+    ],
+)
+def test_saving_and_replaying_a_real_run_is_the_fleet_validations(argv, capsys, tmp_path):
+    (tmp_path / "run.json").write_text("{}")  # there, so that only the suite is wrong
+    argv = [str(tmp_path / a) if a == "run.json" else a for a in argv]
+    assert main(["bench", *argv, "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("loraplex: error: --save-run and --from-run") and "fleet" in err, err
+    assert (tmp_path / "run.json").read_text() == "{}"  # nothing written
+
+
+def test_replaying_a_run_that_is_not_there_is_a_clear_error(capsys, tmp_path):
+    missing = tmp_path / "nowhere.json"
+    assert main(["bench", "fleet", "--validation-only", "--from-run", str(missing)]) == 2
+    assert capsys.readouterr().err == f"loraplex: error: --from-run {missing}: no such file\n"

@@ -241,7 +241,13 @@ def run_bench(args: argparse.Namespace) -> int:
     if getattr(args, "validation_only", False):
         results: dict[str, Any] = {
             "quick": bool(args.quick),
-            "fleet": {"validation": validation(bool(args.quick))},
+            "fleet": {
+                "validation": validation(
+                    bool(args.quick),
+                    save_run=getattr(args, "save_run", None),
+                    from_run=getattr(args, "from_run", None),
+                )
+            },
         }
         results["seconds"] = time.perf_counter() - started
         print_validation(results["fleet"]["validation"])
@@ -270,18 +276,21 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def validation(quick: bool) -> dict[str, Any]:
-    """The simulator against a real local run (benchmarks/fleet/validation.py); without an
-    etcd server binary the keys are None and the reason is given."""
+def validation(
+    quick: bool, save_run: Path | None = None, from_run: Path | None = None
+) -> dict[str, Any]:
+    """The simulator against a real local run (benchmarks/fleet/validation.py), or against
+    one saved by an earlier `save_run`; without an etcd server binary for a real run the
+    keys are None and the reason is given."""
     from loraplex.registry.etcd_process import INSTALL_HINT, find_etcd_binary
 
-    if find_etcd_binary() is None:
+    if from_run is None and find_etcd_binary() is None:
         reason = f"no etcd server binary for the real run; install one: {INSTALL_HINT}"
         log(f"validation skipped: {reason}")
         return {"p99_ttft_error": None, "loads_error": None, "skipped": reason}
     from loraplex.benchmarks.fleet.validation import validate
 
-    return validate(quick)
+    return validate(quick, save_run=save_run, from_run=from_run)
 
 
 def measure(shape: FleetShape, trace_path: Path | None = None) -> dict[str, Any]:

@@ -34,9 +34,11 @@ runs before it was published).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import tempfile
 from dataclasses import dataclass, replace
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -76,14 +78,50 @@ def validation_workload(quick: bool) -> bench_router.Workload:
     )
 
 
-def validate(quick: bool) -> dict[str, Any]:
+def validate(
+    quick: bool, save_run: Path | None = None, from_run: Path | None = None
+) -> dict[str, Any]:
+    """The real run (or the one `from_run` holds, which an earlier `save_run` wrote: the
+    simulator checked again against the same measurements in seconds, without Ray),
+    replayed (`validate_measured`)."""
+    w = validation_workload(quick)
+    if from_run is not None:
+        saved = json.loads(from_run.read_text())
+        if saved["quick"] != quick:
+            raise ValueError(
+                f"{from_run} holds a {'--quick' if saved['quick'] else 'full'} run: validate "
+                f"it {'with' if saved['quick'] else 'without'} --quick"
+            )
+        log(f"validation: the real run of {saved['date']} from {from_run}, not run again")
+        measured, cpus = bench_router.Measured.from_json(saved["measured"]), saved["cpus"]
+    else:
+        measured = bench_router.run_measured(w, workloads=("zipf",))
+        cpus = os.cpu_count() or 1
+        if save_run is not None:
+            saved = {
+                "quick": quick,
+                "date": datetime.now(UTC).isoformat(timespec="seconds"),
+                "cpus": cpus,
+                "measured": measured.to_json(),
+            }
+            save_run.parent.mkdir(parents=True, exist_ok=True)
+            save_run.write_text(json.dumps(saved))
+            log(f"validation: the real run's measurements written to {save_run}")
+    out = validate_measured(measured, w, cpus)
+    out["from_run"] = None if from_run is None else str(from_run)
+    return out
+
+
+def validate_measured(
+    measured: bench_router.Measured, w: bench_router.Workload, cpus: int
+) -> dict[str, Any]:
     """Each repetition of the real run replayed in the simulator, and each router's figures
     compared as the means over the repetitions (one run's p99 on 2 shared cores moved
-    0.35-1.2 s at one rate from run to run on 2026-12-03), each repetition's error beside."""
-    w = validation_workload(quick)
-    measured = bench_router.run_measured(w, workloads=("zipf",))
+    0.35-1.2 s at one rate from run to run on 2026-12-03), each repetition's error beside.
+    `cpus`: the cores the run had."""
     real = measured.figures["workloads"]["zipf"]
-    contended, stream_s = _cpu_fit(measured, w)
+    at_reference = w.rate_factors.index(w.reference_factor)
+    contended, stream_s = _cpu_fit(measured, w, cpus)
     lone = _setup(measured, w, _at_speed(contended, stream_s))
     loaded = measured.calibration.get("loaded_path")
     setups = {r: replace(lone, path_s=loaded_path(loaded, r, lone)) for r in ROUTERS}
@@ -96,7 +134,7 @@ def validate(quick: bool) -> dict[str, Any]:
         at = real["repetitions"][rep]["at_reference"]
         routers = {}
         for router in ROUTERS:
-            stream, first = _replay(requests["zipf"], router)
+            stream, first = _replay(requests["zipf"], router, at_reference)
             replays[router].append((stream, first))
             bare = simulate_fleet(
                 router, stream, catalog, replace(lone, path_s=()), measured_from=first
@@ -130,7 +168,7 @@ def validate(quick: bool) -> dict[str, Any]:
                 figures[key] = _mean_p99(router, replays[router], catalog, slowed)
     return {
         "workload": "zipf",
-        "rate_rps": real["rates_rps"][0],
+        "rate_rps": real["rates_rps"][at_reference],
         "repetitions": len(per_rep),
         "profile": contended.source,
         "path_latency_s": _spread(lone.path_s),
@@ -428,18 +466,21 @@ def _setup(measured: bench_router.Measured, w: bench_router.Workload, profile) -
     )
 
 
-def _replay(requests: dict[str, Any], router: str) -> tuple[list[SimRequest], int]:
-    """The real warm-up then the real run as one simulated stream, the run starting as long
-    after the warm-up's start as it did for `router` in the real bench (the other routers'
-    warm-ups ran in between, and the replicas finished their reads meanwhile)."""
-    warm = requests["warm-up"]
-    (run,) = requests["runs"]
-    (start,) = requests["offsets_s"][router]
-    shifted = [
-        dataclasses.replace(r, rid=len(warm) + i, arrival=start + r.arrival)
-        for i, r in enumerate(run)
-    ]
-    return [*warm, *shifted], len(warm)
+def _replay(requests: dict[str, Any], router: str, at: int) -> tuple[list[SimRequest], int]:
+    """The real warm-up then the real runs up to the `at`-th (the reference rate's; the
+    validation's workload runs that one alone) as one simulated stream, and where that run
+    begins in it: each run starting as long after the warm-up's start as it did for `router`
+    in the real bench (the other routers' warm-ups ran in between, and the replicas
+    finished their reads meanwhile)."""
+    stream: list[SimRequest] = list(requests["warm-up"])
+    first = len(stream)
+    for run, start in zip(requests["runs"][: at + 1], requests["offsets_s"][router], strict=False):
+        first = len(stream)
+        stream += [
+            dataclasses.replace(r, rid=first + i, arrival=start + r.arrival)
+            for i, r in enumerate(run)
+        ]
+    return stream, first
 
 
 # -- the bench's overload, replayed from its JSON

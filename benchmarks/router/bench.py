@@ -95,7 +95,7 @@ import os
 import statistics
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -117,6 +117,7 @@ from loraplex.benchmarks.router.runs import (
     wait_for_replicas,
 )
 from loraplex.benchmarks.router.workload import Workload
+from loraplex.benchmarks.sim.profiles import StepLoad
 from loraplex.benchmarks.sim.workload import SimRequest
 from loraplex.demo.synthetic import ModelSpec
 from loraplex.router.serve_backend import ServeBackend
@@ -200,6 +201,55 @@ class Measured:
     adapters: dict[str, tuple[int, int]]  # adapter id -> (rank, weight bytes)
     # per repetition: workload -> {"warm-up": [...], "runs": [[...]], "offsets_s": {...}}
     requests: list[dict[str, dict[str, Any]]]
+
+    def to_json(self) -> dict[str, Any]:
+        """Everything in plain JSON: what `from_json` rebuilds, so that the fleet validation
+        can replay a real run again (`bench fleet --from-run`) without running it."""
+        calibration = dict(self.calibration)
+        calibration["steps"] = [[asdict(load), s] for load, s in calibration["steps"]]
+        requests = [
+            {
+                name: {
+                    "warm-up": [asdict(r) for r in run["warm-up"]],
+                    "runs": [[asdict(r) for r in reqs] for reqs in run["runs"]],
+                    "offsets_s": run["offsets_s"],
+                }
+                for name, run in rep.items()
+            }
+            for rep in self.requests
+        ]
+        return {
+            "figures": self.figures,
+            "engine_config": self.engine_config,
+            "costs": self.costs,
+            "calibration": calibration,
+            "adapters": {name: list(size) for name, size in self.adapters.items()},
+            "requests": requests,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Measured:
+        calibration = dict(data["calibration"])
+        calibration["steps"] = [(StepLoad(**load), s) for load, s in calibration["steps"]]
+        requests = [
+            {
+                name: {
+                    "warm-up": [SimRequest(**r) for r in run["warm-up"]],
+                    "runs": [[SimRequest(**r) for r in reqs] for reqs in run["runs"]],
+                    "offsets_s": run["offsets_s"],
+                }
+                for name, run in rep.items()
+            }
+            for rep in data["requests"]
+        ]
+        return cls(
+            data["figures"],
+            data["engine_config"],
+            data["costs"],
+            calibration,
+            {name: (rank, nbytes) for name, (rank, nbytes) in data["adapters"].items()},
+            requests,
+        )
 
 
 @dataclass(frozen=True, slots=True)

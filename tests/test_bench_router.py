@@ -137,6 +137,10 @@ def test_router_bench_serves_every_request_and_reports_every_key(capsys, tmp_pat
     # the fleet validation on this run, and on the run as `--save-run` keeps it: the same
     from loraplex.benchmarks.fleet.validation import validate_measured
 
+    for rep in measured.requests:  # each request's real TTFT, in the order of its run
+        zipf = rep["zipf"]
+        for router, runs in zipf["ttft_s"].items():
+            assert [len(r) for r in runs] == [len(r) for r in zipf["runs"]], router
     kept = bench_router.Measured.from_json(json.loads(json.dumps(measured.to_json())))
     validated = validate_measured(measured, SMALL, 2)
     assert validated["p99_ttft_error"] >= 0 and validated["loads_error"] >= 0, validated
@@ -344,7 +348,16 @@ def test_a_measured_run_survives_json_whole():
             "loaded_path": {"rate_rps": 3.0, "requests": [[0.1, 20, 9, 12]], "ttft_s": {}},
         },
         adapters={"a@1": (8, 4096), "b@1": (16, 8192)},
-        requests=[{"zipf": {"warm-up": warm, "runs": [run], "offsets_s": {"pow2": [1.5]}}}],
+        requests=[
+            {
+                "zipf": {
+                    "warm-up": warm,
+                    "runs": [run],
+                    "offsets_s": {"pow2": [1.5]},
+                    "ttft_s": {"pow2": [[0.02, None]]},
+                }
+            }
+        ],
     )
     back = bench_router.Measured.from_json(json.loads(json.dumps(measured.to_json())))
     assert np.isnan(back.figures["workloads"]["zipf"].pop("p99_ttft_s"))

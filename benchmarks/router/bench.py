@@ -209,10 +209,10 @@ class Measured:
         calibration["steps"] = [[asdict(load), s] for load, s in calibration["steps"]]
         requests = [
             {
-                name: {
+                name: run
+                | {
                     "warm-up": [asdict(r) for r in run["warm-up"]],
                     "runs": [[asdict(r) for r in reqs] for reqs in run["runs"]],
-                    "offsets_s": run["offsets_s"],
                 }
                 for name, run in rep.items()
             }
@@ -233,10 +233,10 @@ class Measured:
         calibration["steps"] = [(StepLoad(**load), s) for load, s in calibration["steps"]]
         requests = [
             {
-                name: {
+                name: run
+                | {
                     "warm-up": [SimRequest(**r) for r in run["warm-up"]],
                     "runs": [[SimRequest(**r) for r in reqs] for reqs in run["runs"]],
-                    "offsets_s": run["offsets_s"],
                 }
                 for name, run in rep.items()
             }
@@ -512,11 +512,22 @@ def _sweep(
         "new_adapters": new_adapters(warm, requests),
         "kill_at_s": [fw.kill_at(reqs) for reqs in requests] if failover else None,
         "per_router": per_router,
-        # what a replay needs: the streams, and when each began after the warm-up's start
+        # what a replay needs: the streams, and when each began after the warm-up's start;
+        # and what each request's TTFT was (None: failed), to set beside its replay's
         "requests": {
             "warm-up": warm,
             "runs": requests,
             "offsets_s": {r: [t - ts[0] for t in ts[1:]] for r, ts in began.items()},
+            "ttft_s": {
+                r: [
+                    [
+                        t if ok else None
+                        for t, ok in zip(f["raw"]["ttft_s"], f["raw"]["ok"], strict=True)
+                    ]
+                    for f in runs
+                ]
+                for r, runs in per_router.items()
+            },
         },
     }
 

@@ -416,3 +416,24 @@ def test_the_goodput_client_sends_and_reads_with_the_collector_off():
     outcomes, _ = asyncio.run(bench_runs.drive(Backend(), requests, "t", 5.0))  # type: ignore[arg-type]
     assert seen == [False] * 3 and [o.tokens for o in outcomes] == [1] * 3
     assert gc.isenabled()
+
+
+def test_a_requests_ttft_counts_from_after_the_clients_collection(monkeypatch):
+    """`drive` collects garbage before its window (no_client_gc); the arrivals count from
+    after it. Counted from before, a 0.3 s collection was in the TTFT of every request due
+    during it (what the router bench's driver paid at the start of every run)."""
+    import asyncio
+    import gc
+    import time
+
+    collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *a: (time.sleep(0.3), collect(*a))[1])
+
+    class Backend:  # answers at once
+        async def generate(self, request):
+            yield {"new_token_ids": [1]}
+
+    requests = [bench_runs.BenchRequest(0.01 * i, None, [1, 2], 1) for i in range(3)]
+    outcomes, elapsed = asyncio.run(bench_runs.drive(Backend(), requests, "t", 5.0))  # type: ignore[arg-type]
+    assert max(o.ttft_s for o in outcomes) < 0.15, [o.ttft_s for o in outcomes]
+    assert elapsed < 0.3  # the window, not the collection before it

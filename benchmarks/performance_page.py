@@ -171,7 +171,11 @@ replica's batch), tenant B's p99 TTFT ÷ B alone, in alternating windows (3 roun
 replica has drained the flood), with its 90% bootstrap interval over B's requests;
 `b_p50_ttft_ratio` beside it, and A's chunks a second, what the relay carried. Behind
 Serve's proxy actor (the default), then on a second Ray behind HAProxy
-(`http.ingress_proxy: haproxy`, `_haproxy` keys): the same app, the same schedules.""",
+(`http.ingress_proxy: haproxy`, `_haproxy` keys): the same app, the same schedules. Runs
+before 2026-12-04 21:00 (the published one too) started the client's clock before its
+garbage collection (~0.25 s in the driver), which every request due during it counted as
+TTFT: the first 4-6 requests of every run, which made the p99 of the routers that read
+nothing (0.15-0.27 s where the replicas took ~0.01-0.06).""",
     "fleet": """\
 `loraplex bench fleet` (`benchmarks/fleet/bench.py`): the same comparison at fleet scale in the
 simulator — 16 × H100 serving a 7B model, 2,000–10,000 adapters — whose replicas are the real

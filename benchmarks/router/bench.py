@@ -396,15 +396,14 @@ def _loaded_path(
 
 def _lead_in(app: App, prompt: list[int], w: Workload) -> None:
     """Base-model requests of one token through `app` just before its measured run, 2 per
-    replica 0.05 s apart, not counted: the run then starts in the steady state it means to
-    measure. Ray's handle keeps each replica's queue length for routing and drops it after
+    replica 0.05 s apart, not counted: the run starts as traffic in service would find the
+    handle. Ray's handle keeps each replica's queue length for routing and drops it after
     10 s without a send or a finish to it (`ReplicaQueueLengthCache`,
-    RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S); a run's app waits ~2 runs while the other
-    routers' run, so its first requests probed every candidate with a 0.1 s deadline,
-    doubled each time 2 loaded cores missed it (`_probe_queue_lens`). In the fleet
-    validation's runs of 2026-12-04 the 4-6 requests of a run's first 0.13 s took 0.15-0.25
-    s (0.007 s simulated) and were the p99 of affinity and multiplexing; with traffic, as in
-    service, the cache does not go stale."""
+    RAY_SERVE_QUEUE_LENGTH_CACHE_TIMEOUT_S), and a run's app waits ~2 runs while the other
+    routers run; a request that finds no candidate's length probes them with a 0.1 s
+    deadline (`_probe_queue_lens`). Whether that cost the runs anything is not measured: the
+    slow start this was first meant for (a run's first 4-6 requests at 0.15-0.27 s) was the
+    client's clock, started before its garbage collection (runs.drive), and stayed with it."""
     lead = [BenchRequest(0.05 * i, None, prompt, 1) for i in range(2 * w.num_replicas)]
     asyncio.run(drive(app.backend, lead, f"lead-in-{app.name}", w.request_timeout_s))
 

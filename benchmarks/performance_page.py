@@ -218,15 +218,23 @@ real steps' seconds ÷ the simulated ones' less the streamed tokens' charge (as 
 threads paid it outside the steps), `step_seconds_ratio_with_stream` the same against the
 simulated steps with it; `p99_ttft_error_at_real_step_speed` replays each router with the
 fitted steps slowed by the first and the charge on top, `p99_ttft_error_at_real_busy_time`
-with the whole simulated step slowed by the second. Four runs on 2026-12-04 (25-27 req/s;
-load average 1.5-3.5 before, 3.5-4.5 during): p99_ttft_error 0.49, 0.20, 0.23 and 0.31 (median 0.27) with the drawn loaded
-path, 0.58, 0.48, 0.52 and 0.51 (median 0.51) with the lone path in the same runs, 0.24 and 0.16 added by rank (the last two
-runs); loads_error 0.05-0.08. The published run is the fourth (17:37, 24.3 req/s, load 0.8 before and 3.3 after): the one above the median. The lone path put the
-simulated p50 TTFT at 21-27 ms where the real was 23-69 and the p99 of the routers that
-read nothing at 0.04 s against 0.13-0.21: the path on idle replicas is not the path under
-load. What is left is run-to-run: a calibration stream's p99 rests on its 3 longest of 320
-requests (affinity's 0.105 s in one run, 0.185 in the next), and the repetitions' own real
-p99 moves as much. On GPUs each replica has its own device.""",
+with the whole simulated step slowed by the second. `--save-run PATH` keeps the real run's
+measurements and each request's real TTFT, `--from-run PATH` validates against them again
+in seconds without Ray (bit for bit the same figures). Set beside their replays request by
+request, the real p99 of the routers that read nothing was until 2026-12-04 the first 4-6
+requests of every run (0.15-0.27 s against 0.007 s simulated, falling with their arrival):
+the client started its clock before its garbage collection (~0.25 s in the driver), and
+counted it in every request due meanwhile (`benchmarks/router/runs.py` `drive`, fixed).
+Three runs after the fix (2026-12-04 20:52, 21:01, 21:09; 28.1, 27.7 and 24.8 req/s; load
+average 1.1-3.8 before, 3.0-4.4 after): p99_ttft_error 0.20, 0.32 and 0.13 (median 0.20),
+with the lone path 0.35, 0.45 and 0.15, by rank 0.04, 0.22 and 0.36; loads_error 0.07,
+0.07 and 0.09. The published run is the median one (20:52). Five runs before the fix, with
+the same 3-run calibration stream, gave 0.38-0.46 (median 0.40); with a third of that
+stream the first of them gave 0.40 against 0.42, so its length was not what moved it. What
+is left is bursts: the real tail is now a few requests arriving together mid-run (e.g. 4
+within 0.05 s at 0.10-0.17 s where the replay gives 0.01-0.02), which a path drawn per
+request independently cannot reproduce; and the figure moves 0.13-0.32 from run to run.
+On GPUs each replica has its own device.""",
     "autoscale": """\
 `loraplex bench fleet --section autoscale` (`benchmarks/fleet/autoscale.py`): the fleet
 simulator under Ray Serve's autoscaler (`benchmarks/sim/scaling.py`: Ray 2.60's

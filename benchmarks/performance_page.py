@@ -230,7 +230,7 @@ average 1.1-3.8 before, 3.0-4.4 after): p99_ttft_error 0.20, 0.32 and 0.13 (medi
 with the lone path 0.35, 0.45 and 0.15, by rank 0.04, 0.22 and 0.36; loads_error 0.07,
 0.07 and 0.09. The published run is the median one (20:52). Five runs before the fix, with
 the same 3-run calibration stream, gave 0.38-0.46 (median 0.40); with a third of that
-stream the first of them gave 0.40 against 0.42, so its length was not what moved it. What
+stream the fourth of them gave 0.40 against 0.42, so its length was not what moved it. What
 is left is bursts: the real tail is now a few requests arriving together mid-run (e.g. 4
 within 0.05 s at 0.10-0.17 s where the replay gives 0.01-0.02), which a path drawn per
 request independently cannot reproduce; and the figure moves 0.13-0.32 from run to run.

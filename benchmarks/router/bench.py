@@ -94,7 +94,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
@@ -207,49 +207,42 @@ class Measured:
         can replay a real run again (`bench fleet --from-run`) without running it."""
         calibration = dict(self.calibration)
         calibration["steps"] = [[asdict(load), s] for load, s in calibration["steps"]]
-        requests = [
-            {
-                name: run
-                | {
-                    "warm-up": [asdict(r) for r in run["warm-up"]],
-                    "runs": [[asdict(r) for r in reqs] for reqs in run["runs"]],
-                }
-                for name, run in rep.items()
-            }
-            for rep in self.requests
-        ]
         return {
             "figures": self.figures,
             "engine_config": self.engine_config,
             "costs": self.costs,
             "calibration": calibration,
             "adapters": {name: list(size) for name, size in self.adapters.items()},
-            "requests": requests,
+            "requests": _each_request(self.requests, asdict),
         }
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Measured:
         calibration = dict(data["calibration"])
         calibration["steps"] = [(StepLoad(**load), s) for load, s in calibration["steps"]]
-        requests = [
-            {
-                name: run
-                | {
-                    "warm-up": [SimRequest(**r) for r in run["warm-up"]],
-                    "runs": [[SimRequest(**r) for r in reqs] for reqs in run["runs"]],
-                }
-                for name, run in rep.items()
-            }
-            for rep in data["requests"]
-        ]
         return cls(
             data["figures"],
             data["engine_config"],
             data["costs"],
             calibration,
             {name: (rank, nbytes) for name, (rank, nbytes) in data["adapters"].items()},
-            requests,
+            _each_request(data["requests"], lambda r: SimRequest(**r)),
         )
+
+
+def _each_request(reps: list[dict[str, dict[str, Any]]], f: Callable[[Any], Any]) -> list:
+    """`Measured.requests` with `f` applied to every request of its warm-ups and runs."""
+    return [
+        {
+            name: run
+            | {
+                "warm-up": [f(r) for r in run["warm-up"]],
+                "runs": [[f(r) for r in reqs] for reqs in run["runs"]],
+            }
+            for name, run in rep.items()
+        }
+        for rep in reps
+    ]
 
 
 @dataclass(frozen=True, slots=True)
@@ -337,11 +330,17 @@ def _fresh_apps(
             serve.delete(app.name)
 
 
+def _mean_prompt(w: Workload) -> list[int]:
+    """A base-model prompt of the workload's mean length: the capacity burst's, the lone and
+    lead-in requests'."""
+    return ordinary_ids(sum(w.prompt_tokens) // 2, w.model.vocab_size)
+
+
 def _capacity(router: str, w: Workload, cluster: BenchCluster) -> tuple[float, list[float]]:
     """What the replicas serve when saturated: `w.burst_requests` (`burst_batches` full
     batches per replica) base-model requests of mean lengths, all at once, through one app
     of its own; completions per second. Before it, on the idle app, `_lone_ttfts`."""
-    prompt = ordinary_ids(sum(w.prompt_tokens) // 2, w.model.vocab_size)
+    prompt = _mean_prompt(w)
     out = sum(w.output_tokens) // 2
     burst = [BenchRequest(0.0, None, prompt, out) for _ in range(w.burst_requests)]
     with _fresh_apps((router,), w, cluster, "capacity") as apps:
@@ -372,7 +371,7 @@ def _loaded_path(
     lengths = fw.Lengths(prompt=w.prompt_tokens, output=w.output_tokens)
     n = w.loaded_path_runs * w.run_requests(rate, w.window_s)
     stream = [replace(r, adapter=None) for r in fw.requests("zipf", ["base"], n, rate, lengths)]
-    prompt = ordinary_ids(sum(w.prompt_tokens) // 2, w.model.vocab_size)  # the warm-up's
+    prompt = _mean_prompt(w)  # the warm-up's
     ttft: dict[str, list[float | None]] = {}
     with _fresh_apps(routers, w, cluster, "loaded-path") as apps:
         for router, app in apps.items():
@@ -489,7 +488,7 @@ def _sweep(
     per_router: dict[str, list[dict]] = {r: [] for r in ROUTERS if r in apps}
     requests = []
     slo = SLO_FACTOR * calibration["unloaded_ttft_s"]
-    lead = ordinary_ids(sum(w.prompt_tokens) // 2, w.model.vocab_size)
+    lead = _mean_prompt(w)
 
     def rate_factors() -> Iterator[float]:
         """The grid, then each extra rate while some router held the SLO at the last rate

@@ -157,6 +157,12 @@ def main(argv: list[str] | None = None) -> int:
             from loraplex.benchmarks.fleet.autoscale import run_section as run_bench
         elif args.suite == "fleet":
             from loraplex.benchmarks.fleet.bench import run_bench
+            from loraplex.benchmarks.fleet.validation import SavedRunError
+
+            try:
+                return run_bench(args)
+            except SavedRunError as e:
+                raise CLIError(str(e)) from None
         else:
             from loraplex.benchmarks.engine.bench import run_bench
         return run_bench(args)

@@ -510,3 +510,30 @@ def test_replaying_a_run_that_is_not_there_is_a_clear_error(capsys, tmp_path):
     missing = tmp_path / "nowhere.json"
     assert main(["bench", "fleet", "--validation-only", "--from-run", str(missing)]) == 2
     assert capsys.readouterr().err == f"loraplex: error: --from-run {missing}: no such file\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "quick", "says"),
+    [
+        ("not json", True, "not a run `--save-run` wrote"),
+        ('{"quick": true}', True, "not a run `--save-run` wrote"),
+        ('{"quick": true, "date": "d", "cpus": 2, "measured": {}}', True, "not a run"),
+        (
+            '{"quick": false, "date": "d", "cpus": 2, "measured": {"figures": {}, '
+            '"engine_config": {}, "costs": {}, "calibration": {"steps": []}, "adapters": {}, '
+            '"requests": []}}',
+            True,
+            "holds a full run: validate it without --quick",
+        ),
+    ],
+)
+def test_replaying_a_file_that_is_not_a_saved_run_is_a_clear_error(
+    text, quick, says, capsys, tmp_path
+):
+    run = tmp_path / "run.json"
+    run.write_text(text)
+    argv = ["bench", "fleet", "--validation-only", "--from-run", str(run)]
+    assert main(argv + ["--quick"] * quick) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"loraplex: error: --from-run {run}") and says in err, err
+    assert run.read_text() == text

@@ -64,6 +64,10 @@ from loraplex.router.policy import AffinityConfig
 LOADED_PATH_RUNS = 3
 
 
+class SavedRunError(ValueError):
+    """`--from-run`'s file is not a run `--save-run` wrote, or not of this mode."""
+
+
 def validation_workload(quick: bool) -> bench_router.Workload:
     """`bench router`'s workload at its reference rate alone, its repetitions on other seeds
     at that one rate: no rate past the grid (a sweep goes on past its grid while a router
@@ -86,14 +90,20 @@ def validate(
     replayed (`validate_measured`)."""
     w = validation_workload(quick)
     if from_run is not None:
-        saved = json.loads(from_run.read_text())
-        if saved["quick"] != quick:
-            raise ValueError(
-                f"{from_run} holds a {'--quick' if saved['quick'] else 'full'} run: validate "
-                f"it {'with' if saved['quick'] else 'without'} --quick"
+        try:
+            saved = json.loads(from_run.read_text())
+            measured, cpus = bench_router.Measured.from_json(saved["measured"]), saved["cpus"]
+            was_quick, date = saved["quick"], saved["date"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SavedRunError(
+                f"--from-run {from_run}: not a run `--save-run` wrote ({e!r})"
+            ) from None
+        if was_quick != quick:
+            raise SavedRunError(
+                f"--from-run {from_run} holds a {'--quick' if was_quick else 'full'} run: "
+                f"validate it {'with' if was_quick else 'without'} --quick"
             )
-        log(f"validation: the real run of {saved['date']} from {from_run}, not run again")
-        measured, cpus = bench_router.Measured.from_json(saved["measured"]), saved["cpus"]
+        log(f"validation: the real run of {date} from {from_run}, not run again")
     else:
         measured = bench_router.run_measured(w, workloads=("zipf",))
         cpus = os.cpu_count() or 1

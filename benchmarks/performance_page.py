@@ -172,10 +172,14 @@ replica has drained the flood), with its 90% bootstrap interval over B's request
 `b_p50_ttft_ratio` beside it, and A's chunks a second, what the relay carried. Behind
 Serve's proxy actor (the default), then on a second Ray behind HAProxy
 (`http.ingress_proxy: haproxy`, `_haproxy` keys): the same app, the same schedules. Runs
-before 2026-12-04 21:00 (the published one too) started the client's clock before its
-garbage collection (~0.25 s in the driver), which every request due during it counted as
-TTFT: the first 4-6 requests of every run, which made the p99 of the routers that read
-nothing (0.15-0.27 s where the replicas took ~0.01-0.06).""",
+before 2026-12-04 21:00 started the client's clock before its garbage collection (~0.25 s
+in the driver), which every request due during it counted as TTFT: the first 4-6 requests
+of every run, which made the p99 of the routers that read nothing (0.15-0.27 s where the
+replicas took ~0.01-0.06); the published run (2026-12-04 22:30) is the first after the
+fix. Its quick grid (0.35, 0.7, 1.0, 1.3 × the basis) puts the SLO's crossing between rates
+2 × apart, so one repetition's p99 at the second rate moves a goodput ratio by ~0.3: zipf's
+third repetition (affinity 1.53 s at 57 req/s where its other two had 0.48 and 0.61)
+gave 0.72 against 1.03 and 1.07.""",
     "fleet": """\
 `loraplex bench fleet` (`benchmarks/fleet/bench.py`): the same comparison at fleet scale in the
 simulator — 16 × H100 serving a 7B model, 2,000–10,000 adapters — whose replicas are the real

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from loraplex.replica.config import EngineConfig
+from loraplex.replica.cpu_threads import serially
 from loraplex.replica.engine import AdapterInfo, LLMEngine
 from loraplex.replica.sampling import SamplingParams
 from loraplex.replica.sequence import Continuation, RequestOutput
@@ -20,8 +21,9 @@ from loraplex.replica.sequence import Continuation, RequestOutput
 class Engine:
     """`LLMEngine` on a background thread, with async streaming for servers."""
 
+    core: LLMEngine
+
     def __init__(self, cfg: EngineConfig):
-        self.core = LLMEngine(cfg)
         self._lock = threading.Lock()
         self._waiters = 0  # callers waiting for the lock; the step loop yields to them
         self._aborts: collections.deque[str] = collections.deque()  # thread-safe appends/pops
@@ -29,10 +31,29 @@ class Engine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._closed = False
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
+        # the engine is built on the thread that steps it, the one thread whose torch ops
+        # take the cores; helpers run theirs serially (replica/cpu_threads.py)
+        self._build_error: BaseException | None = None
+        ready = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, args=(cfg, ready), name="loraplex-engine", daemon=True
+        )
         self._thread.start()
+        ready.wait()
+        if self._build_error is not None:
+            raise self._build_error
 
-    def _run(self) -> None:
+    def _run(self, cfg: EngineConfig, ready: threading.Event) -> None:
+        try:
+            self.core = LLMEngine(cfg)
+        except BaseException as e:
+            self._build_error = e
+            return
+        finally:
+            ready.set()
+        self._step_loop()
+
+    def _step_loop(self) -> None:
         while not self._closed:
             while self._waiters:  # a caller wants the lock: let it in between two steps
                 time.sleep(0.0005)
@@ -83,10 +104,10 @@ class Engine:
             finally:
                 self._waiters -= 1
 
-        return await asyncio.to_thread(call)
+        return await asyncio.to_thread(serially(call))
 
     async def add_adapter(self, name: str, path: Path, version: str | None = None) -> AdapterInfo:
-        weights = await asyncio.to_thread(self.core.read_adapter, name, path)
+        weights = await asyncio.to_thread(serially(self.core.read_adapter), name, path)
         return await self._locked(self.core.register_adapter, weights, path, version)
 
     async def remove_adapter(self, name: str) -> None:

@@ -24,6 +24,8 @@ from typing import Protocol
 
 import torch
 
+from loraplex.replica.cpu_threads import serial_torch_ops
+
 
 class Transfer(Protocol):
     def submit(
@@ -57,8 +59,14 @@ class Immediate:
 
 class CopyThread:
     def __init__(self, device: torch.device):
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-copy")
-        self._reads = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-read")
+        # beside the compute, on a thread of their own, not on the compute's cores (and a
+        # parallel copy here would slow every step after it: replica/cpu_threads.py)
+        self._pool = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="loraplex-copy", initializer=serial_torch_ops
+        )
+        self._reads = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="loraplex-read", initializer=serial_torch_ops
+        )
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._jobs: list[tuple[object, Future, bool]] = []
 

@@ -105,7 +105,13 @@ the same step on F.linear, and `gemm_efficiency` times the GEMMs alone on the en
 weights. `tp.*`: tp = 2 over gloo beside
 tp = 1, bytes rank 0 sends. `prefix.*`: 16 tenants with long system prompts, caching on ÷
 off on the same arrivals. `detok.*`: the output path's time per token at 2,000 ÷ at 20
-output tokens.""",
+output tokens. Runs before 2026-12-05 timed every step after the adapter copy thread had
+run a parallel copy, which left it an OpenMP team of its own for the process's life: past
+one OpenMP thread per CPU, GNU OpenMP barely spins before its threads sleep, and the
+steps' small batched matmuls ran 2.6-5x slower (replica/cpu_threads.py). `real.lora_overhead`
+read 0.19-0.23 on 2026-12-04 23:16 (three rounds) and 0.01-0.17 after the fix (six rounds
+in two runs, 23:57 and 00:09, median 0.105; the published run is the second, 0.09-0.12):
+a quick round times 6 steps of each kind, so the overhead of one round moves by ~0.05.""",
     "registry": """\
 `loraplex bench registry` (`benchmarks/registry/bench.py`): a real etcd on loopback with fsync on;
 registrations with 8 in flight, the time from a registration's commit to its event at each

@@ -8,9 +8,13 @@ import json
 
 import pytest
 
+import loraplex.replica.batch as step_batch
+import loraplex.replica.model.llama as llama
 from loraplex.benchmarks.engine import bench as bench_engine
 from loraplex.benchmarks.engine import prefix as engine_prefix
 from loraplex.demo.synthetic import ModelSpec
+from loraplex.kernels.decode_attention import decode_attention
+from loraplex.kernels.dense import linear as dense_linear
 from loraplex.registry.etcd_process import find_etcd_binary
 
 TINY = bench_engine.BenchShape(
@@ -44,6 +48,14 @@ def test_engine_bench_serves_the_same_greedy_tokens_as_peft(tmp_path):
     # the base step on F.linear beside it, so the reordered weights' gain is seen apart
     assert overheads["timings_ms"]["decode_step_base_f_linear"] > 0
     assert overheads["dense_gemm_step_ratio"] > 0
+    # where the base step's time goes: every section of the forward pass was hit, the
+    # sections and the rest add up to the step, and the wrapped functions are restored
+    sections = overheads["step_sections_ms"]
+    for name in ("gemm", "attention", "attention_rows", "norm", "rope", "kv_write"):
+        assert sections[name] > 0, name
+    assert sum(v for k, v in sections.items() if k != "step") == pytest.approx(sections["step"])
+    assert sections["gemm"] < sections["step"]
+    assert llama.linear is dense_linear and step_batch.decode_attention is decode_attention
     serving_result = bench_engine._speedup_vs_peft(model_dir, serving, TINY, trace=None, rounds=2)
     figures = serving_result["serving"]
     assert figures["requests"] == 8 and serving_result["speedup_vs_peft"] > 0

@@ -12,6 +12,8 @@
   projections; the bound is the distinct adapters' weight bytes / the base weight bytes a
   decode step reads.
 - gemm_efficiency: the step's base GEMMs alone (plain torch matmuls) / the engine's step.
+- step_sections_ms: the base step's ms by section of the forward pass (GEMMs, attention,
+  norms, RoPE, KV writes, the rest; engine/sections.py), where gemm_efficiency's gap lies.
 - tp: tensor parallelism, tp = 2 (gloo, local processes) beside tp = 1 on decode steps:
   lora_comm_ratio (LoRA bytes sent per step / base-model bytes), adapter_bytes_per_rank_ratio
   (adapter pool bytes on one rank at tp = 2 / at tp = 1), step_time_ratio_tp2_vs_tp1.
@@ -43,6 +45,7 @@ import numpy as np
 import torch
 
 from loraplex.benchmarks.engine.prefix import print_prefix, run_prefix
+from loraplex.benchmarks.engine.sections import step_sections_ms
 from loraplex.benchmarks.report import log, over_repetitions, write_json
 from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
 from loraplex.kernels.dense import linear
@@ -169,7 +172,7 @@ REAL = BenchShape(
     max_prompt=256,
     max_output=64,
     decode_context=128,
-    timed_steps=10,
+    timed_steps=24,
 )
 REAL_QUICK = BenchShape(
     model=QUICK.model,
@@ -179,7 +182,7 @@ REAL_QUICK = BenchShape(
     max_prompt=128,
     max_output=32,
     decode_context=64,
-    timed_steps=6,
+    timed_steps=16,
 )
 
 
@@ -444,6 +447,7 @@ def _step_overheads(
         "dense_gemm_step_ratio": base_t / t["decode_step_base_f_linear"],
         "timings_ms": {name: v * 1e3 for name, v in t.items()}
         | {"batch": batch, "context_tokens": shape.decode_context},
+        "step_sections_ms": step_sections_ms(base_engine.step, shape.timed_steps),
     }
     if heavy is not None:
         heavy_t = t["decode_step_lora_32x_r8_64_all"]
@@ -700,6 +704,7 @@ def _print_table(r: dict) -> None:
         ("dense_gemm_step_ratio", "(reported)"),
     ):
         print(f"real.{name:27} {real[name]:10.3f}  {target}")
+    _print_sections(real["step_sections_ms"])
     _print_serving(real)
     bf16 = real["bfloat16"]
     print(f"real model in bfloat16 (this CPU multiplies bf16 natively: {bf16['cpu_native_bf16']}):")
@@ -714,6 +719,11 @@ def _print_table(r: dict) -> None:
     _print_serving(bf16)
     detok = r["detok"]
     print(f"detok.per_token_cost_ratio       {detok['per_token_cost_ratio']:10.3f}  <= 1.5")
+
+
+def _print_sections(ms: dict[str, float]) -> None:
+    parts = ", ".join(f"{name} {v:.1f}" for name, v in ms.items() if name != "step")
+    print(f"  base decode step {ms['step']:.1f} ms: {parts}")
 
 
 def _print_serving(r: dict) -> None:

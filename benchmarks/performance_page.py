@@ -110,8 +110,23 @@ run a parallel copy, which left it an OpenMP team of its own for the process's l
 one OpenMP thread per CPU, GNU OpenMP barely spins before its threads sleep, and the
 steps' small batched matmuls ran 2.6-5x slower (replica/cpu_threads.py). `real.lora_overhead`
 read 0.19-0.23 on 2026-12-04 23:16 (three rounds) and 0.01-0.17 after the fix (six rounds
-in two runs, 23:57 and 00:09, median 0.105; the published run is the second, 0.09-0.12):
-a quick round times 6 steps of each kind, so the overhead of one round moves by ~0.05.""",
+in two runs, 23:57 and 00:09). A quick round timed 6 steps of each kind, which moved one
+round's overhead by ~0.05; since 2026-12-05 it times 16 (full: 24), and the contexts grow
+by as many tokens (64 -> ~82 on the real model, `--quick`). `step_sections_ms` splits
+the base step's wall time by the forward pass's calls (`benchmarks/engine/sections.py`),
+timed around each call, not with torch.profiler, which reads the KV gather at 470 us where
+it takes 190 us. On SmolLM2 at batch 32 the GEMMs take 52-55 ms of the step, at ~90% of
+these two cores' FMA peak (8.6 GFLOP a step, ~172 GFLOP/s), so `real.gemm_efficiency`
+is set by what else the step does: attention is 11-20 ms at contexts 70-130 in a process
+of its own (in 6-token steps: 60% of it is the gather of every cached key and value,
+read scattered across pages at ~17 GB/s, the rest two batched matmuls), and in some
+processes, the bench's three runs of 2026-12-05 among them, it runs at twice that (28-35
+ms at ~90 tokens) once the contexts pass some length (seen at 96-148 tokens, not in every
+process); the norms, RoPE, KV writes and the rest of the step (sampling, scheduling,
+residual adds) take 10-15 ms. Past ~0.7 a step would have to read fewer KV bytes
+(a half-precision KV cache) or gather them less often. The same slower attention lowers
+`real.lora_overhead`: the published 0.089 is LoRA's 7.9-9.3 ms over base steps of 88-90 ms;
+over a base step at the 73-75 ms it takes in a process of its own it would read ~0.11.""",
     "registry": """\
 `loraplex bench registry` (`benchmarks/registry/bench.py`): a real etcd on loopback with fsync on;
 registrations with 8 in flight, the time from a registration's commit to its event at each

@@ -57,9 +57,12 @@ def test_a_thread_after_serial_torch_ops_adds_no_openmp_thread_and_leaves_the_ot
             t.join()
             return out
 
+        # the serial case first: once the plain thread has ended, its team's thread exits
+        # when it will, and counted during the serial op it read as -1 (CI, 2026-12-05)
+        serial = op_in_a_thread(True)
         print(json.dumps({
+            "serial": serial,
             "plain": op_in_a_thread(False),
-            "serial": op_in_a_thread(True),
             "main": torch.get_num_threads(),
             "expected_sum": float((big * 2).sum()),
         }))

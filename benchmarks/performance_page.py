@@ -118,7 +118,7 @@ timed around each call, not with torch.profiler, which reads the KV gather at 47
 it takes 190 us. On SmolLM2 at batch 32 the GEMMs take 52-55 ms of the step, at ~90% of
 these two cores' FMA peak (8.6 GFLOP a step, ~172 GFLOP/s), so `real.gemm_efficiency`
 is set by what else the step does: attention is 11-20 ms at contexts 70-130 in a process
-of its own (in 6-token steps: 60% of it is the gather of every cached key and value,
+of its own (timed 6 steps at a time: 60% of it is the gather of every cached key and value,
 read scattered across pages at ~17 GB/s, the rest two batched matmuls), and in some
 processes, the bench's three runs of 2026-12-05 among them, it runs at twice that (28-35
 ms at ~90 tokens) once the contexts pass some length (seen at 96-148 tokens, not in every

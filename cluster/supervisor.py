@@ -22,6 +22,7 @@ from loraplex.cluster.ingress_proxy import check_running_proxy
 from loraplex.cluster.ray_node_watch import RAY_LOST_AFTER_S, accepts, host_port
 from loraplex.cluster.serve_status import deployment_errors
 from loraplex.cluster.state import write_state
+from loraplex.ray_start import init_once_more_if_slow
 from loraplex.serve_flags import HAPROXY_PORTS, local_ray_env
 
 log = logging.getLogger("loraplex.cluster")
@@ -122,7 +123,8 @@ class Supervisor:
                 f"{opts['num_cpus']} CPUs, temp dir {opts['temp_dir']}, "
                 f"ingress proxy {self.state['ingress_proxy']}",
             )
-            ray.init(
+            init_once_more_if_slow(
+                ray,
                 num_cpus=opts["num_cpus"],
                 object_store_memory=opts["object_store_bytes"],
                 include_dashboard=False,

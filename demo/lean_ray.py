@@ -4,14 +4,10 @@ cluster, which other processes join."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
-from typing import Any
-
-log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
@@ -32,6 +28,7 @@ def lean_ray_serve(
     import ray
     from ray import serve
 
+    from loraplex.ray_start import init_once_more_if_slow
     from loraplex.serve_flags import local_ray_env
 
     assert not ray.is_initialized(), "a Ray driver already runs in this process"
@@ -66,18 +63,3 @@ def lean_ray_serve(
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
-
-
-def init_once_more_if_slow(ray: Any, **options: Any) -> None:
-    """`ray.init(**options)`, tried a second time when the raylet did not register within
-    Ray's fixed 30 s ("The current node timed out during startup", ray/_private/node.py):
-    seen once in a full CI run on a loaded 2-core machine, before any of the test ran. Any
-    other failure, or a second timeout, is raised."""
-    try:
-        ray.init(**options)
-    except Exception as e:
-        if "timed out during startup" not in str(e):
-            raise
-        log.warning("Ray's node did not start within 30 s; starting it once more: %s", e)
-        ray.shutdown()
-        ray.init(**options)

@@ -6,11 +6,13 @@ settings as `policy_kwargs`) on the controller every control loop with an
 `record_autoscaling_stats` (replica/deployment.py: `AUTOSCALING_METRICS` below), averaged by
 Serve over `look_back_period_s`. The policy wants the largest of three counts:
 
-    load          the largest of: the replicas' utilisation summed ÷ target_utilisation (a
+    load          the largest of: the replicas' utilisation summed, u, with headroom (a
                   replica's: the larger of its slots held and its token utilisation, its
                   prompt and output tokens priced by its measured step costs as a share of
                   what it makes with its batch full: replica/protocol.py
-                  `token_utilisation`); requests held (running + waiting) ÷
+                  `token_utilisation`): u + β√u replicas, β = 1/target_utilisation − 1,
+                  square-root staffing (`headroom: sqrt`, below), or u ÷
+                  target_utilisation (`headroom: proportional`); requests held (running + waiting) ÷
                   (target_slot_use × a replica's slots); and the prompt tokens the replicas
                   have yet to prefill in seconds of their own steps ÷ target_prefill_s. The
                   last two measure queues, which are empty below capacity: they add replicas
@@ -71,7 +73,7 @@ import logging
 import math
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -123,28 +125,45 @@ POLICY_FUNCTION = "loraplex.router.autoscaling:LoraAutoscalingPolicy"
 log = logging.getLogger("ray.serve").getChild(__name__)
 
 
+Headroom = Literal["sqrt", "proportional"]
+
+
 class LoraAutoscaling(BaseModel):
     """The `lora` policy's settings (`replicas.autoscaling.lora` in the YAML)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     target_utilisation: float = Field(
-        0.7,
+        0.667,
         gt=0,
         le=1,
         description="Share of its token capacity (tokens made ÷ what a full batch makes, "
-        "priced by the replica's measured step costs) a replica aims at: the replicas' "
-        "utilisation summed ÷ this replicas are wanted.",
+        "priced by the replica's measured step costs) a replica aims at when the load is "
+        "one replica's; with headroom sqrt a larger load is given relatively less spare "
+        "(see headroom), with proportional every load is (the replicas' utilisation "
+        "summed ÷ this replicas are wanted).",
     )
     scale_down_utilisation: float = Field(
-        0.63,
+        0.588,
         gt=0,
         le=1,
         description="A replica is removed only while the others would stay under this "
-        "share of their token capacity once it has left, and a count asked for above the "
-        "current one stays asked for while the replicas are over it (below "
-        "target_utilisation: the band between them keeps a steady load from flapping; "
-        "by default 10% below it, Kubernetes' HPA tolerance).",
+        "share of their token capacity once it has left (with headroom sqrt: at one "
+        "replica's load, relatively less spare at a larger one, as for "
+        "target_utilisation), and a count asked for above the current one stays asked "
+        "for while the replicas are over it (below target_utilisation: the band between "
+        "them keeps a steady load from flapping: by default β 0.7 against 0.5 with "
+        "headroom sqrt, 12% below target_utilisation).",
+    )
+    headroom: Headroom = Field(
+        "sqrt",
+        description="The spare capacity the utilisation count leaves. sqrt: square-root "
+        "staffing (Halfin and Whitt), a load of u replicas wants u + β√u, β = "
+        "1/target_utilisation − 1 (and 1/scale_down_utilisation − 1 for the band): the "
+        "same share of spare for one replica as proportional, less as the fleet grows, "
+        "since the bursts of many independent requests grow as the square root of their "
+        "rate (by default β 0.5: 0.67 utilised at one replica's load, 0.78 at three, 0.85 "
+        "at eight). proportional: u ÷ target_utilisation at every size.",
     )
     target_slot_use: float = Field(
         0.7,
@@ -258,7 +277,7 @@ def wanted(
         by_load = by_tokens
         why_load = f"{prefill_s:.1f} s of prefill held"
     used = sum(r.use for r in reports)
-    by_use = _ceil(used / s.target_utilisation)
+    by_use = _ceil(staffed(used, s.target_utilisation, s.headroom))
     if by_use > by_load:
         by_load = by_use
         why_load = f"utilisation {used:.2f} replicas"
@@ -295,10 +314,25 @@ def wanted(
             by_set,
             f"the adapters asked for ({set_mib:.0f} MiB) fill {by_set} replicas' tiers",
         )
-    if by_load < current and current > 1 and used / (current - 1) > s.scale_down_utilisation:
+    if by_load < current and current > 1 and over_band(used, current - 1, s):
         left = used / (current - 1)
         return Decision(current, f"{current - 1} replicas would be {left:.0%} utilised", use=used)
     return Decision(by_load, why_load, use=used)
+
+
+def staffed(used: float, target: float, headroom: Headroom) -> float:
+    """The replicas a use of `used` replicas' capacity wants at `target` (the utilisation
+    aimed at for one replica's load): `used` + β√`used`, β = 1/target − 1 (sqrt), or
+    `used` ÷ target (proportional). The two agree at one replica's load."""
+    if headroom == "proportional" or used <= 0:
+        return used / target
+    return used + (1.0 / target - 1.0) * math.sqrt(used)
+
+
+def over_band(used: float, replicas: int, s: LoraAutoscaling) -> bool:
+    """Whether `replicas` would be over the scale-down band with `used` replicas' worth in
+    use: they would want more than themselves at scale_down_utilisation."""
+    return staffed(used, s.scale_down_utilisation, s.headroom) > replicas + 1e-9
 
 
 def hot_homes(reports: list[ReplicaReport], slots: float, homes: Homes | None) -> int:
@@ -431,7 +465,7 @@ class LoraAutoscalingPolicy:
             state["up_to"] = target
             return target
         held = min(state.get("up_to", 0), high)
-        if held > current > 0 and decision.use / current > self.settings.scale_down_utilisation:
+        if held > current > 0 and over_band(decision.use, current, self.settings):
             return held
         state.pop("up_to", None)
         return target

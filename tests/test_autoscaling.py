@@ -36,6 +36,7 @@ from loraplex.router.autoscaling import (
     LoraAutoscalingPolicy,
     reports_of,
     serve_autoscaling_config,
+    staffed,
 )
 
 
@@ -204,13 +205,14 @@ def test_the_yaml_names_the_policy_and_serve_accepts_it():
 
 
 def test_a_hot_adapter_wanting_more_homes_adds_replicas_up_to_the_routers_bound():
-    # one replica of 16 slots holds 10 requests, 9 of one adapter: by load ceil(10 / 11.2)
-    # = 1, but the router gives an adapter a home per home_utilisation x slots = 4 requests:
-    # ceil(9 / 4) = 3 homes wanted, up to max_homes_per_adapter
-    ctx = context(1, 10, current_time=0)
-    ctx.aggregated_metrics[AUTOSCALE_ADAPTER + "hot"] = {"r0": 9.0}
+    # one replica of 16 slots holds 8 requests, 7 of one adapter: by load 1 (half its slots:
+    # 0.5 + 0.5 sqrt 0.5 = 0.85 replicas), but the router gives an adapter a home per
+    # home_utilisation x slots = 3.2 requests: ceil(7 / 3.2) = 3 homes wanted, up to
+    # max_homes_per_adapter
+    ctx = context(1, 8, current_time=0)
+    ctx.aggregated_metrics[AUTOSCALE_ADAPTER + "hot"] = {"r0": 7.0}
     ctx.aggregated_metrics[AUTOSCALE_ADAPTER + "cold"] = {"r0": 1.0}
-    homes = {"home_utilisation": 0.25, "downscale_delay_s": 60, "cooldown_s": 30}
+    homes = {"home_utilisation": 0.2, "downscale_delay_s": 60, "cooldown_s": 30}
     target, state = LoraAutoscalingPolicy(max_homes_per_adapter=8, **homes)(ctx)
     assert target == 3 and "hot adapter wants 3 homes" in state["why"]
     assert LoraAutoscalingPolicy(max_homes_per_adapter=2, **homes)(ctx)[0] == 2
@@ -366,7 +368,9 @@ def fleet_below_capacity(n: int, load: float) -> dict[str, dict[str, float]]:
     }
 
 
-def steady(n: int, replicas_worth: float, seconds: int) -> tuple[list[int], dict[str, Any]]:
+def steady(
+    n: int, replicas_worth: float, seconds: int, policy: LoraAutoscalingPolicy = POLICY
+) -> tuple[list[int], dict[str, Any]]:
     """The policy every 10 s under a steady load of `replicas_worth` replicas' tokens,
     starting from n replicas, each decision applied at once: the counts, and its state."""
     state: dict[str, Any] = {}
@@ -380,7 +384,7 @@ def steady(n: int, replicas_worth: float, seconds: int) -> tuple[list[int], dict
             last_scale_up_time=last_up,
             last_scale_down_time=last_down,
         )
-        target, state = POLICY(ctx)
+        target, state = policy(ctx)
         if target > n:
             last_up = float(t)
         elif target < n:
@@ -395,20 +399,57 @@ def test_a_steady_load_below_capacity_holds_its_count_without_a_sawtooth():
     queues (requests held against slots, prefill held) are empty below capacity, so counted
     alone they let the count fall to 2, where prompts queue and it climbs again (the
     sawtooth of the simulated day). Counted as utilisation the load wants
-    ceil(2.4 / 0.7) = 4 replicas, and none leaves while 3 would be over 0.55."""
+    ceil(2.4 + 0.5 sqrt 2.4) = 4 replicas, and none leaves while 3 would be over the band
+    (2.4 + 0.7 sqrt 2.4 = 3.5 > 3)."""
     seen, state = steady(3, 2.4, 3600)
     events = sum(a != b for a, b in zip(seen[:-1], seen[1:], strict=True))
     assert seen[-1] == 4 and events == 1, (events, seen)
     assert "utilisation 2.40 replicas" in state["why"]
 
 
+PROPORTIONAL = LoraAutoscalingPolicy(downscale_delay_s=60, cooldown_s=30, headroom="proportional")
+
+
 def test_a_replica_leaves_only_while_the_others_stay_under_the_scale_down_utilisation():
-    """4 replicas under 1.3 replicas' worth of tokens: one leaves, 3 being 0.43 utilised
-    each (<= 0.63); 2 would be 0.65 each (> 0.63), so 3 stay, though the utilisation alone
-    wants ceil(1.3 / 0.7) = 2."""
-    seen, state = steady(4, 1.3, 1200)
-    n = seen[-1]
-    assert n == 3 and "2 replicas would be 65% utilised" in state["why"]
+    """4 replicas under 1.2 replicas' worth of tokens, scale_down_utilisation 0.588.
+    Proportional headroom: one leaves, 3 being 0.4 utilised each; 2 would be 0.6 each (>
+    0.588), so 3 stay, though the utilisation alone wants ceil(1.2 / 0.667) = 2.
+    Square-root headroom: 2 may be 0.6 utilised (1.2 + (1/0.588 - 1) sqrt(1.2) = 1.97 <=
+    2), so 2 remain; 1 would be 1.2."""
+    seen, state = steady(4, 1.2, 1200, PROPORTIONAL)
+    assert seen[-1] == 3 and min(seen) == 3 and "2 replicas would be 60% utilised" in state["why"]
+    seen, state = steady(4, 1.2, 1200)
+    assert seen[-1] == 2 and min(seen) == 2, seen
+
+
+@pytest.mark.parametrize(
+    ("used", "proportional", "sqrt"),
+    [
+        (0.5, 0.71, 0.80),
+        (1.0, 1.43, 1.43),
+        (2.4, 3.43, 3.06),
+        (8.0, 11.43, 9.21),
+        (30.0, 42.86, 32.35),
+    ],
+)
+def test_square_root_headroom_gives_a_larger_load_relatively_less_spare(used, proportional, sqrt):
+    """The replicas a use of `used` replicas' worth wants at target 0.7: used / 0.7
+    proportional, used + (1/0.7 - 1) sqrt(used) square-root staffing. They agree at one
+    replica's worth; past it the bursts of many independent requests grow as the square
+    root of their rate, not with it, so 8 replicas' worth wants 9.2 replicas (0.87
+    utilised), not 11.4 (0.7); below it a load is given a little more spare."""
+    assert staffed(used, 0.7, "proportional") == pytest.approx(proportional, abs=0.01)
+    assert staffed(used, 0.7, "sqrt") == pytest.approx(sqrt, abs=0.01)
+
+
+def test_eight_replicas_at_six_replicas_worth_stay_eight_with_square_root_headroom():
+    """8 replicas sharing 6 replicas' worth of tokens (0.75 each, no queue): proportional
+    headroom wants ceil(6 / 0.667) = 9, square-root staffing ceil(6 + 0.5 sqrt 6) = 8."""
+    for policy, want in ((PROPORTIONAL, 9), (POLICY, 8)):
+        ctx = Context([f"r{i}" for i in range(8)], fleet_below_capacity(8, 6.0), 0.0)
+        ctx.capacity_adjusted_max_replicas = 16
+        target, state = policy(ctx)
+        assert target == want and "utilisation 6.00 replicas" in state["why"], state
 
 
 def asking_for(n: int, set_mib: float, tier_mib: float, **kw) -> Context:

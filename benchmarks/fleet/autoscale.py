@@ -25,9 +25,15 @@ The day (stated values, FULL / QUICK):
                  DOWNSCALE_DELAYS (Serve's default 600 s, and the lora config's 30 s);
                  its best: the fewest replica-hours among the settings with SLO attainment
                  >= 0.99 (else the highest attainment)
-    lora         `LoraAutoscalingPolicy` with its default settings (untuned), in the
-                 recommended config (docs/cluster.md): Serve's downscale_delay_s
-                 LORA_DOWNSCALE_DELAY_S, the policy having its own delay and cool-down
+    lora         `LoraAutoscalingPolicy` with its default settings, in the recommended
+                 config (docs/cluster.md): Serve's downscale_delay_s
+                 LORA_DOWNSCALE_DELAY_S, the policy having its own delay and cool-down.
+                 The defaults of its square-root headroom (β 0.5, the band's 0.7) were
+                 chosen on the quick day among four pairs (0.35-0.75; 2026-12-05), so the
+                 full day and the steady load are their held-out checks
+    lora_proportional  the same with the headroom the policy had before (`headroom:
+                 proportional`, target_utilisation 0.7, scale_down_utilisation 0.63): what
+                 the square-root headroom changes
     static       peak_replicas all day (Serve's min = max)
     steady       the same fleet at a steady load, for "no flapping": the day's mean rate all
                  through (the trace's arrival process at that constant rate), Zipf(1)
@@ -40,6 +46,7 @@ The day (stated values, FULL / QUICK):
 SLO: the fleet bench's, 5 x the mean unloaded TTFT of the day's requests. Keys:
     autoscale.replica_hours_ratio_vs_ray_default   lora's replica-hours / ray_default's best
     autoscale.replica_hours_ratio_vs_static        lora's / the static fleet's
+    autoscale.replica_hours_ratio_vs_ray_default_proportional  lora_proportional's / ray_default's
     autoscale.replica_hours_clairvoyant_vs_static  a fleet that knows the rate, of whole
                                                    replicas each at most at the static
                                                    fleet's peak load, up and down at once
@@ -80,6 +87,8 @@ REFERENCE_LOAD = 0.65  # of a replica's capacity: the fleet bench's reference ra
 WINDOW_S = 300.0  # the figure's P99 TTFT windows
 SERVE_DOWNSCALE_DELAY_S = 600.0  # Serve's default
 LORA_DOWNSCALE_DELAY_S = 30.0  # the recommended lora config's: one look-back window
+# lora's utilisation settings before its square-root headroom (2026-12-05)
+PROPORTIONAL_UTILISATION = {"target_utilisation": 0.7, "scale_down_utilisation": 0.63}
 DOWNSCALE_DELAYS = (SERVE_DOWNSCALE_DELAY_S, LORA_DOWNSCALE_DELAY_S)  # Ray default's sweep
 STEADY_WARMUP_S = 600.0  # the steady run's events are counted after this
 
@@ -225,9 +234,11 @@ def measure(quick: bool, trace_path: Path | None = None) -> dict[str, Any]:
     }
     best = best_setting(sweep)
     lora = {**serve, "policy": "lora", "downscale_delay_s": LORA_DOWNSCALE_DELAY_S}
+    proportional = {"headroom": "proportional", **PROPORTIONAL_UTILISATION}
     policies = {
         "ray_default": sweep[best],
         "lora": day("lora", lora),
+        "lora_proportional": day("lora proportional", {**lora, "lora": proportional}),
         "static": day(
             "static",
             {"min_replicas": shape.peak_replicas, "max_replicas": shape.peak_replicas},
@@ -270,6 +281,9 @@ def measure(quick: bool, trace_path: Path | None = None) -> dict[str, Any]:
         "ray_default_sweep": {t: _brief(r) for t, r in sweep.items()},
         "replica_hours_ratio_vs_ray_default": hours["lora"] / hours["ray_default"],
         "replica_hours_ratio_vs_static": hours["lora"] / hours["static"],
+        "replica_hours_ratio_vs_ray_default_proportional": (
+            hours["lora_proportional"] / hours["ray_default"]
+        ),
         # what no policy of whole replicas at the static fleet's peak load can go below
         "replica_hours_clairvoyant_vs_static": (
             clairvoyant_replica_hours(shape.peak_replicas, shape.day_s) / hours["static"]
@@ -368,7 +382,12 @@ def plot_day(results: dict[str, Any], path: Path) -> Path:
     """The day as a figure: replicas held (above) and each 5-minute window's P99 TTFT
     against the SLO (below), per policy, over the day's minutes."""
     plt = pyplot()
-    colors = {"ray_default": "tab:orange", "lora": "tab:blue", "static": "tab:grey"}
+    colors = {
+        "ray_default": "tab:orange",
+        "lora": "tab:blue",
+        "lora_proportional": "tab:cyan",
+        "static": "tab:grey",
+    }
     fig, (held, tail) = plt.subplots(2, 1, figsize=(7.5, 5.2), sharex=True)
     end = results["day_s"] / 60
     for policy, r in results["policies"].items():

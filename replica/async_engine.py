@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from loraplex.replica.config import EngineConfig
-from loraplex.replica.cpu_threads import serially
+from loraplex.replica.cpu_threads import flush_denormals, serially
 from loraplex.replica.engine import AdapterInfo, LLMEngine
 from loraplex.replica.sampling import SamplingParams
 from loraplex.replica.sequence import Continuation, RequestOutput
@@ -22,6 +22,7 @@ class Engine:
     """`LLMEngine` on a background thread, with async streaming for servers."""
 
     core: LLMEngine
+    flushes_denormals: bool  # its thread's parallel ops flush denormals (cpu_threads.py)
 
     def __init__(self, cfg: EngineConfig):
         self._lock = threading.Lock()
@@ -44,6 +45,8 @@ class Engine:
             raise self._build_error
 
     def _run(self, cfg: EngineConfig, ready: threading.Event) -> None:
+        # before any torch op on this thread: its OpenMP team copies the mode when it starts
+        self.flushes_denormals = flush_denormals()
         try:
             self.core = LLMEngine(cfg)
         except BaseException as e:

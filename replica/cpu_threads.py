@@ -60,6 +60,29 @@ def serially(fn: Callable[P, T]) -> Callable[P, T]:
     return call
 
 
+def flush_denormals() -> bool:
+    """Flush denormal floats to zero on the calling thread (x86's FTZ and DAZ, through
+    torch.set_flush_denormal), and say whether its parallel ops flush them too.
+
+    A decode step's attention makes denormals: the softmax of a sharp row (a model's first
+    token takes most of the weight) leaves many probabilities under float32's smallest
+    normal, 1.2e-38, and the exps and products that reach them take the CPU's slow path.
+    Measured on 2 cores (2026-12-05, SmolLM2's shapes at 130 tokens, 11% of the
+    probabilities denormal): softmax 30 -> 16 us, the product with V 142-191 -> 100 us.
+    Results change only where a value was under 1.2e-38.
+
+    The mode is a thread's own (MXCSR). An OpenMP worker copies its master's when the
+    master starts its team, at the master's first parallel op, and keeps it: so call this
+    first on a thread, before any parallel torch op there. Called later, the thread's own
+    share of each op flushes and its workers' do not: False."""
+    if not torch.set_flush_denormal(True):
+        return False  # a CPU without the mode
+    # denormals by their bits (a float fill would be flushed here already), split over the
+    # team's threads
+    probe = torch.full((1 << 18,), 1 << 20, dtype=torch.int32).view(torch.float32)
+    return int(torch.count_nonzero(probe * 2)) == 0
+
+
 @functools.cache
 def _omp_set_num_threads() -> Callable[[int], None] | None:
     """omp_set_num_threads of the OpenMP runtime this process has loaded, or None."""

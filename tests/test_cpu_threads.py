@@ -40,8 +40,10 @@ def test_a_thread_after_serial_torch_ops_adds_no_openmp_thread_and_leaves_the_ot
     the engine); after serial_torch_ops the same op adds none, and the main thread still
     splits its ops over 2."""
     seen = run("""
-        import threading
+        import threading, time
         from loraplex.replica.cpu_threads import serial_torch_ops
+
+        alone = os_threads()  # the main thread and its team's
 
         def op_in_a_thread(serial):
             out = {}
@@ -49,6 +51,11 @@ def test_a_thread_after_serial_torch_ops_adds_no_openmp_thread_and_leaves_the_ot
                 if serial:
                     serial_torch_ops()
                 out["threads"] = torch.get_num_threads()
+                # a thread joined earlier can still be listed for a moment (seen under
+                # load: counted here and gone by the count after, it read as 0 added)
+                deadline = time.monotonic() + 10
+                while os_threads() > alone + 1 and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 before = os_threads()
                 out["sum"] = float((big * 2).sum())
                 out["added"] = os_threads() - before
@@ -126,10 +133,42 @@ def test_the_async_engine_is_built_on_its_stepping_thread_and_reads_adapters_ser
         try:
             name = assets.adapter_names[0]
             asyncio.run(engine.add_adapter(name, assets.adapters_dir / name))
+            seen["flushes_denormals"] = engine.flushes_denormals
         finally:
             engine.shutdown()
         print(json.dumps(seen))
         """,
         str(tmp_path),
     )
-    assert seen == {"built_on": "loraplex-engine", "read_threads": 1}
+    assert seen == {"built_on": "loraplex-engine", "read_threads": 1, "flushes_denormals": True}
+
+
+def test_a_thread_that_flushes_denormals_first_flushes_them_in_its_parallel_ops_too():
+    """A float32 op on 2^18 denormal values (1e-39 x 2), split over the two threads of the
+    calling thread's team. The main thread's team started before it flushed (COMMON): its
+    own half is flushed, its worker's is not, and flush_denormals says so. A fresh thread
+    that flushes first starts its team after: nothing is left."""
+    out = run(
+        """
+        import threading
+        from loraplex.replica.cpu_threads import flush_denormals
+
+        probe = torch.full((1 << 18,), 1e-39)
+        plain = int(torch.count_nonzero(probe * 2))
+        late = flush_denormals()
+        late_left = int(torch.count_nonzero(probe * 2))
+        seen = {}
+
+        def fresh():
+            seen["first"] = flush_denormals()
+            seen["first_left"] = int(torch.count_nonzero(probe * 2))
+
+        thread = threading.Thread(target=fresh)
+        thread.start()
+        thread.join()
+        print(json.dumps({"plain": plain, "late": late, "late_left": late_left, **seen}))
+        """
+    )
+    assert out["plain"] == 1 << 18
+    assert out["late"] is False and 0 < out["late_left"] < 1 << 18, out
+    assert out["first"] is True and out["first_left"] == 0, out

@@ -50,6 +50,7 @@ from loraplex.benchmarks.report import log, over_repetitions, write_json
 from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
 from loraplex.kernels.dense import linear
 from loraplex.replica.config import EngineConfig
+from loraplex.replica.cpu_threads import flush_denormals
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.model.config import DTYPES
 from loraplex.replica.model.llama import DENSE
@@ -124,7 +125,11 @@ ROUNDS = 3  # alternating loraplex / peft rounds of the serving workload
 def run_bench(args: argparse.Namespace) -> int:
     """The whole bench `args.repeat` times (each round a fresh build of models and engines);
     with more than one round the figures are the rounds' medians, each ratio with its 90%
-    bootstrap interval, and every round's figures are kept under `repetitions`."""
+    bootstrap interval, and every round's figures are kept under `repetitions`. Denormals
+    are flushed on this thread first, as the replica's engine thread does, for loraplex and
+    transformers + peft alike (replica/cpu_threads.py `flush_denormals`)."""
+    if not flush_denormals():
+        log("warning: this thread's parallel ops do not flush denormals (a team started before)")
     rounds = []
     for i in range(args.repeat):
         if args.repeat > 1:

@@ -115,18 +115,27 @@ round's overhead by ~0.05; since 2026-12-05 it times 16 (full: 24), and the cont
 by as many tokens (64 -> ~82 on the real model, `--quick`). `step_sections_ms` splits
 the base step's wall time by the forward pass's calls (`benchmarks/engine/sections.py`),
 timed around each call, not with torch.profiler, which reads the KV gather at 470 us where
-it takes 190 us. On SmolLM2 at batch 32 the GEMMs take 52-55 ms of the step, at ~90% of
+it takes 190 us. On SmolLM2 at batch 32 the GEMMs take 52-58 ms of the step, at ~90% of
 these two cores' FMA peak (8.6 GFLOP a step, ~172 GFLOP/s), so `real.gemm_efficiency`
-is set by what else the step does: attention is 11-20 ms at contexts 70-130 in a process
-of its own (timed 6 steps at a time: 60% of it is the gather of every cached key and value,
-read scattered across pages at ~17 GB/s, the rest two batched matmuls), and in some
-processes, the bench's three runs of 2026-12-05 among them, it runs at twice that (28-35
-ms at ~90 tokens) once the contexts pass some length (seen at 96-148 tokens, not in every
-process); the norms, RoPE, KV writes and the rest of the step (sampling, scheduling,
-residual adds) take 10-15 ms. Past ~0.7 a step would have to read fewer KV bytes
-(a half-precision KV cache) or gather them less often. The same slower attention lowers
-`real.lora_overhead`: the published 0.089 is LoRA's 7.9-9.3 ms over base steps of 88-90 ms;
-over a base step at the 73-75 ms it takes in a process of its own it would read ~0.11.""",
+is set by what else the step does. Since 2026-12-05 the engine's thread flushes denormal
+floats before its first op, and so its OpenMP team (`replica/cpu_threads.py`
+`flush_denormals`; the bench does it on its own thread, for peft too): a softmax over a
+sharp row leaves many probabilities under float32's smallest normal (11% at SmolLM2's
+shapes and 130 tokens in a microbenchmark), and the exps and products that reach them
+took the CPU's slow path (softmax 30 -> 16 us, the product with V 142-191 -> 100 us).
+`real.gemm_efficiency` went 0.560/0.564/0.575 -> 0.662/0.655/0.665 (rounds of the runs of
+01:34 and 05:54, both alone), the base step 88-90 -> 77-80 ms. The slow path grows with
+the context (longer rows hold more tiny probabilities), so it may be part of the attention
+that ran twice as slow past ~100 tokens in some processes of earlier runs, but not all of
+it: attention still took 26.4 ms in the first round, 16.5-17.7 in the others, 60% of it
+the gather of every cached key and value, read
+scattered across pages at ~17 GB/s; the norms, RoPE, KV writes and the rest of the step
+(sampling, scheduling, residual adds) take 10-15 ms. Past ~0.7 a step would have to read
+fewer KV bytes (a half-precision KV cache) or gather them less often. The faster base step
+raises `real.lora_overhead`: LoRA's 7.2-9.7 ms over base steps of 77-80 ms is 0.092/0.104/
+0.125 (median 0.104, over the 0.10 target), where the same milliseconds over 88-90 ms read
+0.089 before. The synthetic model's `gemm_efficiency` read 0.561/0.467/0.455 against
+0.538/0.537/0.422 before: its 18 ms step moves that much between the rounds of one run.""",
     "registry": """\
 `loraplex bench registry` (`benchmarks/registry/bench.py`): a real etcd on loopback with fsync on;
 registrations with 8 in flight, the time from a registration's commit to its event at each

@@ -114,8 +114,10 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
         sorted_logits, order = torch.sort(logits, descending=True)
         probs = torch.softmax(sorted_logits, dim=-1)
         # keep the smallest prefix whose mass reaches top_p: a token is dropped when the
-        # mass before it already does (the first token never is, as top_p > 0)
+        # mass before it already does. The first token never is, even where top_p is a
+        # float32 denormal that a thread flushing denormals (the engine's) reads as 0
         drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop_sorted[0] = False
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

@@ -1,10 +1,12 @@
 """The sampler as a pure policy: greedy, top-k, top-p, temperature, seeds, parameter checks."""
 
 import math
+import threading
 
 import pytest
 import torch
 
+from loraplex.replica.cpu_threads import flush_denormals
 from loraplex.replica.sampling import SamplingParams, sample
 
 NUCLEUS_PROBS = [0.5, 0.3, 0.15, 0.05]
@@ -171,6 +173,27 @@ def test_the_smallest_float32_top_p_keeps_exactly_the_top_token():
     generator = [torch.Generator().manual_seed(0)]
     params = [SamplingParams(temperature=1.0, top_p=1.4e-45)]
     assert sample(logits, params, generator) == logits.argmax(dim=-1).tolist()
+
+
+def test_a_denormal_top_p_keeps_the_top_token_on_a_thread_that_flushes_denormals():
+    """The engine's thread flushes denormals (replica/cpu_threads.py), which reads a top_p
+    of 1e-44 (a float32 denormal, accepted at the edge) as 0: every token's mass before it
+    then reached top_p, all were dropped, and the draw failed (the ingress answered 500)."""
+    logits = torch.randn(1, 100, generator=torch.Generator().manual_seed(13))
+    params = [SamplingParams(temperature=1.0, top_p=1e-44)]  # checked off the engine's thread
+    drawn: list[int | BaseException] = []
+
+    def draw() -> None:
+        flush_denormals()
+        try:
+            drawn.extend(sample(logits, params, [torch.Generator().manual_seed(0)]))
+        except BaseException as e:
+            drawn.append(e)
+
+    thread = threading.Thread(target=draw)
+    thread.start()
+    thread.join()
+    assert drawn == logits.argmax(dim=-1).tolist()
 
 
 def test_same_seed_gives_the_same_draws_and_other_seeds_differ():

@@ -2,10 +2,12 @@
 
 The poison of the report: `temperature 1, top_p 1e-46` is positive as a Python float and 0 in
 float32, so the nucleus filter dropped every token and `torch.multinomial` raised, which
-stopped the replica's whole engine. The ingress and `SamplingParams` now refuse it; these
-tests force such values past validation (as any future hole would let them through) and
-check that the engine ends only that request and its batch-mates finish with the tokens
-they get without it.
+stopped the replica's whole engine. The ingress and `SamplingParams` now refuse it, and the
+nucleus keeps its top token whatever top_p reads as (test_sampling.py), so it no longer
+raises; a fractional top_k, which torch.topk refuses, stands in for it. These tests force
+such values past validation (as any future hole would let them through) and check that the
+engine ends only that request and its batch-mates finish with the tokens they get without
+it.
 """
 
 import asyncio
@@ -47,7 +49,7 @@ def _forced(params: SamplingParams, **fields) -> SamplingParams:
 
 def _poisons() -> list[tuple[str, SamplingParams, str | None]]:
     return [
-        ("poison top_p", _forced(SamplingParams(max_tokens=8), top_p=1e-46), None),
+        ("poison top_k", _forced(SamplingParams(max_tokens=8), top_k=2.5), None),
         (
             "poison nan temperature",
             _forced(SamplingParams(max_tokens=8), temperature=float("nan")),

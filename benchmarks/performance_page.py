@@ -128,8 +128,7 @@ took the CPU's slow path (softmax 30 -> 16 us, the product with V 142-191 -> 100
 the context (longer rows hold more tiny probabilities), so it may be part of the attention
 that ran twice as slow past ~100 tokens in some processes of earlier runs, but not all of
 it: attention still took 26.4 ms in the first round, 16.5-17.7 in the others, 60% of it
-the gather of every cached key and value, read
-scattered across pages at ~17 GB/s; the norms, RoPE, KV writes and the rest of the step
+the gather of every cached key and value, read scattered across pages at ~17 GB/s; the norms, RoPE, KV writes and the rest of the step
 (sampling, scheduling, residual adds) take 10-15 ms. Past ~0.7 a step would have to read
 fewer KV bytes (a half-precision KV cache) or gather them less often. The faster base step
 raises `real.lora_overhead`: LoRA's 7.2-9.7 ms over base steps of 77-80 ms is 0.092/0.104/
@@ -290,8 +289,9 @@ static fleet's at a peak of 4 (`--quick`) and 0.64 at 12, so `<= 0.6` is below w
 fleet reaches, and the table says so beside the miss. Serve's `max_ongoing_requests` is
 Ray Serve LLM's 1e9, as in the fleet section since 2026-12-03 (at 128 lora's day and Ray's
 best setting gave the same figures to the last digit: the cap never bound them). The
-simulator is deterministic: a run's figures do not follow the machine's load. Since 2026-12-05 `lora`'s utilisation count has square-root headroom (a load of u
-replicas' worth wants u + 0.5 sqrt(u) replicas; the band 0.7 sqrt(u)) where it wanted u / 0.7:
+simulator is deterministic: a run's figures do not follow the machine's load. Since
+2026-12-05 `lora`'s utilisation count has square-root headroom (a load of u replicas'
+worth wants u + 0.5 sqrt(u) replicas; the band 0.7 sqrt(u)) where it wanted u / 0.7:
 3.39 replica-hours at attainment 0.997 (0.858 of Ray's best), against 3.61 at 0.999 (0.913)
 for the old rule, run beside it as `lora_proportional`. Its β was chosen on this day among
 four pairs, so the same day on seeds 27 and 28 is the held-out check (docs/cluster.md:

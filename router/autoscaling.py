@@ -12,8 +12,8 @@ Serve over `look_back_period_s`. The policy wants the largest of three counts:
                   what it makes with its batch full: replica/protocol.py
                   `token_utilisation`): u + β√u replicas, β = 1/target_utilisation − 1,
                   square-root staffing (`headroom: sqrt`, below), or u ÷
-                  target_utilisation (`headroom: proportional`); requests held (running + waiting) ÷
-                  (target_slot_use × a replica's slots); and the prompt tokens the replicas
+                  target_utilisation (`headroom: proportional`); requests held (running +
+                  waiting) ÷ (target_slot_use × a replica's slots); and the prompt tokens the replicas
                   have yet to prefill in seconds of their own steps ÷ target_prefill_s. The
                   last two measure queues, which are empty below capacity: they add replicas
                   on a ramp, before the utilisation's look-back has seen it, but alone they
@@ -332,7 +332,7 @@ def staffed(used: float, target: float, headroom: Headroom) -> float:
 def over_band(used: float, replicas: int, s: LoraAutoscaling) -> bool:
     """Whether `replicas` would be over the scale-down band with `used` replicas' worth in
     use: they would want more than themselves at scale_down_utilisation."""
-    return staffed(used, s.scale_down_utilisation, s.headroom) > replicas + 1e-9
+    return _ceil(staffed(used, s.scale_down_utilisation, s.headroom)) > replicas
 
 
 def hot_homes(reports: list[ReplicaReport], slots: float, homes: Homes | None) -> int:

@@ -1,13 +1,14 @@
 """The decode step's fused CPU ops against what they replace: the rotation of q's and k's
 heads in one call (`rope.rotate`) against HF's `apply_rotary_pos_emb` per tensor, at the
-head counts of one rank of a tensor-parallel group too, and a decode step's attention
-without its index copies against the general path."""
+head counts of one rank of a tensor-parallel group too, the RMS norm against HF's
+`LlamaRMSNorm`, and a decode step's attention without its index copies against the general
+path."""
 
 from dataclasses import replace
 
 import pytest
 import torch
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
 from loraplex.checkpoint_shape import ModelShape
 from loraplex.demo.assets import DemoAssets
@@ -15,6 +16,7 @@ from loraplex.replica.batch import build_step_batch
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.model.config import ModelConfig
+from loraplex.replica.model.llama import rms_norm
 from loraplex.replica.model.rope import RotaryEmbedding, apply_rotary, rotate
 from loraplex.replica.sampling import SamplingParams
 
@@ -101,3 +103,18 @@ def test_decode_step_attention_without_index_copies_equals_the_general_path(
     engine.add_request(list(range(60, 70)), SamplingParams(max_tokens=2))
     mixed = build_step_batch(engine.scheduler.schedule(), engine.kv, None)
     assert len(mixed.groups) == 2 and not any(g.every_row for g in mixed.groups)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,width", [(1, 64), (32, 576), (33, 960), (5, 4096)])
+def test_rms_norm_is_hf_llama_rms_norm_bit_for_bit(dtype, rows, width):
+    """torch's rms_norm in float32 (fewer intermediate tensors), the reference's ops in
+    half precision: both equal to transformers' LlamaRMSNorm bit for bit, at scales from
+    small to large."""
+    gen = torch.Generator().manual_seed(rows * width)
+    hf = LlamaRMSNorm(width, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        hf.weight.copy_(torch.randn(width, generator=gen))
+        for scale in (1e-3, 1.0, 100.0):
+            x = (torch.randn(rows, width, generator=gen) * scale).to(dtype)
+            assert torch.equal(rms_norm(x, hf.weight, 1e-5), hf(x))

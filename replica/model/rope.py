@@ -58,8 +58,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
     exact, and the products and the sum round as it does. x [T, heads, head_dim] may be
     q's and k's heads side by side (a view of the fused qkv output)."""
     t, heads, dim = x.shape
-    swapped = x.unflatten(-1, (2, dim // 2)).flip(-2).view(t, heads, dim)
-    return x * cos + swapped * signed_sin
+    swapped = x.unflatten(-1, (2, dim // 2)).flip(-2).view(t, heads, dim)  # flip copies
+    # the same products and sum, written into two new tensors, not four
+    return (x * cos).add_(swapped.mul_(signed_sin))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -128,23 +128,23 @@ took the CPU's slow path (softmax 30 -> 16 us, the product with V 142-191 -> 100
 the context (longer rows hold more tiny probabilities), so it may be part of the attention
 that ran twice as slow past ~100 tokens in some processes of earlier runs, but not all of
 it: attention still took 26.4 ms in the first round, 16.5-17.7 in the others, 60% of it
-the gather of every cached key and value, read scattered across pages at ~17 GB/s; the norms, RoPE, KV writes and the rest of the step
-(sampling, scheduling, residual adds) take 10-15 ms. Measured on 2026-12-05 (09:22, the
-machine alone): not gathering does not help. A dense K/V buffer per layer kept across steps,
-which the matmuls read in place (each step copying only the new position's rows), took
-13.2-16.7 ms of attention a step against 13.0-18.5 for the gather (three runs each, context
-64 -> 112, equal outputs): the matmuls reading cold K/V cost what the gather and the
-matmuls on its copy did (on data in cache the layer's gather, scores, softmax and product
-with V take 60, 73, 13 and 54 us). Gathering whole 12 KB pages instead of rows, and huge
-pages for torch's large tensors, were slower (attention 27-34 ms against 15-21; the gather
-13-20 ms against 7-11).
-The small ops run 2-3x slower in the step than on data in cache (rms_norm 51-66 us against
-25, RoPE 60-71 against 35-40): each new tensor is written to memory the step's 538 MB of
-weights have just pushed out of the caches; writing four fewer a layer (torch's rms_norm,
-SwiGLU and RoPE in place) did not move the step above its noise in five A/B pairs. Past
-~0.7 a step would have to read fewer KV bytes (a half-precision KV cache). The faster base step
-raises `real.lora_overhead`: LoRA's 7.2-9.7 ms over base steps of 77-80 ms is 0.092/0.104/
-0.125 (median 0.104, over the 0.10 target), where the same milliseconds over 88-90 ms read
+the gather of every cached key and value, read scattered across pages at ~17 GB/s; the
+norms, RoPE, KV writes and the rest of the step (sampling, scheduling, residual adds) take
+10-15 ms. Measured on 2026-12-05 (09:22, the machine alone): not gathering does not help.
+A dense K/V buffer per layer kept across steps, which the matmuls read in place (each step
+copying only the new position's rows), took 13.2-16.7 ms of attention a step against
+13.0-18.5 for the gather (three runs each, context 64 -> 112, equal outputs): the matmuls
+reading cold K/V cost what the gather and the matmuls on its copy did (on data in cache the
+layer's gather, scores, softmax and product with V take 60, 73, 13 and 54 us). Gathering
+whole 12 KB pages instead of rows, and huge pages for torch's large tensors, were slower
+(attention 27-34 ms against 15-21; the gather 13-20 ms against 7-11). The small ops run
+2-3x slower in the step than on data in cache (rms_norm 51-66 us against 25, RoPE 60-71
+against 35-40): each new tensor is written to memory the step's 538 MB of weights have just
+pushed out of the caches; writing four fewer a layer (torch's rms_norm, SwiGLU and RoPE in
+place) did not move the step above its noise in five A/B pairs. Past ~0.7 a step would
+have to read fewer KV bytes (a half-precision KV cache). The faster base step raises
+`real.lora_overhead`: LoRA's 7.2-9.7 ms over base steps of 77-80 ms is 0.092/0.104/0.125
+(median 0.104, over the 0.10 target), where the same milliseconds over 88-90 ms read
 0.089 before. The synthetic model's `gemm_efficiency` read 0.561/0.467/0.455 against
 0.538/0.537/0.422 before: its 18 ms step moves that much between the rounds of one run.""",
     "registry": """\

@@ -13,13 +13,13 @@ Serve over `look_back_period_s`. The policy wants the largest of three counts:
                   `token_utilisation`): u + β√u replicas, β = 1/target_utilisation − 1,
                   square-root staffing (`headroom: sqrt`, below), or u ÷
                   target_utilisation (`headroom: proportional`); requests held (running +
-                  waiting) ÷ (target_slot_use × a replica's slots); and the prompt tokens the replicas
-                  have yet to prefill in seconds of their own steps ÷ target_prefill_s. The
-                  last two measure queues, which are empty below capacity: they add replicas
-                  on a ramp, before the utilisation's look-back has seen it, but alone they
-                  let the count fall until prompts queue again (a sawtooth: 19 scale events
-                  an hour in the simulated day). The utilisation counts the tokens asked
-                  for, below capacity too
+                  waiting) ÷ (target_slot_use × a replica's slots); and the prompt tokens
+                  the replicas have yet to prefill in seconds of their own steps ÷
+                  target_prefill_s. The last two measure queues, which are empty below
+                  capacity: they add replicas on a ramp, before the utilisation's
+                  look-back has seen it, but alone they let the count fall until prompts
+                  queue again (a sawtooth: 19 scale events an hour in the simulated day).
+                  The utilisation counts the tokens asked for, below capacity too
     working set   while the replicas spend more than read_busy of their time reading
                   again adapters their tiers had dropped (re-reads per second × the measured
                   read time, per replica), the adapters wanted do not fit the replicas'

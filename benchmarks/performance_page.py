@@ -223,25 +223,25 @@ third repetition (affinity 1.53 s at 57 req/s where its other two had 0.48 and 0
 gave 0.72 against 1.03 and 1.07.
 
 Where tenant B's time goes under the flood behind Serve's proxy (2026-12-05, the protected
-app alone on the machine, load 0.5-2.4; a timestamp at every hop in every process, the
-third of three such runs): alone, B's median 25.5 ms is 6.1 from the client to the ingress's app (Serve's
-proxy), 3.3 in the app until its call to the replica (0.5 ms of it is the app's own code,
-measured in process), 2.9 to the replica, 5.2 in the engine (the next step admits, prefills,
-yields), 3.0 back to the ingress and 3.5 through the proxy to the client; under the flood the
-same hops take 8.6 / 6.5 / 7.1 / 11.3 / 2.5 / 3.2 ms at the median and 50 / 37 / 25 / 41 /
-10 / 37 at the p99 (132 ms). Every hop is slower and none dominates: the engine's step loop
-keeps one of the two cores busy with A's 8 running streams (0.83 cores), and B's hops share
-the other with the relay of A's chunks (Serve's proxy 0.19, the ingress 0.30), the client
-(0.13) and Ray's daemons. Not the cause, each measured: garbage collection (14 of 85 of B's
-flood requests overlapped a collection, mostly 2-20 ms ones; without them the p99 is still
-79 ms against 40 alone), the interpreter's switch interval (0.5 ms: pooled p99 ratio 2.99
-against 2.82), the engine thread at nice 10 (3.75: B's own prefill runs there). Halving the
-relay's messages (`engine.stream_events_per_s_per_stream` 10 instead of 20; A's chunks
-87-92/s against 153-158, proxy + ingress 0.37 cores against 0.48; three runs each,
-alternating) moved B's p99 ratio over the 255 requests of each setting from 2.80 to 2.53,
-its p95 from 2.55 to 2.17 and its median from 1.64 to 1.40: the direction the relay predicts,
-too little for the bound, and every stream's text would come in coarser steps, so the
-default stays. Of the ingress's up to 1.9 ms a chunk under the flood (0.30 cores, ~157
+app alone on the machine, load 0.5-2.4; a timestamp at every hop in every process, the third
+of three such runs): alone, B's median 25.5 ms is 6.1 from the client to the ingress's app
+(Serve's proxy), 3.3 in the app until its call to the replica (0.5 ms of it is the app's own
+code, measured in process), 2.9 to the replica, 5.2 in the engine (the next step admits,
+prefills, yields), 3.0 back to the ingress and 3.5 through the proxy to the client; under
+the flood the same hops take 8.6 / 6.5 / 7.1 / 11.3 / 2.5 / 3.2 ms at the median and 50 / 37
+/ 25 / 41 / 10 / 37 at the p99 (132 ms). Every hop is slower and none dominates: the
+engine's step loop keeps one of the two cores busy with A's 8 running streams (0.83 cores),
+and B's hops share the other with the relay of A's chunks (Serve's proxy 0.19, the ingress
+0.30), the client (0.13) and Ray's daemons. Not the cause, each measured: garbage collection
+(14 of 85 of B's flood requests overlapped a collection, mostly 2-20 ms ones; without them
+the p99 is still 79 ms against 40 alone), the interpreter's switch interval (0.5 ms: pooled
+p99 ratio 2.99 against 2.82), the engine thread at nice 10 (3.75: B's own prefill runs
+there). Halving the relay's messages (`engine.stream_events_per_s_per_stream` 10 instead of
+20; A's chunks 87-92/s against 153-158, proxy + ingress 0.37 cores against 0.48; three runs
+each, alternating) moved B's p99 ratio over the 255 requests of each setting from 2.80 to
+2.53, its p95 from 2.55 to 2.17 and its median from 1.64 to 1.40: the direction the relay
+predicts, too little for the bound, and every stream's text would come in coarser steps, so
+the default stays. Of the ingress's up to 1.9 ms a chunk under the flood (0.30 cores, ~157
 chunks a second) its own code is ~10 us (formatting the event, metrics; measured in process
 over a stand-in backend: 2.4 ms for a request of 200 chunks, the client included): the rest
 is Serve's streaming over Ray, the replica's stream in and the response's messages out to

@@ -28,24 +28,23 @@ def pytest_configure(config):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 
-_module_before: list[str] = []  # the test file of the last test set up
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    """A test file starts with no Ray driver in this process: one left by the file before
-    (its module fixtures are torn down by now, this file's not yet set up) is named in a
-    warning and shut down. Without this, one leaked driver failed every later test that
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """A test file leaves no Ray driver in this process: once the last test of a file is torn
+    down (its module fixtures with it), a driver still initialized is named in a warning on
+    that test and shut down. Without this, one leaked driver failed every later test that
     starts its own Ray ("a Ray driver already runs in this process"): 4 failed and 7
     skipped in the Ray suite of one CI run, whose 47 tests had passed on the same code."""
-    module = item.nodeid.split("::")[0]
-    before = _module_before[0] if _module_before else None
-    _module_before[:] = [module]
+    result = yield
+    if nextitem is not None and nextitem.path == item.path:
+        return result
     ray = sys.modules.get("ray")
-    if before is None or before == module or ray is None or not ray.is_initialized():
-        return
-    item.warn(pytest.PytestWarning(f"{before} left a Ray driver initialized; shut down"))
-    ray.shutdown()
+    if ray is not None and ray.is_initialized():
+        item.warn(
+            pytest.PytestWarning(f"{item.path.name} left a Ray driver initialized; shut down")
+        )
+        ray.shutdown()
+    return result
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -12,10 +12,11 @@ against the reference `kernels.attention.paged_attention`:
 scores, softmax and the product with V are computed in float32 whatever the cache's dtype.
 
 The pool is read as rows of head_dim elements. `decode_rows` finds, once per step, the
-rows of every layer's keys and values, ordered [K|V, B, KVH, N] (N: the longest context;
-shorter rows repeat their last key, masked out by the bias). Each layer then gathers its
-rows into one reusable buffer and runs two batched matmuls over [B * KVH] blocks of GQA
-query heads. Against the reference (a gather of whole pages per K and per V, then SDPA
+rows of layer 0's keys and values, ordered [K|V, B, KVH, N] (N: the longest context;
+shorter rows repeat their last key, masked out by the bias); layer l's are the same rows of
+the pool seen from l layers further on, so no layer has rows of its own to compute or keep.
+Each layer then gathers its rows into one reusable buffer and runs two batched matmuls over
+[B * KVH] blocks of GQA query heads. Against the reference (a gather of whole pages per K and per V, then SDPA
 with a bool mask) this copies only the keys the step reads, in the layout the matmuls take,
 into memory that is not reallocated each layer, and converts no mask per layer.
 """
@@ -31,7 +32,8 @@ from loraplex.kernels.attention import attention_bias
 
 @dataclass(frozen=True, slots=True)
 class DecodeRows:
-    rows: torch.Tensor  # [num_layers, 2 * B * KVH * N] int64 pool rows: K then V, [B, KVH, N]
+    rows: torch.Tensor  # [2 * B * KVH * N] int64 pool rows of layer 0: K then V, [B, KVH, N]
+    layer_rows: int  # rows from one layer's to the next's: layer l reads rows + l * this
     bias: torch.Tensor  # [B * KVH, H // KVH, N] float32: 0 on a key the query reads, -inf else
     gathered: torch.Tensor  # [2 * B * KVH * N, head_dim] cache dtype, every layer's buffer
 
@@ -44,24 +46,28 @@ def decode_rows(
     num_heads: int,
     sliding_window: int | None,
 ) -> DecodeRows:
-    _, num_layers, _, block_size, kv_heads, head_dim = kv_cache.shape
+    _, _, _, block_size, kv_heads, head_dim = kv_cache.shape
     page, layer, k_or_v, token, head, elem = kv_cache.stride()
     assert elem == 1 and pool_rows.is_contiguous() and pool_rows.shape[1] == head_dim
     assert pool_rows.untyped_storage().data_ptr() == kv_cache.untyped_storage().data_ptr()
+    # every step between two of the pool's rows is a whole number of rows: counted in rows
+    offset = kv_cache.storage_offset() - pool_rows.storage_offset()
+    assert all(s % head_dim == 0 for s in (page, layer, k_or_v, token, head, offset))
+    page, layer, k_or_v, token, head, offset = (
+        s // head_dim for s in (page, layer, k_or_v, token, head, offset)
+    )
     device = block_tables.device
     ctx = ctx_lens.to(torch.int64)
     n = int(ctx.max())
     keys = torch.arange(n, device=device)
     key = torch.minimum(keys[None, :], ctx[:, None] - 1)  # [B, N]
     first = block_tables.gather(1, key // block_size) * page + (key % block_size) * token
-    first += kv_cache.storage_offset() - pool_rows.storage_offset()
-    first = (
+    first += offset
+    rows = (
         first[None, :, None, :]
         + torch.arange(2, device=device)[:, None, None, None] * k_or_v
         + torch.arange(kv_heads, device=device)[None, None, :, None] * head
-    )  # [2, B, KVH, N] elements of layer 0
-    layers = torch.arange(num_layers, device=device)[:, None] * layer
-    rows = (first.view(1, -1) + layers).div_(head_dim, rounding_mode="floor")
+    ).view(-1)  # [2, B, KVH, N] rows of layer 0
 
     reads = keys[None, :] < ctx[:, None]
     if sliding_window is not None:
@@ -70,8 +76,8 @@ def decode_rows(
     b = block_tables.shape[0]
     group = num_heads // kv_heads
     bias = bias[:, None, None, :].expand(b, kv_heads, group, n).reshape(b * kv_heads, group, n)
-    gathered = torch.empty(rows.shape[1], head_dim, dtype=kv_cache.dtype, device=device)
-    return DecodeRows(rows, bias, gathered)
+    gathered = torch.empty(rows.shape[0], head_dim, dtype=kv_cache.dtype, device=device)
+    return DecodeRows(rows, layer, bias, gathered)
 
 
 def decode_attention(
@@ -83,7 +89,7 @@ def decode_attention(
 ) -> torch.Tensor:  # [B, H, head_dim] in the cache's dtype (q's)
     b, h, head_dim = q.shape
     blocks, group, n = step.bias.shape
-    torch.index_select(pool_rows, 0, step.rows[layer], out=step.gathered)
+    torch.index_select(pool_rows[layer * step.layer_rows :], 0, step.rows, out=step.gathered)
     k, v = step.gathered.view(2, blocks, n, head_dim)
     q = q.reshape(blocks, group, head_dim)
     if q.dtype != torch.float32:

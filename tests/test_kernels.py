@@ -178,15 +178,16 @@ CPU_DECODE_TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {
 def test_cpu_decode_attention_matches_reference(heads, window, dtype):
     """The CPU decode path (rows of the pool gathered once a layer into one buffer, fp32
     matmuls) against the reference's page gather and SDPA, on every layer of a pool laid
-    out as KVCache's (pages with slack at the end, layers interleaved, shuffled pages):
-    ragged contexts of 1 token, a full page, several pages and one key past a page."""
+    out as KVCache's (pages with slack at the end, layers interleaved, shuffled pages, the
+    pages after other memory of the pool, as adapters' may be): ragged contexts of 1 token,
+    a full page, several pages and one key past a page."""
     from loraplex.kernels.decode_attention import decode_attention, decode_rows
 
     (num_heads, kv_heads), head_dim, bs, layers, pages = heads, 64, 6, 3, 24
     g = torch.Generator().manual_seed(0)
     page_elems = layers * 2 * bs * kv_heads * head_dim + 3 * head_dim  # slack, as a pool's
-    arena = torch.randn(pages, page_elems, generator=g).to(dtype)
-    kv_cache = arena[:, : page_elems - 3 * head_dim].view(pages, layers, 2, bs, kv_heads, head_dim)
+    arena = torch.randn(pages + 1, page_elems, generator=g).to(dtype)
+    kv_cache = arena[1:, : page_elems - 3 * head_dim].view(pages, layers, 2, bs, kv_heads, head_dim)
     pool_rows = arena.view(-1, head_dim)
     ctx = torch.tensor([1, 6, 19, 30, 7], dtype=torch.int32)
     tables = torch.stack([torch.randperm(pages, generator=g)[:5] for _ in range(len(ctx))])

@@ -250,7 +250,15 @@ the tail, but does not hold the bound run after run: in three runs alternating w
 proxy (12:00-12:11, the machine alone, load 0.4-2.4) B's p99 ratio behind HAProxy was 1.37,
 1.71 and 1.85 (pooled over 255 of B's requests 1.79, median 1.38) against 2.97, 2.85 and
 4.02 behind Serve's proxy (pooled 3.86, median 1.68). The published 1.44 is one of HAProxy's
-better runs.""",
+better runs. Giving the engine a core of its own makes B's tail worse, not better (the
+engine's thread pinned to core 0 and every other thread of the run's processes to core 1;
+2026-12-05 21:37-21:46, three runs each, alternating, load 1.7-3.2): B's p99 ratio behind
+Serve's proxy 5.25, 5.46 and 4.45 pinned against 2.94, 3.26 and 2.61 not. Pinned, the
+engine ran 0.91 cores against 0.48-0.52 and finished 47-53 of A's streams a round against
+22-28, each followed by a new request of A's through the proxy and the ingress: those two
+used 0.42-0.44 cores against 0.31-0.34, on the core that B's hops (and the replica's own
+event loop, pinned there too) share. B waits behind the relay, which a faster engine only
+loads more.""",
     "fleet": """\
 `loraplex bench fleet` (`benchmarks/fleet/bench.py`): the same comparison at fleet scale in the
 simulator — 16 × H100 serving a 7B model, 2,000–10,000 adapters — whose replicas are the real

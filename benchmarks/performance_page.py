@@ -358,17 +358,12 @@ worth wants u + 0.5 sqrt(u) replicas; the band 0.7 sqrt(u)) where it wanted u / 
 3.39 replica-hours at attainment 0.997 (0.858 of Ray's best), against 3.61 at 0.999 (0.913)
 for the old rule, run beside it as `lora_proportional`. Its β was chosen on this day among
 four pairs, so the same day on seeds 27 and 28 is the held-out check (docs/cluster.md:
-0.923 and 0.886 of Ray's best, against 0.987 and 0.997). Since the evening of 2026-12-05
-its own scale-down delay and cool-down are 60 s and 30 s (120 s and 60 s before): 3.31 h at
-the same attainment (0.838 of Ray's best), the steady hour's events after its warm-up 1.2
-an hour against 2.4; the three seeds and the full day are in docs/cluster.md. Where lora's
-hours still go: a fifth replica from 1,700 s to 2,383 s (~0.19 h), asked for by 3.16
-replicas' worth of use on 4 (each replica's larger of its token utilisation and its slots
-held), while the static 4 hold the peak with a p99 of 0.58 s against the 1.76 s SLO; the
-morning ramp, which sets how little headroom is enough (at β 0.43 the third replica came
-50 s later and attainment fell to 0.984); and a down-ramp about 300 s behind the
-clairvoyant fleet's at each step (4 -> 3 and 3 -> 2 314 s and 308 s after it, no 2 -> 1
-before the day's end).""",
+0.923 and 0.886 of Ray's best, against 0.987 and 0.997). Where lora's hours still go: a fifth
+replica from 1,700 s to 2,445 s (~0.2 h), asked for by 3.16 replicas' worth of use on 4
+(each replica's larger of its token utilisation and its slots held), while the static 4 hold
+the peak with a p99 of 0.58 s against the 1.76 s SLO; the morning ramp, which sets how little
+headroom is enough (at β 0.43 the third replica came 50 s later and attainment fell to
+0.984); and a down-ramp 120-360 s behind the clairvoyant fleet's at each step.""",
 }
 
 

@@ -16,9 +16,10 @@ rows of layer 0's keys and values, ordered [K|V, B, KVH, N] (N: the longest cont
 shorter rows repeat their last key, masked out by the bias); layer l's are the same rows of
 the pool seen from l layers further on, so no layer has rows of its own to compute or keep.
 Each layer then gathers its rows into one reusable buffer and runs two batched matmuls over
-[B * KVH] blocks of GQA query heads. Against the reference (a gather of whole pages per K and per V, then SDPA
-with a bool mask) this copies only the keys the step reads, in the layout the matmuls take,
-into memory that is not reallocated each layer, and converts no mask per layer.
+[B * KVH] blocks of GQA query heads. Against the reference (a gather of whole pages per K
+and per V, then SDPA with a bool mask) this copies only the keys the step reads, in the
+layout the matmuls take, into memory that is not reallocated each layer, and converts no
+mask per layer.
 """
 
 from __future__ import annotations

@@ -132,7 +132,7 @@ def test_sched_bench_reports_every_key_on_tiny_shapes(tmp_path):
     from loraplex.benchmarks.sched import engine as sched_engine
     from loraplex.benchmarks.sched import sim as sched_sim
     from loraplex.benchmarks.sched.scenarios import SCENARIOS
-    from loraplex.benchmarks.sched.systems import SIM_SYSTEMS, SYSTEM_NAMES
+    from loraplex.benchmarks.sched.systems import ENGINE_SYSTEMS, SIM_SYSTEMS
 
     tiny = sched_sim.SimShape(
         requests=40, load_factors=(0.25, 1.0, 1.5), scale_minutes=0.5, seeds=2
@@ -178,7 +178,13 @@ def test_sched_bench_reports_every_key_on_tiny_shapes(tmp_path):
         for n in curves
         if curves[n][top[n]]["p99_ttft_s_max"] <= slo
     )
-    assert set(r["engine"]["systems"]) == set(SYSTEM_NAMES)
+    assert set(r["engine"]["systems"]) == set(ENGINE_SYSTEMS)
+    # against our own FIFO, each draw's reduction beside the pooled one, for loraplex and
+    # for loraplex with its starvation guard (an option) at the SLO
+    for e in (r["engine"], r["engine"]["guard"]):
+        assert len(e["p99_ttft_reduction_per_draw"]) == 1
+        assert isinstance(e["p99_ttft_reduction"], float)
+    assert r["engine"]["guard"]["starve_s"] == r["engine"]["slo_s"]
     # each system's TTFTs by adapter rank (where Chameleon's tail sits) and what it served
     for rows in (r["engine"]["systems"], r["engine"]["against_slora_systems"]):
         for row in rows.values():
@@ -202,7 +208,7 @@ def test_sched_section_engine_runs_the_engine_section_alone(tmp_path, monkeypatc
 
     from loraplex.benchmarks.sched import bench as sched
     from loraplex.benchmarks.sched import engine as sched_engine
-    from loraplex.benchmarks.sched.systems import SYSTEM_NAMES
+    from loraplex.benchmarks.sched.systems import ENGINE_SYSTEMS
     from loraplex.cluster.cli import main
 
     tiny = sched_engine.EngineShape(requests=12, table_draws=1, slora_draws=2)
@@ -212,7 +218,8 @@ def test_sched_section_engine_runs_the_engine_section_alone(tmp_path, monkeypatc
     r = json.loads(out.read_text())
     assert "sim" not in r and "shapes" not in r
     assert r["engine_p99_ttft_reduction"] == r["engine"]["p99_ttft_reduction"]
-    assert set(r["engine"]["systems"]) == set(SYSTEM_NAMES)
+    assert r["engine_p99_ttft_reduction_guard"] == r["engine"]["guard"]["p99_ttft_reduction"]
+    assert set(r["engine"]["systems"]) == set(ENGINE_SYSTEMS)
     assert r["engine"]["requests"] == 12
     assert "engine_p99_ttft_reduction" in capsys.readouterr().out
     assert main(["bench", "fleet", "--section", "engine"]) == 2

@@ -23,6 +23,8 @@ prefetched) — the ablation against our own FIFO:
   chameleon_nocache  Chameleon's queues, no cache
   loraplex           everything on: Chameleon's queues (bypass, squash) and cache,
                      prefetch, copy overlap, the engine's defaults otherwise
+  loraplex_guard     the same with its starvation guard at the SLO (`chameleon.starve_s`,
+                     an option, not in the paper); engine only, reported apart
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ SYSTEM_NAMES = (
     "loraplex",
 )
 GUARDED = "chameleon_guard"
+ENGINE_GUARDED = "loraplex_guard"
+ENGINE_SYSTEMS = (*SYSTEM_NAMES, ENGINE_GUARDED)
 TAIL = "chameleon_p99"
 TAIL_PERCENTILE = 0.99
 BREAKDOWN = ("cham_queues_only", "cham_cache_only")
@@ -106,6 +110,9 @@ def systems(
             slora=on_slora,
         ),
         "loraplex": System("loraplex", cham, cache),
+        ENGINE_GUARDED: System(
+            ENGINE_GUARDED, replace(cham, chameleon=replace(mlq, starve_s=slo_s)), cache
+        ),
         "cham_queues_only": System(
             "cham_queues_only",
             cham,

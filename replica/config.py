@@ -49,11 +49,11 @@ class ChameleonParams:
     # Off by default, as in the paper. At the SLO it narrows the largest queue's tail to
     # about FIFO's: bench sched's engine target (loraplex's P99 TTFT against its
     # own FIFO, at 1.0 x FIFO's capacity) pooled -1.18 off and about -0.06 at the SLO
-    # (0.350 s against FIFO's 0.331); on 2026-12-06, ten draws in two runs, ahead of FIFO
-    # in nine by 1.9-7.8% and 0.6% behind in one (docs/scheduling.md); in the simulator,
+    # (0.350 s against FIFO's 0.331); on 2026-12-06, 15 draws in three runs, ahead of FIFO
+    # in 13 by 0.9-7.8% and 0.6-2.7% behind in two (docs/scheduling.md); in the simulator,
     # Chameleon's P99 reduction against S-LoRA at the paper's high load -0.13 off, 0.15 at
     # the SLO (target 0.6), for 7% of its capacity, and loraplex's capacity against S-LoRA
-    # 2.44 -> 2.17 (3 seeds).
+    # 2.44 -> 2.17 (3 seeds; on 2026-12-06's tree 25.66 -> 22.76 req/s, FIFO's 23.05).
     starve_s: float | None = Field(
         None,
         gt=0,

@@ -187,37 +187,30 @@ def engine_section(shape: EngineShape) -> dict:
         against_rows, against_sim, per_draw = serve_all(
             ("slora", "chameleon", "loraplex"), slora_rate, len(draws)
         )
-    fifo = rows["fifo_nocache"]  # the ablation against our FIFO
 
     def against_fifo(name: str) -> dict:
-        """`name`'s reductions against fifo_nocache: of the TTFTs pooled over the draws,
-        and each draw's (on the same arrivals), so that its sign can be read."""
-        per = table_per_draw
+        """`name`'s reductions against fifo_nocache (the ablation against our own FIFO):
+        of the TTFTs pooled over the draws, and each draw's, so that its sign can be read."""
+        pooled, by_draw = _reductions(rows, table_per_draw, name, "fifo_nocache")
         return {
-            "p99_ttft_reduction": 1 - rows[name]["p99_ttft_s"] / fifo["p99_ttft_s"],
-            "p50_ttft_reduction": 1 - rows[name]["p50_ttft_s"] / fifo["p50_ttft_s"],
-            "p99_ttft_reduction_per_draw": [
-                1 - o / b for o, b in zip(per[name]["p99"], per["fifo_nocache"]["p99"], strict=True)
-            ],
+            "p99_ttft_reduction": pooled["p99"],
+            "p50_ttft_reduction": pooled["p50"],
+            "p99_ttft_reduction_per_draw": by_draw["p99"],
         }
 
     ours = against_fifo("loraplex")
     against = {}
-    base = against_rows["slora"]
     for key, name in (("vs_slora", "chameleon"), ("loraplex_vs_slora", "loraplex")):
         # each draw's reduction (the system against slora on the same arrivals), and their
         # mean as the key; the pooled one (every draw's TTFTs in one percentile) beside it
-        by_draw = {
-            q: [1 - o / b for o, b in zip(per_draw[name][q], per_draw["slora"][q], strict=True)]
-            for q in ("p50", "p99")
-        }
+        pooled, by_draw = _reductions(against_rows, per_draw, name, "slora")
         against[key] = {
             "p99_ttft_reduction": float(np.mean(by_draw["p99"])),
             "p50_ttft_reduction": float(np.mean(by_draw["p50"])),
             "p99_ttft_reduction_per_draw": by_draw["p99"],
             "p50_ttft_reduction_per_draw": by_draw["p50"],
-            "p99_ttft_reduction_pooled": 1 - against_rows[name]["p99_ttft_s"] / base["p99_ttft_s"],
-            "p50_ttft_reduction_pooled": 1 - against_rows[name]["p50_ttft_s"] / base["p50_ttft_s"],
+            "p99_ttft_reduction_pooled": pooled["p99"],
+            "p50_ttft_reduction_pooled": pooled["p50"],
             "sign_settled": all(d > 0 for d in by_draw["p99"])
             or all(d < 0 for d in by_draw["p99"]),
         }
@@ -261,6 +254,20 @@ def engine_section(shape: EngineShape) -> dict:
         "simulated_with_cpu_profile": sim_rows,
         "against_slora_ttft_per_draw": per_draw,
     }
+
+
+def _reductions(
+    rows: dict, per_draw: dict, name: str, base: str
+) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """`name`'s P50 and P99 TTFT reductions against `base` (1 - name's ÷ base's): of the TTFTs
+    pooled over the draws (`rows`), and each draw's on the same arrivals (`per_draw`)."""
+    quantiles = ("p50", "p99")
+    pooled = {q: 1 - rows[name][f"{q}_ttft_s"] / rows[base][f"{q}_ttft_s"] for q in quantiles}
+    by_draw = {
+        q: [1 - o / b for o, b in zip(per_draw[name][q], per_draw[base][q], strict=True)]
+        for q in quantiles
+    }
+    return pooled, by_draw
 
 
 def _first_miss(eng, requests, profile, slo: float, capacity: float, factors) -> float:

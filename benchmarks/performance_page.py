@@ -258,7 +258,11 @@ engine ran 0.91 cores against 0.48-0.52 and finished 47-53 of A's streams a roun
 22-28, each followed by a new request of A's through the proxy and the ingress: those two
 used 0.42-0.44 cores against 0.31-0.34, on the core that B's hops (and the replica's own
 event loop, pinned there too) share. B waits behind the relay, which a faster engine only
-loads more.""",
+loads more. Of the three runs not pinned, only the first (2.94) had both cores: the
+harness's pinning also reached the session's first process, from which every later
+process inherited core 1 alone (found 2026-12-06), so the second and third (3.26, 2.61)
+ran everything, engine included, on one core; the comparison rests on the first and on
+the same day's runs above (2.97, 2.85, 4.02).""",
     "fleet": """\
 `loraplex bench fleet` (`benchmarks/fleet/bench.py`): the same comparison at fleet scale in the
 simulator — 16 × H100 serving a 7B model, 2,000–10,000 adapters — whose replicas are the real

@@ -506,9 +506,12 @@ def _run_detail(run: dict[str, Any] | None) -> str:
         return "no committed JSON"
     meta = run.get("run") or {}
     load = meta.get("load_average") or {}
+    cpus, machine = meta.get("cpus", "?"), meta.get("cpus_on_machine")
+    # a run confined to fewer CPUs than its machine's (its affinity) says so
+    cores = f"{cpus} of {machine} CPUs" if machine not in (None, cpus) else f"{cpus} CPUs"
     return (
         f"{meta.get('date', 'date unknown')}, `{meta.get('command', '?')}`, "
-        f"{meta.get('cpus', '?')} CPUs, load average {load.get('before', '?')} before, "
+        f"{cores}, load average {load.get('before', '?')} before, "
         f"{load.get('after', '?')} after"
     )
 

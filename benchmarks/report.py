@@ -17,14 +17,24 @@ import numpy as np
 _STARTED = (datetime.datetime.now(datetime.UTC), os.getloadavg())
 
 
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity mask: a container's cpuset, taskset),
+    which can be fewer than the machine's `os.cpu_count()`."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def run_metadata() -> dict[str, Any]:
-    """How the run went: its date, command, cores and the 1-minute load average when it
-    began and now (a ratio from a loaded machine is read with that in mind)."""
+    """How the run went: its date, command, the CPUs it could use and the machine's, and
+    the 1-minute load average when it began and now (a ratio from a loaded machine is read
+    with that in mind)."""
     started, before = _STARTED
     return {
         "date": started.isoformat(timespec="seconds"),
         "command": shlex.join(["loraplex", *sys.argv[1:]]),
-        "cpus": os.cpu_count(),
+        "cpus": usable_cpus(),
+        "cpus_on_machine": os.cpu_count(),
         "load_average": {"before": round(before[0], 2), "after": round(os.getloadavg()[0], 2)},
     }
 

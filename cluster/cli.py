@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -147,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
             from loraplex.benchmarks.performance_page import run_report
 
             return run_report(args)
+        _note_confined_cpus()
         if args.suite == "registry":
             from loraplex.benchmarks.registry.bench import run_bench
         elif args.suite == "router":
@@ -169,6 +171,19 @@ def main(argv: list[str] | None = None) -> int:
     except CLIError as e:
         print(f"loraplex: error: {e}", file=sys.stderr)
         return 2
+
+
+def _note_confined_cpus() -> None:
+    """Say so where a bench may run on fewer CPUs than the machine has (its affinity mask):
+    the run's timings and `cpus` are of those, and nothing else would show it."""
+    from loraplex.benchmarks.report import log, usable_cpus
+
+    usable, machine = usable_cpus(), os.cpu_count() or 1
+    if usable < machine:
+        log(
+            f"bench: this process may run on {usable} of the machine's {machine} CPUs (its "
+            "CPU affinity); its timings are of those"
+        )
 
 
 def _demo_assets(args: argparse.Namespace) -> int:

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
 
-from loraplex.benchmarks.performance_page import SUITES, read_runs, render
+from loraplex.benchmarks.performance_page import SUITES, _run_detail, read_runs, render
 from loraplex.benchmarks.report import write_json
 
 
@@ -46,6 +47,41 @@ def test_a_bench_json_says_how_its_run_went(tmp_path):
     assert run["command"].startswith("loraplex")
     assert run["cpus"] >= 1 and set(run["load_average"]) == {"before", "after"}
     assert run["date"][:2] == "20"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
+def test_a_bench_json_counts_the_cpus_its_run_could_use(tmp_path):
+    """A process confined to fewer CPUs than the machine has (an affinity mask, a
+    container's cpuset) records those it could use: on 2026-12-06 a whole session's
+    processes had inherited one core of two, and every bench JSON still said 2."""
+    allowed = os.sched_getaffinity(0)
+    path = tmp_path / "bench.json"
+    try:
+        os.sched_setaffinity(0, {min(allowed)})
+        write_json(path, {"ratio": 1.5})
+    finally:
+        os.sched_setaffinity(0, allowed)
+    run = json.loads(path.read_text())["run"]
+    assert run["cpus"] == 1
+    assert run["cpus_on_machine"] == os.cpu_count()
+    if os.cpu_count() != 1:
+        assert f"1 of {os.cpu_count()} CPUs" in _run_detail({"run": run})
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or (os.cpu_count() or 1) < 2,
+    reason="needs CPU affinity and two CPUs",
+)
+def test_a_bench_says_when_it_may_use_fewer_cpus_than_the_machine(capsys):
+    from loraplex.cluster.cli import _note_confined_cpus
+
+    allowed = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(allowed)})
+        _note_confined_cpus()
+    finally:
+        os.sched_setaffinity(0, allowed)
+    assert f"may run on 1 of the machine's {os.cpu_count()} CPUs" in capsys.readouterr().err
 
 
 def test_the_performance_page_is_the_committed_json_rendered():

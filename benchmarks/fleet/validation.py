@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import tempfile
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -45,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from loraplex.benchmarks.fleet import workloads as fw
-from loraplex.benchmarks.report import log
+from loraplex.benchmarks.report import log, usable_cpus
 from loraplex.benchmarks.router import bench as bench_router
 from loraplex.benchmarks.router.figures import PAGE_BYTES
 from loraplex.benchmarks.sim.fleet import ROUTERS, FleetSetup, simulate_fleet
@@ -106,7 +105,7 @@ def validate(
         log(f"validation: the real run of {date} from {from_run}, not run again")
     else:
         measured = bench_router.run_measured(w, workloads=("zipf",))
-        cpus = os.cpu_count() or 1
+        cpus = usable_cpus()
         if save_run is not None:
             saved = {
                 "quick": quick,
@@ -334,7 +333,7 @@ def _cpu_fit(
         coef=coef,
         fit_r2=r2,
     )
-    cpus = cpus or os.cpu_count() or 1
+    cpus = cpus or usable_cpus()
     shared = max(1.0, w.num_replicas / cpus)  # each replica's steps get a share of the cores
     contended = dataclasses.replace(alone, coef=tuple(c * shared for c in coef))
     steps_only = _burst_capacity(contended, w)

@@ -154,9 +154,14 @@ nice 19; 05:32, the machine alone, load 0.1 -> 1.7, the committed one) read
 does not hold it. In both runs the first round's base step was the fastest (84.8 and 79.6
 ms) and the later rounds' attention took 26-29 ms against 17-20 in the first, while the
 GEMMs stayed level (52.6-52.9 ms a step in the second run): `real.gemm_efficiency` read
-0.656/0.582/0.603 and 0.663/0.574/0.569. A process that built the engine three times,
-changing its thread count between (as the tp section does), kept its attention at 18-24
-ms; what in a round slows the next rounds' attention was not found.""",
+0.656/0.582/0.603 and 0.663/0.574/0.569. Three runs of one round each, each its own
+process (06:22-06:32, the machine alone, load 0.9-1.6), read `real.gemm_efficiency`
+0.656/0.659/0.658 on base steps of 80.5-83.0 ms (`real.lora_overhead` 0.099/0.093/0.128):
+what slows the later rounds is left in the process by the rounds before, not the
+machine's drift, so `--repeat`'s rounds after the first understate the real model's GEMM
+share. What it is was not found: a process that built the engine three times, changing
+its thread count between (as the tp section does), kept its attention at 18-24 ms, and
+one that ran the peft comparison between varied as much as one that did not.""",
     "registry": """\
 `loraplex bench registry` (`benchmarks/registry/bench.py`): a real etcd on loopback with fsync on;
 registrations with 8 in flight, the time from a registration's commit to its event at each

@@ -5,9 +5,13 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import multiprocessing
 import os
+import pickle
 import shlex
 import sys
+import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +45,43 @@ def run_metadata() -> dict[str, Any]:
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+class RoundFailed(RuntimeError):
+    """A round run in a process of its own ended without its figures."""
+
+
+def rounds_apart(round_fn: Callable[[Any], Any], arg: Any, rounds: int) -> list[Any]:
+    """`round_fn(arg)`'s result from each of `rounds` processes, one after another, each
+    started fresh (spawned: nothing inherited from this process but `arg`), as pyperf runs
+    each of its runs in a worker of its own. A round in the same process as the one before
+    it inherits what that one left (threads, allocator state, caches), and `bench engine`
+    measured it: the real model's base step 8-12 ms slower in a second round in the same
+    process than in a first or in a fresh process. `round_fn` must be importable by name;
+    its result must pickle. A round that fails raises RoundFailed, after what it printed."""
+    spawn = multiprocessing.get_context("spawn")
+    out = []
+    with tempfile.TemporaryDirectory(prefix="loraplex-round-") as tmp:
+        for i in range(rounds):
+            log(f"round {i + 1} of {rounds}, in a fresh process")
+            path = Path(tmp) / f"round-{i}.pickle"
+            child = spawn.Process(target=_round_to_file, args=(round_fn, arg, path))
+            child.start()
+            child.join()
+            if child.exitcode != 0 or not path.exists():
+                raise RoundFailed(
+                    f"round {i + 1} of {rounds} (pid {child.pid}) ended with exit code "
+                    f"{child.exitcode} and no figures; its error is above"
+                )
+            out.append(pickle.loads(path.read_bytes()))
+    return out
+
+
+def _round_to_file(round_fn: Callable[[Any], Any], arg: Any, path: Path) -> None:
+    result = round_fn(arg)
+    partial = path.with_suffix(".partial")
+    partial.write_bytes(pickle.dumps(result))
+    partial.replace(path)
 
 
 def finite_json(results: Any) -> tuple[Any, dict[str, str]]:

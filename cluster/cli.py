@@ -93,8 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         "--repeat",
         type=int,
         default=1,
-        help="engine: rounds of the whole bench; with more than one, the figures are their "
-        "medians with 90%% bootstrap intervals and every round's are kept",
+        help="engine: rounds of the whole bench, each in a fresh process when more than one; "
+        "the figures are their medians with 90%% bootstrap intervals and every round's are "
+        "kept",
     )
     bench.add_argument(
         "--seeds",

@@ -243,3 +243,58 @@ def test_a_reads_ratio_of_two_routers_that_read_nothing_says_so():
         line for line in page.splitlines() if "`workloads.zipf.reads_ratio_vs_multiplex`" in line
     )
     assert "| — (0 / 0: neither read an adapter) | <= 0.7 | — |" in row, row
+
+
+# A module-level state a round could leave behind: a fresh process starts it at 0.
+_ROUNDS_SEEN_HERE = [0]
+
+
+def _engine_round(args):
+    """A stand-in for one round of `bench engine`: who ran it, and what it found left."""
+    _ROUNDS_SEEN_HERE[0] += 1
+    if args.fail:
+        raise RuntimeError("this round broke")
+    return {"pid": os.getpid(), "rounds_seen": _ROUNDS_SEEN_HERE[0], "x_ratio": 1.0 + args.k}
+
+
+def _engine_args(tmp_path, fail=False):
+    import argparse
+
+    return argparse.Namespace(repeat=3, json=tmp_path / "engine.json", fail=fail, k=0.5)
+
+
+def test_each_round_of_bench_engine_repeat_runs_in_a_fresh_process(tmp_path, monkeypatch):
+    """`bench engine --repeat N`: a round in the process of the one before it inherits
+    what that one left, and measured slower for it; each round gets its own process (and
+    none runs in the bench's), its figures come back, and the medians are taken as before."""
+    from loraplex.benchmarks.engine import bench
+
+    monkeypatch.setattr(bench, "_one_round", _engine_round)
+    monkeypatch.setattr(bench, "_print_table", lambda results: None)
+    monkeypatch.setattr(bench, "print_prefix", lambda prefix: None)
+    monkeypatch.setattr(bench, "over_repetitions", _with_prefix(bench.over_repetitions))
+
+    assert bench.run_bench(_engine_args(tmp_path)) == 0
+    data = json.loads((tmp_path / "engine.json").read_text())
+    pids = [r["pid"] for r in data["repetitions"]]
+    assert len(set(pids)) == 3 and os.getpid() not in pids, pids
+    assert [r["rounds_seen"] for r in data["repetitions"]] == [1, 1, 1]
+    assert data["x_ratio"] == 1.5 and data["x_ratio_ci_low"] == data["x_ratio_ci_high"] == 1.5
+    assert _ROUNDS_SEEN_HERE == [0]
+
+
+def _with_prefix(over):
+    return lambda rounds: {**over(rounds), "prefix": {}}
+
+
+def test_a_round_that_fails_stops_the_bench_with_which_round_and_writes_nothing(
+    tmp_path, monkeypatch, capfd
+):
+    from loraplex.benchmarks.engine import bench
+    from loraplex.benchmarks.report import RoundFailed
+
+    monkeypatch.setattr(bench, "_one_round", _engine_round)
+    with pytest.raises(RoundFailed, match=r"round 1 of 3 .* exit code 1"):
+        bench.run_bench(_engine_args(tmp_path, fail=True))
+    assert "this round broke" in capfd.readouterr().err
+    assert not (tmp_path / "engine.json").exists()

@@ -46,7 +46,7 @@ import torch
 
 from loraplex.benchmarks.engine.prefix import print_prefix, run_prefix
 from loraplex.benchmarks.engine.sections import step_sections_ms
-from loraplex.benchmarks.report import log, over_repetitions, write_json
+from loraplex.benchmarks.report import log, over_repetitions, rounds_apart, write_json
 from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter, write_checkpoint
 from loraplex.kernels.dense import linear
 from loraplex.replica.config import EngineConfig
@@ -125,16 +125,12 @@ ROUNDS = 3  # alternating loraplex / peft rounds of the serving workload
 def run_bench(args: argparse.Namespace) -> int:
     """The whole bench `args.repeat` times (each round a fresh build of models and engines);
     with more than one round the figures are the rounds' medians, each ratio with its 90%
-    bootstrap interval, and every round's figures are kept under `repetitions`. Denormals
-    are flushed on this thread first, as the replica's engine thread does, for loraplex and
-    transformers + peft alike (replica/cpu_threads.py `flush_denormals`)."""
-    if not flush_denormals():
-        log("warning: this thread's parallel ops do not flush denormals (a team started before)")
-    rounds = []
-    for i in range(args.repeat):
-        if args.repeat > 1:
-            log(f"round {i + 1} of {args.repeat}")
-        rounds.append(_one_round(args))
+    bootstrap interval, and every round's figures are kept under `repetitions`. With more
+    than one, each round runs in a fresh process of its own (report.rounds_apart says why)."""
+    if args.repeat > 1:
+        rounds = rounds_apart(_one_round, args, args.repeat)
+    else:
+        rounds = [_one_round(args)]
     results = rounds[0] if len(rounds) == 1 else over_repetitions(rounds)
     if len(rounds) > 1:
         results["repetitions"] = rounds
@@ -145,6 +141,11 @@ def run_bench(args: argparse.Namespace) -> int:
 
 
 def _one_round(args: argparse.Namespace) -> dict:
+    """One round of the whole bench. Denormals are flushed on this thread first, as the
+    replica's engine thread does, for loraplex and transformers + peft alike
+    (replica/cpu_threads.py `flush_denormals`)."""
+    if not flush_denormals():
+        log("warning: this thread's parallel ops do not flush denormals (a team started before)")
     shape = QUICK if args.quick else FULL
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="loraplex-bench-") as tmp:

@@ -161,7 +161,16 @@ what slows the later rounds is left in the process by the rounds before, not the
 machine's drift, so `--repeat`'s rounds after the first understate the real model's GEMM
 share. What it is was not found: a process that built the engine three times, changing
 its thread count between (as the tp section does), kept its attention at 18-24 ms, and
-one that ran the peft comparison between varied as much as one that did not.""",
+one that ran the peft comparison between varied as much as one that did not. Since
+2502df1 each round of `--repeat` runs in a fresh process (`report.rounds_apart`). The
+published run (2026-12-06 07:09, the machine alone, load 0.5 -> 1.7) is the first so:
+`real.gemm_efficiency` 0.657/0.677/0.628 by round, `real.lora_overhead` 0.089/0.097/0.109
+(median 0.097), base steps of 82.6/77.1/86.9 ms; the second round's sections still read
+29 ms of attention in a process of its own, so the host also drifts between processes,
+and a single run's 0.10 is not a margin. The real model's GEMMs alone take 52-55 ms of
+those steps: 0.75 would need every other part of the step (attention, norms, RoPE,
+sampling, Python) in 17-18 ms, where the KV gather alone reads ~5 MB a layer from memory
+the weights have just evicted (11 ms a step, ~13 GB/s; timed in the step, 07:05).""",
     "registry": """\
 `loraplex bench registry` (`benchmarks/registry/bench.py`): a real etcd on loopback with fsync on;
 registrations with 8 in flight, the time from a registration's commit to its event at each

@@ -286,7 +286,17 @@ loads more. Of the three runs not pinned, only the first (2.94) had both cores: 
 harness's pinning also reached the session's first process, from which every later
 process inherited core 1 alone (found 2026-12-06), so the second and third (3.26, 2.61)
 ran everything, engine included, on one core; the comparison rests on the first and on
-the same day's runs above (2.97, 2.85, 4.02).""",
+the same day's runs above (2.97, 2.85, 4.02). Cutting the flood's chunks to a third, not a
+half, does no better: with each stream at 5 chunks a second (as a budget of ~40 a
+second for a tenant's 8 running streams would give them; B's first chunk is never held) A's
+chunks fell from 154-159 to 54-56 a second and the proxy and ingress from 0.47-0.51 cores to
+0.31-0.32, yet B's p99 under the flood was 96-101 ms against 94-109 at 20 a second (ratios
+2.77, 2.70, 2.68 against 2.45, 3.07, 2.01; pooled over 255 of B's requests each, flood p99
+101 ms against 107, median 37 against 38; 2026-12-06 07:56-08:05, alternating and rotated,
+the protected app alone on the machine, load 0.1-3.3). The cores the relay gave back went
+to the engine, which finished 253-267 of A's streams a run against 175-216, each followed
+by a new request of A's: the relay's chunks are not what holds B's tail, so a per-tenant
+chunk budget is not built.""",
     "fleet": """\
 `loraplex bench fleet` (`benchmarks/fleet/bench.py`): the same comparison at fleet scale in the
 simulator — 16 × H100 serving a 7B model, 2,000–10,000 adapters — whose replicas are the real

@@ -104,7 +104,13 @@ reordered once for oneDNN (`kernels/dense.py`); `dense_gemm_step_ratio` is that 
 the same step on F.linear, and `gemm_efficiency` times the GEMMs alone on the engine's own
 weights. `tp.*`: tp = 2 over gloo beside
 tp = 1, bytes rank 0 sends. `prefix.*`: 16 tenants with long system prompts, caching on ÷
-off on the same arrivals. `detok.*`: the output path's time per token at 2,000 ÷ at 20
+off on the same arrivals. Under `--quick` each tenant holds one conversation of two turns,
+so every first turn, half the requests, meets its system prompt cold (the cache is reset
+before each run), and the median TTFT falls where hits meet misses: `prefix.p50_ttft_ratio`
+0.70-0.75 there. The section's full shape (two conversations of three turns a tenant,
+prompts of 512-1,024 tokens), run alone on 2026-12-06 (164 s, load 0.5-1.5), read
+`p50_ttft_ratio` 0.142, `prefill_tokens_ratio` 0.218, `throughput_ratio` 2.26 and
+`unified_vs_split` 0.848. `detok.*`: the output path's time per token at 2,000 ÷ at 20
 output tokens. Runs before 2026-12-05 timed every step after the adapter copy thread had
 run a parallel copy, which left it an OpenMP team of its own for the process's life: past
 one OpenMP thread per CPU, GNU OpenMP barely spins before its threads sleep, and the

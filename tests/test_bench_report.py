@@ -3,9 +3,11 @@ those constants, reads it back, and each one replaced is named with its reason."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -49,18 +51,25 @@ def test_a_bench_json_says_how_its_run_went(tmp_path):
     assert run["date"][:2] == "20"
 
 
+@contextlib.contextmanager
+def _on_one_cpu() -> Iterator[None]:
+    """This thread confined to one of the CPUs it may use, then given them all back."""
+    allowed = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(allowed)})
+        yield
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity here")
 def test_a_bench_json_counts_the_cpus_its_run_could_use(tmp_path):
     """A process confined to fewer CPUs than the machine has (an affinity mask, a
     container's cpuset) records those it could use: on 2026-12-06 a whole session's
     processes had inherited one core of two, and every bench JSON still said 2."""
-    allowed = os.sched_getaffinity(0)
     path = tmp_path / "bench.json"
-    try:
-        os.sched_setaffinity(0, {min(allowed)})
+    with _on_one_cpu():
         write_json(path, {"ratio": 1.5})
-    finally:
-        os.sched_setaffinity(0, allowed)
     run = json.loads(path.read_text())["run"]
     assert run["cpus"] == 1
     assert run["cpus_on_machine"] == os.cpu_count()
@@ -75,12 +84,8 @@ def test_a_bench_json_counts_the_cpus_its_run_could_use(tmp_path):
 def test_a_bench_says_when_it_may_use_fewer_cpus_than_the_machine(capsys):
     from loraplex.cluster.cli import _note_confined_cpus
 
-    allowed = os.sched_getaffinity(0)
-    try:
-        os.sched_setaffinity(0, {min(allowed)})
+    with _on_one_cpu():
         _note_confined_cpus()
-    finally:
-        os.sched_setaffinity(0, allowed)
     assert f"may run on 1 of the machine's {os.cpu_count()} CPUs" in capsys.readouterr().err
 
 
@@ -254,7 +259,12 @@ def _engine_round(args):
     _ROUNDS_SEEN_HERE[0] += 1
     if args.fail:
         raise RuntimeError("this round broke")
-    return {"pid": os.getpid(), "rounds_seen": _ROUNDS_SEEN_HERE[0], "x_ratio": 1.0 + args.k}
+    return {
+        "pid": os.getpid(),
+        "rounds_seen": _ROUNDS_SEEN_HERE[0],
+        "x_ratio": 1.0 + args.k,
+        "prefix": {},  # the bench prints its prefix section (stubbed below) from the results
+    }
 
 
 def _engine_args(tmp_path, fail=False):
@@ -272,7 +282,6 @@ def test_each_round_of_bench_engine_repeat_runs_in_a_fresh_process(tmp_path, mon
     monkeypatch.setattr(bench, "_one_round", _engine_round)
     monkeypatch.setattr(bench, "_print_table", lambda results: None)
     monkeypatch.setattr(bench, "print_prefix", lambda prefix: None)
-    monkeypatch.setattr(bench, "over_repetitions", _with_prefix(bench.over_repetitions))
 
     assert bench.run_bench(_engine_args(tmp_path)) == 0
     data = json.loads((tmp_path / "engine.json").read_text())
@@ -281,10 +290,6 @@ def test_each_round_of_bench_engine_repeat_runs_in_a_fresh_process(tmp_path, mon
     assert [r["rounds_seen"] for r in data["repetitions"]] == [1, 1, 1]
     assert data["x_ratio"] == 1.5 and data["x_ratio_ci_low"] == data["x_ratio_ci_high"] == 1.5
     assert _ROUNDS_SEEN_HERE == [0]
-
-
-def _with_prefix(over):
-    return lambda rounds: {**over(rounds), "prefix": {}}
 
 
 def test_a_round_that_fails_stops_the_bench_with_which_round_and_writes_nothing(

@@ -303,3 +303,23 @@ def test_a_round_that_fails_stops_the_bench_with_which_round_and_writes_nothing(
         bench.run_bench(_engine_args(tmp_path, fail=True))
     assert "this round broke" in capfd.readouterr().err
     assert not (tmp_path / "engine.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("draws", "shown", "mark"),
+    [
+        ([-1.16, -0.86], "-1.16 (worst of 2 draws; each -1.16, -0.86)", "**no**"),
+        ([0.03, 0.08, 0.02], "0.02 (worst of 3 draws; each 0.03, 0.08, 0.02)", "yes"),
+    ],
+)
+def test_a_target_for_every_draw_is_read_from_the_worst_draw(draws, shown, mark):
+    """bench sched's engine target asks loraplex's Chameleon to lead its own FIFO on P99 in
+    every arrival draw: the table shows the worst draw's reduction (met only if it leads
+    there too) and every draw's beside it, not the pooled key, which one draw can carry."""
+    results = {
+        "engine": {"p99_ttft_reduction": 0.5, "p99_ttft_reduction_per_draw": draws},
+        "quick": False,
+    }
+    page = render({"sched": results})
+    (row,) = (line for line in page.splitlines() if "`engine.p99_ttft_reduction_per_draw`" in line)
+    assert f"| {shown} | > 0 | {mark} |" in row, row

@@ -121,8 +121,22 @@ before each run), and the median TTFT falls where hits meet misses: `prefix.p50_
 prompts of 512-1,024 tokens), run alone on 2026-12-06 (164 s, load 0.5-1.5), read
 `p50_ttft_ratio` 0.142, `prefill_tokens_ratio` 0.218, `throughput_ratio` 2.26 and
 `unified_vs_split` 0.848. `detok.*`: the output path's time per token at 2,000 ÷ at 20
-output tokens. Runs before 2026-12-05 timed every step after the adapter copy thread had
-run a parallel copy, which left it an OpenMP team of its own for the process's life: past
+output tokens.
+
+The published run (2026-12-06 07:09, the machine alone, load 0.5 -> 1.7) runs
+each round of `--repeat` in a fresh process (`report.rounds_apart`, since 2502df1):
+`real.gemm_efficiency` 0.657/0.677/0.628 by round, `real.lora_overhead` 0.089/0.097/0.109
+(median 0.097), base steps of 82.6/77.1/86.9 ms; the second round's sections still read
+29 ms of attention in a process of its own, so the host also drifts between processes,
+and a single run's 0.10 is not a margin. The real model's GEMMs alone take 52-55 ms of
+those steps: 0.75 would need every other part of the step (attention, norms, RoPE,
+sampling, Python) in 17-18 ms, where the KV gather alone reads ~5 MB a layer from memory
+the weights have just evicted (11 ms a step, ~13 GB/s; timed in the step, 07:05). What
+was tried against it (no gather, whole-page gathers, huge pages, fewer tensors a layer)
+is below; the next lever is reading fewer KV bytes (a half-precision KV cache).
+
+How the engine's figures got here. Runs before 2026-12-05 timed every step after the
+adapter copy thread had run a parallel copy, which left it an OpenMP team of its own for the process's life: past
 one OpenMP thread per CPU, GNU OpenMP barely spins before its threads sleep, and the
 steps' small batched matmuls ran 2.6-5x slower (replica/cpu_threads.py). `real.lora_overhead`
 read 0.19-0.23 on 2026-12-04 23:16 (three rounds) and 0.01-0.17 after the fix (six rounds
@@ -177,16 +191,7 @@ what slows the later rounds is left in the process by the rounds before, not the
 machine's drift, so `--repeat`'s rounds after the first understate the real model's GEMM
 share. What it is was not found: a process that built the engine three times, changing
 its thread count between (as the tp section does), kept its attention at 18-24 ms, and
-one that ran the peft comparison between varied as much as one that did not. Since
-2502df1 each round of `--repeat` runs in a fresh process (`report.rounds_apart`). The
-published run (2026-12-06 07:09, the machine alone, load 0.5 -> 1.7) is the first so:
-`real.gemm_efficiency` 0.657/0.677/0.628 by round, `real.lora_overhead` 0.089/0.097/0.109
-(median 0.097), base steps of 82.6/77.1/86.9 ms; the second round's sections still read
-29 ms of attention in a process of its own, so the host also drifts between processes,
-and a single run's 0.10 is not a margin. The real model's GEMMs alone take 52-55 ms of
-those steps: 0.75 would need every other part of the step (attention, norms, RoPE,
-sampling, Python) in 17-18 ms, where the KV gather alone reads ~5 MB a layer from memory
-the weights have just evicted (11 ms a step, ~13 GB/s; timed in the step, 07:05).""",
+one that ran the peft comparison between varied as much as one that did not.""",
     "registry": """\
 `loraplex bench registry` (`benchmarks/registry/bench.py`): a real etcd on loopback with fsync on;
 registrations with 8 in flight, the time from a registration's commit to its event at each

@@ -90,6 +90,8 @@ class ReplicaDeployment:
         self.host_bytes = cfg.cache.host_bytes
         self._start_counters(demand_window_s)
         self.engine = await asyncio.to_thread(Engine, cfg)  # reads the checkpoint
+        # before the first request: what counts as a quick re-read (adapter_cache.py)
+        self.engine.core.adapters.reread_window_s = demand_window_s
         if etcd is None:
             return
         try:
@@ -190,9 +192,12 @@ class ReplicaDeployment:
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """What the `lora` autoscaling policy reads (router/autoscaling.py); Serve calls this
         every few seconds and averages it over look_back_period_s. The store reads reported are
-        the engine's re-reads of adapters its tiers had dropped (`disk_reads`): a working set
-        past the tiers. A first read (AdapterSync's) is not: a new replica, or an adapter new
-        to this one, is read once whatever its tiers can keep. The mean read time is the
+        the engine's re-reads of adapters its tiers had dropped, within the demand window of
+        their previous load here (`quick_rereads`): a working set past the tiers. A first
+        read (AdapterSync's) is not: a new replica, or an adapter new to this one, is read
+        once whatever its tiers can keep; nor is a re-read long after the adapter was last
+        here: demand that came back (a step down's adapters at homes that last had them
+        long before), read once. The mean read time is the
         first reads' (the same artifacts from the same store, paced alike). The adapters
         asked for since the last report are reported in bytes (the registry's sizes), beside
         what its pool and host tier hold at most: the policy keeps the replicas that hold
@@ -200,7 +205,7 @@ class ReplicaDeployment:
         smaller tiers (replica/demand.py): what a step down would read."""
         assert self.engine is not None
         stats = await self.engine.stats()
-        reads = stats["adapters"]["disk_reads"]
+        reads = stats["adapters"]["quick_rereads"]
         prompt = stats["prefix_cache"]["prompt_tokens_computed"]
         now = time.monotonic()
         since, reads_before, prompt_before, output_before = self._autoscale_mark

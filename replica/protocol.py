@@ -172,7 +172,7 @@ def chunk(out: RequestOutput) -> GenerateChunk:
 # `lora` autoscaling policy (router/autoscaling.py) reads them from Serve's aggregate.
 AUTOSCALE_REQUESTS = "requests"  # generate calls held: running, waiting, reading
 AUTOSCALE_SLOTS = "slots"  # max_num_seqs
-AUTOSCALE_READS_PER_S = "store_rereads_per_s"  # adapters the tiers dropped, read again, per s
+AUTOSCALE_READS_PER_S = "store_rereads_per_s"  # quick re-reads per s (adapter_cache.py)
 AUTOSCALE_READ_S = "store_read_s"  # the mean store read, seconds (0 before the first)
 AUTOSCALE_PREFILL_TOKENS = (
     "queued_prefill_tokens"  # prompt tokens waiting and running, not computed
@@ -258,7 +258,8 @@ def autoscaling_stats(
     sketch: tuple[int, Sequence[str]] | None = None,
 ) -> dict[str, float]:
     """One report (the deployment's `record_autoscaling_stats` and the fleet simulator's):
-    `reads` re-reads from the store so far (of adapters its tiers had dropped; not first
+    `reads` re-reads from the store so far (of adapters its tiers had dropped, within the
+    demand window of their previous load here: adapter_cache.py `quick_rereads`; not first
     reads),
     `reads_before` at the last report `elapsed_s` ago, `read_s` the mean read measured (0
     before the first); `prefill_tokens` the prompt tokens its engine has yet to compute

@@ -21,12 +21,17 @@ Serve over `look_back_period_s`. The policy wants the largest of three counts:
                   queue again (a sawtooth: 19 scale events an hour in the simulated day).
                   The utilisation counts the tokens asked for, below capacity too
     working set   while the replicas spend more than read_busy of their time reading
-                  again adapters their tiers had dropped (re-reads per second × the measured
-                  read time, per replica), the adapters wanted do not fit the replicas'
-                  device and host tiers: one replica more, before the reads make queues
-                  grow. First reads are not counted: a new replica reads every adapter
-                  routed to it once, and counted they asked for more replicas, which read
-                  more (18 scale events an hour in the simulated day). Its memory: each
+                  again adapters their tiers had dropped (re-reads per second × the
+                  measured read time, per replica; a re-read within demand_window_s of
+                  the adapter's previous load there), the adapters wanted do not fit the
+                  replicas' device and host tiers: one replica more, before the reads make
+                  queues grow. First reads are not counted: a new replica reads every
+                  adapter routed to it once, and counted they asked for more replicas,
+                  which read more (18 scale events an hour in the simulated day); nor are
+                  reads of an adapter long after it was last there: demand that came
+                  back, as a step down's adapters do to homes that last had them long
+                  before (counted, they undid steps down on the full simulated day,
+                  56-256 s after them). Its memory: each
                   replica reports the bytes of the distinct adapters asked for since its
                   last report and what its tiers hold at most; the count is not lowered
                   below the replicas whose tiers hold them all (it never raises it), since

@@ -124,6 +124,19 @@ def test_first_reads_are_not_reported_as_store_reads(fleet):
     assert replica.sim.cache.stats.disk_reads == 0  # none read again
 
 
+def test_replicas_count_quick_rereads_over_the_policys_demand_window(fleet):
+    """A re-read counts for the working set when it comes within the lora policy's demand
+    window of the adapter's previous load on that replica (adapter_cache.py
+    `quick_rereads`): the simulator's replicas take the window from the policy's settings,
+    as the deployment does."""
+    reqs, adapters = burst(fleet, 0.2 * fleet.capacity_per_replica, 10)
+    catalog = {a.name: a for a in adapters}
+    config = scaling(policy="lora", lora={"demand_window_s": 45.0})
+    sim = ScalingFleetSim("affinity", reqs, catalog, one_replica(fleet, adapters), config)
+    sim.run()
+    assert [r.sim.cache.reread_window_s for r in sim.replicas.values()] == [45.0]
+
+
 def test_a_stopping_replica_past_the_graceful_timeout_resumes_its_streams(fleet):
     # 2,000-token streams (~50 s) outlive Serve's 20 s graceful shutdown: 3 replicas, and
     # 30 s after the first report Serve wants 1 (the load is far under the target)

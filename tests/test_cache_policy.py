@@ -234,3 +234,27 @@ def test_a_new_host_copy_counts_as_just_used_and_queued_adapters_keep_theirs():
     clock.now = 4.0
     cache.add(AdapterMeta("d", 8, 3 * PAGE), reader("d"))
     assert "b" in cache.host and "c" not in cache.host
+
+
+def test_a_read_again_within_the_window_counts_as_thrash_and_one_long_after_does_not():
+    """The `lora` autoscaling policy adds a replica for a working set past the tiers, which
+    it reads from re-reads. An adapter read again within `reread_window_s` (the policy's
+    demand window) of its previous load here is one the tiers cannot keep; one read again
+    long after is demand that came back (after a step down, the leaving replica's adapters
+    at homes that last had them long before): a disk read, not thrash."""
+
+    def reader(name: str):
+        return lambda: AdapterMeta(name, 8, 3 * PAGE)
+
+    cache, clock = make_cache(20, {}, host_bytes=3 * PAGE, keep_idle=False)
+    cache.reread_window_s = 60.0
+    cache.add(AdapterMeta("a", 8, 3 * PAGE), reader("a"))  # its first read, at 0
+    use(cache, clock, "a", 0.0)
+    clock.now = 10.0
+    cache.add(AdapterMeta("b", 8, 3 * PAGE), reader("b"))  # a's copy dropped
+    assert cache.tier("a") == "disk"
+    use(cache, clock, "a", 50.0)  # read again 50 s after its last load
+    assert cache.stats.disk_reads == 1 and cache.stats.quick_rereads == 1
+    assert cache.tier("b") == "disk"  # dropped for a's copy
+    use(cache, clock, "b", 100.0)  # read again 90 s after its last load
+    assert cache.stats.disk_reads == 2 and cache.stats.quick_rereads == 1

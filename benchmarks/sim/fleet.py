@@ -255,6 +255,7 @@ class FleetSim:
             demand=AdapterDemand(self.now, self.demand_window_s),
         )
         replica.clock.now = self.now
+        replica.sim.cache.reread_window_s = self.demand_window_s  # as the deployment sets it
         self.replicas[rid] = replica
         self.model_ids[rid] = frozenset()
         if self.router != "pow2":

@@ -151,9 +151,9 @@ class ScalingFleetSim(FleetSim):
     def _on_sample(self, _) -> None:
         per_replica = {}
         for rid, replica in self.replicas.items():
-            # re-reads of adapters the tiers dropped, as the deployment counts them (not first
-            # reads); the mean read time is the first reads'
-            reads = replica.sim.cache.stats.disk_reads
+            # quick re-reads of adapters the tiers dropped, as the deployment counts them
+            # (not first reads); the mean read time is the first reads'
+            reads = replica.sim.cache.stats.quick_rereads
             engine = replica.engine_stats()
             prompt, output, finished = self._tokens_computed(rid, replica.sim)
             since, before, prompt_before, output_before = self.marks.get(

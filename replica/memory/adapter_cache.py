@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, Protocol
 
 from loraplex.replica.config import CacheConfig
+from loraplex.replica.demand import DEMAND_TAU_S
 from loraplex.replica.memory.adapters import AdapterWeights, PoolLayout
 from loraplex.replica.memory.eviction import (
     AdapterUsage,
@@ -59,6 +60,11 @@ class CacheStats:
     bytes_loaded: int = 0
     host_hits: int = 0  # loads served from host memory
     disk_reads: int = 0  # loads that first read the artifact from disk
+    # disk reads within `reread_window_s` of the same adapter's previous load here (from
+    # either tier): a working set the tiers cannot keep, read again and again; not an
+    # adapter whose demand came back long after it was last here (after a step down, the
+    # leaving replica's adapters at homes that last had them long before), read once
+    quick_rereads: int = 0
     prefetches: int = 0
     reclaims: int = 0  # times KV demand evicted adapters
     host_drops: int = 0  # host copies dropped for the host budget
@@ -146,6 +152,9 @@ class AdapterCache:
         self._copy_errors: dict[Resident, BaseException] = {}  # written by the copy job
         self.failed: dict[str, str] = {}  # adapter -> why its last load failed, until taken
         self.stats = CacheStats()
+        # what counts as a quick re-read: the autoscaling policy's demand window
+        # (`lora.demand_window_s`; the deployment and the fleet simulator set it)
+        self.reread_window_s = DEMAND_TAU_S
         pool.set_reclaimer(self.reclaim)
 
     def __contains__(self, name: str) -> bool:
@@ -323,6 +332,8 @@ class AdapterCache:
         self.stats.bytes_loaded += entry.nbytes
         if entry.weights is None:
             self.stats.disk_reads += 1
+            if self.clock() - entry.host_at <= self.reread_window_s:  # its last load here
+                self.stats.quick_rereads += 1
         else:
             self.stats.host_hits += 1
         self.transfer.submit(

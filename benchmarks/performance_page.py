@@ -135,24 +135,25 @@ the weights have just evicted (11 ms a step, ~13 GB/s; timed in the step, 07:05)
 was tried against it (no gather, whole-page gathers, huge pages, fewer tensors a layer)
 is below; the next lever is reading fewer KV bytes (a half-precision KV cache).
 
-How the engine's figures got here. Runs before 2026-12-05 timed every step after the
-adapter copy thread had run a parallel copy, which left it an OpenMP team of its own for the process's life: past
-one OpenMP thread per CPU, GNU OpenMP barely spins before its threads sleep, and the
-steps' small batched matmuls ran 2.6-5x slower (replica/cpu_threads.py). `real.lora_overhead`
-read 0.19-0.23 on 2026-12-04 23:16 (three rounds) and 0.01-0.17 after the fix (six rounds
-in two runs, 23:57 and 00:09). A quick round timed 6 steps of each kind, which moved one
-round's overhead by ~0.05; since 2026-12-05 it times 16 (full: 24), and the contexts grow
-by as many tokens (64 -> ~82 on the real model, `--quick`). `step_sections_ms` splits
-the base step's wall time by the forward pass's calls (`benchmarks/engine/sections.py`),
-timed around each call, not with torch.profiler, which reads the KV gather at 470 us where
-it takes 190 us. On SmolLM2 at batch 32 the GEMMs take 52-58 ms of the step, at ~90% of
-these two cores' FMA peak (8.6 GFLOP a step, ~172 GFLOP/s), so `real.gemm_efficiency`
-is set by what else the step does. Since 2026-12-05 the engine's thread flushes denormal
-floats before its first op, and so its OpenMP team (`replica/cpu_threads.py`
-`flush_denormals`; the bench does it on its own thread, for peft too): a softmax over a
-sharp row leaves many probabilities under float32's smallest normal (11% at SmolLM2's
-shapes and 130 tokens in a microbenchmark), and the exps and products that reach them
-took the CPU's slow path (softmax 30 -> 16 us, the product with V 142-191 -> 100 us).
+How the engine's figures got here. Runs before 2026-12-05 timed every step after the adapter
+copy thread had run a parallel copy, which left it an OpenMP team of its own for the
+process's life: past one OpenMP thread per CPU, GNU OpenMP barely spins before its threads
+sleep, and the steps' small batched matmuls ran 2.6-5x slower (replica/cpu_threads.py).
+`real.lora_overhead` read 0.19-0.23 on 2026-12-04 23:16 (three rounds) and 0.01-0.17 after
+the fix (six rounds in two runs, 23:57 and 00:09). A quick round timed 6 steps of each kind,
+which moved one round's overhead by ~0.05; since 2026-12-05 it times 16 (full: 24), and the
+contexts grow by as many tokens (64 -> ~82 on the real model, `--quick`). `step_sections_ms`
+splits the base step's wall time by the forward pass's calls
+(`benchmarks/engine/sections.py`), timed around each call, not with torch.profiler, which
+reads the KV gather at 470 us where it takes 190 us. On SmolLM2 at batch 32 the GEMMs take
+52-58 ms of the step, at ~90% of these two cores' FMA peak (8.6 GFLOP a step, ~172 GFLOP/s),
+so `real.gemm_efficiency` is set by what else the step does. Since 2026-12-05 the engine's
+thread flushes denormal floats before its first op, and so its OpenMP team
+(`replica/cpu_threads.py` `flush_denormals`; the bench does it on its own thread, for peft
+too): a softmax over a sharp row leaves many probabilities under float32's smallest normal
+(11% at SmolLM2's shapes and 130 tokens in a microbenchmark), and the exps and products
+that reach them took the CPU's slow path (softmax 30 -> 16 us, the product with V 142-191
+-> 100 us).
 `real.gemm_efficiency` went 0.560/0.564/0.575 -> 0.662/0.655/0.665 (rounds of the runs of
 01:34 and 05:54, both alone), the base step 88-90 -> 77-80 ms. The slow path grows with
 the context (longer rows hold more tiny probabilities), so it may be part of the attention
@@ -315,7 +316,8 @@ proxy (12:00-12:11, the machine alone, load 0.4-2.4) B's p99 ratio behind HAProx
 1.71 and 1.85 (pooled over 255 of B's requests 1.79, median 1.38) against 2.97, 2.85 and
 4.02 behind Serve's proxy (pooled 3.86, median 1.68). The run of 2026-12-04 read 1.44 behind
 HAProxy and 2.25 behind Serve's proxy; the published one (2026-12-06 10:20, the bench's own
-fairness section) 2.46 [1.56, 3.08] and 2.50 [1.91, 3.65], medians 1.44 and 1.86. Giving the engine a core of its own makes B's tail worse, not better (the
+fairness section) 2.46 [1.56, 3.08] and 2.50 [1.91, 3.65], medians 1.44 and 1.86. Giving the
+engine a core of its own makes B's tail worse, not better (the
 engine's thread pinned to core 0 and every other thread of the run's processes to core 1;
 2026-12-05 21:37-21:46, three runs each, alternating, load 1.7-3.2): B's p99 ratio behind
 Serve's proxy 5.25, 5.46 and 4.45 pinned against 2.94, 3.26 and 2.61 not. Pinned, the
@@ -490,7 +492,8 @@ def render(runs: dict[str, dict[str, Any]]) -> str:
         value = None if run is None else lookup(run, h.key)
         if value is None and run is not None:
             value = _non_finite(run, h.key)
-        met = h.met(h.figure(value))
+        figure = h.figure(value)  # the value itself, or its worst draw's (`every`)
+        met = h.met(figure)
         mark = {True: "yes", False: "**no**", None: "—"}[met]
         if run is not None and _at_ceiling(run, h.key):
             mark = "— (all held the SLO at the top rate)"
@@ -499,9 +502,9 @@ def render(runs: dict[str, dict[str, Any]]) -> str:
         elif met is False and run is not None and (bound := _clairvoyant(run, h)) is not None:
             mark = f"**no** (a clairvoyant fleet of whole replicas: {_value(bound)})"
         shown = "not run" if run is None else _value(value)
-        if h.every and isinstance(value, list) and value:
+        if figure is not value:
             each = ", ".join(_value(v) for v in value)
-            shown = f"{_value(h.figure(value))} (worst of {len(value)} draws; each {each})"
+            shown = f"{_value(figure)} (worst of {len(value)} draws; each {each})"
         if run is not None and value is None and _neither_read(run, h.key):
             shown = "— (0 / 0: neither read an adapter)"
         lines.append(

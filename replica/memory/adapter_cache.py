@@ -105,7 +105,9 @@ class _Entry:
     skeleton: object
     weights: object | None
     read: Callable[[], object] | None  # reads it from the artifact store again
-    host_at: float = float("-inf")  # when its host copy was made (added or read back)
+    # when its host copy was last made or refreshed: added, or a load of it finished (from
+    # the host tier or read back from disk); quick_rereads reads it as its last load here
+    host_at: float = float("-inf")
 
     def host_recency(self) -> float:
         """When the host copy was last used or made: what the host budget drops by."""

@@ -55,7 +55,7 @@ class Ingress:
         from loraplex.replica.tokenizer import Tokenizer
         from loraplex.router.ingress import RegistryHandles, build_ingress
         from loraplex.router.ledger_actor import RayLedger
-        from loraplex.router.live_routers import routing_snapshot
+        from loraplex.router.live_routers import placement_counts, routing_snapshot
         from loraplex.router.serve_backend import ServeBackend
 
         config = self.config
@@ -74,6 +74,7 @@ class Ingress:
             max_model_len=await asyncio.to_thread(config.max_model_len),
             registry=registry,
             routing=functools.partial(routing_snapshot, config.router.metrics_top_adapters),
+            placements=placement_counts,
             limits=config.limits,
             metrics_key=self.metrics_key,
             ledger=RayLedger(config.limits.tenant_ledger_sync_s),

@@ -25,7 +25,12 @@ from loraplex.replica.tokenizer import Tokenizer
 from loraplex.router import inference, operations
 from loraplex.router.context import IngressContext, RegistryHandles
 from loraplex.router.limits import IngressLimits
-from loraplex.router.metrics import HTTPMetricsMiddleware, IngressMetrics, RoutingSource
+from loraplex.router.metrics import (
+    HTTPMetricsMiddleware,
+    IngressMetrics,
+    PlacementSource,
+    RoutingSource,
+)
 from loraplex.router.tenant_limiter import Ledger, TenantLimiter
 
 __all__ = ["RegistryHandles", "build_ingress"]
@@ -39,6 +44,7 @@ def build_ingress(
     max_model_len: int,
     registry: RegistryHandles | None,
     routing: RoutingSource | None = None,
+    placements: PlacementSource | None = None,
     limits: IngressLimits | None = None,
     metrics_key: str | None = None,
     ledger: Ledger | None = None,
@@ -46,10 +52,11 @@ def build_ingress(
     """The ingress app; `app.state.metrics` is its `IngressMetrics`. Without a registry,
     anyone may use the base model (no key needed) and there is no tenant API. An adapter
     named like the base model is shadowed by it. `routing`: the router's view of each
-    adapter's rate and homes, for /metrics. `/metrics` answers the bearer of
-    `metrics_key` or of the admin key; with neither (no registry), anyone. `ledger`: the
-    tenants' limits shared by every ingress of the cluster (None: this ingress alone)."""
-    metrics = IngressMetrics(routing)
+    adapter's rate and homes, and `placements` its requests by where it sent them, for
+    /metrics. `/metrics` answers the bearer of `metrics_key` or of the admin key; with
+    neither (no registry), anyone. `ledger`: the tenants' limits shared by every ingress of
+    the cluster (None: this ingress alone)."""
+    metrics = IngressMetrics(routing, placements)
     limits = limits or IngressLimits()
     auth = None
     metrics_keys = {hash_api_key(metrics_key)} if metrics_key else set()

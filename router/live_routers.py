@@ -10,10 +10,11 @@ router of the process registers in the one set below.
 
 from __future__ import annotations
 
+import collections
 import weakref
 from typing import Protocol
 
-from loraplex.router.policy import AdapterHomes, AffinityPolicy
+from loraplex.router.policy import AdapterHomes, AffinityPolicy, Placement
 
 
 class HasPolicy(Protocol):
@@ -50,3 +51,12 @@ def routing_snapshot(top_n: int) -> tuple[list[AdapterHomes], AdapterHomes] | No
         tuple(sorted(homes.get("other", set()).union(*(e.homes for e in rest)))),
     )
     return merged[:top_n], other
+
+
+def placement_counts() -> dict[Placement, int]:
+    """Adapter requests the affinity routers of this process routed, by the `Placement` of
+    the replica each went to (`AffinityPolicy.placement_counts`), summed over the routers."""
+    total: collections.Counter[Placement] = collections.Counter()
+    for router in list(_ROUTERS):
+        total.update(router.policy.placement_counts())
+    return dict(total)

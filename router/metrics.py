@@ -8,7 +8,9 @@ replica's `stats()`, which the /metrics route asks of the backend at scrape time
 loads and evictions, requests waiting and running, preemptions, per replica. Router side
 (read at scrape time from `routing`, when given): each adapter's request rate and homes as
 the affinity router sees them, for the top adapters by rate only, the rest summed under
-adapter="other", so the label set stays bounded however many adapters there are.
+adapter="other", so the label set stays bounded however many adapters there are; and (from
+`placements`) the adapter requests it routed by the affinity and tier of the replica each
+went to (tier="store": sent where the adapter had to be read from the artifact store).
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ from starlette.routing import Mount, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 if TYPE_CHECKING:
-    from loraplex.router.policy import AdapterHomes
+    from loraplex.router.policy import AdapterHomes, Placement
 
 # What `IngressMetrics(routing=...)` calls: the top adapters and the rest, or None.
 RoutingSource = Callable[[], "tuple[list[AdapterHomes], AdapterHomes] | None"]
+# What `IngressMetrics(placements=...)` calls: adapter requests routed, by placement.
+PlacementSource = Callable[[], "Mapping[Placement, int]"]
 
 ANONYMOUS = "anonymous"  # tenant label of requests served without a registry
 
@@ -40,7 +44,9 @@ _CACHE_EVENTS = {"hits": "hit", "misses": "miss", "loads": "load", "evictions": 
 
 
 class IngressMetrics:
-    def __init__(self, routing: RoutingSource | None = None) -> None:
+    def __init__(
+        self, routing: RoutingSource | None = None, placements: PlacementSource | None = None
+    ) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.http_requests = Counter(
@@ -86,6 +92,8 @@ class IngressMetrics:
         r.register(self._replicas)
         if routing is not None:
             r.register(_AdapterHomes(routing))
+        if placements is not None:
+            r.register(_Placements(placements))
 
     def set_replicas(self, stats: Mapping[str, Mapping], resumed: int = 0) -> None:
         """Show these replicas' stats (`Backend.replica_stats()`: replica id -> the engine's
@@ -235,6 +243,25 @@ class _AdapterHomes(Collector):
                 for replica in entry.homes:
                     home.add_metric([entry.adapter, replica], 1)
         yield from (rate, count, home)
+
+
+class _Placements(Collector):
+    """The router's adapter requests by where it sent them, at scrape time."""
+
+    def __init__(self, placements: PlacementSource) -> None:
+        self.placements = placements
+
+    def collect(self) -> Iterator[Metric]:
+        routed = CounterMetricFamily(
+            "loraplex_router_placements",
+            "Adapter requests the affinity router sent, by the replica's affinity as it judged "
+            "it and the tier the replica held the adapter in (store: held nowhere, read from "
+            "the artifact store).",
+            labels=["affinity", "tier"],
+        )
+        for placement, n in sorted(self.placements().items(), key=lambda kv: str(kv[0])):
+            routed.add_metric([placement.affinity.name.lower(), placement.tier], n)
+        yield routed
 
 
 CLIENT_CLOSED_REQUEST = 499

@@ -179,6 +179,26 @@ class AdapterHomes:
     homes: tuple[str, ...]  # replicas it is routed to: its homes, or where it is warm
 
 
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Why a replica ranked where it did for a request, as `choose` judged it: its
+    `affinity`, and the `tier` it held the adapter in as its stats (and this router's sends
+    since) showed: "device", "loading", "host" or "store" (held nowhere: sent there, the
+    request waits for a read from the artifact store)."""
+
+    affinity: Affinity
+    tier: str
+
+
+def _tier(r: ReplicaStats, adapter: str, warm: dict[str, Affinity]) -> str:
+    """Placement.tier of `adapter` on r (`warm`: the replicas `_choose` found it warm on)."""
+    if adapter in r.device_adapters:
+        return "device"
+    if r.replica_id in warm:
+        return "loading"
+    return "host" if adapter in r.host_adapters else "store"
+
+
 def batch_slots(r: ReplicaStats, adapter: str | None = None) -> int:
     """The requests r runs at once: its batch slots, or the rows its engine ran when its
     stats found it unable to take more in the next step: its last step held requests back
@@ -389,6 +409,8 @@ class AffinityPolicy:
         self._homes: dict[str, list[str]] = {}  # hot (or formerly hot) adapter -> homes
         self._drains: dict[str, _Drain] = {}  # replica -> what its stats say it finishes
         self.prefixes = PrefixIndex(config.prefix_index_keys, config.prefix_ttl_s)
+        # Adapter requests routed, by the Placement of the replica each went to (`observe`)
+        self._routed: collections.Counter[Placement] = collections.Counter()
         self._lock = threading.Lock()
 
     def observe(
@@ -397,12 +419,16 @@ class AffinityPolicy:
         replica_id: str | None = None,
         prefix: Sequence[bytes] = (),
         prompt_tokens: int = 0,
+        placement: Placement | None = None,
     ) -> None:
         """Count one request of `adapter` now, sent to `replica_id` when given, its prompt
         `prompt_tokens` long and starting with the blocks `prefix`; base-model requests'
-        rates are not tracked."""
+        rates are not tracked. `placement`: that replica's, from `choose`, counted in
+        `placement_counts`."""
         with self._lock:
             now = self.clock()
+            if placement is not None:
+                self._routed[placement] += 1
             if replica_id is not None:
                 if prefix:
                     self.prefixes.record(prefix[: self.config.prefix_blocks], replica_id, now)
@@ -420,6 +446,11 @@ class AffinityPolicy:
                     del placed[next(iter(placed))]  # stats fresher than this have long arrived
                 placed.pop(adapter, None)
                 placed[adapter] = now
+
+    def placement_counts(self) -> dict[Placement, int]:
+        """The adapter requests `observe` was told the `Placement` of, by placement."""
+        with self._lock:
+            return dict(self._routed)
 
     def rate(self, adapter: str) -> float:
         """Requests/s of `adapter`, decayed over rate_window_s."""
@@ -464,10 +495,13 @@ class AffinityPolicy:
         replicas: Sequence[ReplicaStats],
         prefix: Sequence[bytes] = (),
         estimates: dict[str, float] | None = None,
+        placements: dict[str, Placement] | None = None,
     ) -> list[str]:
         """The replicas, best first. `estimates`, when given, receives each replica's
         estimated TTFT for this request (an adapter's: ttft(r); the base model's: its wait
-        less the prefill it saves), so a caller can set it beside what the request got."""
+        less the prefill it saves), so a caller can set it beside what the request got;
+        `placements` each replica's `Placement` (an adapter's request only), which the
+        caller hands back to `observe` for the replica the request went to."""
         ids = tuple(r.replica_id for r in replicas)
         assert len(set(ids)) == len(ids), f"duplicate replica ids in {ids}"
         if not replicas:
@@ -491,7 +525,7 @@ class AffinityPolicy:
                     r.replica_id
                     for r in sorted(replicas, key=lambda r: self._base_key(r, wait, saved))
                 ]
-            return self._choose(adapter, replicas, ids, wait, saved, estimates)
+            return self._choose(adapter, replicas, ids, wait, saved, estimates, placements)
 
     def _choose(
         self,
@@ -501,6 +535,7 @@ class AffinityPolicy:
         wait: dict[str, float],
         saved: dict[str, float],
         estimates: dict[str, float] | None,
+        placements: dict[str, Placement] | None,
     ) -> list[str]:
         c = self.config
         n = len(replicas)
@@ -575,6 +610,11 @@ class AffinityPolicy:
         }
         if estimates is not None:
             estimates.update(ttft)
+        if placements is not None:
+            placements.update(
+                (r.replica_id, Placement(affinities[r.replica_id], _tier(r, adapter, warm)))
+                for r in replicas
+            )
         self._level_cold(adapter, replicas, affinities, ttft, read, capacity)
 
         def key(r: ReplicaStats) -> tuple:

@@ -22,7 +22,9 @@ the queue, which would send adapter A's pick to adapter B. Serve's default match
 each choice with the request it was made for.
 
 `routing_snapshot(top_n)` reports what the routers of this process know of each adapter
-(its rate and homes): the ingress's /metrics shows it.
+(its rate and homes), and `placement_counts()` how many adapter requests went to a replica
+of each affinity and tier (`Placement`: how many were sent where the adapter must be read
+from the store, and why): the ingress's /metrics shows both.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from loraplex.replica.protocol import adapter_version, extend_block_keys, prefix_root
 from loraplex.router import live_routers
-from loraplex.router.policy import AffinityConfig, AffinityPolicy
+from loraplex.router.policy import AffinityConfig, AffinityPolicy, Placement
 from loraplex.router.routing_stats import ReplicaStats
 
 _MEMO = 1024  # requests whose prefix keys are kept between choosing and routing
@@ -59,6 +61,10 @@ class AffinityRequestRouter(RequestRouter):
         self._parsed: dict[str, tuple[dict[str, Any], ReplicaStats]] = {}
         live_routers.add(self)
         self._prefixes: collections.OrderedDict[str, tuple[bytes, ...]] = collections.OrderedDict()
+        # Each pending request's replicas as its last choice judged them, until it is routed
+        self._placements: collections.OrderedDict[str, dict[str, Placement]] = (
+            collections.OrderedDict()
+        )
         # Sends to replicas, and those a replica accepted: the difference, once nothing is in
         # flight, is how many it turned away (at max_ongoing_requests).
         self.sends = 0
@@ -84,7 +90,10 @@ class AffinityRequestRouter(RequestRouter):
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         stats = [self._replica_stats(r) for r in candidate_replicas]
         prefix = self._prefix(pending_request, stats)
-        ranked = self.policy.choose(_adapter(pending_request), stats, prefix)
+        placements: dict[str, Placement] = {}
+        ranked = self.policy.choose(_adapter(pending_request), stats, prefix, placements=placements)
+        if pending_request is not None and placements:
+            _remember(self._placements, pending_request.metadata.request_id, placements)
         return ranks_by_room(
             [by_id[replica_id] for replica_id in ranked], self.replica_queue_len_cache.get
         )
@@ -97,9 +106,15 @@ class AffinityRequestRouter(RequestRouter):
         self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult
     ) -> None:
         self.accepted += 1
-        prefix = self._prefixes.pop(pending_request.metadata.request_id, ())
+        request_id = pending_request.metadata.request_id
+        prefix = self._prefixes.pop(request_id, ())
+        placement = self._placements.pop(request_id, {}).get(replica_id.unique_id)
         self.policy.observe(
-            _adapter(pending_request), replica_id.unique_id, prefix, _prompt_tokens(pending_request)
+            _adapter(pending_request),
+            replica_id.unique_id,
+            prefix,
+            _prompt_tokens(pending_request),
+            placement,
         )
 
     def _prefix(
@@ -118,9 +133,7 @@ class AffinityRequestRouter(RequestRouter):
             return ()
         block_size, share_base = published[0].prefix_block_size, published[0].prefix_share_base
         keys = prompt_prefix_keys(request, block_size, share_base, self.policy.config.prefix_blocks)
-        self._prefixes[request_id] = keys
-        while len(self._prefixes) > _MEMO:
-            self._prefixes.popitem(last=False)
+        _remember(self._prefixes, request_id, keys)
         return keys
 
     def _replica_stats(self, replica: RunningReplica) -> ReplicaStats:
@@ -199,6 +212,14 @@ def prompt_prefix_keys(
     tokens = request["prompt_token_ids"]
     n = min(len(tokens) // block_size, max_blocks)
     return tuple(extend_block_keys([], root, tokens, block_size, n))
+
+
+def _remember(memo: collections.OrderedDict, request_id: str, value: Any) -> None:
+    """Keep `value` for a pending request until it is routed, the newest `_MEMO` at most."""
+    memo[request_id] = value
+    memo.move_to_end(request_id)
+    while len(memo) > _MEMO:
+        memo.popitem(last=False)
 
 
 def _request_of(pending_request: PendingRequest | None) -> dict | None:

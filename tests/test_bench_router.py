@@ -94,6 +94,14 @@ def test_router_bench_serves_every_request_and_reports_every_key(capsys, tmp_pat
             # (failover's killed replica takes its counts with it)
             if name != "failover":
                 assert min(rep["reads"].values()) >= rep["reads_floor"], (name, rep)
+        for rep in workload["repetitions"]:
+            # where the affinity router sent every request of each run, and why
+            # (bench.placements_since: "affinity/tier")
+            for placed in rep["placements_by_rate"]["affinity"]:
+                assert sum(placed.values()) > 0, (name, rep["placements_by_rate"])
+                for key in placed:
+                    affinity, tier = key.split("/")
+                    assert tier in {"device", "loading", "host", "store"}, key
         first, second = (r["router_order"] for r in workload["repetitions"])
         assert sorted(first) == sorted(bench_router.ROUTERS) and second == first[1:] + first[:1]
         for router, figures in workload["routers"].items():

@@ -10,7 +10,14 @@ from dataclasses import replace
 import pytest
 
 from loraplex.replica.protocol import extend_block_keys, prefix_root
-from loraplex.router.policy import AffinityConfig, AffinityPolicy, ReplicaStats, batch_slots
+from loraplex.router.policy import (
+    Affinity,
+    AffinityConfig,
+    AffinityPolicy,
+    Placement,
+    ReplicaStats,
+    batch_slots,
+)
 from loraplex.router.walk import walk_order
 
 
@@ -887,3 +894,54 @@ def test_a_saturated_home_spills_once_its_measured_drain_makes_the_wait_exceed_a
     clock.advance(1.0)
     home = drained(home, 100 + finished_per_s)
     assert p.choose("a", [replace(home, queue_len=home_queue), drained(idle_one, 50)])[0] == chosen
+
+
+def test_each_replicas_placement_names_its_affinity_and_the_tier_it_holds_the_adapter_in():
+    """What an operator (and the router bench) reads to tell why requests went where their
+    adapter had to be read from the store: the affinity the policy judged and the tier."""
+    replicas = [
+        replica("cold"),
+        replica("host", host={"a"}),
+        replica("loading", loading={"a"}),
+        replica("device", device={"a"}),
+    ]
+    clock = FakeClock()
+    p = policy(clock)
+    placements: dict[str, Placement] = {}
+    p.choose("a", replicas, placements=placements)
+    assert placements == {
+        "cold": Placement(Affinity.COLD, "store"),
+        "host": Placement(Affinity.COLD, "host"),
+        "loading": Placement(Affinity.LOADING, "loading"),
+        "device": Placement(Affinity.DEVICE, "device"),
+    }
+    p.observe("a", "cold", placement=placements["cold"])
+    p.observe("a", "device", placement=placements["device"])
+    p.observe("a", "device")  # a caller that does not say is not counted
+    again: dict[str, Placement] = {}
+    clock.advance(0.5)  # stats recorded before the send, a second old
+    p.choose("a", [replace(r, stats_age_s=1.0) for r in replicas], placements=again)
+    assert again["cold"] == Placement(Affinity.LOADING, "loading")  # its read is under way
+    assert p.placement_counts() == {
+        Placement(Affinity.COLD, "store"): 1,
+        Placement(Affinity.DEVICE, "device"): 1,
+    }
+    base: dict[str, Placement] = {}
+    p.choose(None, replicas, placements=base)
+    assert base == {}  # a base-model request has no adapter to place
+
+
+def test_metrics_count_the_routers_requests_by_placement():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from loraplex.router.metrics import IngressMetrics
+
+    counts = {Placement(Affinity.COLD, "store"): 3, Placement(Affinity.DEVICE, "device"): 40}
+    text = IngressMetrics(placements=lambda: counts).render().decode()
+    samples = {
+        (s.labels["affinity"], s.labels["tier"]): s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "loraplex_router_placements_total"
+    }
+    assert samples == {("cold", "store"): 3, ("device", "device"): 40}

@@ -33,7 +33,10 @@ def _sweep(monkeypatch, workload: str, slo_rps: dict[str, float]) -> dict:
 
     def run(router, app, reqs, w, workload, rate, kill_at):
         p99 = 0.4 if rate <= slo_rps[router] else 0.9
-        return _figures(p99)
+        figures = _figures(p99)
+        if router == "affinity":  # bench.placements_since's
+            figures["placements"] = {"device/device": round(rate), "cold/store": 1}
+        return figures
 
     monkeypatch.setattr(bench, "drive", no_warm_up)
     monkeypatch.setattr(bench, "_run", run)
@@ -100,6 +103,10 @@ def test_repetitions_that_ran_different_rates_merge_rate_by_rate(monkeypatch):
     assert hot["routers"]["affinity"]["p99_ttft_s"] == pytest.approx([0.4, 0.4, 0.65, 0.9])
     assert hot["routers"]["pow2"]["load_avg_1m"][3] == pytest.approx([0.5, 0.6])
     assert [len(r["rates_rps"]) for r in hot["repetitions"]] == [3, 4]
+    # where the affinity router sent each rate's requests, per repetition and rate by rate
+    assert [len(r["placements_by_rate"]["affinity"]) for r in hot["repetitions"]] == [3, 4]
+    assert set(hot["repetitions"][0]["placements_by_rate"]) == {"affinity"}
+    assert [p["device/device"] for p in hot["routers"]["affinity"]["placements"]] == [5, 10, 15, 20]
     # each repetition's goodput, where its p99 crosses the SLO (linear between rates): 11
     # (0.4 at 10, 0.9 at 15), then 16; their median
     assert hot["goodput_rps"]["affinity"] == pytest.approx(13.5)

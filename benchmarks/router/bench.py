@@ -120,6 +120,8 @@ from loraplex.benchmarks.router.workload import Workload
 from loraplex.benchmarks.sim.profiles import StepLoad
 from loraplex.benchmarks.sim.workload import SimRequest
 from loraplex.demo.synthetic import ModelSpec
+from loraplex.router.live_routers import placement_counts
+from loraplex.router.policy import Placement
 from loraplex.router.serve_backend import ServeBackend
 
 ROUTERS = ("affinity", "pow2", "multiplex")
@@ -584,6 +586,7 @@ def new_adapters(warm: list[SimRequest], runs: list[list[SimRequest]]) -> list[i
 def _run(router: str, app: App, reqs, w: Workload, workload: str, rate: float, kill_at) -> dict:
     load_avg = os.getloadavg()[0]
     before = counters(app.name, router)
+    routed = placement_counts()
     kill = None if kill_at is None else (kill_at, lambda: kill_one(app.name, router, w.seed))
     tag = f"{app.name}-{rate:.1f}"
     outcomes, elapsed = asyncio.run(
@@ -594,12 +597,33 @@ def _run(router: str, app: App, reqs, w: Workload, workload: str, rate: float, k
         log(f"{router}: replaced its killed replica ({waited:.1f} s after the run)")
     figures = run_figures(outcomes, elapsed, delta(before, counters(app.name, router)))
     figures["load_avg_1m"] = [load_avg, os.getloadavg()[0]]
+    sent_cold = ""
+    if router == "affinity":
+        figures["placements"] = placements_since(routed, placement_counts())
+        sent_cold = ", sent to read: " + (
+            ", ".join(
+                f"{k.split('/')[0]} {n}" for k, n in figures["placements"].items() if "/store" in k
+            )
+            or "none"
+        )
     log(
         f"{workload} {rate:5.1f} req/s {router:9}: p50 {_ms(figures['p50_ttft_s'])} p99 "
-        f"{_ms(figures['p99_ttft_s'])}, {figures['loads']:.0f} loads, {figures['reads']:.0f} reads, "
-        f"{figures['completed']}/{len(reqs)} done (load avg {load_avg:.1f})"
+        f"{_ms(figures['p99_ttft_s'])}, {figures['loads']:.0f} loads, {figures['reads']:.0f} reads"
+        f"{sent_cold}, {figures['completed']}/{len(reqs)} done (load avg {load_avg:.1f})"
     )
     return figures
+
+
+def placements_since(before: dict[Placement, int], after: dict[Placement, int]) -> dict[str, int]:
+    """The affinity router's requests between two `placement_counts()`, by
+    "affinity/tier" (e.g. "cold/store": sent to a replica that held the adapter nowhere,
+    judged cold), the non-zero ones, most first."""
+    counts = {
+        f"{p.affinity.name.lower()}/{p.tier}": n - before.get(p, 0)
+        for p, n in after.items()
+        if n > before.get(p, 0)
+    }
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def _ms(seconds: float | None) -> str:

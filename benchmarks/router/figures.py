@@ -107,6 +107,7 @@ PER_RATE = {
     "p99_ttft_s": None,
     "within_slo_rps": None,
     "load_avg_1m": [None, None],
+    "placements": {},
 }
 
 
@@ -132,6 +133,10 @@ def _over_reps(reps: list[dict[str, Any]]) -> dict[str, Any]:
             **{k: v for k, v in r.items() if k != "routers"},
             "p99_ttft_s_by_rate": {router: f["p99_ttft_s"] for router, f in r["routers"].items()},
             "at_reference": {router: f["at_reference"] for router, f in r["routers"].items()},
+            # the affinity router's requests at each rate by where it sent them
+            "placements_by_rate": {
+                router: f["placements"] for router, f in r["routers"].items() if "placements" in f
+            },
         }
         for r in reps
     ]
@@ -160,6 +165,8 @@ def _workload(name: str, sweep: dict, w: Workload, slo: float) -> dict[str, Any]
             "at_reference": {k: v for k, v in figures[ref].items() if k != "raw"},
             "load_avg_1m": [f["load_avg_1m"] for f in figures],
         }
+        if "placements" in figures[0]:  # the affinity router's (`bench.placements_since`)
+            routers[router]["placements"] = [f["placements"] for f in figures]
     distinct = sweep["distinct_adapters"][ref]
     at = {r: f["at_reference"] for r, f in routers.items()}
     out: dict[str, Any] = {

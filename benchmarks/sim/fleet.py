@@ -55,7 +55,7 @@ from loraplex.benchmarks.sim.fleet_replica import FleetReplica, StoreModel
 from loraplex.benchmarks.sim.replica import System
 from loraplex.benchmarks.sim.workload import AdapterSpec, SimRequest
 from loraplex.replica.demand import DEMAND_TAU_S, AdapterDemand
-from loraplex.router.policy import AffinityConfig, AffinityPolicy
+from loraplex.router.policy import AffinityConfig, AffinityPolicy, Placement
 from loraplex.router.routing_stats import ReplicaStats
 
 ROUTERS = ("affinity", "pow2", "multiplex")
@@ -395,9 +395,15 @@ class FleetSim:
             views.append(replace(stats, stats_age_s=age, queue_len=replica.in_flight))
         adapter = pending.request.adapter
         estimates: dict[str, float] = {}
-        for rid in self.policy.choose(adapter, views, estimates=estimates):
+        placements: dict[str, Placement] = {}
+        for rid in self.policy.choose(adapter, views, estimates=estimates, placements=placements):
             if self.replicas[rid].in_flight < self.setup.max_ongoing_requests:
-                self.policy.observe(adapter, rid, prompt_tokens=pending.request.prompt)
+                self.policy.observe(
+                    adapter,
+                    rid,
+                    prompt_tokens=pending.request.prompt,
+                    placement=placements.get(rid),
+                )
                 self.estimated[pending.request.rid] = estimates[rid]
                 seen = self.stats.get(rid)
                 pending.predicted_held = seen is not None and (

@@ -56,6 +56,7 @@ def _figures(p99: float | None) -> dict:
         "loads": 1.0,
         "reads": 1.0,
         "load_seconds": 0.1,
+        "busy_s_by_replica": [2.0, 1.0],
     }
 
 
@@ -107,6 +108,7 @@ def test_repetitions_that_ran_different_rates_merge_rate_by_rate(monkeypatch):
     assert [len(r["placements_by_rate"]["affinity"]) for r in hot["repetitions"]] == [3, 4]
     assert set(hot["repetitions"][0]["placements_by_rate"]) == {"affinity"}
     assert [p["device/device"] for p in hot["routers"]["affinity"]["placements"]] == [5, 10, 15, 20]
+    assert hot["routers"]["pow2"]["busy_s_by_replica"][0] == [2.0, 1.0]  # each replica's
     # each repetition's goodput, where its p99 crosses the SLO (linear between rates): 11
     # (0.4 at 10, 0.9 at 15), then 16; their median
     assert hot["goodput_rps"]["affinity"] == pytest.approx(13.5)

@@ -595,8 +595,10 @@ def _run(router: str, app: App, reqs, w: Workload, workload: str, rate: float, k
     if kill_at is not None:
         waited = wait_for_replicas(app.name, router, w.num_replicas)
         log(f"{router}: replaced its killed replica ({waited:.1f} s after the run)")
-    figures = run_figures(outcomes, elapsed, delta(before, counters(app.name, router)))
+    after = counters(app.name, router)
+    figures = run_figures(outcomes, elapsed, delta(before, after))
     figures["load_avg_1m"] = [load_avg, os.getloadavg()[0]]
+    figures["busy_s_by_replica"] = busy_by_replica(before, after)
     sent_cold = ""
     if router == "affinity":
         figures["placements"] = placements_since(routed, placement_counts())
@@ -612,6 +614,17 @@ def _run(router: str, app: App, reqs, w: Workload, workload: str, rate: float, k
         f"{sent_cold}, {figures['completed']}/{len(reqs)} done (load avg {load_avg:.1f})"
     )
     return figures
+
+
+def busy_by_replica(before: dict, after: dict) -> list[float]:
+    """Each replica's engine-step seconds over the run (`counters` before and after), most
+    first: how evenly a router spread the work (replicas unread or new are left out)."""
+    busy = [
+        now["step_seconds"] - before[rid]["step_seconds"]
+        for rid, now in after.items()
+        if now is not None and before.get(rid) is not None
+    ]
+    return sorted(busy, reverse=True)
 
 
 def placements_since(before: dict[Placement, int], after: dict[Placement, int]) -> dict[str, int]:

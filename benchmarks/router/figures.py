@@ -108,6 +108,7 @@ PER_RATE = {
     "within_slo_rps": None,
     "load_avg_1m": [None, None],
     "placements": {},
+    "busy_s_by_replica": None,
 }
 
 
@@ -165,6 +166,7 @@ def _workload(name: str, sweep: dict, w: Workload, slo: float) -> dict[str, Any]
             "at_reference": {k: v for k, v in figures[ref].items() if k != "raw"},
             "load_avg_1m": [f["load_avg_1m"] for f in figures],
         }
+        routers[router]["busy_s_by_replica"] = [f.get("busy_s_by_replica") for f in figures]
         if "placements" in figures[0]:  # the affinity router's (`bench.placements_since`)
             routers[router]["placements"] = [f["placements"] for f in figures]
     distinct = sweep["distinct_adapters"][ref]

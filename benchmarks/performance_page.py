@@ -287,6 +287,27 @@ held its interval above 1 (1.28 [1.00, 1.66]); shift read 1.03 [0.96, 1.39]. The
 shift 1.20 [1.09, 1.26]: across the two runs only hot's interval stays above 1, and
 affinity is level with multiplexing on zipf and shift, the workloads it reads on.
 
+Where affinity's reads come from (2026-12-06 12:54-13:06 and 13:07-13:18, zipf alone,
+affinity against multiplexing, the quick shape, three repetitions each, the machine alone:
+load 0.1-1.0 before, 4-8 during). The router now counts each request by the affinity it
+judged the chosen replica and the tier that replica held the adapter in (`placements` per
+rate; `loraplex_router_placements_total` on /metrics). At 0.35 and 0.7 × the basis (71.4
+and 75.9 req/s those runs, 58.4 in the published one) one of affinity's 4,395 requests went
+where its adapter had to be read (a hot adapter's extra home). At 1.0 and 1.3 × 22-38 a
+run did, all but 1-4 of them spills of adapters judged cold (14-31 a run) or crowded (2-11)
+to a replica that held them nowhere: at those rates the replicas' estimated waits differ
+by more than one store read (0.125 s; the p50 was 0.3-3.2 s), so a cold adapter leaves its
+walk for the least loaded replica (`_level_cold`), as designed. Multiplexing read none. The
+spills do not unbalance the work (each replica's engine-busy seconds at 1.3 ×, medians,
+most to least: affinity 9.7 / 9.6 / 9.2, multiplexing 9.1 / 8.5 / 8.0), but each copy they
+bring evicts another from a full host tier and pool: affinity made 311-436 device loads a
+run at 1.3 × against multiplexing's 221-314 (241-304 against 219-241 at 1.0 ×). Goodput,
+affinity / multiplexing: 55.4 / 58.1 req/s in the first run (0.95), 59.0 / 54.7 in the
+second (1.08); one router's p99 at 1.0 × ranged 0.88-3.5 s over the six repetitions. The
+published run's reads at 0.7 × came on a slower machine (basis 58.4 req/s), where queues
+were already that long. What the spill rule does not price is what a read costs beyond
+itself: the copy it evicts from a full host tier and pool, read or loaded again later.
+
 Where tenant B's time goes under the flood behind Serve's proxy (2026-12-05, the protected
 app alone on the machine, load 0.5-2.4; a timestamp at every hop in every process, the third
 of three such runs): alone, B's median 25.5 ms is 6.1 from the client to the ingress's app

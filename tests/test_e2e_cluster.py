@@ -939,7 +939,24 @@ def test_metrics_show_every_replicas_own_stats(
         assert shown[replica]["loraplex_pool_pages", ("kind", "total")] == routing["num_pages"]
         tier = shown[replica]["loraplex_replica_adapters", ("tier", "device")]
         assert tier == len(routing["device_adapters"])
+    # and the ingress's router counts where it sent each adapter request, and why
+    placed = router_placements(cluster)
+    assert sum(placed.values()) >= 1, placed  # the request above, at least
+    assert {tier for _, tier in placed} <= {"device", "loading", "host", "store"}, placed
     remove_adapter(cluster.endpoint(keys["acme"]), "metered")
+
+
+def router_placements(cluster: Cluster) -> dict[tuple[str, str], float]:
+    """The ingress router's adapter requests by (affinity, tier), from /metrics."""
+    with cluster.http(cluster.metrics_key) as http:
+        r = http.get("/metrics")
+    assert r.status_code == 200, r.text
+    return {
+        (sample.labels["affinity"], sample.labels["tier"]): sample.value
+        for family in text_string_to_metric_families(r.text)
+        for sample in family.samples
+        if sample.name == "loraplex_router_placements_total"
+    }
 
 
 def test_killing_a_replica_mid_stream_neither_hangs_nor_loses_adapters(

@@ -194,13 +194,13 @@ class LoraAutoscaling(BaseModel):
         "set, and which fewer replicas must stay under before one is removed.",
     )
     downscale_delay_s: float = Field(
-        120.0,
+        60.0,
         ge=0,
         le=86400,
         description="How long fewer replicas must be wanted before one is removed.",
     )
     cooldown_s: float = Field(
-        60.0, ge=0, le=86400, description="No scale-down within this long of any scale event."
+        30.0, ge=0, le=86400, description="No scale-down within this long of any scale event."
     )
     demand_window_s: float = Field(
         DEMAND_TAU_S,

@@ -296,8 +296,9 @@ and 75.9 req/s those runs, 58.4 in the published one) one of affinity's 4,395 re
 where its adapter had to be read (a hot adapter's extra home). At 1.0 and 1.3 × 22-38 a
 run did, all but 1-4 of them spills of adapters judged cold (14-31 a run) or crowded (2-11)
 to a replica that held them nowhere: at those rates the replicas' estimated waits differ
-by more than one store read (0.125 s; the p50 was 0.3-3.2 s), so a cold adapter leaves its
-walk for the least loaded replica (`_level_cold`), as designed. Multiplexing read none. The
+by more than one store read (0.125 s; the p50 was 0.3-3.2 s), and a request goes to the
+least estimated TTFT, read included (`cold_walk_reads` 0, the default), as designed: past
+that imbalance a replica that must read the adapter wins. Multiplexing read none. The
 spills do not unbalance the work (each replica's engine-busy seconds at 1.3 ×, medians,
 most to least: affinity 9.7 / 9.6 / 9.2, multiplexing 9.1 / 8.5 / 8.0), but each copy they
 bring evicts another from a full host tier and pool: affinity made 311-436 device loads a

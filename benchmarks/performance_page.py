@@ -302,9 +302,10 @@ that imbalance a replica that must read the adapter wins. Multiplexing read none
 spills do not unbalance the work (each replica's engine-busy seconds at 1.3 ×, medians,
 most to least: affinity 9.7 / 9.6 / 9.2, multiplexing 9.1 / 8.5 / 8.0), but each copy they
 bring evicts another from a full host tier and pool: affinity made 311-436 device loads a
-run at 1.3 × against multiplexing's 221-314 (241-304 against 219-241 at 1.0 ×). Goodput,
-affinity / multiplexing: 55.4 / 58.1 req/s in the first run (0.95), 59.0 / 54.7 in the
-second (1.08); one router's p99 at 1.0 × ranged 0.88-3.5 s over the six repetitions. The
+run at 1.3 × against multiplexing's 221-314 (241-304 against 219-241 at 1.0 ×). Goodput
+ratio (each repetition's, their median and 90% interval): 0.95 [0.94, 0.95] in the first
+run (0.95, 0.95, 0.94), 1.17 [0.99, 1.24] in the second (0.99, 1.17, 1.24); one router's
+p99 at 1.0 × ranged 0.88-3.5 s over the six repetitions. The
 published run's reads at 0.7 × came on a slower machine (basis 58.4 req/s), where queues
 were already that long. What the spill rule does not price is what a read costs beyond
 itself: the copy it evicts from a full host tier and pool, read or loaded again later.

@@ -305,9 +305,16 @@ bring evicts another from a full host tier and pool: affinity made 311-436 devic
 run at 1.3 × against multiplexing's 221-314 (241-304 against 219-241 at 1.0 ×). Goodput
 ratio (each repetition's, their median and 90% interval): 0.95 [0.94, 0.95] in the first
 run (0.95, 0.95, 0.94), 1.17 [0.99, 1.24] in the second (0.99, 1.17, 1.24); one router's
-p99 at 1.0 × ranged 0.88-3.5 s over the six repetitions. The
-published run's reads at 0.7 × came on a slower machine (basis 58.4 req/s), where queues
-were already that long. What the spill rule does not price is what a read costs beyond
+p99 at 1.0 × ranged 0.88-3.5 s over the six repetitions. With three
+apps on the machine (two A/B runs, 14:07-14:33, the third app a variant of affinity)
+affinity spilled at 0.7 × as well, 7-15 reads in three of six repetitions, as in the
+published run (basis 58.4 req/s): the spills start wherever the queues grow past a read.
+The variant was told a read costs two (the read, and the copy it displaces from a full host
+tier, read again later): at 1.0-1.3 × it sent 11-20 requests a run to read (36 once in
+twelve) where affinity sent 21-34, and made fewer device loads at 1.3 × in each of the six
+repetitions (282-415 against 286-425); its goodput over affinity's, repetition by repetition, was 1.46, 1.15, 0.99, 0.74,
+1.37 and 1.06: within the noise, so it was not adopted (a factor of 2 is the upper bound:
+the displaced copy is often held on another replica). What the spill rule does not price is what a read costs beyond
 itself: the copy it evicts from a full host tier and pool, read or loaded again later.
 
 Where tenant B's time goes under the flood behind Serve's proxy (2026-12-05, the protected

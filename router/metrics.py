@@ -259,7 +259,7 @@ class _Placements(Collector):
             "the artifact store).",
             labels=["affinity", "tier"],
         )
-        for placement, n in sorted(self.placements().items(), key=lambda kv: str(kv[0])):
+        for placement, n in sorted(self.placements().items()):
             routed.add_metric([placement.affinity.name.lower(), placement.tier], n)
         yield routed
 

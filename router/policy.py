@@ -179,7 +179,7 @@ class AdapterHomes:
     homes: tuple[str, ...]  # replicas it is routed to: its homes, or where it is warm
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, order=True)
 class Placement:
     """Why a replica ranked where it did for a request, as `choose` judged it: its
     `affinity`, and the `tier` it held the adapter in as its stats (and this router's sends

@@ -44,7 +44,7 @@ from loraplex.router import live_routers
 from loraplex.router.policy import AffinityConfig, AffinityPolicy, Placement
 from loraplex.router.routing_stats import ReplicaStats
 
-_MEMO = 1024  # requests whose prefix keys are kept between choosing and routing
+_MEMO = 1024  # requests whose prefix keys and placements are kept between choosing and routing
 _RNG = random.Random()  # the pair of full replicas probed (`ranks_by_room`)
 
 if TYPE_CHECKING:

@@ -165,8 +165,8 @@ def _workload(name: str, sweep: dict, w: Workload, slo: float) -> dict[str, Any]
             "goodput_at_slo_rps": goodput(rates, p99, slo),
             "at_reference": {k: v for k, v in figures[ref].items() if k != "raw"},
             "load_avg_1m": [f["load_avg_1m"] for f in figures],
+            "busy_s_by_replica": [f.get("busy_s_by_replica") for f in figures],
         }
-        routers[router]["busy_s_by_replica"] = [f.get("busy_s_by_replica") for f in figures]
         if "placements" in figures[0]:  # the affinity router's (`bench.placements_since`)
             routers[router]["placements"] = [f["placements"] for f in figures]
     distinct = sweep["distinct_adapters"][ref]

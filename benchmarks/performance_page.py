@@ -133,7 +133,8 @@ those steps: 0.75 would need every other part of the step (attention, norms, RoP
 sampling, Python) in 17-18 ms, where the KV gather alone reads ~5 MB a layer from memory
 the weights have just evicted (11 ms a step, ~13 GB/s; timed in the step, 07:05). What
 was tried against it (no gather, whole-page gathers, huge pages, fewer tensors a layer)
-is below; the next lever is reading fewer KV bytes (a half-precision KV cache).
+is below; reading half the KV bytes (`engine.kv_cache_dtype: bfloat16`, since 2026-12-06)
+was tried last and does not move the step either.
 
 How the engine's figures got here. Runs before 2026-12-05 timed every step after the adapter
 copy thread had run a parallel copy, which left it an OpenMP team of its own for the
@@ -172,8 +173,18 @@ whole 12 KB pages instead of rows, and huge pages for torch's large tensors, wer
 2-3x slower in the step than on data in cache (rms_norm 51-66 us against 25, RoPE 60-71
 against 35-40): each new tensor is written to memory the step's 538 MB of weights have just
 pushed out of the caches; writing four fewer a layer (torch's rms_norm, SwiGLU and RoPE in
-place) did not move the step above its noise in five A/B pairs. Past ~0.7 a step would
-have to read fewer KV bytes (a half-precision KV cache). The faster base step raises
+place) did not move the step above its noise in five A/B pairs. Reading fewer KV bytes
+does not move it either (2026-12-06 16:13-16:19, the machine alone, load 1.4-1.8; each
+its own process, rotated three times; 32 requests, 100 decode steps from one-sentence
+prompts, median step): a bfloat16 cache (`engine.kv_cache_dtype`) gathered and widened
+to float32 took 93.9/98.1/98.5 ms a step against 84.9/91.3/96.1 for float32, and the same
+cache attended in bfloat16 matmuls (an experiment, not kept: scores rounded to 8 bits of
+mantissa) 91.4/91.4/82.9. In a microbenchmark of one layer's gather (SmolLM2's decode
+rows at 165 tokens, from a cold 384 MB pool) the bfloat16 rows took 0.72-0.76 ms against
+1.12-1.16 and widening them 0.33-0.36 ms: the bytes saved are paid back in the widening,
+and matmuls in bfloat16 save too little of the rest to show. The option stays
+for what it does give, twice the KV tokens a pool holds (at worst 0.30 of a logit from
+the oracle on the real model, 767 of 768 greedy tokens the oracle's). The faster base step raises
 `real.lora_overhead`: LoRA's 7.2-9.7 ms over base steps of 77-80 ms is 0.092/0.104/0.125
 (median 0.104, over the 0.10 target), where the same milliseconds over 88-90 ms read
 0.089 before. The synthetic model's `gemm_efficiency` read 0.561/0.467/0.455 against

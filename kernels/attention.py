@@ -31,9 +31,9 @@ def write_kv(
     k_rows: torch.Tensor,  # [T] int64 row of each token's K slot
     v_rows: torch.Tensor,  # [T] int64 row of each token's V slot
 ) -> None:
-    """cache_rows[k_rows[t]] = k[t]; cache_rows[v_rows[t]] = v[t]."""
-    cache_rows.index_copy_(0, k_rows, k.reshape(k.shape[0], -1))
-    cache_rows.index_copy_(0, v_rows, v.reshape(v.shape[0], -1))
+    """cache_rows[k_rows[t]] = k[t]; cache_rows[v_rows[t]] = v[t], in the cache's dtype."""
+    cache_rows.index_copy_(0, k_rows, k.reshape(k.shape[0], -1).to(cache_rows.dtype))
+    cache_rows.index_copy_(0, v_rows, v.reshape(v.shape[0], -1).to(cache_rows.dtype))
 
 
 def attention_mask(
@@ -76,11 +76,14 @@ def paged_attention(
     k = k_cache.index_select(0, pages).view(b, nb * bs, kvh, hd).transpose(1, 2)
     v = v_cache.index_select(0, pages).view(b, nb * bs, kvh, hd).transpose(1, 2)
     qt = q.transpose(1, 2)
+    compute = q.dtype
     if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
         # torch's CPU attention in bf16 took 1.83 ms a layer on SmolLM2's decode shape (32
         # rows, 80 keys, one thread) against 0.33 ms with the operands cast to fp32: half of
         # a bf16 step. fp32 is also the more accurate of the two.
-        qt, k, v = qt.float(), k.float(), v.float()
+        compute = torch.float32
+    # a cache narrower than q (kv_cache_dtype) is widened to q's dtype here
+    qt, k, v = (t if t.dtype == compute else t.to(compute) for t in (qt, k, v))
     if mask.is_floating_point() and mask.dtype != qt.dtype:
         mask = mask.to(qt.dtype)
     out = F.scaled_dot_product_attention(

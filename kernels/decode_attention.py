@@ -9,7 +9,10 @@ against the reference `kernels.attention.paged_attention`:
             keys = [j for j in range(ctx_lens[b]) if window is None or j > p - window]
             out[b, hq] = softmax(q[b, hq] . K[b, keys, kvh] * scale) @ V[b, keys, kvh]
 
-scores, softmax and the product with V are computed in float32 whatever the cache's dtype.
+scores, softmax and the product with V are computed in float32 whatever the cache's dtype
+(a narrower cache, `kv_cache_dtype: bfloat16`, is gathered in its own dtype, half the bytes
+read from the pool, then widened into a float32 buffer kept for the step: on this
+project's CPU the widening costs about what the smaller gather saves).
 
 The pool is read as rows of head_dim elements. `decode_rows` finds, once per step, the
 rows of layer 0's keys and values, ordered [K|V, B, KVH, N] (N: the longest context;
@@ -37,6 +40,7 @@ class DecodeRows:
     layer_rows: int  # rows from one layer's to the next's: layer l reads rows + l * this
     bias: torch.Tensor  # [B * KVH, H // KVH, N] float32: 0 on a key the query reads, -inf else
     gathered: torch.Tensor  # [2 * B * KVH * N, head_dim] cache dtype, every layer's buffer
+    wide: torch.Tensor | None  # the same in float32 when the cache is narrower; else None
 
 
 def decode_rows(
@@ -78,7 +82,10 @@ def decode_rows(
     group = num_heads // kv_heads
     bias = bias[:, None, None, :].expand(b, kv_heads, group, n).reshape(b * kv_heads, group, n)
     gathered = torch.empty(rows.shape[0], head_dim, dtype=kv_cache.dtype, device=device)
-    return DecodeRows(rows, layer, bias, gathered)
+    wide = (
+        None if kv_cache.dtype == torch.float32 else torch.empty_like(gathered, dtype=torch.float32)
+    )
+    return DecodeRows(rows, layer, bias, gathered, wide)
 
 
 def decode_attention(
@@ -87,14 +94,14 @@ def decode_attention(
     step: DecodeRows,
     layer: int,
     scale: float,
-) -> torch.Tensor:  # [B, H, head_dim] in the cache's dtype (q's)
+) -> torch.Tensor:  # [B, H, head_dim] in q's dtype
     b, h, head_dim = q.shape
     blocks, group, n = step.bias.shape
     torch.index_select(pool_rows[layer * step.layer_rows :], 0, step.rows, out=step.gathered)
-    k, v = step.gathered.view(2, blocks, n, head_dim)
-    q = q.reshape(blocks, group, head_dim)
-    if q.dtype != torch.float32:
-        q, k, v = q.float(), k.float(), v.float()
+    kv = step.gathered if step.wide is None else step.wide.copy_(step.gathered)
+    k, v = kv.view(2, blocks, n, head_dim)
+    dtype = q.dtype
+    q = q.reshape(blocks, group, head_dim).float()
     scores = torch.baddbmm(step.bias, q, k.transpose(1, 2), alpha=scale)
     out = torch.bmm(scores.softmax(-1), v).view(b, h, head_dim)
-    return out if out.dtype == step.gathered.dtype else out.to(step.gathered.dtype)
+    return out if out.dtype == dtype else out.to(dtype)

@@ -101,9 +101,10 @@ def paged_attention_decode(
 ) -> torch.Tensor:  # [B, H, D]
     dev = q.device
     check_tensor("q", q, dims=3, dtypes=FLOAT_DTYPES, device=dev, inner_contiguous=True)
-    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-        check_tensor(name, c, dims=4, dtypes=(q.dtype,), device=dev, inner_contiguous=True)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):  # read as float32
+        check_tensor(name, c, dims=4, dtypes=FLOAT_DTYPES, device=dev, inner_contiguous=True)
     check(k_cache.shape == v_cache.shape, "k_cache and v_cache differ in shape")
+    check(k_cache.dtype == v_cache.dtype, "k_cache and v_cache differ in dtype")
     _, block_size, kv_heads, head_dim = k_cache.shape
     b, heads, qd = q.shape
     check(qd == head_dim, f"q head_dim {qd} != cache head_dim {head_dim}")

@@ -23,6 +23,7 @@ from loraplex.settings import FORBID_EXTRA, KiB, setting
 MAX_MODEL_LEN_CAP = 8192
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
+KvCacheDtype = Literal["auto", "bfloat16"]
 Kernels = Literal["auto", "torch", "triton"]
 DenseGemm = Literal["auto", "onednn", "torch"]  # kernels/dense.py
 SchedulerPolicy = Literal["fifo", "sjf", "chameleon"]
@@ -218,6 +219,14 @@ class EngineConfig:
         "auto", description="Weights and activations; auto keeps the checkpoint's dtype."
     )
     device: str = Field("cpu", min_length=1, description="torch device of rank 0.")
+    kv_cache_dtype: KvCacheDtype = Field(
+        "auto",
+        description="What the KV cache stores keys and values in: auto (the model's dtype) "
+        "or bfloat16: under a float32 model half the bytes a token's KV takes, so the pool "
+        "holds twice the context (docs/concepts.md); scores and softmax stay in float32, "
+        "and outputs differ from a float32 cache's by bfloat16's rounding of K and V (8 "
+        "bits of mantissa). A capacity option: on a CPU the step is a few percent slower.",
+    )
     max_model_len: int | None = Field(
         None,
         ge=2,

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import itertools
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -80,12 +81,14 @@ class LLMEngine:
             )
         self.tokenizer = Tokenizer(cfg.model) if Tokenizer.exists(cfg.model) else None
         elem = torch.empty((), dtype=mc.dtype).element_size()
+        kv_dtype = mc.dtype if cfg.kv_cache_dtype == "auto" else DTYPES[cfg.kv_cache_dtype]
+        kv_elem = torch.empty((), dtype=kv_dtype).element_size()
         page_bytes = cfg.page_bytes or _auto_page_bytes(
-            mc.kv_elems_per_token() * elem, mc.kv_size * elem
+            mc.kv_elems_per_token() * kv_elem, mc.kv_size * kv_elem, elem
         )
         pool_bytes = cfg.pool_bytes or _auto_pool_bytes(device)
         self.pool = UnifiedPool(pool_bytes // page_bytes, page_bytes // elem, mc.dtype, device)
-        self.kv = KVCache(self.pool, mc)
+        self.kv = KVCache(self.pool, mc, kv_dtype)
         self.step_costs = StepCostEstimator()  # what the router and the eviction weigh
         if cfg.enable_prefix_caching:
             self.kv.prefix = PrefixCache(
@@ -110,7 +113,7 @@ class LLMEngine:
         self.model.ops = (
             ForwardOps(backend)
             if self.tp is None
-            else self.tp.connect(backend, self.pool, self.adapters, layout_args)
+            else self.tp.connect(backend, self.pool, self.kv.dtype, self.adapters, layout_args)
         )
         self.scheduler = Scheduler(cfg.scheduler, self.kv, self.adapters, self.max_model_len)
         eos = set(mc.eos_token_ids)
@@ -534,13 +537,15 @@ def _final(seq: Sequence) -> RequestOutput:
     )
 
 
-def _auto_page_bytes(kv_bytes_per_token: int, kv_row_bytes: int) -> int:
+def _auto_page_bytes(kv_bytes_per_token: int, kv_row_bytes: int, elem: int) -> int:
     """The smallest power of two >= 64 KiB holding 16 tokens of KV, made a multiple of one
-    KV row (kv_heads * head_dim) when that row is not a power of two."""
+    KV row (kv_heads * head_dim) and of the pool's element when that row is not a power of
+    two."""
     page = 64 * 1024
     while page < 16 * kv_bytes_per_token:
         page *= 2
-    return -(-page // kv_row_bytes) * kv_row_bytes
+    unit = math.lcm(kv_row_bytes, elem)
+    return -(-page // unit) * unit
 
 
 def _auto_pool_bytes(device: torch.device) -> int:

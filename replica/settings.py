@@ -20,6 +20,7 @@ from loraplex.replica.config import (
     EngineConfig,
     Eviction,
     Kernels,
+    KvCacheDtype,
     SchedulerConfig,
     SchedulerPolicy,
 )
@@ -37,6 +38,7 @@ class EngineSettings(BaseModel):
         description="auto: cuda when the replica holds a GPU (replicas.num_gpus > 0; for "
         "`loraplex generate`, when torch sees one), else cpu.",
     )
+    kv_cache_dtype: KvCacheDtype = setting(EngineConfig, "kv_cache_dtype")
     max_model_len: int | None = setting(EngineConfig, "max_model_len")
     pool_mib: int | None = setting(EngineConfig, "pool_bytes", unit=MiB)
     page_kib: int | None = setting(EngineConfig, "page_bytes", unit=KiB)
@@ -75,6 +77,7 @@ class EngineSettings(BaseModel):
             model=model,
             dtype=self.dtype,
             device=device,
+            kv_cache_dtype=self.kv_cache_dtype,
             max_model_len=self.max_model_len,
             pool_bytes=None if self.pool_mib is None else self.pool_mib * MiB,
             page_bytes=None if self.page_kib is None else self.page_kib * KiB,

@@ -12,12 +12,14 @@ argmax tokens from that run.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from loraplex.demo.synthetic import LORA_TARGETS, AdapterSpec, ModelSpec, write_adapter
+from loraplex.replica.config import KvCacheDtype
 
 STEPS = 32
 ATOL = 1e-3
@@ -93,7 +95,13 @@ def build_requests(tokenizer, adapters: list[str | None]) -> list[Request]:
     return requests
 
 
-def reference_run(gguf: Path, adapters: dict[str, Path]) -> ReferenceRun:
+def reference_run(
+    gguf: Path,
+    adapters: dict[str, Path],
+    kv_cache_dtype: KvCacheDtype = "auto",
+    pick: Callable[[int], bool] = lambda i: True,
+) -> ReferenceRun:
+    """The engine's run of the requests `pick` keeps (by index), checked step by step."""
     from loraplex.replica.config import EngineConfig
     from loraplex.replica.engine import LLMEngine
     from loraplex.replica.sampling import SamplingParams
@@ -103,6 +111,7 @@ def reference_run(gguf: Path, adapters: dict[str, Path]) -> ReferenceRun:
         EngineConfig(
             model=str(gguf),
             dtype="float32",
+            kv_cache_dtype=kv_cache_dtype,
             pool_bytes=384 << 20,
             scheduler=SchedulerConfig(max_num_seqs=32, max_loras_per_batch=8),
         )
@@ -111,6 +120,7 @@ def reference_run(gguf: Path, adapters: dict[str, Path]) -> ReferenceRun:
         for name, path in adapters.items():
             engine.add_adapter(name, path)
         requests = build_requests(engine.tokenizer, [None, *adapters])
+        requests = [r for i, r in enumerate(requests) if pick(i)]
         params = SamplingParams(
             max_tokens=STEPS, temperature=0, ignore_eos=True, return_logits=True
         )

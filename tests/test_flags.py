@@ -92,6 +92,7 @@ def test_generate_flags_make_the_engine_the_yaml_config_makes(tmp_path: Path):
         "host_mib": 64,
         "kernels": "torch",
         "dense_gemm": "torch",
+        "kv_cache_dtype": "bfloat16",
         "enable_prefix_caching": False,
         "share_base_prefix": True,
         "stream_events_per_s": 120.0,

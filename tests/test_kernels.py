@@ -124,16 +124,25 @@ def test_lora_kernels_match_reference(kind, tp, dtype, decode, device):
 ATTENTION = [((32, 8, 128), 1, None), ((32, 8, 128), 8, None), ((8, 2, 64), 1, 9)]
 
 
+# (q's dtype, the cache's): the cache in the model's dtype, or narrower (kv_cache_dtype)
+QUERY_AND_CACHE = {
+    "fp32": (torch.float32, torch.float32),
+    "fp16": (torch.float16, torch.float16),
+    "fp32-bf16kv": (torch.float32, torch.bfloat16),
+}
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("dtypes", QUERY_AND_CACHE.values(), ids=QUERY_AND_CACHE.keys())
 @pytest.mark.parametrize(("shape", "tp", "window"), ATTENTION)
-def test_paged_attention_decode_matches_reference(shape, tp, window, dtype, device):
+def test_paged_attention_decode_matches_reference(shape, tp, window, dtypes, device):
     from loraplex.kernels.triton_paged_attention import paged_attention_decode
 
+    dtype, kv_dtype = dtypes
     heads, kv_heads, head_dim = shape[0] // tp, shape[1] // tp, shape[2]
     g = torch.Generator().manual_seed(0)
     pages, bs, batch, max_blocks = 24, 6, 4, 5  # bs 6: not a power of two
-    cache = torch.randn(pages, 2, bs, kv_heads, head_dim, generator=g).to(dtype)
+    cache = torch.randn(pages, 2, bs, kv_heads, head_dim, generator=g).to(kv_dtype)
     k, v = cache[:, 0], cache[:, 1]  # strided views, like the pool's
     tables = torch.stack([torch.randperm(pages, generator=g)[:max_blocks] for _ in range(batch)])
     ctx = torch.tensor([1, 7, 18, 30], dtype=torch.int32)
@@ -144,6 +153,7 @@ def test_paged_attention_decode_matches_reference(shape, tp, window, dtype, devi
     out = paged_attention_decode(
         q.to(dev), k.to(dev), v.to(dev), tables.to(dev), ctx.to(dev), 0.1, window
     )
+    assert out.dtype == dtype
     rtol, atol = TOL[dtype]
     torch.testing.assert_close(out.cpu().float(), expected, rtol=rtol, atol=atol)
 
@@ -171,22 +181,30 @@ def test_the_cpu_reference_attends_in_fp32_whatever_the_caches_dtype(dtype):
 CPU_DECODE = [((9, 3), None), ((3, 1), None), ((4, 1), 9), ((8, 8), None)]
 # fp32: the same sums in another order; bf16: both round one fp32 result (one ulp apart at most)
 CPU_DECODE_TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {}}
+CPU_QUERY_AND_CACHE = {
+    "fp32": (torch.float32, torch.float32),
+    "bf16": (torch.bfloat16, torch.bfloat16),
+    "fp32-bf16kv": (torch.float32, torch.bfloat16),
+}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtypes", CPU_QUERY_AND_CACHE.values(), ids=CPU_QUERY_AND_CACHE.keys())
 @pytest.mark.parametrize(("heads", "window"), CPU_DECODE)
-def test_cpu_decode_attention_matches_reference(heads, window, dtype):
+def test_cpu_decode_attention_matches_reference(heads, window, dtypes):
     """The CPU decode path (rows of the pool gathered once a layer into one buffer, fp32
     matmuls) against the reference's page gather and SDPA, on every layer of a pool laid
     out as KVCache's (pages with slack at the end, layers interleaved, shuffled pages, the
     pages after other memory of the pool, as adapters' may be): ragged contexts of 1 token,
-    a full page, several pages and one key past a page."""
+    a full page, several pages and one key past a page. A cache narrower than the queries
+    (kv_cache_dtype bfloat16 under a float32 model) is read widened, as the reference does,
+    and the output comes back in the queries' dtype."""
     from loraplex.kernels.decode_attention import decode_attention, decode_rows
 
+    dtype, kv_dtype = dtypes
     (num_heads, kv_heads), head_dim, bs, layers, pages = heads, 64, 6, 3, 24
     g = torch.Generator().manual_seed(0)
     page_elems = layers * 2 * bs * kv_heads * head_dim + 3 * head_dim  # slack, as a pool's
-    arena = torch.randn(pages + 1, page_elems, generator=g).to(dtype)
+    arena = torch.randn(pages + 1, page_elems, generator=g).to(kv_dtype)
     kv_cache = arena[1:, : page_elems - 3 * head_dim].view(pages, layers, 2, bs, kv_heads, head_dim)
     pool_rows = arena.view(-1, head_dim)
     ctx = torch.tensor([1, 6, 19, 30, 7], dtype=torch.int32)

@@ -759,3 +759,36 @@ def test_replacing_or_removing_a_pinned_adapter_frees_it_on_release():
     world.retired.add(r2)
     world.check(None)
     world.drain()
+
+
+def test_a_bfloat16_kv_cache_holds_twice_a_float32_pages_tokens_in_the_same_pages():
+    """kv_cache_dtype bfloat16 under a float32 model: the pool's pages and what it counts
+    are unchanged, each page holds twice the tokens, and what is written through `rows`
+    is read back through `view` rounded to bfloat16; a cache wider than the pool is
+    refused with the reason."""
+    cfg = ModelConfig.from_dict(SMALL)
+    page_elems = 2 * cfg.kv_elems_per_token() * 4  # 4 float32 tokens of KV
+    pool = UnifiedPool(8, page_elems, torch.float32, CPU)
+    wide, narrow = KVCache(pool, cfg), KVCache(pool, cfg, torch.bfloat16)
+    assert (wide.block_size, narrow.block_size) == (8, 16)
+    assert narrow.view.dtype == narrow.rows.dtype == narrow.dtype == torch.bfloat16
+    assert narrow.view.shape[0] == pool.num_pages == 8
+    assert narrow.rows.untyped_storage().data_ptr() == pool.arena.untyped_storage().data_ptr()
+    seq = new_seq(0)
+    assert narrow.ensure(seq, 17) and len(seq.block_table) == 2  # 17 tokens: two pages
+    assert pool.stats().kv_pages == 2
+    pages, offsets = narrow.slots(seq, 0, 17)
+    rows = narrow.write_rows(pages, offsets)
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(cfg.num_layers, 2, 17, cfg.kv_size, generator=g)
+    for layer in range(cfg.num_layers):
+        for half in range(2):
+            narrow.rows.index_copy_(0, rows[layer, half], kv[layer, half].to(torch.bfloat16))
+    for t, (page, offset) in enumerate(zip(pages, offsets, strict=True)):
+        got = narrow.view[page, :, :, offset].reshape(cfg.num_layers, 2, cfg.kv_size)
+        assert torch.equal(got, kv[:, :, t].to(torch.bfloat16))
+    narrow.free(seq)
+    assert pool.stats().kv_pages == 0
+    half = UnifiedPool(8, page_elems, torch.bfloat16, CPU)
+    with pytest.raises(ValueError, match="cannot be wider than the pool's torch.bfloat16"):
+        KVCache(half, cfg, torch.float32)

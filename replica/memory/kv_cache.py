@@ -20,28 +20,38 @@ from loraplex.replica.sequence import Sequence
 
 
 class KVCache:
-    def __init__(self, pool: UnifiedPool, cfg: ModelConfig):
+    """The pool's pages as KV blocks. `dtype` is what K and V are stored in (default: the
+    pool's): a narrower one than the pool's (bfloat16 KV beside float32 weights, the
+    engine's `kv_cache_dtype`) views the same pages as that dtype, so a page holds that
+    many more tokens and the attention reads that many fewer bytes; the pages themselves,
+    and what the pool counts, are unchanged."""
+
+    def __init__(self, pool: UnifiedPool, cfg: ModelConfig, dtype: torch.dtype | None = None):
+        arena = pool.arena if dtype is None else _view_as(pool.arena, dtype)
+        page_elems = arena.shape[1]
+        elem = arena.element_size()
         per_token = cfg.kv_elems_per_token()
-        self.block_size = pool.page_elems // per_token
+        self.block_size = page_elems // per_token
         if self.block_size < 1:
             raise ValueError(
                 f"a page of {pool.page_bytes} bytes cannot hold one token's KV "
-                f"({per_token * pool.arena.element_size()} bytes); raise page_bytes"
+                f"({per_token * elem} bytes); raise page_bytes"
             )
-        if pool.page_elems % cfg.kv_size:
+        if page_elems % cfg.kv_size:
             raise ValueError(
                 f"page_bytes {pool.page_bytes} must be a multiple of one KV row "
-                f"(kv_heads * head_dim * dtype size = {cfg.kv_size * pool.arena.element_size()} bytes)"
+                f"(kv_heads * head_dim * dtype size = {cfg.kv_size * elem} bytes)"
             )
         self.pool = pool
+        self.dtype = arena.dtype
         self.num_layers = cfg.num_layers
         n = pool.num_pages
         # page layout: [layer, K|V, block_size, kv_heads, head_dim]
-        self.view = pool.arena[:, : self.block_size * per_token].view(
+        self.view = arena[:, : self.block_size * per_token].view(
             n, cfg.num_layers, 2, self.block_size, cfg.num_kv_heads, cfg.head_dim
         )
-        self.rows = pool.arena.view(-1, cfg.kv_size)  # writes go through index_copy_ on rows
-        self.rows_per_page = pool.page_elems // cfg.kv_size
+        self.rows = arena.view(-1, cfg.kv_size)  # writes go through index_copy_ on rows
+        self.rows_per_page = page_elems // cfg.kv_size
         self.refs = np.zeros(n, dtype=np.int32)  # running sequences holding each block
         self.prefix: PrefixCache | None = None  # set to cache full blocks (engine.py)
 
@@ -137,3 +147,16 @@ class KVCache:
         width = max(len(s.block_table) for s in seqs)
         rows = [s.block_table + [s.block_table[0]] * (width - len(s.block_table)) for s in seqs]
         return torch.tensor(rows, dtype=torch.int64)
+
+
+def _view_as(arena: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The arena's bytes as `dtype` elements (same pages, each of page_bytes / its size)."""
+    if dtype == arena.dtype:
+        return arena
+    size = torch.empty((), dtype=dtype).element_size()
+    if size > arena.element_size():
+        raise ValueError(
+            f"a KV cache of {dtype} cannot be wider than the pool's {arena.dtype}: "
+            "choose kv_cache_dtype auto or a narrower one"
+        )
+    return arena.view(dtype)

@@ -154,13 +154,12 @@ class TensorParallelGroup:
         return self._wait_all()
 
     def connect(
-        self, backend, pool: UnifiedPool, adapters: AdapterCache, layout_args
+        self, backend, pool: UnifiedPool, kv_dtype: torch.dtype, adapters: AdapterCache, layout_args
     ) -> ParallelOps:
-        """Give every worker a pool like rank 0's; return rank 0's forward ops."""
+        """Give every worker a pool and KV cache like rank 0's; return rank 0's forward ops."""
         self.adapters = adapters
-        self._broadcast(
-            ("pool", PoolSpec(pool.num_pages, pool.page_elems, backend.name, layout_args))
-        )
+        spec = PoolSpec(pool.num_pages, pool.page_elems, kv_dtype, backend.name, layout_args)
+        self._broadcast(("pool", spec))
         return ParallelOps(backend, self.comm, self.plan)
 
     # adapters

@@ -47,6 +47,7 @@ class WorkerSpec:
 class PoolSpec:
     num_pages: int
     page_elems: int
+    kv_dtype: torch.dtype
     kernels: str
     lora_layout: tuple[int, int, int]  # max_rank, max_loras, max_tokens
 
@@ -104,7 +105,7 @@ class RankWorker:
     def _build_pool(self, spec: PoolSpec) -> None:
         mc = self.rank_config
         self.pool = UnifiedPool(spec.num_pages, spec.page_elems, mc.dtype, self.device)
-        self.kv = KVCache(self.pool, mc)
+        self.kv = KVCache(self.pool, mc, spec.kv_dtype)
         layout = self.model.lora_layout(*spec.lora_layout)
         backend = make_backend(spec.kernels, layout, self.pool.arena)
         self.model.ops = ParallelOps(backend, self.comm, self.plan)

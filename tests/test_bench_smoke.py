@@ -48,6 +48,9 @@ def test_engine_bench_serves_the_same_greedy_tokens_as_peft(tmp_path):
     # the base step on F.linear beside it, so the reordered weights' gain is seen apart
     assert overheads["timings_ms"]["decode_step_base_f_linear"] > 0
     assert overheads["dense_gemm_step_ratio"] > 0
+    # and with a bfloat16 KV cache, in the same rounds (float32 only: a bf16 model's is)
+    assert overheads["timings_ms"]["decode_step_base_kv_bf16"] > 0
+    assert overheads["kv_cache_bf16_step_ratio"] > 0
     # where the base step's time goes: every section of the forward pass was hit, the
     # sections and the rest add up to the step, and the wrapped functions are restored
     sections = overheads["step_sections_ms"]
@@ -76,6 +79,7 @@ def test_engine_bench_serves_the_same_greedy_tokens_as_peft(tmp_path):
         "cpu_native_bf16",
     } <= set(bf16)
     assert bf16["speedup_vs_peft"] > 0 and bf16["timings_ms"]["decode_step_base"] > 0
+    assert "kv_cache_bf16_step_ratio" not in bf16
     # bf16 near-ties part where fp32 ones do not: reported, not required
     assert 0 <= bf16["serving"]["first_4_tokens_equal_to_peft"] <= 1
 

@@ -12,6 +12,9 @@
   projections; the bound is the distinct adapters' weight bytes / the base weight bytes a
   decode step reads.
 - gemm_efficiency: the step's base GEMMs alone (plain torch matmuls) / the engine's step.
+- kv_cache_bf16_step_ratio: the base step with a bfloat16 KV cache (`engine.kv_cache_dtype`)
+  / with the model's float32 one, in the same interleaved rounds (a capacity option: twice
+  the context in the same pool; this says what it costs in time).
 - step_sections_ms: the base step's ms by section of the forward pass (GEMMs, attention,
   norms, RoPE, KV writes, the rest; engine/sections.py), where gemm_efficiency's gap lies.
 - tp: tensor parallelism, tp = 2 (gloo, local processes) beside tp = 1 on decode steps:
@@ -418,7 +421,8 @@ def _step_overheads(
     """heavy None: the light batch only (its keys, and no heavy ones). dtype: the engine's
     `engine.dtype` (None: its default). The base step is also timed on F.linear
     (`engine.dense_gemm: torch`): `dense_gemm_step_ratio` is the default's step over it, so
-    the gain of the reordered weights (kernels/dense.py) is seen apart from the rest."""
+    the gain of the reordered weights (kernels/dense.py) is seen apart from the rest; and,
+    in float32, with a bfloat16 KV cache (`kv_cache_bf16_step_ratio`)."""
     batch = 32
     log(
         "timing decode steps: base-only (reordered weights, then F.linear) vs 8 adapters "
@@ -439,6 +443,10 @@ def _step_overheads(
         "decode_step_lora_8x_r16_qkvo": light_engine.step,
         "base_gemms_only": _gemm_pass(base_engine, batch),
     }
+    if dtype is None:
+        kv_engine = _engine(model_dir, {}, kv_cache_dtype="bfloat16")
+        decode_batch(kv_engine, [None] * batch, shape.decode_context)
+        steps["decode_step_base_kv_bf16"] = kv_engine.step
     if heavy is not None:
         heavy_engine = _engine(model_dir, heavy, **_dtype(dtype))
         heavy_names = list(heavy)
@@ -451,6 +459,11 @@ def _step_overheads(
         "lora_overhead": t["decode_step_lora_8x_r16_qkvo"] / base_t - 1,
         "gemm_efficiency": t["base_gemms_only"] / base_t,
         "dense_gemm_step_ratio": base_t / t["decode_step_base_f_linear"],
+        **(
+            {"kv_cache_bf16_step_ratio": t["decode_step_base_kv_bf16"] / base_t}
+            if dtype is None
+            else {}
+        ),
         "timings_ms": {name: v * 1e3 for name, v in t.items()}
         | {"batch": batch, "context_tokens": shape.decode_context},
         "step_sections_ms": step_sections_ms(base_engine.step, shape.timed_steps),
@@ -681,6 +694,7 @@ def _print_table(r: dict) -> None:
         ("lora_overhead_heavy_vs_bound", r["lora_overhead_heavy_vs_bound"], "<= 1.5"),
         ("gemm_efficiency", r["gemm_efficiency"], ">= 0.6"),
         ("dense_gemm_step_ratio", r["dense_gemm_step_ratio"], "(reported)"),
+        ("kv_cache_bf16_step_ratio", r["kv_cache_bf16_step_ratio"], "(reported)"),
     ]
     print(f"{'metric':32} {'value':>10}  target")
     for name, value, target in rows:
@@ -708,6 +722,7 @@ def _print_table(r: dict) -> None:
         ("lora_overhead_heavy_vs_bound", "<= 1.0"),
         ("gemm_efficiency", ">= 0.75"),
         ("dense_gemm_step_ratio", "(reported)"),
+        ("kv_cache_bf16_step_ratio", "(reported)"),
     ):
         print(f"real.{name:27} {real[name]:10.3f}  {target}")
     _print_sections(real["step_sections_ms"])

@@ -117,24 +117,28 @@ tp = 1, bytes rank 0 sends. `prefix.*`: 16 tenants with long system prompts, cac
 off on the same arrivals. Under `--quick` each tenant holds one conversation of two turns,
 so every first turn, half the requests, meets its system prompt cold (the cache is reset
 before each run), and the median TTFT falls where hits meet misses: `prefix.p50_ttft_ratio`
-0.70-0.75 there. The section's full shape (two conversations of three turns a tenant,
+0.68-0.75 there. The section's full shape (two conversations of three turns a tenant,
 prompts of 512-1,024 tokens), run alone on 2026-12-06 (164 s, load 0.5-1.5), read
 `p50_ttft_ratio` 0.142, `prefill_tokens_ratio` 0.218, `throughput_ratio` 2.26 and
 `unified_vs_split` 0.848. `detok.*`: the output path's time per token at 2,000 ÷ at 20
 output tokens.
 
-The published run (2026-12-06 07:09, the machine alone, load 0.5 -> 1.7) runs
-each round of `--repeat` in a fresh process (`report.rounds_apart`, since 2502df1):
-`real.gemm_efficiency` 0.657/0.677/0.628 by round, `real.lora_overhead` 0.089/0.097/0.109
-(median 0.097), base steps of 82.6/77.1/86.9 ms; the second round's sections still read
-29 ms of attention in a process of its own, so the host also drifts between processes,
-and a single run's 0.10 is not a margin. The real model's GEMMs alone take 52-55 ms of
-those steps: 0.75 would need every other part of the step (attention, norms, RoPE,
-sampling, Python) in 17-18 ms, where the KV gather alone reads ~5 MB a layer from memory
-the weights have just evicted (11 ms a step, ~13 GB/s; timed in the step, 07:05). What
-was tried against it (no gather, whole-page gathers, huge pages, fewer tensors a layer)
-is below; reading half the KV bytes (`engine.kv_cache_dtype: bfloat16`, since 2026-12-06)
-was tried last and does not move the step either.
+The published run (2026-12-06 16:32, the machine alone, load 2.0 before from the tests
+just finished, 1.5 after) runs each round of `--repeat` in a fresh process
+(`report.rounds_apart`, since 2502df1): `real.gemm_efficiency` 0.573/0.660/0.654 by round,
+`real.lora_overhead` 0.082/0.109/0.064 (median 0.082), base steps of 92.9/82.4/83.0 ms;
+the first round's sections read 26.8 ms of attention against 17.3 and 16.8 in the other
+two, each in a process of its own, so the host drifts between processes, and a single
+run's 0.10 is not a margin (the run of 07:09 read 0.089/0.097/0.109, median 0.097). The
+real model's GEMMs alone take 52-57 ms of those steps: 0.75 would need every other part
+of the step (attention, norms, RoPE, sampling, Python) in 17-19 ms, where the KV gather
+alone reads ~5 MB a layer from memory the weights have just evicted (11 ms a step, ~13
+GB/s; timed in the step, 07:05). What was tried against it (no gather, whole-page
+gathers, huge pages, fewer tensors a layer) is below; reading half the KV bytes
+(`engine.kv_cache_dtype: bfloat16`, since 2026-12-06) was tried last and does not move
+the step either: `real.kv_cache_bf16_step_ratio` (the base step with a bfloat16 cache ÷
+the float32 one, in the same interleaved rounds) 1.018/1.006/0.963, median 1.006, and
+0.980/0.964/0.979 on the synthetic model.
 
 How the engine's figures got here. Runs before 2026-12-05 timed every step after the adapter
 copy thread had run a parallel copy, which left it an OpenMP team of its own for the
@@ -174,10 +178,11 @@ whole 12 KB pages instead of rows, and huge pages for torch's large tensors, wer
 against 35-40): each new tensor is written to memory the step's 538 MB of weights have just
 pushed out of the caches; writing four fewer a layer (torch's rms_norm, SwiGLU and RoPE in
 place) did not move the step above its noise in five A/B pairs. Reading fewer KV bytes
-does not move it either (2026-12-06 16:13-16:19, the machine alone, load 1.4-1.8; each
-its own process, rotated three times; 32 requests, 100 decode steps from one-sentence
-prompts, median step): a bfloat16 cache (`engine.kv_cache_dtype`) gathered and widened
-to float32 took 93.9/98.1/98.5 ms a step against 84.9/91.3/96.1 for float32, and the same
+does not move it either: beside the bench's ratio above, a longer run (2026-12-06
+16:13-16:19, the machine alone, load 1.4-1.8; each its own process, rotated three times;
+32 requests, 100 decode steps from one-sentence prompts, median step) of a bfloat16 cache
+(`engine.kv_cache_dtype`) gathered and widened to float32 took 93.9/98.1/98.5 ms a step
+against 84.9/91.3/96.1 for float32, and the same
 cache attended in bfloat16 matmuls (an experiment, not kept: scores rounded to 8 bits of
 mantissa) 91.4/91.4/82.9. In a microbenchmark of one layer's gather (SmolLM2's decode
 rows at 165 tokens, from a cold 384 MB pool) the bfloat16 rows took 0.72-0.76 ms against

@@ -225,7 +225,7 @@ class EngineConfig:
         "or bfloat16: under a float32 model half the bytes a token's KV takes, so the pool "
         "holds twice the context (docs/concepts.md); scores and softmax stay in float32, "
         "and outputs differ from a float32 cache's by bfloat16's rounding of K and V (8 "
-        "bits of mantissa). A capacity option: on a CPU the step is a few percent slower.",
+        "bits of mantissa). A capacity option: on a CPU the step takes about as long.",
     )
     max_model_len: int | None = Field(
         None,

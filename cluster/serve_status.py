@@ -65,8 +65,8 @@ def serve_report(ray_address: str, full_ids: bool = False) -> list[str]:
             )
             message = f"  {dep.message}" if dep.message else ""
             lines.append(f"  {name:<10} {status_text(dep.status):<10} {counts}{message}")
-        lines += replica_table(ray)
-        return lines if full_ids else [short_ids(line) for line in lines]
+        lines = lines if full_ids else [short_ids(line) for line in lines]
+        return lines + replica_table(ray, full_ids)
     finally:
         ray.shutdown()
 
@@ -82,7 +82,7 @@ def node_line(nodes: list[dict]) -> str:
     return f"nodes:    {len(alive)} alive: {', '.join(alive)}"
 
 
-def replica_table(ray) -> list[str]:
+def replica_table(ray, full_ids: bool = False) -> list[str]:
     prefix = f"SERVE_REPLICA::{APP_NAME}#{REPLICA_DEPLOYMENT}#"
     names = sorted(
         a["name"]
@@ -112,6 +112,14 @@ def replica_table(ray) -> list[str]:
                 _names(stats.get("loading_adapters")),
             )
         )
+    return table_lines(rows, full_ids)
+
+
+def table_lines(rows: list[tuple[str, ...]], full_ids: bool = False) -> list[str]:
+    """`rows` as aligned columns, version ids cut (`short_ids`) unless `full_ids` before the
+    widths are measured: cut after, the columns were as wide as the whole ids."""
+    if not full_ids:
+        rows = [tuple(short_ids(cell) for cell in row) for row in rows]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return [
         "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()

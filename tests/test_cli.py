@@ -11,7 +11,7 @@ import pytest
 
 from loraplex.adapter_format import validate_adapter_dir
 from loraplex.cluster.cli import main
-from loraplex.cluster.serve_status import short_ids
+from loraplex.cluster.serve_status import short_ids, table_lines
 from loraplex.demo.assets import DemoAssets
 from loraplex.demo.behaviours import BEHAVIOURS
 from loraplex.demo.synthetic import AdapterSpec, ModelSpec, write_adapter
@@ -480,6 +480,25 @@ def test_status_shows_version_ids_as_git_shows_commits():
     assert short_ids(line) == f"  r1  0  10/20  acme/sql@{version[:12]}, acme/json@{'a' * 12}  -  -"
     assert short_ids(f"sha256/{version}") == f"sha256/{version}"
     assert short_ids(f"x@{version}1") == f"x@{version}1"  # not a 64-hex id
+
+
+@pytest.mark.parametrize("full_ids", [False, True])
+def test_status_replica_table_aligns_its_columns_after_cutting_the_ids(full_ids):
+    """The replica table's columns were measured on the whole ids and cut after, so the
+    host and loading columns stood ~50 characters right of the adapters they follow."""
+    version = "9c0d3e5b" * 8
+    rows = [
+        ("replica", "queue", "pages free/total", "device", "host", "loading"),
+        ("r1", "0", "490/511", f"acme/json@{version}, acme/sql@{'a' * 64}", "-", "-"),
+        ("r2", "12", "500/511", f"acme/pirate@{'b' * 64}", f"acme/sql@{'a' * 64}", "-"),
+    ]
+    lines = table_lines(rows, full_ids)
+    host = [line.index(word) for line, word in zip(lines, ("host", "-", "acme/sql"), strict=True)]
+    assert len(set(host)) == 1, lines
+    assert ("9c0d3e5b" * 8 in lines[1]) is full_ids
+    before = 2 + sum(len(header) + 2 for header in rows[0][:3])  # replica, queue, pages
+    widest = len(f"acme/json@{version[:12]}, acme/sql@{'a' * 12}")
+    assert full_ids or host[0] == before + widest + 2, lines
 
 
 @pytest.mark.parametrize("argv", [["engine", "--repeat", "0"], ["router", "--repeat", "2"]])

@@ -459,15 +459,12 @@ def _step_overheads(
         "lora_overhead": t["decode_step_lora_8x_r16_qkvo"] / base_t - 1,
         "gemm_efficiency": t["base_gemms_only"] / base_t,
         "dense_gemm_step_ratio": base_t / t["decode_step_base_f_linear"],
-        **(
-            {"kv_cache_bf16_step_ratio": t["decode_step_base_kv_bf16"] / base_t}
-            if dtype is None
-            else {}
-        ),
         "timings_ms": {name: v * 1e3 for name, v in t.items()}
         | {"batch": batch, "context_tokens": shape.decode_context},
         "step_sections_ms": step_sections_ms(base_engine.step, shape.timed_steps),
     }
+    if dtype is None:
+        out["kv_cache_bf16_step_ratio"] = t["decode_step_base_kv_bf16"] / base_t
     if heavy is not None:
         heavy_t = t["decode_step_lora_32x_r8_64_all"]
         adapter_bytes = sum(heavy_engine.adapters.host[n].nbytes for n in heavy_names[:batch])

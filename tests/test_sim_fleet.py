@@ -514,6 +514,21 @@ def test_the_replayed_bench_stream_warms_the_catalog_as_the_bench_does():
         assert min(r.arrival for r in stream[first:]) > max(r.arrival for r in warm)
 
 
+def test_a_published_router_run_replays_on_the_rate_grid_it_ran():
+    """A run recorded before the grid changed (the quick grid gained 0.85 and 1.15 on
+    2026-12-06) replays its own rates, whose positions seed its streams."""
+    from loraplex.benchmarks.fleet.validation import published_workload
+    from loraplex.benchmarks.router import bench as bench_router
+
+    old = {
+        "quick": True,
+        "workload": {"rate_factors": [0.35, 0.7, 1.0, 1.3], "reference_factor": 0.35},
+    }
+    assert published_workload(old).rate_factors == (0.35, 0.7, 1.0, 1.3)
+    assert published_workload(old).num_adapters == bench_router.QUICK.num_adapters
+    assert published_workload({"quick": False}) == bench_router.FULL
+
+
 @pytest.mark.parametrize("quick", [True, False])
 def test_the_validation_runs_the_router_bench_at_its_reference_rate_alone(quick: bool):
     """The bench's repetitions at the reference rate, each of which the simulator replays;

@@ -511,13 +511,28 @@ class BenchLike:
     rate_basis_rps: float  # what its rates are fractions of (the base burst in older runs)
 
 
+def published_workload(figures: dict[str, Any]) -> bench_router.Workload:
+    """The workload a published `bench router` JSON ran: its shape (`--quick` or full) with
+    the rate grid it recorded, so a run made before the grid changed replays its own rates
+    and seeds (a run's seeds follow its rates' positions in the grid)."""
+    w = bench_router.QUICK if figures["quick"] else bench_router.FULL
+    ran = figures.get("workload", {})
+    if "rate_factors" not in ran:
+        return w
+    return replace(
+        w,
+        rate_factors=tuple(ran["rate_factors"]),
+        reference_factor=ran.get("reference_factor", w.reference_factor),
+    )
+
+
 def bench_like(figures: dict[str, Any]) -> BenchLike:
     from loraplex.benchmarks.router.assets import TENANT, replica_engine_config, write_assets
     from loraplex.benchmarks.router.costs import measure_router_costs
     from loraplex.registry.artifacts import ArtifactStore
     from loraplex.replica.protocol import adapter_id
 
-    w = bench_router.QUICK if figures["quick"] else bench_router.FULL
+    w = published_workload(figures)
     with tempfile.TemporaryDirectory(prefix="loraplex-replay-") as tmp:
         root = Path(tmp)
         model_dir, sources = write_assets(root, w)

@@ -114,31 +114,35 @@ reordered once for oneDNN (`kernels/dense.py`); `dense_gemm_step_ratio` is that 
 the same step on F.linear, and `gemm_efficiency` times the GEMMs alone on the engine's own
 weights. `tp.*`: tp = 2 over gloo beside
 tp = 1, bytes rank 0 sends. `prefix.*`: 16 tenants with long system prompts, caching on ÷
-off on the same arrivals. Under `--quick` each tenant holds one conversation of two turns,
-so every first turn, half the requests, meets its system prompt cold (the cache is reset
-before each run), and the median TTFT falls where hits meet misses: `prefix.p50_ttft_ratio`
-0.68-0.75 there. The section's full shape (two conversations of three turns a tenant,
-prompts of 512-1,024 tokens), run alone on 2026-12-06 (164 s, load 0.5-1.5), read
-`p50_ttft_ratio` 0.142, `prefill_tokens_ratio` 0.218, `throughput_ratio` 2.26 and
-`unified_vs_split` 0.848. `detok.*`: the output path's time per token at 2,000 ÷ at 20
+off on the same arrivals. Under `--quick` each tenant holds the full run's two
+conversations of three turns with shorter prompts (system prompts of 128-256 tokens), in
+one round: `prefix.p50_ttft_ratio` 0.319/0.335/0.297 by round of the published run. Until
+2026-12-06 the quick shape held one conversation of two turns, so every first turn, half
+the requests, met its system prompt cold (the cache is reset before each run): half the
+requests could not hit by construction, `prefill_tokens_ratio` could not fall below 0.5
+(0.530), and the median TTFT fell where hits meet misses (0.56-0.75). The section's full
+shape (two conversations of three turns a tenant, prompts of 512-1,024 tokens), run alone
+on 2026-12-06 (164 s, load 0.5-1.5), read `p50_ttft_ratio` 0.142, `prefill_tokens_ratio`
+0.218, `throughput_ratio` 2.26 and `unified_vs_split` 0.848. `detok.*`: the output path's time per token at 2,000 ÷ at 20
 output tokens.
 
-The published run (2026-12-06 16:32, the machine alone, load 2.0 before from the tests
-just finished, 1.5 after) runs each round of `--repeat` in a fresh process
-(`report.rounds_apart`, since 2502df1): `real.gemm_efficiency` 0.573/0.660/0.654 by round,
-`real.lora_overhead` 0.082/0.109/0.064 (median 0.082), base steps of 92.9/82.4/83.0 ms;
-the first round's sections read 26.8 ms of attention against 17.3 and 16.8 in the other
-two, each in a process of its own, so the host drifts between processes, and a single
-run's 0.10 is not a margin (the run of 07:09 read 0.089/0.097/0.109, median 0.097). The
-real model's GEMMs alone take 52-57 ms of those steps: 0.75 would need every other part
+The published run (2026-12-06 18:38, the machine alone, load 1.5 before and after) runs
+each round of `--repeat` in a fresh process (`report.rounds_apart`, since 2502df1):
+`real.gemm_efficiency` 0.655/0.621/0.650 by round, `real.lora_overhead` 0.111/0.108/0.171
+(median 0.111, over the 0.10 target), base steps of 81.1/85.0/81.7 ms; the second round's
+sections read 27.3 ms of attention against 18.4 and 17.2 in the other two, each in a
+process of its own, so the host drifts between processes, and a single run's 0.10 is not a
+margin: the run before it (16:32, the same tree but for the prefix section's quick shape)
+read 0.082/0.109/0.064 (median 0.082), the run of 07:09 0.089/0.097/0.109 (median 0.097).
+The real model's GEMMs alone take 52-57 ms of those steps: 0.75 would need every other part
 of the step (attention, norms, RoPE, sampling, Python) in 17-19 ms, where the KV gather
 alone reads ~5 MB a layer from memory the weights have just evicted (11 ms a step, ~13
 GB/s; timed in the step, 07:05). What was tried against it (no gather, whole-page
 gathers, huge pages, fewer tensors a layer) is below; reading half the KV bytes
 (`engine.kv_cache_dtype: bfloat16`, since 2026-12-06) was tried last and does not move
 the step either: `real.kv_cache_bf16_step_ratio` (the base step with a bfloat16 cache ÷
-the float32 one, in the same interleaved rounds) 1.018/1.006/0.963, median 1.006, and
-0.980/0.964/0.979 on the synthetic model.
+the float32 one, in the same interleaved rounds) 0.994/0.996/1.012, median 0.996
+(1.018/1.006/0.963 in the run of 16:32), and 1.023/0.984/0.981 on the synthetic model.
 
 How the engine's figures got here. Runs before 2026-12-05 timed every step after the adapter
 copy thread had run a parallel copy, which left it an OpenMP team of its own for the
@@ -284,24 +288,27 @@ Serve's proxy actor (the default), then on a second Ray behind HAProxy
 before 2026-12-04 21:00 started the client's clock before its garbage collection (~0.25 s
 in the driver), which every request due during it counted as TTFT: the first 4-6 requests
 of every run, which made the p99 of the routers that read nothing (0.15-0.27 s where the
-replicas took ~0.01-0.06). The published run is the tree of 2026-12-06 (09:44-10:28, the
-machine alone: load 0.0 before, 1.5 after, 4-8 during, three apps of three replicas on two
-cores). Its quick grid (0.35, 0.7, 1.0, 1.3 × the basis) puts the SLO's crossing between
-rates 1.3-2 × apart, and one router's p99 at one rate moved between repetitions by up to
-10 × (multiplexing on zipf at 1.0 × the basis: 0.38, 4.19 and 2.33 s), nor is it monotone
-in the rate within one repetition (affinity on zipf, first repetition: 1.18 s at 0.7, 0.78
-at 1.0), so one repetition moves a goodput ratio by ~0.5: zipf's first repetition gave
-0.54 against 1.03 and 1.04. There affinity's runs at 0.7 and 1.0 × the basis read 16 and
-20 adapters from the store, where multiplexing read none: requests sent where the adapter
-was no longer held (a hot adapter's extra home, or a spill from a busy home; the bench does
-not say which), each read ~0.12 s (the measured mean, one after another on a replica) on
-top of the queue, and 16 of 327 requests are past the p99's 4th slowest (1.18 s against
-multiplexing's 0.60). In its other two repetitions affinity read none at 0.7 and led. Hot
-held its interval above 1 (1.28 [1.00, 1.66]); shift read 1.03 [0.96, 1.39]. The run of
-2026-12-04 22:30, on the tree before the engine's denormal flush and torch's rms_norm
-(which every router's replicas run), read zipf 1.03 [0.72, 1.07], hot 1.08 [1.05, 1.64],
-shift 1.20 [1.09, 1.26]: across the two runs only hot's interval stays above 1, and
-affinity is level with multiplexing on zipf and shift, the workloads it reads on.
+replicas took ~0.01-0.06). The published run is the tree of 2026-12-06 (18:49-19:43, the
+machine alone: load 1.4 before, 1.1 after, 4-7 during, three apps of three replicas on two
+cores), the first on the grid with 0.85 and 1.15 × the basis (77.1 req/s, multiplexing's
+LoRA capacity; affinity's 70.3, power of two's 66.6). Zipf read 1.03 [1.01, 1.17] (its
+repetitions 1.01, 1.17, 1.03), shift 1.03 [0.99, 1.09] (1.09, 1.03, 0.99), hot 0.98 [0.81,
+1.09] (1.09, 0.81, 0.98; hot's better Ray router is power of two, which spreads the hot
+adapter, where multiplexing's p99 passed 1.4 s at 0.85 × in every repetition), failover
+1.00 (every router held the SLO at its one rate). On zipf and shift affinity's goodput is
+level with the better Ray router's, within a few percent, in every repetition; hot's
+second repetition gave 0.81 because affinity's p99 at 0.7 × read 1.00 s, then 0.95 at
+0.85 ×, where power of two's read 0.38. The run before (09:44-10:28, load 0.0 before, 1.5
+after, on the grid of 0.35, 0.7, 1.0 and 1.3 × the basis) read zipf 1.03 [0.54, 1.04]
+(its first repetition 0.54: affinity's runs at 0.7 and 1.0 × read 16 and 20 adapters from
+the store, requests sent where the adapter was no longer held, each ~0.12 s on top of the
+queue), hot 1.28 [1.00, 1.66], shift 1.03 [0.96, 1.39]; one router's p99 at one rate
+moved between repetitions by up to 10 × there (multiplexing on zipf at 1.0 ×: 0.38, 4.19
+and 2.33 s). The run of 2026-12-04 22:30, on the tree before the engine's denormal flush
+and torch's rms_norm (which every router's replicas run), read zipf 1.03 [0.72, 1.07], hot
+1.08 [1.05, 1.64], shift 1.20 [1.09, 1.26]. Across the three runs affinity is level with
+the better Ray router on zipf and shift, the workloads it reads on, and no interval of
+hot's holds above 1 in all of them: the routers serve the same capacity here (below).
 
 Where affinity's reads come from (2026-12-06 12:54-13:06 and 13:07-13:18, zipf alone,
 affinity against multiplexing, the quick shape, three repetitions each, the machine alone:
@@ -333,6 +340,48 @@ repetitions (282-415 against 286-425); its goodput over affinity's, repetition b
 the displaced copy is often held on another replica). What the spill rule does not price is what a read costs beyond
 itself: the copy it evicts from a full host tier and pool, read or loaded again later.
 
+Two remedies for that copy, tried in the simulator first (2026-12-06 18:15-18:20, nice 19;
+`bench router`'s published run replayed as `fleet.validation` replays it, one process and
+one measured profile per comparison, 8 seeds, zipf and shift, reads and within-SLO share
+per rate). Neither is built. (1) Keeping homes' copies in the host tier and dropping spill
+copies first (issue 22's build item 4): with the bench's host tier (60 adapters a replica)
+affinity's host tiers never fill in the replay (0 copies dropped at 1.0-2.0 x the basis,
+where it read 0-36 adapters a run), so the order of drops cannot matter there. With the
+host tier at two thirds (40 a replica: the catalog equal to the fleet's tiers), where they
+fill (1-55 dropped a run), an oracle that drops first the copies another replica holds
+read 17 / 21 / 59 and 1 / 4 / 46 adapters at 0.7 / 1.0 / 1.3 x on two seeds against 19 / 24
+/ 57 and 1 / 3 / 41 for recency: the reads that matter are the spills themselves, not the
+copies they displace. Dropping by decayed use count instead of recency read more for power
+of two (with the bench's tier, 213 against 156 at 1.3 x on one seed) and no fewer for affinity. (2) Pricing a store read
+as 1.5 or 2 reads (the read and the copy it displaces): reads fell by a quarter to two
+fifths (zipf at 1.3 x: 177 over 8 seeds, 145 at 1.5, 117 at 2; shift 166 / 135 / 110) but
+the share within the SLO did not rise (zipf 0.845 / 0.807 / 0.816, shift 0.984 / 0.967 /
+0.972; at 1.0 x all 0.998-0.999; with 40 adapters a host tier zipf 0.842 / 0.828 / 0.836).
+Two processes, one per pricing, had shown a gain of 2-4 points at 1.3 x: each measures its
+own CPU profile, and that difference was the profiles', not the pricing's.
+
+What the real path adds to affinity's decisions (2026-12-06 18:31-18:36, the machine alone:
+load 0.2 before, 2.7-6.7 during; a harness logging every routing decision of the affinity
+app on the quick shape, zipf, affinity and multiplexing, rates 0.7 / 1.0 / 1.3 x a basis of
+69.6 req/s, two repetitions). The router's estimate of a request's TTFT against what it got:
+at 0.7 x the request waited 26-39 ms more than estimated at the median (the path from the
+client to the replica and back, which the estimate leaves out), at 1.0 x 50-69 ms (90th
+percentile 184-268 ms), at 1.3 x 23-47 ms with a spread of -0.49 to +0.57 s (10th to 90th
+percentile; correlation 0.84-0.95). Requests sent to read from the store were 17 and 1 of
+557 at 1.0 x (p50 TTFT 0.32 s against 0.14 s on the device) and 23 and 31 of 724 at 1.3 x;
+the late ones at 1.3 x (487 and 429 of 724) were late in every placement alike: past the
+basis both routers run out of capacity, not affinity out of warm replicas. The two routers
+serve zipf's own requests at the same capacity: the saturating bursts read 77.9 / 56.9 /
+54.0 req/s for affinity and 79.8 / 63.7 / 69.6 for multiplexing in that run, 79.8 / 68.7 /
+70.1 and 66.8 / 65.0 / 72.0 in the run before it (18:22-18:27), 72.3 / 58.4 / 50.8 and
+57.1 / 63.3 / 55.8 in the published one: medians 68.7 and 65.0 over the nine each. On
+these cores the engine's steps are the bottleneck and multiplexing reads nothing after the
+warm-up, so neither router has capacity to gain over the other; the goodput ratio is
+decided by whose tail parts first near the basis, and there affinity held the SLO at 1.0 x
+in three of those four repetitions (p99 0.51, 0.54, 0.42 s; 1.07 s) and multiplexing in two
+(0.39, 0.51 s; 1.52, 1.60 s): the grid has had one rate between 0.7 and 1.3 x, so since
+2026-12-06 it has two more (0.85 and 1.15).
+
 Where tenant B's time goes under the flood behind Serve's proxy (2026-12-05, the protected
 app alone on the machine, load 0.5-2.4; a timestamp at every hop in every process, the third
 of three such runs): alone, B's median 25.5 ms is 6.1 from the client to the ingress's app
@@ -361,8 +410,10 @@ the tail, but does not hold the bound run after run: in three runs alternating w
 proxy (12:00-12:11, the machine alone, load 0.4-2.4) B's p99 ratio behind HAProxy was 1.37,
 1.71 and 1.85 (pooled over 255 of B's requests 1.79, median 1.38) against 2.97, 2.85 and
 4.02 behind Serve's proxy (pooled 3.86, median 1.68). The run of 2026-12-04 read 1.44 behind
-HAProxy and 2.25 behind Serve's proxy; the published one (2026-12-06 10:20, the bench's own
-fairness section) 2.46 [1.56, 3.08] and 2.50 [1.91, 3.65], medians 1.44 and 1.86. Giving the
+HAProxy and 2.25 behind Serve's proxy; the published one (2026-12-06 19:36, the bench's own
+fairness section) 2.18 [2.06, 2.40] behind HAProxy and 2.92 [2.27, 3.51] behind Serve's
+proxy, medians 1.24 and 1.60 (the run of 10:20: 2.46 [1.56, 3.08] and 2.50 [1.91, 3.65],
+medians 1.44 and 1.86). Giving the
 engine a core of its own makes B's tail worse, not better (the
 engine's thread pinned to core 0 and every other thread of the run's processes to core 1;
 2026-12-05 21:37-21:46, three runs each, alternating, load 1.7-3.2): B's p99 ratio behind

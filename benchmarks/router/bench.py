@@ -55,6 +55,8 @@ three apps ~5 s each to start; per repetition 3 x (12 runs + warm-ups) + failove
 bursts') started together and deleted ~ 15 s each, assets, costs and Ray ~ 25 s, then the
 fairness and prefix sections ~ 4 minutes). On 2026-12-01, with the machine ~1.6 x slower,
 it took 60 minutes; on 2026-12-02, ~2 x slower (a request 88 ms against 52 the day before), 68.
+With the grid's 0.85 and 1.15 (since 2026-12-06: six rates a workload, not four) the run of
+2026-12-06 18:49 took 47 minutes, 54 with its fairness and prefix sections.
 
 Before the runs one engine of the replicas' configuration measures (benchmarks/router/costs.py)
 the costs the affinity router is told and the unloaded TTFT (a request alone on an idle

@@ -80,9 +80,9 @@ class LLMEngine:
                 mc, load_weights(Path(cfg.model), mc, device), self.max_model_len, cfg.dense_gemm
             )
         self.tokenizer = Tokenizer(cfg.model) if Tokenizer.exists(cfg.model) else None
-        elem = torch.empty((), dtype=mc.dtype).element_size()
+        elem = mc.dtype.itemsize
         kv_dtype = mc.dtype if cfg.kv_cache_dtype == "auto" else DTYPES[cfg.kv_cache_dtype]
-        kv_elem = torch.empty((), dtype=kv_dtype).element_size()
+        kv_elem = kv_dtype.itemsize
         page_bytes = cfg.page_bytes or _auto_page_bytes(
             mc.kv_elems_per_token() * kv_elem, mc.kv_size * kv_elem, elem
         )

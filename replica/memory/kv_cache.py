@@ -153,8 +153,7 @@ def _view_as(arena: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The arena's bytes as `dtype` elements (same pages, each of page_bytes / its size)."""
     if dtype == arena.dtype:
         return arena
-    size = torch.empty((), dtype=dtype).element_size()
-    if size > arena.element_size():
+    if dtype.itemsize > arena.element_size():
         raise ValueError(
             f"a KV cache of {dtype} cannot be wider than the pool's {arena.dtype}: "
             "choose kv_cache_dtype auto or a narrower one"

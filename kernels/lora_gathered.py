@@ -23,6 +23,11 @@ and for the step's tokens (`TokenPlan`): slot s's tokens are tok[s * L : s * L +
     for j: Bt_j = rows_of(arena, out_j)[b_idx_j].view(S, r, out_j)
            y[:, cols_j].index_add_(0, tok, bmm(h[:, :, j * r : (j + 1) * r], Bt_j))  # expand
 
+Kept rows (`GatheredPlanner._keep_gathered`: gathered once while a step's set of adapters
+repeats) have A's padding rows zeroed, so no rank mask is applied, and may hold the Bts as
+one block-diagonal [S, J * r, out_total] matrix: for a batch whose tokens are the slots' in
+order, the expand is then one baddbmm_ into y's rows.
+
 Slots are split into buckets by rank (the next power of two of an adapter's largest rank),
 so that padding to r at most doubles the rows gathered: gathering copies the rows, and on a
 CPU the copy costs about what reading them does. A group costs the ops above once per
@@ -47,6 +52,13 @@ from loraplex.kernels.lora_tables import AdapterTables, HasLoraGroups, LoraLayou
 # gathered vs 0.20-0.25 in place; 32 of ranks 8-64 on all projections, one token each,
 # ~190 KiB per op saved, 1.3-1.6 gathered vs 0.5-0.7 in place.
 GATHER_BYTES_PER_SAVED_OP = 96 * 1024
+# A kept group's Bts are kept a second time as one block-diagonal matrix when its zeros
+# cost less than the ops it saves (J bmm, a cat and an add become one baddbmm_). Reading
+# zeros costs less than gathering rows: on the real model (2026-12-06, one process, ten
+# interleaved rounds, load ~2) SmolLM2's q/k/v blocks (8 adapters of rank 16: 245 KiB of
+# zeros per op saved) took the light step's LoRA overhead from 0.099 to 0.069 (median),
+# and the heavy step (32 adapters of ranks 8-64, all projections) stayed at 1.78 / 1.77.
+BLOCK_BYTES_PER_SAVED_OP = 256 * 1024
 # Gathered rows kept across the steps of one set of adapters (a copy of what the step's
 # adapters hold in the pool, up to this much; the rest is gathered per step).
 GATHERED_KEEP_BYTES = 256 << 20
@@ -99,6 +111,9 @@ class GroupPlan:
     # GatheredPlanner); None: gathered by each step
     a: torch.Tensor | None = None  # [S, J * r, in]
     bts: tuple[torch.Tensor, ...] | None = None  # J x [S, r, out_j]
+    # the kept Bts as one block-diagonal matrix over the group's whole width, so that a
+    # step's expand is one baddbmm_ into y (see GatheredPlanner._keep_gathered)
+    bt_block: torch.Tensor | None = None  # [S, J * r, out_total]
 
     def gather_a(self, arena: torch.Tensor, num_slots: int) -> torch.Tensor:
         if self.a is not None:
@@ -229,6 +244,12 @@ def _expand_part(
                     y[s:e, start:end] += h[:, j * r : (j + 1) * r] @ bt[slot]
         return
     (h,) = hs
+    block = g.bt_block
+    whole = block is not None and block.shape[2] == y.shape[1] and h.dtype == y.dtype
+    if block is not None and whole and t.first is not None:
+        rows = y[t.first : t.first + t.tok.numel()]
+        rows.view(t.num_slots, t.per_slot, -1).baddbmm_(h, block)
+        return
     outs = [torch.bmm(h[:, :, j * r : (j + 1) * r], bt) for j, bt in enumerate(bts)]
     if g.covers(y.shape[1]):
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
@@ -241,6 +262,29 @@ def _expand_part(
         y[t.first : t.first + t.tok.numel()].add_(out.view(-1, y.shape[1]))
     else:
         y.index_add_(0, t.tok, out.view(-1, y.shape[1]).to(y.dtype))
+
+
+def bt_block(plan: GroupPlan, bts: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
+    """The kept Bts of `plan` as one [S, J * r, width] block-diagonal matrix over columns
+    0 to its last target's end (target j's Bt in rows j * r : (j + 1) * r and its columns,
+    zeros elsewhere), so that a step's expand is one baddbmm_ into y when y is that wide (a
+    trailing target absent from the bucket, or a tensor-parallel shard's slice of a
+    row-parallel output, is not: those steps expand per target). None where the zeros would
+    cost more than the ops they save (see BLOCK_BYTES_PER_SAVED_OP), or where the first
+    target does not start y. One target starting y is its Bt itself."""
+    r, slots, width = plan.rank, bts[0].shape[0], plan.cols[-1][1]
+    if plan.cols[0][0] != 0:
+        return None
+    if len(bts) == 1:
+        return bts[0]
+    extra = slots * len(bts) * r * width - sum(bt.numel() for bt in bts)
+    saved = len(bts) + 1  # J bmm, their cat (or zeros and copies) and the add, for one op
+    if extra * bts[0].element_size() > BLOCK_BYTES_PER_SAVED_OP * saved:
+        return None
+    block = bts[0].new_zeros(slots, len(bts) * r, width)
+    for j, ((start, end), bt) in enumerate(zip(plan.cols, bts, strict=True)):
+        block[:, j * r : (j + 1) * r, start:end] = bt
+    return block
 
 
 class GatheredPlanner:
@@ -351,10 +395,19 @@ class GatheredPlanner:
                     if plan is None or self._in_place[layer][g] or plan.gathered_elems > budget:
                         continue
                     budget -= plan.gathered_elems
+                    a = plan.gather_a(self.arena, slots).to(dtype)
+                    if plan.rank_mask is not None:  # padding rows of A zero: h is zero there
+                        a = a * plan.rank_mask.to(dtype).transpose(1, 2)
+                    bts = tuple(bt.to(dtype) for bt in plan.gather_bts(self.arena, slots))
+                    block = bt_block(plan, bts)
+                    if block is not None and block is not bts[0]:
+                        budget -= block.numel()
                     per_layer[g] = replace(
                         plan,
-                        a=plan.gather_a(self.arena, slots).to(dtype),
-                        bts=tuple(bt.to(dtype) for bt in plan.gather_bts(self.arena, slots)),
+                        a=a,
+                        bts=bts,
+                        rank_mask=None,
+                        bt_block=block,
                     )
 
     def _reads_in_place(

@@ -24,9 +24,9 @@ and for the step's tokens (`TokenPlan`): slot s's tokens are tok[s * L : s * L +
            y[:, cols_j].index_add_(0, tok, bmm(h[:, :, j * r : (j + 1) * r], Bt_j))  # expand
 
 Kept rows (`GatheredPlanner._keep_gathered`: gathered once while a step's set of adapters
-repeats) have A's padding rows zeroed, so no rank mask is applied, and may hold the Bts as
-one block-diagonal [S, J * r, out_total] matrix: for a batch whose tokens are the slots' in
-order, the expand is then one baddbmm_ into y's rows.
+repeats) may hold the Bts as one block-diagonal [S, J * r, out_total] matrix too, from the
+set's second step: for a batch whose tokens are the slots' in order, the expand is then one
+baddbmm_ into y's rows.
 
 Slots are split into buckets by rank (the next power of two of an adapter's largest rank),
 so that padding to r at most doubles the rows gathered: gathering copies the rows, and on a
@@ -54,10 +54,12 @@ from loraplex.kernels.lora_tables import AdapterTables, HasLoraGroups, LoraLayou
 GATHER_BYTES_PER_SAVED_OP = 96 * 1024
 # A kept group's Bts are kept a second time as one block-diagonal matrix when its zeros
 # cost less than the ops it saves (J bmm, a cat and an add become one baddbmm_). Reading
-# zeros costs less than gathering rows: on the real model (2026-12-06, one process, ten
-# interleaved rounds, load ~2) SmolLM2's q/k/v blocks (8 adapters of rank 16: 245 KiB of
-# zeros per op saved) took the light step's LoRA overhead from 0.099 to 0.069 (median),
-# and the heavy step (32 adapters of ranks 8-64, all projections) stayed at 1.78 / 1.77.
+# zeros costs less than gathering rows: on the real model (2026-12-06, in one process,
+# interleaved rounds, load 1.5-2.2) SmolLM2's q/k/v blocks (8 adapters of rank 16: 245 KiB
+# of zeros per op saved) lowered the light step's LoRA overhead in 17 of 24 rounds over
+# three A/Bs, their medians by 0.013, 0.003 and 0.023 (0.091 -> 0.078, 0.100 -> 0.097,
+# 0.087 -> 0.064); the heavy step (32 adapters of ranks 8-64, all projections, whose masks
+# the zeroed padding rows of A remove) 1.745 / 1.735, 1.746 / 1.777, 1.629 / 1.658.
 BLOCK_BYTES_PER_SAVED_OP = 256 * 1024
 # Gathered rows kept across the steps of one set of adapters (a copy of what the step's
 # adapters hold in the pool, up to this much; the rest is gathered per step).
@@ -301,6 +303,8 @@ class GatheredPlanner:
         self._buckets: list[list[int]] = []  # slots of each bucket
         self._groups: list[list[list[GroupPlan | None]]] = []  # [bucket][layer][group]
         self._in_place: list[list[bool]] = []  # [layer][group]
+        self._repeated = False  # whether a step has repeated the key's set (see _keep_blocks)
+        self._keep_budget = 0  # elements GATHERED_KEEP_BYTES leaves after the kept rows
 
     def prepare(
         self, runs: list[tuple[int, int, HasLoraGroups]]
@@ -319,7 +323,10 @@ class GatheredPlanner:
         key = tuple(id(r) for r in residents)
         if key != self._key:
             self._plan(residents)
-            self._key, self._residents = key, residents
+            self._key, self._residents, self._repeated = key, residents, False
+        elif not self._repeated:
+            self._keep_blocks()
+            self._repeated = True
         tokens = []
         for bucket in self._buckets:
             local = {slot: i for i, slot in enumerate(bucket)}
@@ -395,20 +402,37 @@ class GatheredPlanner:
                     if plan is None or self._in_place[layer][g] or plan.gathered_elems > budget:
                         continue
                     budget -= plan.gathered_elems
-                    a = plan.gather_a(self.arena, slots).to(dtype)
-                    if plan.rank_mask is not None:  # padding rows of A zero: h is zero there
-                        a = a * plan.rank_mask.to(dtype).transpose(1, 2)
-                    bts = tuple(bt.to(dtype) for bt in plan.gather_bts(self.arena, slots))
-                    block = bt_block(plan, bts)
-                    if block is not None and block is not bts[0]:
-                        budget -= block.numel()
                     per_layer[g] = replace(
                         plan,
-                        a=a,
-                        bts=bts,
-                        rank_mask=None,
-                        bt_block=block,
+                        a=plan.gather_a(self.arena, slots).to(dtype),
+                        bts=tuple(bt.to(dtype) for bt in plan.gather_bts(self.arena, slots)),
                     )
+        self._keep_budget = budget
+
+    def _keep_blocks(self) -> None:
+        """The kept Bts of each group as one block-diagonal matrix (`bt_block`), built when a
+        set of adapters first repeats, not when it appears: the block is one more copy of
+        the Bts and their zeros, which only steps that repeat the set pay back (a serving
+        batch that admits or finishes a request at most steps changes its set as often;
+        built with the set, the real model's serving run took ~4% longer). Within what
+        GATHERED_KEEP_BYTES leaves. The kept A's padding rows are zeroed then too (in place:
+        the kept rows are the plan's own copy), so that h needs no rank mask."""
+        for per_bucket in self._groups:
+            for per_layer in per_bucket:
+                for g, plan in enumerate(per_layer):
+                    if plan is None or plan.bts is None or plan.a is None:
+                        continue
+                    if plan.rank_mask is not None:
+                        plan.a.mul_(plan.rank_mask.to(plan.a.dtype).transpose(1, 2))
+                        plan = per_layer[g] = replace(plan, rank_mask=None)
+                    block = bt_block(plan, plan.bts)
+                    if block is None:
+                        continue
+                    if block is not plan.bts[0]:  # a copy: within the budget
+                        if block.numel() > self._keep_budget:
+                            continue
+                        self._keep_budget -= block.numel()
+                    per_layer[g] = replace(plan, bt_block=block)
 
     def _reads_in_place(
         self,

@@ -240,11 +240,13 @@ def test_bf16_gathered_ops_equal_the_fp32_reference(
 def test_a_repeating_decode_step_expands_each_group_with_one_op(
     block: bool, monkeypatch: pytest.MonkeyPatch
 ):
-    """Kept rows of a set of adapters whose tokens come in slot order: the expand is one
-    baddbmm_ of h with the Bts' block-diagonal matrix into y's rows (on the real model's
-    q/k/v, 8 adapters of rank 16, the light step's LoRA overhead 0.099 -> 0.069), where the
-    zeros cost less than the J bmm, cat and add they replace; where they would cost more
-    (`BLOCK_BYTES_PER_SAVED_OP`), the expand is those ops, and the result is the same."""
+    """Kept rows of a set of adapters whose tokens come in slot order: from the set's second
+    step, the expand is one baddbmm_ of h with the Bts' block-diagonal matrix into y's rows
+    (see BLOCK_BYTES_PER_SAVED_OP for what it saves on the real model), where the zeros
+    cost less than the J bmm, cat and add they replace; where
+    they would cost more (`BLOCK_BYTES_PER_SAVED_OP`), the expand is those ops, and the
+    result is the same. The shrink is one bmm: the kept A's padding rows are zeroed, so h
+    needs no rank mask."""
     monkeypatch.setattr(lora_gathered, "GATHER_BYTES_PER_SAVED_OP", 1 << 40)
     if not block:
         monkeypatch.setattr(lora_gathered, "BLOCK_BYTES_PER_SAVED_OP", 0)
@@ -258,7 +260,7 @@ def test_a_repeating_decode_step_expands_each_group_with_one_op(
     x, y = torch.randn(num_tokens, fan_in, generator=g), torch.randn(num_tokens, sum(widths))
     expected = y.clone()
     lora_sgmv(expected, x, segments_of(runs))
-    for _ in range(2):  # the second step reads the rows kept by the first
+    for _ in range(3):  # the first keeps the rows, the second builds the block, zeroes A
         with _RecordOps() as record:
             args = backend.prepare(runs, num_tokens, True)[0][0]
             out = y.clone()

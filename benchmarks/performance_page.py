@@ -602,10 +602,10 @@ def render(runs: dict[str, dict[str, Any]]) -> str:
             mark = "**no** (multiplexing at the floor: each new adapter read once)"
         elif met is False and run is not None and (bound := _clairvoyant(run, h)) is not None:
             mark = f"**no** (a clairvoyant fleet of whole replicas: {_value(bound)})"
-        shown = "not run" if run is None else _value(value)
+        shown = "not run" if run is None else _value(value, h)
         if figure is not value:
             each = ", ".join(_value(v) for v in value)
-            shown = f"{_value(figure)} (worst of {len(value)} draws; each {each})"
+            shown = f"{_value(figure, h)} (worst of {len(value)} draws; each {each})"
         if run is not None and value is None and _neither_read(run, h.key):
             shown = "— (0 / 0: neither read an adapter)"
         lines.append(
@@ -673,13 +673,21 @@ def _non_finite(run: dict[str, Any], key: str) -> float | None:
     return float(why.split(":")[0]) if why.startswith(("inf", "-inf")) else None
 
 
-def _value(value: Any) -> str:
+def _value(value: Any, headline: Headline | None = None) -> str:
+    """The figure in 3 significant digits, or as many more as show which side of the
+    headline's target it is on (3.9956 against ">= 4" reads 3.996, not 4)."""
     if value is None:
         return "— (not in this run)"
     if isinstance(value, float) and math.isinf(value):
         return "∞ (the baseline's figure was 0)" if value > 0 else "−∞"
     if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+        if abs(value) >= 1000:
+            return f"{value:,.0f}"
+        for digits in range(3, 8):
+            text = f"{value:.{digits}g}"
+            if headline is None or headline.met(float(text)) == headline.met(value):
+                return text
+        return text
     return str(value)
 
 
@@ -699,10 +707,12 @@ def _run_detail(run: dict[str, Any] | None) -> str:
     cpus, machine = meta.get("cpus", "?"), meta.get("cpus_on_machine")
     # a run confined to fewer CPUs than its machine's (its affinity) says so
     cores = f"{cpus} of {machine} CPUs" if machine not in (None, cpus) else f"{cpus} CPUs"
+    # the versions it ran, where the run recorded them (since 2026-12-06)
+    versions = "".join(f", {k} {v}" for k, v in (meta.get("versions") or {}).items() if v)
     return (
         f"{meta.get('date', 'date unknown')}, `{meta.get('command', '?')}`, "
         f"{cores}, load average {load.get('before', '?')} before, "
-        f"{load.get('after', '?')} after"
+        f"{load.get('after', '?')} after{versions}"
     )
 
 

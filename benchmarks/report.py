@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
 import math
 import multiprocessing
 import os
 import pickle
+import platform
 import shlex
 import sys
 import tempfile
@@ -29,10 +31,29 @@ def usable_cpus() -> int:
     return os.cpu_count() or 1
 
 
+# the packages whose speed a figure rests on: ours, and the baselines we run (transformers
+# + peft in `bench engine`, Ray Serve's routers in `bench router`)
+VERSIONED = ("torch", "transformers", "peft", "ray")
+
+
+def package_versions() -> dict[str, str | None]:
+    """Python's and each VERSIONED package's installed version (None: not installed). A
+    fresh set-up resolves the baselines anew: on 2026-12-06 a new machine's transformers +
+    peft served `bench engine`'s real-model workload in 4.3 s where the published run's took
+    5.6, and no run had said which versions either ran."""
+    out: dict[str, str | None] = {"python": platform.python_version()}
+    for name in VERSIONED:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
 def run_metadata() -> dict[str, Any]:
-    """How the run went: its date, command, the CPUs it could use and the machine's, and
-    the 1-minute load average when it began and now (a ratio from a loaded machine is read
-    with that in mind)."""
+    """How the run went: its date, command, the CPUs it could use and the machine's, the
+    1-minute load average when it began and now (a ratio from a loaded machine is read with
+    that in mind), and the versions it ran (`package_versions`)."""
     started, before = _STARTED
     return {
         "date": started.isoformat(timespec="seconds"),
@@ -40,6 +61,7 @@ def run_metadata() -> dict[str, Any]:
         "cpus": usable_cpus(),
         "cpus_on_machine": os.cpu_count(),
         "load_average": {"before": round(before[0], 2), "after": round(os.getloadavg()[0], 2)},
+        "versions": package_versions(),
     }
 
 

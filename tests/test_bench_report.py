@@ -4,6 +4,7 @@ those constants, reads it back, and each one replaced is named with its reason."
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import math
 import os
@@ -73,6 +74,9 @@ def test_a_bench_json_counts_the_cpus_its_run_could_use(tmp_path):
     run = json.loads(path.read_text())["run"]
     assert run["cpus"] == 1
     assert run["cpus_on_machine"] == os.cpu_count()
+    # and the versions it ran, the baselines' among them
+    assert run["versions"]["torch"] == importlib.metadata.version("torch")
+    assert run["versions"]["peft"] == importlib.metadata.version("peft")
     if os.cpu_count() != 1:
         assert f"1 of {os.cpu_count()} CPUs" in _run_detail({"run": run})
 
@@ -116,6 +120,25 @@ def test_the_headline_table_marks_targets_and_runs(tmp_path):
     assert "2026-11-26 quick" in rows["| `registry` `register_per_s`"]
     assert "not run" in rows["| `engine` `speedup_vs_peft`"]
     assert all(f"### {suite}" in page for suite in SUITES)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "shown", "mark"),
+    [
+        ("speedup_vs_peft", 3.9956, "3.996", "**no**"),  # >= 4
+        ("speedup_vs_peft", 4.0004, "4", "yes"),
+        ("lora_overhead", 0.1500001, "0.1500001", "**no**"),  # <= 0.15
+    ],
+)
+def test_a_figure_beside_its_target_shows_the_digits_that_decide_it(
+    tmp_path, key: str, value: float, shown: str, mark: str
+):
+    """Rounded to 3 digits, 3.9956 read "4 | >= 4 | **no**" (bench engine, 2026-12-06): a
+    figure shows as many digits as it takes to be on its target's side."""
+    (tmp_path / "engine.json").write_text(json.dumps({key: value, "quick": True}))
+    rows = render(read_runs(tmp_path)).splitlines()
+    row = next(line for line in rows if line.startswith(f"| `engine` `{key}`"))
+    assert f"| {shown} | " in row and f"| {mark} |" in row, row
 
 
 def test_an_infinite_ratio_is_shown_as_such_not_as_missing(tmp_path):

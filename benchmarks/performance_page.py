@@ -126,14 +126,28 @@ on 2026-12-06 (164 s, load 0.5-1.5), read `p50_ttft_ratio` 0.142, `prefill_token
 0.218, `throughput_ratio` 2.26 and `unified_vs_split` 0.848. `detok.*`: the output path's time per token at 2,000 ÷ at 20
 output tokens.
 
-The published run (2026-12-06 18:38, the machine alone, load 1.5 before and after) runs
-each round of `--repeat` in a fresh process (`report.rounds_apart`, since 2502df1):
-`real.gemm_efficiency` 0.655/0.621/0.650 by round, `real.lora_overhead` 0.111/0.108/0.171
-(median 0.111, over the 0.10 target), base steps of 81.1/85.0/81.7 ms; the second round's
-sections read 27.3 ms of attention against 18.4 and 17.2 in the other two, each in a
-process of its own, so the host drifts between processes, and a single run's 0.10 is not a
-margin: the run before it (16:32, the same tree but for the prefix section's quick shape)
-read 0.082/0.109/0.064 (median 0.082), the run of 07:09 0.089/0.097/0.109 (median 0.097).
+The published run (2026-12-06 22:35-22:45, the machine alone, load 2.0 before (an A/B had
+just ended), 1.5 after; a fresh machine and set-up, whose versions the run's line gives)
+is the first with the CPU LoRA expand as one baddbmm_ per group (kernels/lora_gathered.py
+`bt_block`, since 0f58a4b): `real.lora_overhead` 0.107/0.082/0.063 by round (median 0.082,
+within the 0.10 target), `real.lora_overhead_heavy_vs_bound` 0.68/0.68/0.64, base steps of
+81.3/85.1/88.3 ms. What the change itself gives was measured apart, in one process with
+both arms built in both orders (the engine built first in a process ran ~3% slower
+whichever code it had): the light step's overhead lower in 17 of 24 interleaved rounds,
+medians 0.013/0.003/0.023 lower over three A/Bs; the heavy step 1.745/1.735,
+1.746/1.777 and 1.629/1.658 (with / without); the serving workload within that 3%. So most
+of the heavy step's fall (296 -> 242 ms against the run of 18:38) is the new machine's,
+not the change's. The same machine moved the PEFT baseline more than us: transformers
+5.25.0 + peft 0.21.2 served the real-model workload in 4.29-5.14 s a round against
+5.51-6.48 s in the run of 18:38 (versions not recorded then), ours in 1.51-2.03 s against
+1.35-1.83, so `real.speedup_vs_peft` reads 2.74 (2.84/2.74/2.63), under its 3 target, and
+the synthetic `speedup_vs_peft` 3.996, a hair under 4; a run at 22:08 on the tree before
+0f58a4b (blocks built with every new set) read 2.83 and 4.02. Earlier runs, before the
+block: the run of 18:38 read `real.gemm_efficiency` 0.655/0.621/0.650 and
+`real.lora_overhead` 0.111/0.108/0.171, the run of 16:32 0.082/0.109/0.064, that of 07:09
+0.089/0.097/0.109: each round runs in a fresh process (`report.rounds_apart`) and the host
+drifts between processes, so a single run's 0.10 is not a margin. `real.gemm_efficiency`
+reads 0.605 (0.605/0.597/0.613) here against 0.650.
 The real model's GEMMs alone take 52-57 ms of those steps: 0.75 would need every other part
 of the step (attention, norms, RoPE, sampling, Python) in 17-19 ms, where the KV gather
 alone reads ~5 MB a layer from memory the weights have just evicted (11 ms a step, ~13
@@ -141,8 +155,8 @@ GB/s; timed in the step, 07:05). What was tried against it (no gather, whole-pag
 gathers, huge pages, fewer tensors a layer) is below; reading half the KV bytes
 (`engine.kv_cache_dtype: bfloat16`, since 2026-12-06) was tried last and does not move
 the step either: `real.kv_cache_bf16_step_ratio` (the base step with a bfloat16 cache ÷
-the float32 one, in the same interleaved rounds) 0.994/0.996/1.012, median 0.996
-(1.018/1.006/0.963 in the run of 16:32), and 1.023/0.984/0.981 on the synthetic model.
+the float32 one, in the same interleaved rounds) 1.021 in this run, 0.994/0.996/1.012
+(median 0.996) in the run of 18:38, 1.018/1.006/0.963 in that of 16:32, and 1.023/0.984/0.981 on the synthetic model.
 
 How the engine's figures got here. Runs before 2026-12-05 timed every step after the adapter
 copy thread had run a parallel copy, which left it an OpenMP team of its own for the

@@ -470,6 +470,9 @@ bench it held most of a burst in the handle. Every figure is the median over
 seeds (3, `--quick` 2) and each ratio has its 90% bootstrap interval. The table reads the
 simulator's validation from `fleet_validation` (below), which `--validation-only` writes.
 
+The published quick run (2026-12-06 23:15, nice 19, 516 s) gave every figure of the run of
+2026-12-03 to the last digit, on a tree with three days of router and simulator changes
+between and on another machine: the simulator's own H100 profile and seeds decide it.
 How far the fleet's router targets are from what the fleet can do at all (the published
 quick run, 8 replicas, 83.3 req/s of capacity, 10.4 a replica): on zipf the affinity router
 holds the SLO to 79.0 and 77.7 req/s in the two repetitions, 0.93-0.95 of the capacity,

@@ -241,11 +241,10 @@ def test_a_repeating_decode_step_expands_each_group_with_one_op(
     block: bool, monkeypatch: pytest.MonkeyPatch
 ):
     """Kept rows of a set of adapters whose tokens come in slot order: from the set's second
-    step, the expand is one baddbmm_ of h with the Bts' block-diagonal matrix into y's rows
-    (see BLOCK_BYTES_PER_SAVED_OP for what it saves on the real model), where the zeros
-    cost less than the J bmm, cat and add they replace; where
-    they would cost more (`BLOCK_BYTES_PER_SAVED_OP`), the expand is those ops, and the
-    result is the same. The shrink is one bmm: the kept A's padding rows are zeroed, so h
+    step, the expand is one baddbmm_ of h with the Bts' block-diagonal matrix into y's rows,
+    where the zeros cost less than the J bmm, cat and add they replace; where they would
+    cost more (`BLOCK_BYTES_PER_SAVED_OP`, which says what it saves on the real model), the
+    expand is those ops, and the result is the same. The shrink is one bmm: the kept A's padding rows are zeroed, so h
     needs no rank mask."""
     monkeypatch.setattr(lora_gathered, "GATHER_BYTES_PER_SAVED_OP", 1 << 40)
     if not block:

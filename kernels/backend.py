@@ -71,7 +71,7 @@ class TorchBackend:
         self.planner = GatheredPlanner(arena, layout)
 
     def prepare(self, runs: list[Run], num_tokens: int, decode: bool) -> list[list[Any]]:
-        return self.planner.prepare(runs)
+        return self.planner.prepare(runs, num_tokens)
 
     def shrink(self, x: torch.Tensor, args: GatheredArgs | None) -> list[torch.Tensor]:
         return [] if args is None else gathered_shrink(x, args)

@@ -28,6 +28,13 @@ repeats) may hold the Bts as one block-diagonal [S, J * r, out_total] matrix too
 set's second step: for a batch whose tokens are the slots' in order, the expand is then one
 baddbmm_ into y's rows.
 
+Groups that read in place (too few ops saved for the bytes a bucket gathers) may keep the
+set's rows too, from its second step, unpadded and target-major (`MaskedPlan`): a small
+step is then one product of x with every row of the set, masked to each token's own
+adapter's rows, and one addmm_ per target — a fixed number of ops, paid for in FLOPs that
+multiply each token by every adapter's rows, so long steps read in place. The rows serve
+the set's subsets down to half its adapters, so a batch whose requests finish keeps them.
+
 Slots are split into buckets by rank (the next power of two of an adapter's largest rank),
 so that padding to r at most doubles the rows gathered: gathering copies the rows, and on a
 CPU the copy costs about what reading them does. A group costs the ops above once per
@@ -43,7 +50,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from loraplex.kernels.lora import Segment, lora_expand, lora_shrink
+from loraplex.kernels.lora import LoraGroupWeights, LoraOut, Segment, lora_expand, lora_shrink
 from loraplex.kernels.lora_tables import AdapterTables, HasLoraGroups, LoraLayout, adapter_tables
 
 # Gathering a group's rows pays when it saves ops: on CPU the copy costs about what reading
@@ -61,6 +68,17 @@ GATHER_BYTES_PER_SAVED_OP = 96 * 1024
 # 0.087 -> 0.064); the heavy step (32 adapters of ranks 8-64, all projections, whose masks
 # the zeroed padding rows of A remove) 1.745 / 1.735, 1.746 / 1.777, 1.629 / 1.658.
 BLOCK_BYTES_PER_SAVED_OP = 256 * 1024
+# A group read in place whose set of adapters repeats may run a small step as one product
+# over every row of the set instead (`MaskedPlan`): x @ A_set^T masked to each token's own
+# adapter's rows, then one addmm_ per target. It pays where the in-place ops it replaces
+# cost more than the products' wasted FLOPs (each token multiplies every adapter's rows):
+# an op here is worth ~1 MFLOP (SmolLM2's q/k/v, 6 adapters of ranks 8-16, 16 tokens, one
+# thread: 71 us for 7 MFLOP and 5 ops masked, against 122 us for 24 ops in place). On the
+# real model (2026-12-07, the bench's serving adapters, 6 of them, zipf over a decode batch
+# of 16): LoRA's share of the step 0.19/0.23/0.20 in place, 0.14/0.17/0.16 masked
+# (interleaved, load 0.8-0.9); the bench's serving workload 1.737 -> 1.657 s a round
+# (medians of 8 alternating rounds, load 0.9-1.3), the same tokens.
+MASKED_FLOPS_PER_SAVED_OP = 1_000_000
 # Gathered rows kept across the steps of one set of adapters (a copy of what the step's
 # adapters hold in the pool, up to this much; the rest is gathered per step).
 GATHERED_KEEP_BYTES = 256 << 20
@@ -161,13 +179,45 @@ class TokenPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class MaskedPlan:
+    """One layer and group of a group read in place: every row of a set of adapters, kept
+    (a copy), target-major, no padding. Row k of `a` is a row of slot `row_slot[k]`'s A;
+    `targets` are (first, end) columns of y, rows [h_start, h_end) of h and the rows' Bts
+    stacked in the same order. A step's h = (x @ a^T) * (token's slot == row_slot)."""
+
+    a: torch.Tensor  # [rows, in]
+    row_slot: torch.Tensor  # [rows] int64 (shared by the layers whose rows have one layout)
+    targets: tuple[tuple[int, int, int, int, torch.Tensor], ...]  # (c0, c1, h0, h1, Bt)
+    flops_per_token: int
+
+    @property
+    def ops(self) -> int:
+        return 2 + len(self.targets)
+
+    @property
+    def elems(self) -> int:
+        return self.a.numel() + sum(t[4].numel() for t in self.targets)
+
+
+@dataclass(frozen=True, slots=True)
+class StepMasks:
+    """A step's slot of each token (-1: none) in the kept masked rows, [T, 1], and the
+    masks made from it, one per row layout (`MaskedPlan.row_slot`)."""
+
+    token_slot: torch.Tensor
+    by_layout: dict[int, torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
 class GatheredArgs:
     """What one layer and group reads in a step: a plan per bucket of slots, or (`in_place`)
-    the reference's segments, read through the pool's views."""
+    the reference's segments, read through the pool's views, or (`masked`) one product over
+    the rows of the set kept for the group, with the step's [T, rows] mask."""
 
     arena: torch.Tensor
     parts: tuple[tuple[GroupPlan, TokenPlan], ...]
     in_place: list[Segment] | None = None
+    masked: tuple[MaskedPlan, torch.Tensor] | None = None
 
 
 def token_plan(runs: list[tuple[int, int, int]], num_slots: int, dtype: torch.dtype) -> TokenPlan:
@@ -194,6 +244,10 @@ def token_plan(runs: list[tuple[int, int, int]], num_slots: int, dtype: torch.dt
 
 def gathered_shrink(x: torch.Tensor, args: GatheredArgs) -> list[torch.Tensor]:
     """x [T, in] -> per bucket, [h [S, L, J * r]] (batched) or [h_i [e - s, J * r] per run]."""
+    if args.masked is not None:
+        plan, mask = args.masked
+        h = (x if x.dtype == plan.a.dtype else x.to(plan.a.dtype)) @ plan.a.T
+        return [h.mul_(mask)]
     if args.in_place is not None:
         return lora_shrink(x, args.in_place)
     hs: list[torch.Tensor] = []
@@ -222,6 +276,14 @@ def gathered_shrink(x: torch.Tensor, args: GatheredArgs) -> list[torch.Tensor]:
 
 def gathered_expand(y: torch.Tensor, hs: list[torch.Tensor], args: GatheredArgs) -> None:
     """y [T, out_total] += each target's part of h @ its Bt, in place."""
+    if args.masked is not None:
+        (h,) = hs
+        for c0, c1, h0, h1, bt in args.masked[0].targets:
+            if h.dtype == y.dtype:
+                y[:, c0:c1].addmm_(h[:, h0:h1], bt)
+            else:
+                y[:, c0:c1] += h[:, h0:h1] @ bt
+        return
     if args.in_place is not None:
         lora_expand(y, hs, args.in_place)
         return
@@ -270,6 +332,44 @@ def _expand_part(
         y.index_add_(0, t.tok, out.view(-1, y.shape[1]).to(y.dtype))
 
 
+def in_place_ops(w: LoraGroupWeights) -> int:
+    """The reference's matmuls for one adapter's group: one per row-chunk of A and of Bt."""
+    return len(w.a) + sum(len(t.bt) for t in w.outs)
+
+
+def masked_plan(
+    weights: list[LoraGroupWeights | None],
+    dtype: torch.dtype,
+    row_slots: dict[tuple[int, ...], torch.Tensor],
+) -> MaskedPlan | None:
+    """The rows of one layer and group over a set of adapters (weights[slot], None where
+    the adapter lacks the group), target by target; None where the set's in-place ops are
+    no more than a masked step's. row_slots shares one row-slot tensor between layouts."""
+    present = [(slot, w) for slot, w in enumerate(weights) if w is not None]
+    ops = sum(in_place_ops(w) for _, w in present)
+    by_target: dict[tuple[int, int], list[tuple[int, LoraGroupWeights, LoraOut]]] = {}
+    for slot, w in present:
+        for t in w.outs:
+            by_target.setdefault((t.col_start, t.col_end), []).append((slot, w, t))
+    if ops <= 2 + len(by_target):
+        return None
+    a_rows, slots, targets, h = [], [], [], 0
+    for (c0, c1), items in sorted(by_target.items()):
+        bts = []
+        for slot, w, t in items:
+            a = w.a[0] if len(w.a) == 1 else torch.cat(w.a)
+            a_rows.append(a[t.h_start : t.h_end])
+            bts.extend(t.bt)
+            slots += [slot] * (t.h_end - t.h_start)
+        rows = len(slots) - h
+        targets.append((c0, c1, h, h + rows, torch.cat(bts).to(dtype)))
+        h += rows
+    a = torch.cat(a_rows).to(dtype)
+    row_slot = row_slots.setdefault(tuple(slots), torch.tensor(slots))
+    flops = 2 * (a.numel() + sum((h1 - h0) * (c1 - c0) for c0, c1, h0, h1, _ in targets))
+    return MaskedPlan(a, row_slot, tuple(targets), flops)
+
+
 def bt_block(plan: GroupPlan, bts: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
     """The kept Bts of `plan` as one [S, J * r, width] block-diagonal matrix over columns
     0 to its last target's end (target j's Bt in rows j * r : (j + 1) * r and its columns,
@@ -309,9 +409,14 @@ class GatheredPlanner:
         self._in_place: list[list[bool]] = []  # [layer][group]
         self._repeated = False  # whether a step has repeated the key's set (see _keep_blocks)
         self._keep_budget = 0  # elements GATHERED_KEEP_BYTES leaves after the kept rows
+        # rows of the groups read in place, kept for a set of adapters (see _keep_masked)
+        self._masked: list[list[MaskedPlan | None]] = []  # [layer][group]
+        self._masked_slots: dict[int, int] = {}  # id of a resident -> its slot
+        self._masked_residents: list[HasLoraGroups] = []  # holds those ids alive
+        self._masked_elems = 0
 
     def prepare(
-        self, runs: list[tuple[int, int, HasLoraGroups]]
+        self, runs: list[tuple[int, int, HasLoraGroups]], num_tokens: int
     ) -> list[list[GatheredArgs | None]]:
         layers, num_groups = self.layout.num_layers, len(self.layout.group_columns)
         slots: dict[int, int] = {}
@@ -330,7 +435,9 @@ class GatheredPlanner:
             self._key, self._residents, self._repeated = key, residents, False
         elif not self._repeated:
             self._keep_blocks()
+            self._keep_masked(residents)
             self._repeated = True
+        masks = self._step_masks(runs, residents, num_tokens)
         tokens = []
         for bucket in self._buckets:
             local = {slot: i for i, slot in enumerate(bucket)}
@@ -344,7 +451,8 @@ class GatheredPlanner:
                     segments = [
                         (s, e, w) for s, e, r in runs if (w := r.groups[layer][g]) is not None
                     ]
-                    args[layer].append(GatheredArgs(self.arena, (), segments))
+                    masked = self._masked_step(layer, g, segments, num_tokens, masks)
+                    args[layer].append(GatheredArgs(self.arena, (), segments, masked))
                     continue
                 parts = tuple(
                     (plans[layer][g], t)
@@ -398,7 +506,7 @@ class GatheredPlanner:
         resident adapter never change, and `_residents` keeps the key's adapters alive.
         Up to GATHERED_KEEP_BYTES; past that, steps gather as before."""
         dtype = kept_dtype(self.arena)
-        budget = GATHERED_KEEP_BYTES // dtype.itemsize
+        budget = GATHERED_KEEP_BYTES // dtype.itemsize - self._masked_elems
         for b, plans in enumerate(self._groups):
             slots = len(self._buckets[b])
             for layer, per_layer in enumerate(plans):
@@ -438,6 +546,75 @@ class GatheredPlanner:
                         self._keep_budget -= block.numel()
                     per_layer[g] = replace(plan, bt_block=block)
 
+    def _keep_masked(self, residents: list[HasLoraGroups]) -> None:
+        """Keep the rows of the groups read in place for this set of adapters (`MaskedPlan`),
+        when the set first repeats, unless the rows kept for an earlier set serve it (see
+        `_step_masks`). Only groups where the set's in-place ops outnumber the masked ones;
+        within what GATHERED_KEEP_BYTES leaves."""
+        if self._masks_serve(residents) or not any(map(any, self._in_place)):
+            return
+        dtype = kept_dtype(self.arena)
+        budget = self._keep_budget + self._masked_elems
+        self._masked, self._masked_elems = [], 0
+        row_slots: dict[tuple[int, ...], torch.Tensor] = {}  # one tensor per layout
+        for layer, per_layer in enumerate(self._in_place):
+            self._masked.append([])
+            for g, in_place in enumerate(per_layer):
+                plan = None
+                if in_place:
+                    plan = masked_plan([r.groups[layer][g] for r in residents], dtype, row_slots)
+                if plan is not None and plan.elems <= budget:
+                    budget -= plan.elems
+                    self._masked_elems += plan.elems
+                else:
+                    plan = None
+                self._masked[layer].append(plan)
+        self._masked_slots = {id(r): slot for slot, r in enumerate(residents)}
+        self._masked_residents = residents
+        self._keep_budget = budget
+
+    def _masks_serve(self, residents: list[HasLoraGroups]) -> bool:
+        """Whether the kept masked rows hold every adapter of the step and at least half of
+        them are the step's (the others' rows are multiplied by zeros): a batch whose
+        requests finish keeps its rows until half its adapters are gone."""
+        slots = self._masked_slots
+        return 2 * len(residents) >= len(slots) and all(id(r) in slots for r in residents)
+
+    def _step_masks(
+        self,
+        runs: list[tuple[int, int, HasLoraGroups]],
+        residents: list[HasLoraGroups],
+        num_tokens: int,
+    ) -> StepMasks | None:
+        """None when the kept masked rows do not serve this step."""
+        if not self._masked_slots or not self._masks_serve(residents):
+            return None
+        token_slot = torch.full((num_tokens, 1), -1, dtype=torch.int64)
+        for s, e, r in runs:
+            token_slot[s:e] = self._masked_slots[id(r)]
+        return StepMasks(token_slot, {})
+
+    def _masked_step(
+        self,
+        layer: int,
+        group: int,
+        segments: list[Segment],
+        num_tokens: int,
+        masks: StepMasks | None,
+    ) -> tuple[MaskedPlan, torch.Tensor] | None:
+        """The kept rows and the step's mask for a group read in place, where one product
+        costs less than the in-place ops (MASKED_FLOPS_PER_SAVED_OP); else None."""
+        if masks is None or (plan := self._masked[layer][group]) is None:
+            return None
+        ops = sum(in_place_ops(w) for _, _, w in segments if w is not None)
+        if num_tokens * plan.flops_per_token > (ops - plan.ops) * MASKED_FLOPS_PER_SAVED_OP:
+            return None
+        mask = masks.by_layout.get(id(plan.row_slot))
+        if mask is None:
+            mask = (masks.token_slot == plan.row_slot).to(plan.a.dtype)
+            masks.by_layout[id(plan.row_slot)] = mask
+        return plan, mask
+
     def _reads_in_place(
         self,
         residents: list[HasLoraGroups],
@@ -450,11 +627,10 @@ class GatheredPlanner:
         gathered = [b[layer][group] for b in shapes if b[layer][group] is not None]
         if not gathered:
             return False
-        weights = [w for r in residents if (w := r.groups[layer][group]) is not None]
-        in_place_ops = sum(len(w.a) + sum(len(t.bt) for t in w.outs) for w in weights)
+        ops = sum(in_place_ops(w) for r in residents if (w := r.groups[layer][group]) is not None)
         gathered_ops = sum(4 + 2 * len(shape.present) for shape in gathered)
         gathered_bytes = self.arena.element_size() * sum(s.gathered_elems for s in gathered)
-        saved = in_place_ops - gathered_ops
+        saved = ops - gathered_ops
         return saved <= 0 or gathered_bytes > saved * GATHER_BYTES_PER_SAVED_OP
 
     def _group_shapes(

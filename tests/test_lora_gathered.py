@@ -44,11 +44,16 @@ def _backend(arena, widths):
 @pytest.mark.parametrize("kind", ["qkv", "gate_up", "o", "down"])
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("plan", ["decode", "decode_in_order", "prefill", "long_prefill"])
-@pytest.mark.parametrize("gather", ["kept", "per_step", False])
+@pytest.mark.parametrize("gather", ["kept", "per_step", False, "masked"])
 def test_gathered_ops_equal_the_reference(
     kind: str, tp: int, plan: str, gather: str | bool, monkeypatch: pytest.MonkeyPatch
 ):
-    monkeypatch.setattr(lora_gathered, "GATHER_BYTES_PER_SAVED_OP", 1 << 40 if gather else 0)
+    """gather: rows gathered in buckets (kept across steps, or gathered by each), read in
+    place (False), or read in place with the set's rows kept for one masked product from
+    its second step ("masked")."""
+    buckets = gather in ("kept", "per_step")
+    monkeypatch.setattr(lora_gathered, "GATHER_BYTES_PER_SAVED_OP", 1 << 40 if buckets else 0)
+    monkeypatch.setattr(lora_gathered, "MASKED_FLOPS_PER_SAVED_OP", 1 << 40 if gather else 0)
     if gather == "per_step":
         monkeypatch.setattr(lora_gathered, "GATHERED_KEEP_BYTES", 0)
     fan_in, widths = group_shape(kind, tp)
@@ -69,10 +74,12 @@ def test_gathered_ops_equal_the_reference(
 
     backend = _backend(arena, widths)
     adapter_runs = [(s, e, r) for s, e, r in runs if r is not None]
-    for _ in range(2):  # a second step of the same adapters reuses the row offsets
+    for step in range(3):  # later steps of the same adapters reuse the row offsets
         args = backend.prepare(adapter_runs, num_tokens, plan.startswith("decode"))[0][0]
-        if not gather or plan == "decode":  # (fewer ops than buckets: read in place)
-            assert (args.in_place is None) == bool(gather)
+        if not buckets or plan == "decode":  # (fewer ops than buckets: read in place)
+            assert (args.in_place is None) == buckets
+        if not buckets:
+            assert (args.masked is not None) == (gather == "masked" and step > 0)
         out = y.clone()
         backend.expand(out, backend.shrink(x, args), args)
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
@@ -202,14 +209,17 @@ def test_a_groups_shape_gives_the_size_of_the_plan_it_would_build(kind: str):
 
 
 @pytest.mark.parametrize("plan", ["decode", "prefill", "long_prefill"])
-@pytest.mark.parametrize("gather", ["kept", "per_step"])
+@pytest.mark.parametrize("gather", ["kept", "per_step", "masked"])
 def test_bf16_gathered_ops_equal_the_fp32_reference(
     plan: str, gather: str, monkeypatch: pytest.MonkeyPatch
 ):
     """A bf16 arena on a CPU: rows kept across steps are kept and multiplied in fp32
     (kept_dtype), rows gathered per step stay bf16; batched and per-run token plans. Both
-    are the fp32 reference on the same bf16 values, within bf16's rounding of y."""
-    monkeypatch.setattr(lora_gathered, "GATHER_BYTES_PER_SAVED_OP", 1 << 40)
+    are the fp32 reference on the same bf16 values, within bf16's rounding of y; and so
+    are masked rows ("masked": read in place, the set's rows kept in fp32)."""
+    masked = gather == "masked"
+    monkeypatch.setattr(lora_gathered, "GATHER_BYTES_PER_SAVED_OP", 0 if masked else 1 << 40)
+    monkeypatch.setattr(lora_gathered, "MASKED_FLOPS_PER_SAVED_OP", 1 << 40)
     if gather == "per_step":
         monkeypatch.setattr(lora_gathered, "GATHERED_KEEP_BYTES", 0)
     fan_in, widths = group_shape("qkv", 1)
@@ -232,6 +242,9 @@ def test_bf16_gathered_ops_equal_the_fp32_reference(
         backend.expand(out, backend.shrink(x, args), args)
         assert out.dtype == torch.bfloat16
         torch.testing.assert_close(out.float(), expected, rtol=1.6e-2, atol=2e-2)
+    if masked:
+        assert args.masked is not None and args.masked[0].a.dtype == torch.float32
+        return
     kept = [group.a for group, _ in args.parts if group.a is not None]
     assert all(a.dtype == torch.float32 for a in kept) and bool(kept) == (gather == "kept")
 
@@ -270,3 +283,66 @@ def test_a_repeating_decode_step_expands_each_group_with_one_op(
         assert products == ["bmm.default", "baddbmm_.default"], record.names
     else:
         assert products.count("bmm.default") == 1 + len(widths) and "cat.default" in products
+
+
+def _masked_step(backend, residents, plan, fan_in, widths):
+    """One step of `plan` (tokens, adapter index) through the backend, checked against the
+    reference; its args."""
+    runs, num_tokens = _runs(plan, residents)
+    g = torch.Generator().manual_seed(len(plan))
+    x, y = torch.randn(num_tokens, fan_in, generator=g), torch.randn(num_tokens, sum(widths))
+    expected = y.clone()
+    lora_sgmv(expected, x, segments_of(runs))
+    args = backend.prepare([r for r in runs if r[2] is not None], num_tokens, True)[0][0]
+    out = y.clone()
+    backend.expand(out, backend.shrink(x, args), args)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    return args
+
+
+def test_a_batch_whose_requests_finish_keeps_its_masked_rows_until_half_are_gone(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """Rows kept for a set read in place serve the steps of any subset holding at least half
+    of its adapters (the others' rows meet zeros in the mask): a batch whose requests finish
+    does not copy its adapters again at each finish. Below half, the step reads in place,
+    and the new set's rows are kept when it repeats."""
+    monkeypatch.setattr(lora_gathered, "GATHER_BYTES_PER_SAVED_OP", 0)  # read in place
+    fan_in, widths = group_shape("qkv", 1)
+    ranks = [(16, 8, 16), (8, 16, 0), (4, 4, 4), (16, 16, 16), (0, 12, 9)]
+    arena, residents = scattered_adapters(fan_in, widths, ranks, torch.float32)
+    arena[arena == 0] = float("nan")
+    backend = _backend(arena, widths)
+    full = [(1, a) for a in (0, 1, 1, 2, 3, None, 4, 0)]
+    assert _masked_step(backend, residents, full, fan_in, widths).masked is None
+    kept = _masked_step(backend, residents, full, fan_in, widths).masked
+    assert kept is not None, "the set repeated: its rows are kept"
+    three = [(1, a) for a in (3, None, 1, 4, 3)]
+    assert _masked_step(backend, residents, three, fan_in, widths).masked[0] is kept[0]
+    two = [(1, a) for a in (1, 3, 3)]
+    assert _masked_step(backend, residents, two, fan_in, widths).masked is None
+    again = _masked_step(backend, residents, two, fan_in, widths).masked
+    assert again is not None and again[0].a.shape[0] < kept[0].a.shape[0]
+
+
+def test_a_masked_step_costs_the_same_ops_whatever_the_adapters_and_a_long_one_reads_in_place(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """A masked step of a group is one product, its mask and one addmm_ per target, whatever
+    the adapters; a step of many tokens, whose product would multiply each by every
+    adapter's rows, reads in place instead (MASKED_FLOPS_PER_SAVED_OP)."""
+    monkeypatch.setattr(lora_gathered, "GATHER_BYTES_PER_SAVED_OP", 0)  # read in place
+    fan_in, widths = group_shape("qkv", 1)
+    arena, residents = scattered_adapters(fan_in, widths, RANKS[3], torch.float32)
+    backend = _backend(arena, widths)
+    decode = [(1, i % 5) for i in range(10)]
+    for _ in range(2):
+        args = _masked_step(backend, residents, decode, fan_in, widths)
+    with _RecordOps() as record:
+        runs, num_tokens = _runs(decode, residents)
+        x, y = torch.randn(num_tokens, fan_in), torch.randn(num_tokens, sum(widths))
+        backend.expand(y, backend.shrink(x, args), args)
+    products = [n for n in record.names if n.startswith(("mm", "addmm", "mul", "add", "bmm"))]
+    assert products == ["mm.default", "mul_.Tensor"] + ["addmm_.default"] * len(widths)
+    long = [(200, 0), (1, 1), (1, 2), (1, 3), (1, 4)]
+    assert _masked_step(backend, residents, long, fan_in, widths).masked is None

@@ -124,7 +124,6 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []
         self._ids = itertools.count()
         self._seeds = random.Random(cfg.seed)  # for requests that bring no seed
-        self.step_costs = StepCostEstimator()  # what the router weighs (routing stats)
         model = cfg.artifacts.read_model()
         self.read_pacer = None if model is None else ReadPacer(model)
         self.prompt_tokens = 0  # of the requests added

@@ -29,7 +29,7 @@ set's second step: for a batch whose tokens are the slots' in order, the expand 
 baddbmm_ into y's rows.
 
 Groups that read in place (too few ops saved for the bytes a bucket gathers) may keep the
-set's rows too, from its second step, unpadded and target-major (`MaskedPlan`): a small
+set's rows too, once the set has repeated a few steps, unpadded and target-major (`MaskedPlan`): a small
 step is then one product of x with every row of the set, masked to each token's own
 adapter's rows, and one addmm_ per target — a fixed number of ops, paid for in FLOPs that
 multiply each token by every adapter's rows, so long steps read in place. The rows serve
@@ -79,6 +79,13 @@ BLOCK_BYTES_PER_SAVED_OP = 256 * 1024
 # (interleaved, load 0.8-0.9); the bench's serving workload 1.737 -> 1.657 s a round
 # (medians of 8 alternating rounds, load 0.9-1.3), the same tokens.
 MASKED_FLOPS_PER_SAVED_OP = 1_000_000
+# The rows are copied when a set has repeated this many steps, not at its first repeat: the
+# copy costs ~7 ms a new set on the synthetic model's serving run, whose sets change every
+# ~7 steps. In one process (2026-12-07, 8-10 alternating rounds, rotated, load 1.6-1.9),
+# copied after 1 / 2 / 4 / 8 repeats against never: the real model's serving round 1.890 /
+# - / 1.833 / - s against 1.975, then - / 1.801 / 1.750 / 1.721 against 1.934; the synthetic
+# model's 1.528 / - / 1.517 / - against 1.522, then - / 1.674 / 1.624 / 1.596 against 1.746.
+MASKED_KEEP_AFTER_REPEATS = 4
 # Gathered rows kept across the steps of one set of adapters (a copy of what the step's
 # adapters hold in the pool, up to this much; the rest is gathered per step).
 GATHERED_KEEP_BYTES = 256 << 20
@@ -407,7 +414,7 @@ class GatheredPlanner:
         self._buckets: list[list[int]] = []  # slots of each bucket
         self._groups: list[list[list[GroupPlan | None]]] = []  # [bucket][layer][group]
         self._in_place: list[list[bool]] = []  # [layer][group]
-        self._repeated = False  # whether a step has repeated the key's set (see _keep_blocks)
+        self._repeats = 0  # steps since the key's set's first (see _keep_blocks, _keep_masked)
         self._keep_budget = 0  # elements GATHERED_KEEP_BYTES leaves after the kept rows
         # rows of the groups read in place, kept for a set of adapters (see _keep_masked)
         self._masked: list[list[MaskedPlan | None]] = []  # [layer][group]
@@ -432,11 +439,13 @@ class GatheredPlanner:
         key = tuple(id(r) for r in residents)
         if key != self._key:
             self._plan(residents)
-            self._key, self._residents, self._repeated = key, residents, False
-        elif not self._repeated:
-            self._keep_blocks()
-            self._keep_masked(residents)
-            self._repeated = True
+            self._key, self._residents, self._repeats = key, residents, 0
+        else:
+            self._repeats += 1
+            if self._repeats == 1:
+                self._keep_blocks()
+            if self._repeats == MASKED_KEEP_AFTER_REPEATS:
+                self._keep_masked(residents)
         masks = self._step_masks(runs, residents, num_tokens)
         tokens = []
         for bucket in self._buckets:
@@ -548,7 +557,7 @@ class GatheredPlanner:
 
     def _keep_masked(self, residents: list[HasLoraGroups]) -> None:
         """Keep the rows of the groups read in place for this set of adapters (`MaskedPlan`),
-        when the set first repeats, unless the rows kept for an earlier set serve it (see
+        when the set has repeated MASKED_KEEP_AFTER_REPEATS steps, unless the rows kept for an earlier set serve it (see
         `_step_masks`). Only groups where the set's in-place ops outnumber the masked ones;
         within what GATHERED_KEEP_BYTES leaves."""
         if self._masks_serve(residents) or not any(map(any, self._in_place)):

@@ -54,6 +54,7 @@ def test_gathered_ops_equal_the_reference(
     buckets = gather in ("kept", "per_step")
     monkeypatch.setattr(lora_gathered, "GATHER_BYTES_PER_SAVED_OP", 1 << 40 if buckets else 0)
     monkeypatch.setattr(lora_gathered, "MASKED_FLOPS_PER_SAVED_OP", 1 << 40 if gather else 0)
+    monkeypatch.setattr(lora_gathered, "MASKED_KEEP_AFTER_REPEATS", 1)
     if gather == "per_step":
         monkeypatch.setattr(lora_gathered, "GATHERED_KEEP_BYTES", 0)
     fan_in, widths = group_shape(kind, tp)
@@ -220,6 +221,7 @@ def test_bf16_gathered_ops_equal_the_fp32_reference(
     masked = gather == "masked"
     monkeypatch.setattr(lora_gathered, "GATHER_BYTES_PER_SAVED_OP", 0 if masked else 1 << 40)
     monkeypatch.setattr(lora_gathered, "MASKED_FLOPS_PER_SAVED_OP", 1 << 40)
+    monkeypatch.setattr(lora_gathered, "MASKED_KEEP_AFTER_REPEATS", 1)
     if gather == "per_step":
         monkeypatch.setattr(lora_gathered, "GATHERED_KEEP_BYTES", 0)
     fan_in, widths = group_shape("qkv", 1)
@@ -303,8 +305,8 @@ def _masked_step(backend, residents, plan, fan_in, widths):
 def test_a_batch_whose_requests_finish_keeps_its_masked_rows_until_half_are_gone(
     monkeypatch: pytest.MonkeyPatch,
 ):
-    """Rows kept for a set read in place serve the steps of any subset holding at least half
-    of its adapters (the others' rows meet zeros in the mask): a batch whose requests finish
+    """Rows kept for a set read in place (once it has repeated MASKED_KEEP_AFTER_REPEATS
+    steps) serve the steps of any subset holding at least half of its adapters (the others' rows meet zeros in the mask): a batch whose requests finish
     does not copy its adapters again at each finish. Below half, the step reads in place,
     and the new set's rows are kept when it repeats."""
     monkeypatch.setattr(lora_gathered, "GATHER_BYTES_PER_SAVED_OP", 0)  # read in place
@@ -314,13 +316,15 @@ def test_a_batch_whose_requests_finish_keeps_its_masked_rows_until_half_are_gone
     arena[arena == 0] = float("nan")
     backend = _backend(arena, widths)
     full = [(1, a) for a in (0, 1, 1, 2, 3, None, 4, 0)]
-    assert _masked_step(backend, residents, full, fan_in, widths).masked is None
+    for _ in range(lora_gathered.MASKED_KEEP_AFTER_REPEATS):  # its first step and repeats
+        assert _masked_step(backend, residents, full, fan_in, widths).masked is None
     kept = _masked_step(backend, residents, full, fan_in, widths).masked
     assert kept is not None, "the set repeated: its rows are kept"
     three = [(1, a) for a in (3, None, 1, 4, 3)]
     assert _masked_step(backend, residents, three, fan_in, widths).masked[0] is kept[0]
     two = [(1, a) for a in (1, 3, 3)]
-    assert _masked_step(backend, residents, two, fan_in, widths).masked is None
+    for _ in range(lora_gathered.MASKED_KEEP_AFTER_REPEATS):
+        assert _masked_step(backend, residents, two, fan_in, widths).masked is None
     again = _masked_step(backend, residents, two, fan_in, widths).masked
     assert again is not None and again[0].a.shape[0] < kept[0].a.shape[0]
 
@@ -336,7 +340,7 @@ def test_a_masked_step_costs_the_same_ops_whatever_the_adapters_and_a_long_one_r
     arena, residents = scattered_adapters(fan_in, widths, RANKS[3], torch.float32)
     backend = _backend(arena, widths)
     decode = [(1, i % 5) for i in range(10)]
-    for _ in range(2):
+    for _ in range(lora_gathered.MASKED_KEEP_AFTER_REPEATS + 1):
         args = _masked_step(backend, residents, decode, fan_in, widths)
     with _RecordOps() as record:
         runs, num_tokens = _runs(decode, residents)

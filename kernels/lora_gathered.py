@@ -557,9 +557,9 @@ class GatheredPlanner:
 
     def _keep_masked(self, residents: list[HasLoraGroups]) -> None:
         """Keep the rows of the groups read in place for this set of adapters (`MaskedPlan`),
-        when the set has repeated MASKED_KEEP_AFTER_REPEATS steps, unless the rows kept for an earlier set serve it (see
-        `_step_masks`). Only groups where the set's in-place ops outnumber the masked ones;
-        within what GATHERED_KEEP_BYTES leaves."""
+        once the set has repeated MASKED_KEEP_AFTER_REPEATS steps, unless the rows kept for
+        an earlier set serve it (`_masks_serve`). Only groups where the set's in-place ops
+        outnumber the masked ones; within what GATHERED_KEEP_BYTES leaves."""
         if self._masks_serve(residents) or not any(map(any, self._in_place)):
             return
         dtype = kept_dtype(self.arena)

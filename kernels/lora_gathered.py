@@ -29,11 +29,12 @@ set's second step: for a batch whose tokens are the slots' in order, the expand 
 baddbmm_ into y's rows.
 
 Groups that read in place (too few ops saved for the bytes a bucket gathers) may keep the
-set's rows too, once the set has repeated a few steps, unpadded and target-major (`MaskedPlan`): a small
-step is then one product of x with every row of the set, masked to each token's own
-adapter's rows, and one addmm_ per target — a fixed number of ops, paid for in FLOPs that
-multiply each token by every adapter's rows, so long steps read in place. The rows serve
-the set's subsets down to half its adapters, so a batch whose requests finish keeps them.
+set's rows too, once the set has repeated a few steps, unpadded and target-major
+(`MaskedPlan`): a small step is then one product of x with every row of the set, masked to
+each token's own adapter's rows, and one addmm_ per target — a fixed number of ops, paid
+for in FLOPs that multiply each token by every adapter's rows, so long steps read in place.
+The rows serve the set's subsets down to half its adapters, so a batch whose requests
+finish keeps them.
 
 Slots are split into buckets by rank (the next power of two of an adapter's largest rank),
 so that padding to r at most doubles the rows gathered: gathering copies the rows, and on a
@@ -536,8 +537,9 @@ class GatheredPlanner:
         the Bts and their zeros, which only steps that repeat the set pay back, and a
         serving batch that admits or finishes a request changes its set at most steps (the
         real model's serving run measured the same either way, within the ~3% that the
-        order engines are built in moves it). Within what GATHERED_KEEP_BYTES leaves. The kept A's padding rows are zeroed then too (in place:
-        the kept rows are the plan's own copy), so that h needs no rank mask."""
+        order engines are built in moves it). Within what GATHERED_KEEP_BYTES leaves. The
+        kept A's padding rows are zeroed then too (in place: the kept rows are the plan's
+        own copy), so that h needs no rank mask."""
         for per_bucket in self._groups:
             for per_layer in per_bucket:
                 for g, plan in enumerate(per_layer):

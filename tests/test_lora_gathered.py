@@ -255,12 +255,12 @@ def test_bf16_gathered_ops_equal_the_fp32_reference(
 def test_a_repeating_decode_step_expands_each_group_with_one_op(
     block: bool, monkeypatch: pytest.MonkeyPatch
 ):
-    """Kept rows of a set of adapters whose tokens come in slot order: from the set's second
-    step, the expand is one baddbmm_ of h with the Bts' block-diagonal matrix into y's rows,
-    where the zeros cost less than the J bmm, cat and add they replace; where they would
-    cost more (`BLOCK_BYTES_PER_SAVED_OP`, which says what it saves on the real model), the
-    expand is those ops, and the result is the same. The shrink is one bmm: the kept A's padding rows are zeroed, so h
-    needs no rank mask."""
+    """Kept rows of a set of adapters whose tokens come in slot order: from the set's second step,
+    the expand is one baddbmm_ of h with the Bts' block-diagonal matrix into y's rows, where
+    the zeros cost less than the J bmm, cat and add they replace; where they would cost more
+    (`BLOCK_BYTES_PER_SAVED_OP`, which says what it saves on the real model), the expand is
+    those ops, and the result is the same. The shrink is one bmm: the kept A's padding rows
+    are zeroed, so h needs no rank mask."""
     monkeypatch.setattr(lora_gathered, "GATHER_BYTES_PER_SAVED_OP", 1 << 40)
     if not block:
         monkeypatch.setattr(lora_gathered, "BLOCK_BYTES_PER_SAVED_OP", 0)
@@ -305,10 +305,11 @@ def _masked_step(backend, residents, plan, fan_in, widths):
 def test_a_batch_whose_requests_finish_keeps_its_masked_rows_until_half_are_gone(
     monkeypatch: pytest.MonkeyPatch,
 ):
-    """Rows kept for a set read in place (once it has repeated MASKED_KEEP_AFTER_REPEATS
-    steps) serve the steps of any subset holding at least half of its adapters (the others' rows meet zeros in the mask): a batch whose requests finish
-    does not copy its adapters again at each finish. Below half, the step reads in place,
-    and the new set's rows are kept when it repeats."""
+    """Rows kept for a set read in place (once it has repeated MASKED_KEEP_AFTER_REPEATS steps)
+    serve the steps of any subset holding at least half of its adapters (the others' rows
+    meet zeros in the mask): a batch whose requests finish does not copy its adapters again
+    at each finish. Below half, the step reads in place, and the new set's rows are kept
+    when it repeats."""
     monkeypatch.setattr(lora_gathered, "GATHER_BYTES_PER_SAVED_OP", 0)  # read in place
     fan_in, widths = group_shape("qkv", 1)
     ranks = [(16, 8, 16), (8, 16, 0), (4, 4, 4), (16, 16, 16), (0, 12, 9)]

@@ -398,8 +398,9 @@ def base_and_lora_steps(
     """A base-only batch and a batch on `adapters` in one engine (built with batches=2), each
     stepped alone: the scheduler's running list is the step's batch's. The two share the
     engine's weights and pool, so their ratio is LoRA's alone; two engines' steps differ
-    by where each one's memory landed (identical base engines of the real model, built one
-    after another in one process, stepped 0.99-1.15x each other on 2026-12-07)."""
+    by more than LoRA costs (identical base engines of the real model, built one after
+    another in one process, stepped 0.99-1.15x each other on 2026-12-07; why was not found:
+    where each one's memory landed is the suspect)."""
     decode_batch(engine, [None] * len(adapters), context)
     base = engine.scheduler.running
     engine.scheduler.running = []

@@ -287,10 +287,7 @@ def gathered_expand(y: torch.Tensor, hs: list[torch.Tensor], args: GatheredArgs)
     if args.masked is not None:
         (h,) = hs
         for c0, c1, h0, h1, bt in args.masked[0].targets:
-            if h.dtype == y.dtype:
-                y[:, c0:c1].addmm_(h[:, h0:h1], bt)
-            else:
-                y[:, c0:c1] += h[:, h0:h1] @ bt
+            _add_product(y[:, c0:c1], h[:, h0:h1], bt)
         return
     if args.in_place is not None:
         lora_expand(y, hs, args.in_place)
@@ -302,6 +299,15 @@ def gathered_expand(y: torch.Tensor, hs: list[torch.Tensor], args: GatheredArgs)
     assert used == len(hs), "one h per bucket (batched) or per run"
 
 
+def _add_product(out: torch.Tensor, h: torch.Tensor, bt: torch.Tensor) -> None:
+    """out += h @ bt in place; h kept in float32 beside a half-precision out is multiplied
+    then narrowed (addmm_ wants one dtype)."""
+    if h.dtype == out.dtype:
+        out.addmm_(h, bt)
+    else:
+        out += h @ bt
+
+
 def _expand_part(
     y: torch.Tensor, hs: list[torch.Tensor], arena: torch.Tensor, g: GroupPlan, t: TokenPlan
 ) -> None:
@@ -310,10 +316,7 @@ def _expand_part(
     if not t.batched:
         for h, (s, e, slot) in zip(hs, t.runs, strict=True):
             for j, ((start, end), bt) in enumerate(zip(g.cols, bts, strict=True)):
-                if h.dtype == y.dtype:
-                    y[s:e, start:end].addmm_(h[:, j * r : (j + 1) * r], bt[slot])
-                else:
-                    y[s:e, start:end] += h[:, j * r : (j + 1) * r] @ bt[slot]
+                _add_product(y[s:e, start:end], h[:, j * r : (j + 1) * r], bt[slot])
         return
     (h,) = hs
     block = g.bt_block
@@ -617,7 +620,7 @@ class GatheredPlanner:
         costs less than the in-place ops (MASKED_FLOPS_PER_SAVED_OP); else None."""
         if masks is None or (plan := self._masked[layer][group]) is None:
             return None
-        ops = sum(in_place_ops(w) for _, _, w in segments if w is not None)
+        ops = sum(in_place_ops(w) for _, _, w in segments)
         if num_tokens * plan.flops_per_token > (ops - plan.ops) * MASKED_FLOPS_PER_SAVED_OP:
             return None
         mask = masks.by_layout.get(id(plan.row_slot))

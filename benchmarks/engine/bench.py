@@ -506,8 +506,15 @@ def _step_overheads(
     interleaved(list(steps.values()), 2)  # warm-up
     t = dict(zip(steps, interleaved(list(steps.values()), shape.timed_steps), strict=True))
     base_t = t["decode_step_base"]
-    bases = [t[k] for k in ("decode_step_base", "decode_step_base_light_engine") if k in t]
-    bases += [t["decode_step_base_heavy_engine"]] if heavy is not None else []
+    bases = [
+        t[k]
+        for k in (
+            "decode_step_base",
+            "decode_step_base_light_engine",
+            "decode_step_base_heavy_engine",
+        )
+        if k in t  # no heavy engine without heavy adapters
+    ]
     out = {
         "lora_overhead": t["decode_step_lora_8x_r16_qkvo"] / t["decode_step_base_light_engine"] - 1,
         "gemm_efficiency": t["base_gemms_only"] / base_t,

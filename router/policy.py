@@ -355,12 +355,19 @@ class AffinityPolicy:
     stats are a period old, and without this a burst of one cold adapter would each be
     judged against stats that do not show the first of them.
 
-    Homes. An adapter needs need(a) = max(rate(a) * request_time_s, in_flight(a)) /
-    (home_utilisation * slots) homes (its requests in flight, by Little's law or as the
-    replicas count them in `adapter_queue`, over the share of a home's batch slots, slots
-    being the mean max_concurrency, one adapter should fill). Its count k(a) grows to
-    ceil(need) as soon as need exceeds it, and drops by one only once need <= (k - 1) * (1 -
-    home_hysteresis), so a rate near a threshold does not flap; 1 <= k <= min(n,
+    Homes. An adapter needs need(a) = max(rate(a) * hold, in_flight(a)) / (home_utilisation
+    * slots) homes (its requests in flight, by Little's law or as the replicas count them in
+    `adapter_queue`, over the share of a home's batch slots, slots being the mean
+    max_concurrency, one adapter should fill; hold = how long a request holds a slot,
+    max_concurrency / drain, request_time_s until a drain is measured: in the router
+    bench's hot workload on two cores a saturated replica finished 25-35 requests a second
+    in 16 slots, 0.46-0.65 s a slot, where request_time_s, measured on an idle engine, said
+    0.048 s; the rate then asked for a tenth of the homes the adapter needed, and only the
+    requests queued on its homes gave more, until they drained and took them away again:
+    at 0.85-1.15 x the bench's basis the hot adapter's homes changed 3 times a run, held
+    fewer than 3 for 13-22% of its requests, and with this none or once). Its count k(a)
+    grows to ceil(need) as soon as need exceeds it, and drops by one only once need <= (k -
+    1) * (1 - home_hysteresis), so a rate near a threshold does not flap; 1 <= k <= min(n,
     max_homes_per_adapter): a cold adapter keeps one home. While k >= 2 the adapter's homes
     are a list kept across requests: replicas holding it first, then uncrowded replicas
     within the bound along its walk; shrinking drops the newest. A new home's load cost is
@@ -457,9 +464,12 @@ class AffinityPolicy:
         return self._rates.rate(adapter, self.clock())
 
     def homes_needed(self, adapter: str, slots: float = 1.0) -> float:
-        """need(adapter) for replicas of `slots` batch slots each."""
+        """need(adapter) by its rate, for replicas of `slots` batch slots each."""
         c = self.config
-        return self.rate(adapter) * c.request_time_s / (c.home_utilisation * slots)
+        with self._lock:
+            drain = self._pooled([d.rate_per_s for d in self._drains.values()], math.nan)
+        hold_s = c.request_time_s if math.isnan(drain) else slots / drain
+        return self.rate(adapter) * hold_s / (c.home_utilisation * slots)
 
     def homes(self, adapter: str) -> tuple[str, ...]:
         """The adapter's recorded homes (empty: it never needed two)."""
@@ -525,7 +535,8 @@ class AffinityPolicy:
                     r.replica_id
                     for r in sorted(replicas, key=lambda r: self._base_key(r, wait, saved))
                 ]
-            return self._choose(adapter, replicas, ids, wait, saved, estimates, placements)
+            hold_s = sum(r.max_concurrency / drain[r.replica_id] for r in replicas) / len(ids)
+            return self._choose(adapter, replicas, ids, wait, saved, estimates, placements, hold_s)
 
     def _choose(
         self,
@@ -536,6 +547,7 @@ class AffinityPolicy:
         saved: dict[str, float],
         estimates: dict[str, float] | None,
         placements: dict[str, Placement] | None,
+        hold_s: float,
     ) -> list[str]:
         c = self.config
         n = len(replicas)
@@ -570,7 +582,7 @@ class AffinityPolicy:
         slots = sum(r.max_concurrency for r in replicas) / n
         in_flight = sum(r.adapter_queue.get(adapter, 0) for r in replicas)
         homes = self._update_homes(
-            adapter, now, slots, in_flight, walk, position, warm, in_bound, crowded
+            adapter, now, hold_s, slots, in_flight, walk, position, warm, in_bound, crowded
         )
         spread = homes is not None and len(homes) > 1
 
@@ -683,6 +695,7 @@ class AffinityPolicy:
         self,
         adapter: str,
         now: float,
+        hold_s: float,
         slots: float,
         in_flight: int,
         walk: tuple[str, ...],
@@ -692,13 +705,13 @@ class AffinityPolicy:
         crowded: Callable[[str], bool],
     ) -> frozenset[str] | None:
         """The adapter's homes after this request (None: it has never needed two).
-        `in_flight`: its requests the replicas hold, as they published them."""
+        `hold_s`: how long a request holds a batch slot (hold in the class's doc); `in_flight`: its
+        requests the replicas hold, as they published them."""
         c = self.config
         recorded = self._homes.get(adapter)
         # Little's law on the estimated rate, or the requests in flight counted: a queue
-        # on its holders says it needs more homes even where request_time_s is off (a
-        # CPU's long steps), and it stays counted until they drain (the hysteresis below)
-        load = max(self._rates.rate(adapter, now) * c.request_time_s, in_flight)
+        # on its holders says it needs more homes before the rate estimate has caught up
+        load = max(self._rates.rate(adapter, now) * hold_s, in_flight)
         need = load / (c.home_utilisation * slots)
         k = len(recorded) if recorded else 1
         if need > k:

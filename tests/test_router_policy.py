@@ -868,6 +868,29 @@ def test_requests_queued_on_its_holders_give_an_adapter_more_homes():
     assert p.homes("a") == ()
 
 
+@pytest.mark.parametrize("drain_measured", [True, False])
+def test_an_adapter_gets_homes_by_what_a_saturated_replica_finishes(drain_measured):
+    """The router bench on a CPU: request_time_s (measured on an idle engine) 0.05 s, 16
+    slots, and a saturated replica finishes 20 requests a second, so a request holds a slot
+    0.8 s. An adapter asking 25 a second needs 25 * 0.8 / (0.5 * 16) = 2.5 homes whatever
+    is queued at the moment; by request_time_s it needed 0.16, and only a queue on its home
+    gave it more. Until a drain is measured, request_time_s is all there is."""
+    clock = FakeClock()
+    p = policy(clock, request_time_s=0.05, rate_window_s=4.0, load_cost_s=1.0)
+    ids = [f"r{i}" for i in range(4)]
+    full = [replace(replica(rid, queue=16, slots=16), held=16) for rid in ids]
+    if drain_measured:
+        p.choose("other", full)
+        clock.advance(1.0)
+        p.choose("other", [replace(r, requests_finished=20) for r in full])
+    quiet = [replace(replica(rid, slots=16), requests_finished=20) for rid in ids]
+    for _ in range(250):  # 10 s at 25 a second, nothing queued when each is routed
+        clock.advance(0.04)
+        p.observe("a", p.choose("a", quiet)[0])
+    assert len(p.homes("a")) == (3 if drain_measured else 0)
+    assert p.homes_needed("a", slots=16) == pytest.approx(2.5 if drain_measured else 0.16, rel=0.2)
+
+
 def drained(replica_stats: ReplicaStats, finished: int) -> ReplicaStats:
     """The stats as published: `finished` requests done, the queue it held then."""
     return replace(replica_stats, requests_finished=finished, held=replica_stats.queue_len)

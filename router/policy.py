@@ -67,7 +67,11 @@ class AffinityConfig:
         "charged while a load is in flight.",
     )
     request_time_s: float = Field(
-        2.0, gt=0, le=3600, description="Mean time a request holds a batch slot, seconds."
+        2.0,
+        gt=0,
+        le=3600,
+        description="Mean time a request holds a batch slot, seconds, until the replicas "
+        "have measured it: a saturated replica's slots over the requests it finishes a second.",
     )
     busy_cost_s: float = Field(
         0.0,
@@ -94,7 +98,7 @@ class AffinityConfig:
         le=1,
         description="Share of a replica's batch slots one adapter should fill: an adapter "
         "gets as many homes as its request rate needs at this share (Little's law with "
-        "request_time_s).",
+        "the time a request holds a slot).",
     )
     home_hysteresis: float = Field(
         0.25,

@@ -81,8 +81,8 @@ HEADLINES = [
     Headline("router", "workloads.shift.goodput_ratio_vs_best_ray_router", ">= 1.2", "the better of power of two and multiplexing (median)"),
     Headline("router", "workloads.zipf.reads_ratio_vs_multiplex", "<= 0.7", "Ray Serve multiplexing's store reads"),
     Headline("router", "workloads.failover.recovery_s.affinity", "<= 30", "a replica killed a third into the run"),
-    Headline("router", "fairness.b_p99_ttft_ratio", "<= 1.5", "tenant B's p99 TTFT alone; three runs of 2026-12-05: 2.97, 2.85, 4.02; 2026-12-04: 2.25"),
-    Headline("router", "fairness.b_p99_ttft_ratio_haproxy", "<= 1.5", "tenant B's p99 TTFT alone, both behind HAProxy (http.ingress_proxy: haproxy); three runs of 2026-12-05: 1.37, 1.71, 1.85; 2026-12-04: 1.44 (see router below)"),
+    Headline("router", "fairness.b_p99_ttft_ratio", "<= 1.5", "tenant B's p99 TTFT alone; 2026-12-06: 2.92, 2.50; three runs of 2026-12-05: 2.97, 2.85, 4.02"),
+    Headline("router", "fairness.b_p99_ttft_ratio_haproxy", "<= 1.5", "tenant B's p99 TTFT alone, both behind HAProxy (http.ingress_proxy: haproxy); 2026-12-06: 2.18, 2.46; three runs of 2026-12-05: 1.37, 1.71, 1.85 (see router below)"),
     # fleet (issue 22): the simulator at 16 x H100 / 7B; medians over seeds
     Headline("fleet", "fleet.workloads.zipf.goodput_ratio_vs_best_ray_router", ">= 1.5", "Ray Serve's routers, modelled from source"),
     Headline("fleet", "fleet.workloads.shift.goodput_ratio_vs_best_ray_router", ">= 1.5", "Ray Serve's routers, modelled from source"),
@@ -314,17 +314,27 @@ Serve's proxy actor (the default), then on a second Ray behind HAProxy
 before 2026-12-04 21:00 started the client's clock before its garbage collection (~0.25 s
 in the driver), which every request due during it counted as TTFT: the first 4-6 requests
 of every run, which made the p99 of the routers that read nothing (0.15-0.27 s where the
-replicas took ~0.01-0.06). The published run is the tree of 2026-12-06 (18:49-19:43, the
-machine alone: load 1.4 before, 1.1 after, 4-7 during, three apps of three replicas on two
-cores), the first on the grid with 0.85 and 1.15 × the basis (77.1 req/s, multiplexing's
-LoRA capacity; affinity's 70.3, power of two's 66.6). Zipf read 1.03 [1.01, 1.17] (its
+replicas took ~0.01-0.06). The published run is the tree of 2026-12-07 (04:17-05:08, the
+machine alone: load 0.5 before, 0.8 after, 3.5-7.2 during, three apps of three replicas on
+two cores), the first whose affinity router gives an adapter its homes by Little's law on
+the time a request holds a slot on a saturated replica (below), on a basis of 71.9 req/s
+(multiplexing's LoRA capacity; affinity's 68.3, power of two's 60.6). Zipf read 1.00 [0.72,
+1.22] (its repetitions 0.72, 1.00, 1.22; in the first, affinity's p99 read 0.65 s at 0.7
+× and 1.19 s at 0.85 ×, where 24 of its requests went to replicas that read the adapter,
+spills past a store read's imbalance as below), hot 1.17 [1.00, 1.42] (1.00, 1.42,
+1.17; affinity's p99 at 0.85 × 0.14, 0.81 and 0.19 s against multiplexing's 0.43, 2.01 and
+0.40), shift 1.10 [1.02, 1.21] (1.02, 1.21, 1.10), failover 1.00. Hot's and shift's
+intervals hold at or above 1 for the first time in a published run; zipf's does not, and
+its median is level. The run before (2026-12-06 18:49-19:43, the machine alone: load 1.4
+before, 1.1 after, 4-7 during), the first on the grid with 0.85 and 1.15 × the basis (77.1
+req/s, multiplexing's LoRA capacity; affinity's 70.3, power of two's 66.6), read zipf 1.03 [1.01, 1.17] (its
 repetitions 1.01, 1.17, 1.03), shift 1.03 [0.99, 1.09] (1.09, 1.03, 0.99), hot 0.98 [0.81,
 1.09] (1.09, 0.81, 0.98; hot's better Ray router is power of two, which spreads the hot
 adapter, where multiplexing's p99 passed 1.4 s at 0.85 × in every repetition), failover
 1.00 (every router held the SLO at its one rate). On zipf and shift affinity's goodput is
 level with the better Ray router's, within a few percent, in every repetition; hot's
 second repetition gave 0.81 because affinity's p99 at 0.7 × read 1.00 s, then 0.95 at
-0.85 ×, where power of two's read 0.38. The run before (09:44-10:28, load 0.0 before, 1.5
+0.85 ×, where power of two's read 0.38. The run of 09:44-10:28 (load 0.0 before, 1.5
 after, on the grid of 0.35, 0.7, 1.0 and 1.3 × the basis) read zipf 1.03 [0.54, 1.04]
 (its first repetition 0.54: affinity's runs at 0.7 and 1.0 × read 16 and 20 adapters from
 the store, requests sent where the adapter was no longer held, each ~0.12 s on top of the
@@ -335,6 +345,27 @@ and torch's rms_norm (which every router's replicas run), read zipf 1.03 [0.72, 
 1.08 [1.05, 1.64], shift 1.20 [1.09, 1.26]. Across the three runs affinity is level with
 the better Ray router on zipf and shift, the workloads it reads on, and no interval of
 hot's holds above 1 in all of them: the routers serve the same capacity here (below).
+
+Why hot's second repetition read 0.81 on 2026-12-06: the hot adapter (half the requests)
+kept its homes only while requests queued on them. Its homes were Little's law on its rate
+with `request_time_s`, the time a request holds a batch slot measured on an idle engine
+(48 ms), or the requests its holders report, whichever needs more; on two cores a saturated
+replica finished 25-35 requests a second in its 16 slots, 0.46-0.65 s a slot, so the rate
+asked for a tenth of the homes the adapter needed, and the homes its queue gave drained it
+and were withdrawn. The router now takes the hold from the replicas' measured drain (a
+saturated replica's slots over the requests it finished a second while full; the idle
+`request_time_s` until one has been seen, router/policy.py). Measured on real Ray
+(2026-12-07 03:59-04:06, the hot workload alone through one affinity app of the quick
+shape, 0.7, 0.85, 1.0 and 1.15 × 77.1 req/s, three runs of each rule alternating, the
+machine alone, load 0.7-6.2): once the first saturated stats had arrived (26-29 s into a
+run, at 0.85 ×), the old rule changed the adapter's homes 3 times a run and routed 12-22%
+of its requests with fewer than three; the new one changed them 0, 1 and 0 times (0-4%).
+Affinity's p99 at 1.15 × read 1.27, 1.40 and 0.78 s under the old rule against 0.82, 0.77
+and 0.26 under the new one; at 1.0 × 0.95, 0.57 and 0.60 against 0.73, 1.03 and 0.56 (the
+SLO 0.74 s); below 0.85 × no drain is measured and the rule is the old one. In the
+simulator the rule moves nothing that matters: the replay of the run of 2026-12-06 under
+both rules in one process moved affinity's p99s by at most 0.05 s on zipf, hot and shift,
+and the fleet section (H100 / 7B) gave every figure of its published run to the digit.
 
 Where affinity's reads come from (2026-12-06 12:54-13:06 and 13:07-13:18, zipf alone,
 affinity against multiplexing, the quick shape, three repetitions each, the machine alone:
@@ -436,10 +467,11 @@ the tail, but does not hold the bound run after run: in three runs alternating w
 proxy (12:00-12:11, the machine alone, load 0.4-2.4) B's p99 ratio behind HAProxy was 1.37,
 1.71 and 1.85 (pooled over 255 of B's requests 1.79, median 1.38) against 2.97, 2.85 and
 4.02 behind Serve's proxy (pooled 3.86, median 1.68). The run of 2026-12-04 read 1.44 behind
-HAProxy and 2.25 behind Serve's proxy; the published one (2026-12-06 19:36, the bench's own
-fairness section) 2.18 [2.06, 2.40] behind HAProxy and 2.92 [2.27, 3.51] behind Serve's
-proxy, medians 1.24 and 1.60 (the run of 10:20: 2.46 [1.56, 3.08] and 2.50 [1.91, 3.65],
-medians 1.44 and 1.86). Giving the
+HAProxy and 2.25 behind Serve's proxy; that of 2026-12-06 19:36 (the bench's own fairness
+section) 2.18 [2.06, 2.40] behind HAProxy and 2.92 [2.27, 3.51] behind Serve's proxy,
+medians 1.24 and 1.60 (the run of 10:20: 2.46 [1.56, 3.08] and 2.50 [1.91, 3.65], medians
+1.44 and 1.86); the published one (2026-12-07 05:02) 1.62 [1.41, 1.81] and 3.09 [1.99,
+3.38], medians 1.16 and 1.40. Giving the
 engine a core of its own makes B's tail worse, not better (the
 engine's thread pinned to core 0 and every other thread of the run's processes to core 1;
 2026-12-05 21:37-21:46, three runs each, alternating, load 1.7-3.2): B's p99 ratio behind

@@ -369,7 +369,7 @@ class AffinityPolicy:
     0.048 s; the rate then asked for a tenth of the homes the adapter needed, and only the
     requests queued on its homes gave more, until they drained and took them away again:
     at 0.85-1.15 x the bench's basis the hot adapter's homes changed 3 times a run, held
-    fewer than 3 for 13-22% of its requests, and with this none or once). Its count k(a)
+    fewer than 3 for 12-22% of its requests, and with this none or once). Its count k(a)
     grows to ceil(need) as soon as need exceeds it, and drops by one only once need <= (k -
     1) * (1 - home_hysteresis), so a rate near a threshold does not flap; 1 <= k <= min(n,
     max_homes_per_adapter): a cold adapter keeps one home. While k >= 2 the adapter's homes

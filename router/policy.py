@@ -24,7 +24,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -471,8 +471,7 @@ class AffinityPolicy:
         """need(adapter) by its rate, for replicas of `slots` batch slots each."""
         c = self.config
         with self._lock:
-            drain = self._pooled([d.rate_per_s for d in self._drains.values()], math.nan)
-        hold_s = c.request_time_s if math.isnan(drain) else slots / drain
+            hold_s = self._hold_s(self._drains.values(), slots)
         return self.rate(adapter) * hold_s / (c.home_utilisation * slots)
 
     def homes(self, adapter: str) -> tuple[str, ...]:
@@ -539,8 +538,7 @@ class AffinityPolicy:
                     r.replica_id
                     for r in sorted(replicas, key=lambda r: self._base_key(r, wait, saved))
                 ]
-            hold_s = sum(r.max_concurrency / drain[r.replica_id] for r in replicas) / len(ids)
-            return self._choose(adapter, replicas, ids, wait, saved, estimates, placements, hold_s)
+            return self._choose(adapter, replicas, ids, wait, saved, estimates, placements)
 
     def _choose(
         self,
@@ -551,7 +549,6 @@ class AffinityPolicy:
         saved: dict[str, float],
         estimates: dict[str, float] | None,
         placements: dict[str, Placement] | None,
-        hold_s: float,
     ) -> list[str]:
         c = self.config
         n = len(replicas)
@@ -585,6 +582,7 @@ class AffinityPolicy:
 
         slots = sum(r.max_concurrency for r in replicas) / n
         in_flight = sum(r.adapter_queue.get(adapter, 0) for r in replicas)
+        hold_s = self._hold_s((self._drains[r.replica_id] for r in replicas), slots)
         homes = self._update_homes(
             adapter, now, hold_s, slots, in_flight, walk, position, warm, in_bound, crowded
         )
@@ -709,8 +707,8 @@ class AffinityPolicy:
         crowded: Callable[[str], bool],
     ) -> frozenset[str] | None:
         """The adapter's homes after this request (None: it has never needed two).
-        `hold_s`: how long a request holds a batch slot (hold in the class's doc); `in_flight`: its
-        requests the replicas hold, as they published them."""
+        `hold_s`: how long a request holds a batch slot (`_hold_s`); `in_flight`: its requests
+        the replicas hold, as they published them."""
         c = self.config
         recorded = self._homes.get(adapter)
         # Little's law on the estimated rate, or the requests in flight counted: a queue
@@ -844,6 +842,12 @@ class AffinityPolicy:
             backlog = max(0.0, backlog - (at - t)) + tokens * per_token
             t = at
         return max(0.0, backlog - (now - t))
+
+    def _hold_s(self, drains: Iterable[_Drain], slots: float) -> float:
+        """hold: how long a request holds one of `slots` batch slots, by the requests a
+        saturated replica finishes a second (`drains`, pooled), or request_time_s."""
+        drain = self._pooled([d.rate_per_s for d in drains], math.nan)
+        return self.config.request_time_s if math.isnan(drain) else slots / drain
 
     def _pooled(self, published: Sequence[float | None], configured: float) -> float:
         """The mean of the replicas' measured costs, or the configured cost."""

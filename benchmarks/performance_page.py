@@ -324,8 +324,8 @@ the time a request holds a slot on a saturated replica (below), on a basis of 71
 spills past a store read's imbalance as below), hot 1.17 [1.00, 1.42] (1.00, 1.42,
 1.17; affinity's p99 at 0.85 × 0.14, 0.81 and 0.19 s against multiplexing's 0.43, 2.01 and
 0.40), shift 1.10 [1.02, 1.21] (1.02, 1.21, 1.10), failover 1.00. Hot's and shift's
-intervals hold at or above 1 for the first time in a published run; zipf's does not, and
-its median is level. The run before (2026-12-06 18:49-19:43, the machine alone: load 1.4
+intervals hold at or above 1, as in the run of 2026-12-04 22:30 and in neither of
+2026-12-06's; zipf's does not, and its median is level. The run before (2026-12-06 18:49-19:43, the machine alone: load 1.4
 before, 1.1 after, 4-7 during), the first on the grid with 0.85 and 1.15 × the basis (77.1
 req/s, multiplexing's LoRA capacity; affinity's 70.3, power of two's 66.6), read zipf 1.03 [1.01, 1.17] (its
 repetitions 1.01, 1.17, 1.03), shift 1.03 [0.99, 1.09] (1.09, 1.03, 0.99), hot 0.98 [0.81,

@@ -367,6 +367,26 @@ simulator the rule moves nothing that matters: the replay of the run of 2026-12-
 both rules in one process moved affinity's p99s by at most 0.05 s on zipf, hot and shift,
 and the fleet section (H100 / 7B) gave every figure of its published run to the digit.
 
+Tried after it and not kept (2026-12-07 06:37-06:59): the hold by Little's law at any load
+(each replica's slots held, its queue up to its slots, over the requests it finished, both
+halved every 32 finished), not only once a replica is seen saturated. Zipf's hottest home
+at 0.85 x had held 25-33 requests in 16 slots priced at 0.07-0.1 s (no replica yet seen
+saturated in two stats running, so the idle 47 ms hold), and they waited 0.53-0.59 s.
+Zipf alone through one affinity app, the quick shape at 0.7, 0.85, 1.0 and 1.15 x 71.9
+req/s, two arrival draws, each rule three times a draw, alternating (old, new, new, old,
+old, new), the machine alone (load 0.9-5.2): affinity's p99 at 1.0 x read 1.55, 0.78,
+0.73, 0.51, 0.46 and 0.67 s under the old rule against 0.95, 0.86, 1.29, 0.78, 0.39 and
+0.62 under the new (the SLO 0.75 s: held in 4 runs against 2), at 1.15 x 1.84, 1.21, 1.36,
+0.71, 0.62 and 1.15 against 1.04, 0.93, 1.35, 1.72, 1.11 and 1.79; store reads at 1.0 x
+3-16 against 3-20. Its estimates were nearer what requests got (a warm home's queued
+requests, queue at or past its slots: got / estimated 1.52 at 0.85 x and 1.36 at 1.0 x
+against 2.45 and 1.56), and the tail did not follow. What neither rule's wait holds is
+the step a request with a free slot waits on: such requests got a first token in 36-81 ms
+(medians by rate) where the estimate said 7-17 (busy_cost_s, measured per decode row,
+0.1 ms), the same on every replica, so it moves no ranking; the slowest requests at 1.0
+and 1.15 x were on replicas all at or past their slots (19-35 held in 16), where no
+placement is fast: the capacity that bounds every router here.
+
 Where affinity's reads come from (2026-12-06 12:54-13:06 and 13:07-13:18, zipf alone,
 affinity against multiplexing, the quick shape, three repetitions each, the machine alone:
 load 0.1-1.0 before, 4-8 during). The router now counts each request by the affinity it

@@ -6,7 +6,12 @@ decode GEMMs (its 30 layers and LM head, batch 16) took 67 ms a step that way an
 through oneDNN with the weights reordered (batch 32: 98 against 54 ms; bf16, where
 `F.linear` already calls oneDNN but reorders the weight at every call: 33 against 18 ms).
 vLLM's CPU backend does the same at load (`dispatch_cpu_unquantized_gemm` in
-vllm/model_executor/layers/utils.py). Observed, not promised: on SmolLM2's gate/up shape a
+vllm/model_executor/layers/utils.py). On a 2-core Intel Xeon (AVX-512; 2026-12-07, every
+GEMM of SmolLM2's shapes once, 2 threads, two microbenchmarks) the reordered weights win at
+4-8 rows (34-36 against 44-46 ms at 4, 42-44 against 54-57 at 8), about tie at 16-32
+(47-57 against 54-58 at 16), and lose at 1-3 rows (33-36 against 23-31 ms: there MKL reads
+the weights at ~23 GB/s, what a sum over them reads); no other reorder hint (1, 4 or 64
+rows) did better at 1-3 rows. Observed, not promised: on SmolLM2's gate/up shape a
 row came out bit-identical at every batch size tried (1-300) through the reordered weight,
 and not through MKL's fp32 GEMM.
 

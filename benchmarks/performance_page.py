@@ -514,15 +514,16 @@ chunks fell from 154-159 to 54-56 a second and the proxy and ingress from 0.47-0
 the protected app alone on the machine, load 0.1-3.3). The cores the relay gave back went
 to the engine, which finished 253-267 of A's streams a run against 175-216, each followed
 by a new request of A's: the relay's chunks are not what holds B's tail, so a per-tenant
-chunk budget is not built. Since the published run, the replica and the ingress freeze their start-up objects
-out of the cyclic garbage collector's way once started (`loraplex/startup_gc.py`; vLLM's
-and SGLang's servers do the same): in the fairness section alone (the protected app, quick
-shape, behind Serve's proxy then HAProxy; three runs of each tree alternating, 2026-12-07
-07:20-07:39, the machine alone, load 0.6-1.5) B's p99 under the flood read 89.6, 96.7 and
-92.7 ms through Serve's proxy against 109.5, 108.8 and 93.7 without (ratios 2.60, 2.70 and
-2.57 against 3.00, 3.35 and 2.79), and 49.5, 47.3 and 46.5 behind HAProxy against 48.1,
-52.5 and 50.5 (ratios 1.85, 1.92 and 1.78 against 1.77, 1.80 and 2.14, its quiet p99
-moving as much). The figures above are the tree before it.""",
+chunk budget is not built. Freezing the replica's and the ingress's start-up objects out of the cyclic garbage
+collector's way once started (`gc.freeze`, as vLLM's and SGLang's servers do) was tried
+on 2026-12-07 and not kept: in the fairness section alone (the protected app, quick
+shape, behind Serve's proxy then HAProxy; six runs of each tree in two sets of three,
+alternating, 07:20-07:39 and 08:09-08:28, the machine alone, load 0.1-1.7) B's p99 under
+the flood through Serve's proxy read 89.6, 96.7, 92.7, 119.4, 113.4 and 115.2 ms with it
+against 109.5, 108.8, 93.7, 120.1, 102.8 and 105.4 without (medians 105 and 107; B's p99
+ratio 2.57-3.17 against 2.66-3.41), behind HAProxy 45.3-71.7 ms against 47.4-60.9
+(medians 47 and 51.5): the first set's gain did not come back in the second, and the
+collector's pauses are not what holds B's tail.""",
     "fleet": """\
 `loraplex bench fleet` (`benchmarks/fleet/bench.py`): the same comparison at fleet scale in the
 simulator — 16 × H100 serving a 7B model, 2,000–10,000 adapters — whose replicas are the real

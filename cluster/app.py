@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any
 from ray import serve
 
 from loraplex.cluster.config import LoraplexConfig
-from loraplex.startup_gc import freeze_startup_objects
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -68,7 +67,7 @@ class Ingress:
             artifacts=await asyncio.to_thread(ArtifactStore, config.artifact_root),
             settings=await asyncio.to_thread(config.registry_api_settings, self.admin_key),
         )
-        app = build_ingress(
+        return build_ingress(
             ServeBackend(self.replicas, first_chunk_timeout_s=config.router.first_chunk_timeout_s),
             await asyncio.to_thread(Tokenizer, config.require_model()),
             base_model_id=config.base_model_id,
@@ -80,8 +79,6 @@ class Ingress:
             metrics_key=self.metrics_key,
             ledger=RayLedger(config.limits.tenant_ledger_sync_s),
         )
-        freeze_startup_objects()  # this replica's imports and app: out of the collector's way
-        return app
 
 
 def app_parts() -> tuple[type, ...]:

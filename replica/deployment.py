@@ -52,7 +52,6 @@ from loraplex.replica.protocol import (
     token_utilisation,
 )
 from loraplex.replica.routing_report import published_tiers, routing_stats
-from loraplex.startup_gc import freeze_startup_objects
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +92,6 @@ class ReplicaDeployment:
         self.engine = await asyncio.to_thread(Engine, cfg)  # reads the checkpoint
         # before the first request: what counts as a quick re-read (adapter_cache.py)
         self.engine.core.adapters.reread_window_s = demand_window_s
-        freeze_startup_objects()  # the imports and the model: out of the collector's way
         if etcd is None:
             return
         try:

@@ -83,7 +83,6 @@ from loraplex.registry.store import RegistryStore
 from loraplex.replica.deployment import deployment
 from loraplex.router.limits import IngressLimits
 from loraplex.router.settings import RouterSettings
-from loraplex.startup_gc import freeze_startup_objects
 
 TENANTS = ("a", "b")
 ADMIN_KEY = "fairness-bench-admin-key"
@@ -155,7 +154,7 @@ class FairnessIngress:
         registry = RegistryHandles(
             RegistryStore(etcd), RegistryWatcher(etcd), ArtifactStore(self.artifact_root), settings
         )
-        app = build_ingress(
+        return build_ingress(
             ServeBackend(self.replicas, first_chunk_timeout_s=60.0),
             await asyncio.to_thread(Tokenizer, Path(self.model_dir)),
             base_model_id="bench",
@@ -163,8 +162,6 @@ class FairnessIngress:
             registry=registry,
             limits=IngressLimits(**self.limits),
         )
-        freeze_startup_objects()  # as cluster/app.py's ingress does
-        return app
 
 
 # -- the run --------------------------------------------------------------------------------

@@ -514,8 +514,8 @@ chunks fell from 154-159 to 54-56 a second and the proxy and ingress from 0.47-0
 the protected app alone on the machine, load 0.1-3.3). The cores the relay gave back went
 to the engine, which finished 253-267 of A's streams a run against 175-216, each followed
 by a new request of A's: the relay's chunks are not what holds B's tail, so a per-tenant
-chunk budget is not built. Freezing the replica's and the ingress's start-up objects out of the cyclic garbage
-collector's way once started (`gc.freeze`, as vLLM's and SGLang's servers do) was tried
+chunk budget is not built. Freezing the replica's and the ingress's start-up objects out
+of the cyclic garbage collector's way once started (`gc.freeze`, as vLLM's and SGLang's servers do) was tried
 on 2026-12-07 and not kept: in the fairness section alone (the protected app, quick
 shape, behind Serve's proxy then HAProxy; six runs of each tree in two sets of three,
 alternating, 07:20-07:39 and 08:09-08:28, the machine alone, load 0.1-1.7) B's p99 under

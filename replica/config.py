@@ -24,7 +24,7 @@ MAX_MODEL_LEN_CAP = 8192
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
 KvCacheDtype = Literal["auto", "bfloat16"]
-Kernels = Literal["auto", "torch", "triton"]
+Kernels = Literal["auto", "torch", "native", "triton"]
 DenseGemm = Literal["auto", "onednn", "torch"]  # kernels/dense.py
 SchedulerPolicy = Literal["fifo", "sjf", "chameleon"]
 Eviction = Literal["chameleon", "lru", "gdsf", "equal"]
@@ -276,8 +276,10 @@ class EngineConfig:
     )
     kernels: Kernels = Field(
         "auto",
-        description="LoRA and attention kernels: auto (Triton on CUDA, torch references "
-        "elsewhere; $LORAPLEX_KERNELS overrides), torch or triton.",
+        description="LoRA and attention kernels: auto (Triton on CUDA; on a CPU, LoRA's "
+        "decode steps as compiled loops built on first use with the C compiler at hand, "
+        "torch ops where none is; $LORAPLEX_KERNELS overrides), torch (torch ops only), "
+        "native (the compiled loops; an error where they cannot be built) or triton.",
     )
     dense_gemm: DenseGemm = Field(
         "auto",

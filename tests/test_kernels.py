@@ -14,6 +14,7 @@ import pytest
 import torch
 from kernel_cases import group_shape, scattered_adapters, segments_of, table_builder
 
+from loraplex.kernels import lora_native
 from loraplex.kernels.attention import attention_mask, paged_attention
 from loraplex.kernels.backend import resolve_kernels
 from loraplex.kernels.lora import lora_sgmv
@@ -272,7 +273,9 @@ def test_launchers_reject_bad_inputs():
 
 def test_backend_selection():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert resolve_kernels("auto", cpu, {}) == "torch"
+    on_cpu = "native" if lora_native.library() else "torch"  # tests/test_lora_native.py
+    assert resolve_kernels("auto", cpu, {}) == on_cpu
+    assert resolve_kernels("auto", cpu, {"LORAPLEX_KERNELS": "torch"}) == "torch"
     assert resolve_kernels("auto", cuda, {}) == "triton"
     assert resolve_kernels("auto", cuda, {"LORAPLEX_KERNELS": "torch"}) == "torch"
     assert resolve_kernels("auto", cpu, {"LORAPLEX_KERNELS": "triton"}) == "triton"

@@ -55,6 +55,7 @@ _STEP_FIELDS = (
     "arena", "seg", "n_seg", "max_r", "ranks", "a_rows", "t_rank", "t_hoff", "b_rows", "cols",
     "layers", "groups", "targets", "a_cap", "r_cap", "max_w",
 )  # fmt: skip
+_SEG, _N_SEG = _STEP_FIELDS.index("seg"), _STEP_FIELDS.index("n_seg")
 _why_not: list[str] = []
 
 
@@ -139,14 +140,23 @@ def _load(path: Path) -> ctypes.CDLL:
     return lib
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class NativeStep:
     """One step's tables as the library reads them; `keep` holds the tensors they point
-    into alive for the step."""
+    into alive while it is used (`set_segments` moves it on to a step of the same
+    adapters)."""
 
     desc: torch.Tensor  # int64 [len(_STEP_FIELDS)]
     max_r: int
     keep: tuple[torch.Tensor, ...]
+    seg: torch.Tensor  # int64 [n_seg, 3]: start, end, slot
+
+
+def set_segments(step: NativeStep, segments: list[tuple[int, int, int]]) -> None:
+    """The step's segments replaced: (start, end, slot) each, slots those of its tables."""
+    step.seg = torch.tensor(segments, dtype=torch.int64).view(-1, 3)
+    step.desc[_SEG] = step.seg.data_ptr()
+    step.desc[_N_SEG] = step.seg.shape[0]
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,8 +185,8 @@ def native_step(meta: LoraStepMeta, arena: torch.Tensor) -> NativeStep:
     for name in ("ranks", "a_rows", "t_rank", "t_hoff", "b_rows"):
         assert getattr(t, name).is_contiguous(), f"{name} must be contiguous"
     desc = torch.tensor([values[f] for f in _STEP_FIELDS], dtype=torch.int64)
-    keep = (seg, t.ranks, t.a_rows, t.t_rank, t.t_hoff, t.b_rows, meta.cols, arena)
-    return NativeStep(desc, max(meta.max_r, 1), keep)
+    keep = (t.ranks, t.a_rows, t.t_rank, t.t_hoff, t.b_rows, meta.cols, arena)
+    return NativeStep(desc, max(meta.max_r, 1), keep, seg)
 
 
 def shrink(lib: ctypes.CDLL, x: torch.Tensor, args: NativeArgs) -> torch.Tensor:

@@ -141,17 +141,23 @@ def test_every_layer_and_group_reads_its_own_tables(lib):
     arena, layout, residents = _model_like(3)
     runs = [(0, 2, residents[0]), (3, 4, residents[1]), (4, 7, residents[2]), (7, 8, residents[0])]
     native, torch_ops = NativeBackend(layout, arena), TorchBackend(layout, arena)
-    args_n, args_t = native.prepare(runs, 9, decode=True), torch_ops.prepare(runs, 9, True)
-    assert isinstance(args_n[0][0], lora_native.NativeArgs)
     g = torch.Generator().manual_seed(4)
-    for layer in range(3):
-        for group, (fan_in, width) in enumerate(((48, 80), (80, 48))):
-            x = torch.randn(9, fan_in, generator=g)
-            y = torch.randn(9, width, generator=g)
-            want = y.clone()
-            torch_ops.expand(want, torch_ops.shrink(x, args_t[layer][group]), args_t[layer][group])
-            native.expand(y, native.shrink(x, args_n[layer][group]), args_n[layer][group])
-            torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    # the second step repeats the set of adapters (kept tables, new segments), the third
+    # drops one
+    moved = [(0, 1, residents[0]), (1, 4, residents[1]), (4, 5, residents[2])]
+    for step_runs, tokens in ((runs, 9), (moved, 6), (runs[1:3], 7)):
+        args_n = native.prepare(step_runs, tokens, decode=True)
+        args_t = torch_ops.prepare(step_runs, tokens, True)
+        assert isinstance(args_n[0][0], lora_native.NativeArgs)
+        for layer in range(3):
+            for group, (fan_in, width) in enumerate(((48, 80), (80, 48))):
+                x = torch.randn(tokens, fan_in, generator=g)
+                y = torch.randn(tokens, width, generator=g)
+                want = y.clone()
+                at = args_t[layer][group]
+                torch_ops.expand(want, torch_ops.shrink(x, at), at)
+                native.expand(y, native.shrink(x, args_n[layer][group]), args_n[layer][group])
+                torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
 
 
 def test_long_segments_take_the_torch_ops(lib):

@@ -131,8 +131,11 @@ class NativeBackend(TorchBackend):
         self._key, self._step = key, step
         self._residents = [r for _, _, r in runs]
         self._args = [
-            [lora_native.NativeArgs(step, layer, g) for g in range(self.num_groups)]
-            for layer in range(self.num_layers)
+            [
+                lora_native.NativeArgs(step, layer, g) if width else None
+                for g, width in enumerate(widths)
+            ]
+            for layer, widths in enumerate(step.widths)
         ]
         return self._args
 

@@ -147,7 +147,10 @@ class NativeStep:
     adapters)."""
 
     desc: torch.Tensor  # int64 [len(_STEP_FIELDS)]
-    max_r: int
+    # h's width for each layer and group: its largest R over the step's adapters (0: none
+    # has the group, which then has no arguments). Under tensor parallelism h is all-reduced: a width of the step's largest R for
+    # every group sent 3x the bytes the torch ops send (tp.lora_comm_ratio 0.11 against 0.04)
+    widths: list[list[int]]
     keep: tuple[torch.Tensor, ...]
     seg: torch.Tensor  # int64 [n_seg, 3]: start, end, slot
 
@@ -186,14 +189,16 @@ def native_step(meta: LoraStepMeta, arena: torch.Tensor) -> NativeStep:
         assert getattr(t, name).is_contiguous(), f"{name} must be contiguous"
     desc = torch.tensor([values[f] for f in _STEP_FIELDS], dtype=torch.int64)
     keep = (t.ranks, t.a_rows, t.t_rank, t.t_hoff, t.b_rows, meta.cols, arena)
-    return NativeStep(desc, max(meta.max_r, 1), keep, seg)
+    return NativeStep(desc, t.ranks.amax(0).tolist(), keep, seg)
 
 
 def shrink(lib: ctypes.CDLL, x: torch.Tensor, args: NativeArgs) -> torch.Tensor:
-    """h [T, max_r] float32 (zeros beyond each adapter's rows and for base tokens)."""
+    """h [T, the group's largest R] float32 (zeros beyond each adapter's rows and for base
+    tokens)."""
     if x.stride(1) != 1 or x.dtype != torch.float32:
         x = x.contiguous().float()
-    h = torch.zeros(x.shape[0], args.step.max_r, dtype=torch.float32)
+    width = args.step.widths[args.layer][args.group]
+    h = torch.zeros(x.shape[0], width, dtype=torch.float32)
     lib.lora_shrink(
         args.step.desc.data_ptr(), args.layer, args.group,
         x.data_ptr(), x.stride(0), x.shape[1], h.data_ptr(), h.stride(0),

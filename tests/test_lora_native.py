@@ -143,9 +143,10 @@ def test_every_layer_and_group_reads_its_own_tables(lib):
     native, torch_ops = NativeBackend(layout, arena), TorchBackend(layout, arena)
     g = torch.Generator().manual_seed(4)
     # the second step repeats the set of adapters (kept tables, new segments), the third
-    # drops one
+    # drops one, the fourth holds one that lacks a group in a layer
     moved = [(0, 1, residents[0]), (1, 4, residents[1]), (4, 5, residents[2])]
-    for step_runs, tokens in ((runs, 9), (moved, 6), (runs[1:3], 7)):
+    steps = ((runs, 9), (moved, 6), (runs[1:3], 7), ([(1, 3, residents[1])], 4))
+    for step_runs, tokens in steps:
         args_n = native.prepare(step_runs, tokens, decode=True)
         args_t = torch_ops.prepare(step_runs, tokens, True)
         assert isinstance(args_n[0][0], lora_native.NativeArgs)
@@ -156,8 +157,13 @@ def test_every_layer_and_group_reads_its_own_tables(lib):
                 want = y.clone()
                 at = args_t[layer][group]
                 torch_ops.expand(want, torch_ops.shrink(x, at), at)
-                native.expand(y, native.shrink(x, args_n[layer][group]), args_n[layer][group])
+                hs = native.shrink(x, args_n[layer][group])
+                native.expand(y, hs, args_n[layer][group])
                 torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+                # h as wide as the group's largest R in the step (tensor parallelism sends
+                # it), none where no adapter of the step has the group
+                ranks = [w.rank for _, _, r in step_runs if (w := r.groups[layer][group])]
+                assert [h.shape[1] for h in hs] == ([max(ranks)] if ranks else [])
 
 
 def test_long_segments_take_the_torch_ops(lib):

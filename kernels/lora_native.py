@@ -8,9 +8,10 @@ model's 26 decode steps of more than 16 rows ran ~18,500 such ops a round, 0.24 
 1.33 s round). Here each layer and group is one call of a C loop that reads every
 adapter's rows where the pool keeps them (the tables the Triton kernels read,
 lora_tables.py) and splits the work over the calling thread's OpenMP team. Measured on
-2026-12-07 (2 cores, load 0.2-0.9, each its own process, tokens identical): the serving
-round of `bench engine` took 1.14 s against 1.32 on the synthetic model and 1.24-1.27
-against 1.34-1.37 on SmolLM2.
+2026-12-07 (2 cores, load 0.5-1.4, processes of each backend alternating, the same tokens):
+the serving round of `bench engine` took 1.05-1.16 s against 1.20-1.33 on the synthetic
+model and 1.24-1.32 against 1.32-1.38 on SmolLM2; `bench engine`'s speedups over PEFT went
+3.60 -> 4.42 (synthetic) and 2.85 -> 3.02 (SmolLM2), docs/performance.md.
 
 A prefill's long segments stay on torch: a loop of dot products per token computes what
 one BLAS product does several times slower, so steps with a segment longer than

@@ -11,6 +11,15 @@ from loraplex.kernels.lora import LoraGroupWeights, LoraOut, Segment
 from loraplex.kernels.lora_tables import LoraLayout, LoraTableBuilder
 from loraplex.replica.memory.pool import RowPacker, chunk_views
 
+# per adapter, per target rank (0: the adapter lacks the target); 1 to 128 in one batch
+TARGET_RANKS = {
+    3: [(128, 0, 64), (1, 1, 1), (8, 16, 0), (0, 32, 5)],
+    2: [(128, 64), (1, 0), (16, 16), (0, 7)],
+    1: [(128,), (1,), (16,), (33,)],
+}
+# (tokens, adapter index or None): one token a request, adapter 0 in two runs
+DECODE = [(1, a) for a in (None, 0, 0, 1, None, 2, 3, 3, 0)]
+
 # Llama-3-8B projections (in, target widths), scaled down 16x for the interpreter.
 SCALE = 16
 REAL_GROUPS = {
@@ -111,6 +120,16 @@ def layout_for(widths: tuple[int, ...], max_rank: int, max_tokens: int, max_lora
         cols.append((start, start + w))
         start += w
     return LoraLayout(1, (tuple(cols),), max_rank, max_loras, max_tokens)
+
+
+def runs_of(plan: list[tuple[int, int | None]], residents: list[Resident]):
+    """(start, end, resident or None) for each (tokens, adapter index or None) of `plan`,
+    and the number of tokens."""
+    runs, start = [], 0
+    for n, a in plan:
+        runs.append((start, start + n, None if a is None else residents[a]))
+        start += n
+    return runs, start
 
 
 def segments_of(runs: list[tuple[int, int, Resident | None]]) -> list[Segment]:

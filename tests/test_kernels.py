@@ -12,7 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from kernel_cases import group_shape, scattered_adapters, segments_of, table_builder
+from kernel_cases import (
+    DECODE,
+    TARGET_RANKS,
+    group_shape,
+    runs_of,
+    scattered_adapters,
+    segments_of,
+    table_builder,
+)
 
 from loraplex.kernels import lora_native
 from loraplex.kernels.attention import attention_mask, paged_attention
@@ -26,29 +34,14 @@ DEVICES = [
 ]
 TOL = {torch.float32: (1e-4, 1e-4), torch.float16: (2e-2, 1e-2)}
 
-# per adapter, per target rank (0: the adapter lacks the target); 1 to 128 in one batch
-RANKS = {
-    3: [(128, 0, 64), (1, 1, 1), (8, 16, 0), (0, 32, 5)],
-    2: [(128, 64), (1, 0), (16, 16), (0, 7)],
-    1: [(128,), (1,), (16,), (33,)],
-}
 # (segment length, adapter index or None); 16 and 17 straddle BLOCK_M, adapter 0 twice
 PREFILL = [(3, None), (17, 0), (1, 1), (16, 2), (2, None), (5, 3), (4, 0)]
-DECODE = [(1, a) for a in (None, 0, 0, 1, None, 2, 3, 3, 0)]
 
 
 @pytest.fixture(autouse=True)
 def _interpreter_on_cpu():
     """Without a GPU the kernels can only run interpreted; never pass by not running."""
     assert CUDA or os.environ.get("TRITON_INTERPRET") == "1", "CPU runs need TRITON_INTERPRET=1"
-
-
-def _runs(plan, residents):
-    runs, start = [], 0
-    for n, a in plan:
-        runs.append((start, start + n, None if a is None else residents[a]))
-        start += n
-    return runs, start
 
 
 def _lora_case(kind: str, tp: int, dtype: torch.dtype, decode: bool, device: str):
@@ -58,11 +51,11 @@ def _lora_case(kind: str, tp: int, dtype: torch.dtype, decode: bool, device: str
     from loraplex.kernels.triton_sgmv_shrink import sgmv_shrink
 
     fan_in, widths = group_shape(kind, tp)
-    ranks = RANKS[len(widths)]
+    ranks = TARGET_RANKS[len(widths)]
     # fp32 arena holding values rounded to `dtype`: the reference sees what the kernel sees
     arena32, residents = scattered_adapters(fan_in, widths, ranks, torch.float32)
     arena32.copy_(arena32.to(dtype).float())
-    runs, num_tokens = _runs(DECODE if decode else PREFILL, residents)
+    runs, num_tokens = runs_of(DECODE if decode else PREFILL, residents)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(num_tokens, fan_in, generator=g).to(dtype)
     y0 = torch.randn(num_tokens, sum(widths), generator=g).to(dtype)
@@ -309,7 +302,7 @@ def test_the_triton_backend_checks_a_steps_tables_once_not_per_layer(monkeypatch
     fan_in, widths = group_shape("qkv", 1)
     device = torch.device("cuda" if CUDA else "cpu")
     arena, residents = to_device(
-        *scattered_adapters(fan_in, widths, RANKS[3][:2], torch.float32), device
+        *scattered_adapters(fan_in, widths, TARGET_RANKS[3][:2], torch.float32), device
     )
     calls = []
     real = triton_check.check_tensor

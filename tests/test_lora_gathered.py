@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kernel_cases import group_shape, layout_for, scattered_adapters, segments_of
+from kernel_cases import group_shape, layout_for, runs_of, scattered_adapters, segments_of
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from loraplex.kernels import lora_gathered
@@ -27,14 +27,6 @@ DECODE = [(1, a) for a in (None, 0, 0, 1, None, 2, 3, 3, 0, 4)]
 DECODE_IN_ORDER = [(1, a) for a in (0, 0, 1, 1, 2, 2, 3, 3, 4, 4, None)]
 PREFILL = [(3, None), (17, 0), (1, 1), (16, 2), (2, None), (5, 3), (4, 0), (1, 4)]
 LONG_PREFILL = [(40, 0), (1, 1), (1, 2), (1, 3)]  # padding would quadruple the rows
-
-
-def _runs(plan, residents):
-    runs, start = [], 0
-    for n, a in plan:
-        runs.append((start, start + n, None if a is None else residents[a]))
-        start += n
-    return runs, start
 
 
 def _backend(arena, widths):
@@ -66,7 +58,7 @@ def test_gathered_ops_equal_the_reference(
         "prefill": PREFILL,
         "long_prefill": LONG_PREFILL,
     }
-    runs, num_tokens = _runs(steps[plan], residents)
+    runs, num_tokens = runs_of(steps[plan], residents)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(num_tokens, fan_in, generator=g)
     y = torch.randn(num_tokens, sum(widths), generator=g)
@@ -111,7 +103,7 @@ def _ops_per_step(num_adapters: int, page_elems: int) -> int:
     fan_in, widths = group_shape("qkv", 1)
     ranks = [(16, 16, 16)] * num_adapters
     arena, residents = scattered_adapters(fan_in, widths, ranks, torch.float32, page_elems)
-    runs, num_tokens = _runs([(1, i % num_adapters) for i in range(32)], residents)
+    runs, num_tokens = runs_of([(1, i % num_adapters) for i in range(32)], residents)
     backend = _backend(arena, widths)
     args = backend.prepare(runs, num_tokens, True)[0][0]
     assert args.in_place is None, "rank-16 q/k/v adapters on 32 tokens are gathered"
@@ -154,7 +146,7 @@ def test_steps_of_the_same_adapters_gather_their_rows_once(
     x, y = torch.randn(8, fan_in, generator=g), torch.randn(8, sum(widths), generator=g)
     for step, pair in enumerate(((0, 1), (0, 1), (2, 3), (0, 1))):
         repeat = step == 1
-        runs, num_tokens = _runs([(1, pair[i % 2]) for i in range(8)], residents)
+        runs, num_tokens = runs_of([(1, pair[i % 2]) for i in range(8)], residents)
         expected = y.clone()
         lora_sgmv(expected, x, segments_of(runs))
         with _RecordOps() as record:
@@ -180,7 +172,7 @@ def test_a_new_set_builds_gather_plans_only_for_the_groups_it_gathers(
     fan_in, widths = group_shape("qkv", 1)
     arena, residents = scattered_adapters(fan_in, widths, RANKS[3], torch.float32)
     backend = _backend(arena, widths)
-    runs, num_tokens = _runs(DECODE, residents)
+    runs, num_tokens = runs_of(DECODE, residents)
     with _RecordOps() as record:
         args = backend.prepare([(s, e, r) for s, e, r in runs if r is not None], num_tokens, True)
     built = {"gather.default", "where.self"} & set(record.names)
@@ -229,12 +221,12 @@ def test_bf16_gathered_ops_equal_the_fp32_reference(
     arena32, residents32 = scattered_adapters(fan_in, widths, RANKS[3], torch.float32)
     arena32.copy_(arena)  # the same values, exactly
     steps = {"decode": DECODE, "prefill": PREFILL, "long_prefill": LONG_PREFILL}
-    runs, num_tokens = _runs(steps[plan], residents)
+    runs, num_tokens = runs_of(steps[plan], residents)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(num_tokens, fan_in, generator=g).bfloat16()
     y = torch.randn(num_tokens, sum(widths), generator=g).bfloat16()
     expected = y.float()
-    lora_sgmv(expected, x.float(), segments_of(_runs(steps[plan], residents32)[0]))
+    lora_sgmv(expected, x.float(), segments_of(runs_of(steps[plan], residents32)[0]))
 
     backend = _backend(arena, widths)
     adapter_runs = [(s, e, r) for s, e, r in runs if r is not None]
@@ -269,7 +261,7 @@ def test_a_repeating_decode_step_expands_each_group_with_one_op(
     arena, residents = scattered_adapters(fan_in, widths, ranks, torch.float32)
     arena[arena == 0] = float("nan")
     backend = _backend(arena, widths)
-    runs, num_tokens = _runs([(1, i // 2) for i in range(8)], residents)
+    runs, num_tokens = runs_of([(1, i // 2) for i in range(8)], residents)
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(num_tokens, fan_in, generator=g), torch.randn(num_tokens, sum(widths))
     expected = y.clone()
@@ -290,7 +282,7 @@ def test_a_repeating_decode_step_expands_each_group_with_one_op(
 def _masked_step(backend, residents, plan, fan_in, widths):
     """One step of `plan` (tokens, adapter index) through the backend, checked against the
     reference; its args."""
-    runs, num_tokens = _runs(plan, residents)
+    runs, num_tokens = runs_of(plan, residents)
     g = torch.Generator().manual_seed(len(plan))
     x, y = torch.randn(num_tokens, fan_in, generator=g), torch.randn(num_tokens, sum(widths))
     expected = y.clone()
@@ -344,7 +336,7 @@ def test_a_masked_step_costs_the_same_ops_whatever_the_adapters_and_a_long_one_r
     for _ in range(lora_gathered.MASKED_KEEP_AFTER_REPEATS + 1):
         args = _masked_step(backend, residents, decode, fan_in, widths)
     with _RecordOps() as record:
-        runs, num_tokens = _runs(decode, residents)
+        runs, num_tokens = runs_of(decode, residents)
         x, y = torch.randn(num_tokens, fan_in), torch.randn(num_tokens, sum(widths))
         backend.expand(y, backend.shrink(x, args), args)
     products = [n for n in record.names if n.startswith(("mm", "addmm", "mul", "add", "bmm"))]

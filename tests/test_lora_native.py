@@ -10,7 +10,16 @@ import shutil
 
 import pytest
 import torch
-from kernel_cases import Resident, group_shape, scattered_adapters, segments_of, table_builder
+from kernel_cases import (
+    DECODE,
+    TARGET_RANKS,
+    Resident,
+    group_shape,
+    runs_of,
+    scattered_adapters,
+    segments_of,
+    table_builder,
+)
 
 from loraplex.kernels import lora_native
 from loraplex.kernels.backend import NativeBackend, TorchBackend, make_backend, resolve_kernels
@@ -20,15 +29,9 @@ from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
 from loraplex.replica.sampling import SamplingParams
 
-# per adapter, per target rank (0: the adapter lacks the target); 1 to 128 in one batch
-RANKS = {
-    3: [(128, 0, 64), (1, 1, 1), (8, 16, 0), (0, 32, 5)],
-    2: [(128, 64), (1, 0), (16, 16), (0, 7)],
-    1: [(128,), (1,), (16,), (33,)],
-}
-# (tokens, adapter index or None): a prefill's runs, adapter 0 twice, base tokens between
+# (tokens, adapter index or None): a prefill's runs (each within MAX_SEGMENT_TOKENS),
+# adapter 0 twice, base tokens between
 PREFILL = [(3, None), (16, 0), (1, 1), (9, 2), (2, None), (5, 3), (4, 0)]
-DECODE = [(1, a) for a in (None, 0, 0, 1, None, 2, 3, 3, 0)]
 CASES = [("qkv", 1), ("gate_up", 1), ("o", 1), ("down", 1), ("qkv", 4), ("down", 4)]
 
 
@@ -44,14 +47,6 @@ def lib():
     return lib
 
 
-def _runs(plan, residents):
-    runs, start = [], 0
-    for n, a in plan:
-        runs.append((start, start + n, None if a is None else residents[a]))
-        start += n
-    return runs, start
-
-
 def _native_args(builder, runs, num_tokens, arena) -> lora_native.NativeArgs:
     meta = builder.build([r for r in runs if r[2] is not None], num_tokens, decode=False)
     return lora_native.NativeArgs(lora_native.native_step(meta, arena), 0, 0)
@@ -61,8 +56,8 @@ def _native_args(builder, runs, num_tokens, arena) -> lora_native.NativeArgs:
 @pytest.mark.parametrize(("kind", "tp"), CASES, ids=[f"{k}-tp{tp}" for k, tp in CASES])
 def test_native_loops_match_reference(lib, kind, tp, decode):
     fan_in, widths = group_shape(kind, tp)
-    arena, residents = scattered_adapters(fan_in, widths, RANKS[len(widths)], torch.float32)
-    runs, num_tokens = _runs(DECODE if decode else PREFILL, residents)
+    arena, residents = scattered_adapters(fan_in, widths, TARGET_RANKS[len(widths)], torch.float32)
+    runs, num_tokens = runs_of(DECODE if decode else PREFILL, residents)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(num_tokens, fan_in, generator=g)
     y0 = torch.randn(num_tokens, sum(widths), generator=g)
@@ -82,8 +77,8 @@ def test_native_loops_match_reference(lib, kind, tp, decode):
 def test_strided_input_and_a_half_precision_output(lib):
     """Tensor parallelism shrinks a column slice of x; y may be bf16 (computed in float32)."""
     fan_in, widths = group_shape("qkv", 1)
-    arena, residents = scattered_adapters(fan_in, widths, RANKS[3], torch.float32)
-    runs, num_tokens = _runs(DECODE, residents)
+    arena, residents = scattered_adapters(fan_in, widths, TARGET_RANKS[3], torch.float32)
+    runs, num_tokens = runs_of(DECODE, residents)
     g = torch.Generator().manual_seed(2)
     wide = torch.randn(num_tokens, 2 * fan_in, generator=g)
     x = wide[:, fan_in:]  # rows a stride of 2 x fan_in apart

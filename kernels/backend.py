@@ -33,6 +33,7 @@ from loraplex.kernels.lora_tables import (
     LoraLayout,
     LoraStepMeta,
     LoraTableBuilder,
+    slotted,
 )
 from loraplex.kernels.triton_check import (
     check,
@@ -120,16 +121,13 @@ class NativeBackend(TorchBackend):
         longest = max((e - s for s, e, _ in runs), default=0)
         if not self.native or not runs or longest > lora_native.MAX_SEGMENT_TOKENS:
             return super().prepare(runs, num_tokens, decode)
-        slots: dict[int, int] = {}
-        for _, _, r in runs:
-            slots.setdefault(id(r), len(slots))
-        key = tuple(slots)
+        segments, residents = slotted(runs)  # the slots the tables are stacked in
+        key = tuple(id(r) for r in residents)
         if key == self._key and self._step is not None:
-            lora_native.set_segments(self._step, [(s, e, slots[id(r)]) for s, e, r in runs])
+            lora_native.set_segments(self._step, segments)
             return self._args
         step = lora_native.native_step(self.tables.build(runs, num_tokens, decode), self.arena)
-        self._key, self._step = key, step
-        self._residents = [r for _, _, r in runs]
+        self._key, self._step, self._residents = key, step, residents
         self._args = [
             [
                 lora_native.NativeArgs(step, layer, g) if width else None

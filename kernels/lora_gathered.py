@@ -52,7 +52,13 @@ from dataclasses import dataclass, replace
 import torch
 
 from loraplex.kernels.lora import LoraGroupWeights, LoraOut, Segment, lora_expand, lora_shrink
-from loraplex.kernels.lora_tables import AdapterTables, HasLoraGroups, LoraLayout, adapter_tables
+from loraplex.kernels.lora_tables import (
+    AdapterTables,
+    HasLoraGroups,
+    LoraLayout,
+    adapter_tables,
+    slotted,
+)
 
 # Gathering a group's rows pays when it saves ops: on CPU the copy costs about what reading
 # the rows does, an op ~10-20 us of dispatch. Measured on the real model (2 cores): 8
@@ -430,14 +436,7 @@ class GatheredPlanner:
         self, runs: list[tuple[int, int, HasLoraGroups]], num_tokens: int
     ) -> list[list[GatheredArgs | None]]:
         layers, num_groups = self.layout.num_layers, len(self.layout.group_columns)
-        slots: dict[int, int] = {}
-        residents: list[HasLoraGroups] = []
-        slotted = []
-        for s, e, r in runs:
-            slot = slots.setdefault(id(r), len(residents))
-            if slot == len(residents):
-                residents.append(r)
-            slotted.append((s, e, slot))
+        slotted_runs, residents = slotted(runs)
         if not residents:
             return [[None] * num_groups for _ in range(layers)]
         key = tuple(id(r) for r in residents)
@@ -454,7 +453,7 @@ class GatheredPlanner:
         tokens = []
         for bucket in self._buckets:
             local = {slot: i for i, slot in enumerate(bucket)}
-            bucket_runs = [(s, e, local[slot]) for s, e, slot in slotted if slot in local]
+            bucket_runs = [(s, e, local[slot]) for s, e, slot in slotted_runs if slot in local]
             tokens.append(token_plan(bucket_runs, len(bucket), self.arena.dtype))
         args: list[list[GatheredArgs | None]] = []
         for layer in range(layers):

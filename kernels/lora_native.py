@@ -79,8 +79,13 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
+def compiler() -> str | None:
+    """The C compiler the library is built with: $CC, else cc or gcc on the PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def _compiler() -> str:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    cc = compiler()
     if not cc:
         raise RuntimeError("no C compiler (set $CC, or install gcc)")
     return cc
@@ -149,8 +154,9 @@ class NativeStep:
 
     desc: torch.Tensor  # int64 [len(_STEP_FIELDS)]
     # h's width for each layer and group: its largest R over the step's adapters (0: none
-    # has the group, which then has no arguments). Under tensor parallelism h is all-reduced: a width of the step's largest R for
-    # every group sent 3x the bytes the torch ops send (tp.lora_comm_ratio 0.11 against 0.04)
+    # has the group, which then has no arguments). Under tensor parallelism h is
+    # all-reduced: the step's largest R for every group sent 3x the bytes the torch ops
+    # send (tp.lora_comm_ratio 0.11 against 0.04)
     widths: list[list[int]]
     keep: tuple[torch.Tensor, ...]
     seg: torch.Tensor  # int64 [n_seg, 3]: start, end, slot

@@ -48,6 +48,23 @@ class LoraLayout:
         return max(len(cols) for cols in self.group_columns)
 
 
+def slotted(
+    runs: list[tuple[int, int, HasLoraGroups]],
+) -> tuple[list[tuple[int, int, int]], list[HasLoraGroups]]:
+    """Each run as (start, end, slot), and the step's adapters in slot order: one slot per
+    distinct adapter (by identity), in order of first appearance, the order its tables
+    are stacked in."""
+    slots: dict[int, int] = {}
+    residents: list[HasLoraGroups] = []
+    out = []
+    for s, e, r in runs:
+        slot = slots.setdefault(id(r), len(residents))
+        if slot == len(residents):
+            residents.append(r)
+        out.append((s, e, slot))
+    return out, residents
+
+
 @dataclass(frozen=True, slots=True)
 class AdapterTables:
     ranks: torch.Tensor  # [L, G]
@@ -159,16 +176,10 @@ class LoraTableBuilder:
         """runs: (start, end, adapter) for each run of tokens sharing an adapter."""
         if num_tokens > self.layout.max_tokens:
             raise ValueError(f"{num_tokens} tokens exceed max_tokens {self.layout.max_tokens}")
-        slots: dict[int, int] = {}
-        residents = []
-        seg_start, seg_len, seg_slot = [], [], []
-        for s, e, r in runs:
-            slot = slots.setdefault(id(r), len(residents))
-            if slot == len(residents):
-                residents.append(r)
-            seg_start.append(s)
-            seg_len.append(e - s)
-            seg_slot.append(slot)
+        segments, residents = slotted(runs)
+        seg_start = [s for s, _, _ in segments]
+        seg_len = [e - s for s, e, _ in segments]
+        seg_slot = [slot for _, _, slot in segments]
         if len(residents) > self.layout.max_loras:
             raise ValueError(f"{len(residents)} adapters exceed max_loras {self.layout.max_loras}")
         n = len(residents)

@@ -5,9 +5,6 @@ machine without a compiler."""
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
 from kernel_cases import (
@@ -23,7 +20,7 @@ from kernel_cases import (
 
 from loraplex.kernels import lora_native
 from loraplex.kernels.backend import NativeBackend, TorchBackend, make_backend, resolve_kernels
-from loraplex.kernels.lora import LoraGroupWeights, lora_sgmv
+from loraplex.kernels.lora import LoraGroupWeights, LoraOut, lora_sgmv
 from loraplex.kernels.lora_tables import LoraLayout
 from loraplex.replica.config import EngineConfig
 from loraplex.replica.engine import LLMEngine
@@ -40,7 +37,7 @@ def lib():
     """The library; a failure where a C compiler is at hand (a broken build or a check that
     disagrees must not pass as a skip), a skip only where none is."""
     lib = lora_native.library()
-    if lib is None and (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
+    if lib is None and lora_native.compiler():
         pytest.fail(f"a C compiler is here, yet: {lora_native.unavailable()}")
     if lib is None:
         pytest.skip(f"no C compiler here: {lora_native.unavailable()}")
@@ -109,8 +106,6 @@ def _model_like(seed: int) -> tuple[torch.Tensor, LoraLayout, list[Resident]]:
         return v
 
     def group(ranks: tuple[int, ...], fan_in: int, widths: tuple[int, ...]):
-        from loraplex.kernels.lora import LoraOut
-
         present = [(j, r) for j, r in enumerate(ranks) if r]
         a = take(sum(r for _, r in present), fan_in)
         outs, h, start = [], 0, [0, 48, 64]

@@ -1,6 +1,7 @@
-"""Kernel backend selection: Triton on CUDA; on a CPU the compiled loops of lora_native for
-decode steps where they build (`native`), torch ops (lora_gathered) for the rest and
-elsewhere; each tested against the torch references in lora.py.
+"""Kernel backend selection: Triton on CUDA; on a CPU the compiled loops (native.py) where
+they build (`native`: LoRA of decode steps, lora_native; decode attention,
+attention_native), torch ops (lora_gathered, decode_attention) for the rest and elsewhere;
+each tested against the torch references in lora.py and attention.py.
 
 `kernels="auto"` picks by device; `LORAPLEX_KERNELS=torch|native|triton` (read once, when
 an engine starts) or an explicit `kernels=` in the engine config overrides it. On CPU the
@@ -14,13 +15,15 @@ shrink output between them) — and a decode attention (None: the reference path
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Protocol
 
 import torch
 
-from loraplex.kernels import lora_native
+from loraplex.kernels import attention_native, lora_native, native
 from loraplex.kernels.lora_gathered import (
     GatheredArgs,
     GatheredPlanner,
@@ -53,6 +56,7 @@ Run = tuple[int, int, HasLoraGroups]  # tokens [start, end) share this adapter
 class KernelBackend(Protocol):
     name: str
     decode_attention: Callable[..., torch.Tensor] | None
+    cpu_loops: ctypes.CDLL | None  # the compiled loops (native.py) the step's small ops use
 
     def prepare(self, runs: list[Run], num_tokens: int, decode: bool) -> list[list[Any]]:
         """Per-step LoRA metadata, indexed [layer][group]."""
@@ -68,7 +72,8 @@ class TorchBackend:
     (lora_gathered; a fixed number of ops per layer and group)."""
 
     name = "torch"
-    decode_attention = None
+    decode_attention: Callable[..., torch.Tensor] | None = None
+    cpu_loops: ctypes.CDLL | None = None
 
     def __init__(self, layout: LoraLayout, arena: torch.Tensor):
         self.planner = GatheredPlanner(arena, layout)
@@ -97,10 +102,12 @@ class NativeBackend(TorchBackend):
 
     def __init__(self, layout: LoraLayout, arena: torch.Tensor):
         super().__init__(layout, arena)
-        lib = lora_native.library()
+        lib = native.library()
         if lib is None:
-            raise ValueError(f"kernels: native is unavailable here: {lora_native.unavailable()}")
+            raise ValueError(f"kernels: native is unavailable here: {native.unavailable()}")
         self.lib = lib
+        self.decode_attention = functools.partial(attention_native.decode_attention, lib)
+        self.cpu_loops = lib
         self.arena = arena
         self.tables = LoraTableBuilder(arena, layout)
         self.num_layers = layout.num_layers
@@ -154,6 +161,7 @@ class TritonBackend:
     """Punica-style kernels reading adapters in place through row tables (lora_tables)."""
 
     name = "triton"
+    cpu_loops = None
 
     def __init__(self, layout: LoraLayout, arena: torch.Tensor):
         from loraplex.kernels import (
@@ -248,7 +256,7 @@ def resolve_kernels(
     if choice == "auto":
         if device.type == "cuda":
             return "triton"
-        return "native" if device.type == "cpu" and lora_native.library() else "torch"
+        return "native" if device.type == "cpu" and native.library() else "torch"
     return choice
 
 

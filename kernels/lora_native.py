@@ -16,38 +16,20 @@ model and 1.24-1.32 against 1.32-1.38 on SmolLM2; `bench engine`'s speedups over
 A prefill's long segments stay on torch: a loop of dot products per token computes what
 one BLAS product does several times slower, so steps with a segment longer than
 MAX_SEGMENT_TOKENS take the torch path. Float32 only (a bf16 pool takes the torch path).
-
-The library is built on first use with the C compiler at hand (`$CC`, else cc or gcc:
-`-O3 -march=native`, OpenMP where torch's runtime is GNU's, whose team it then shares)
-into the cache folder, keyed by the source, the flags, the compiler and the CPU, and
-checked once against the torch reference. Without a compiler, or where the check fails,
-`library()` is None and `kernels: auto` keeps the torch path (`unavailable()` says why).
+The library is built, loaded and checked by native.py (`check` below is its check of
+these loops).
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from loraplex.cache import cache_dir
 from loraplex.kernels.lora import LoraGroupWeights, LoraOut, lora_sgmv
 from loraplex.kernels.lora_tables import LoraLayout, LoraStepMeta, LoraTableBuilder
 
-log = logging.getLogger(__name__)
-
-SOURCE = Path(__file__).with_name("lora_cpu.c")
-FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 # Longest run of tokens sharing an adapter that the compiled loops take: decode steps (one
 # token a request) and small prefills. On the synthetic serving round every segment
 # (no limit) and segments of at most 16 measured alike (1.20 s), at most 4 slower (1.36 s).
@@ -57,93 +39,6 @@ _STEP_FIELDS = (
     "layers", "groups", "targets", "a_cap", "r_cap", "max_w",
 )  # fmt: skip
 _SEG, _N_SEG = _STEP_FIELDS.index("seg"), _STEP_FIELDS.index("n_seg")
-_why_not: list[str] = []
-
-
-def unavailable() -> str | None:
-    """Why `library()` is None (None when it loaded)."""
-    library()
-    return _why_not[0] if _why_not else None
-
-
-@functools.cache
-def library() -> ctypes.CDLL | None:
-    """The compiled loops, built on first use; None (logged once) where they cannot be."""
-    try:
-        lib = _load(_build())
-        _check(lib)
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        _why_not.append(str(e))
-        log.warning("LoRA's compiled CPU loops are unavailable, torch ops instead: %s", e)
-        return None
-    return lib
-
-
-def compiler() -> str | None:
-    """The C compiler the library is built with: $CC, else cc or gcc on the PATH."""
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def _compiler() -> str:
-    cc = compiler()
-    if not cc:
-        raise RuntimeError("no C compiler (set $CC, or install gcc)")
-    return cc
-
-
-def _openmp_flag() -> str:
-    """-fopenmp where this process runs GNU's OpenMP (torch's wheels ship it): the library
-    then shares its runtime and its threads. With another runtime a second one would
-    oversubscribe the cores (replica/cpu_threads.py), so the loops run on one thread."""
-    maps = Path("/proc/self/maps")
-    gnu = maps.exists() and "/libgomp" in maps.read_text()
-    return "-fopenmp" if gnu else "-fopenmp-simd"
-
-
-def _build() -> Path:
-    cc = _compiler()
-    flags = (*FLAGS, _openmp_flag())
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(flags).encode(), version.stdout.encode()):
-        key.update(part)
-    key.update(_cpu().encode())
-    out = cache_dir() / "native" / f"lora_cpu-{key.hexdigest()[:16]}.so"
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # built beside, then renamed: processes building at once each load a whole file
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            [cc, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120
-        )
-        if done.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
-        os.replace(tmp, out)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
-    return out
-
-
-def _cpu() -> str:
-    """What -march=native compiles for: the CPU's model and flags (a cache shared between
-    machines must not hand one CPU another's instructions)."""
-    info = Path("/proc/cpuinfo")
-    if info.exists():
-        lines = info.read_text().splitlines()
-        return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
-    return platform.processor() or platform.machine()
-
-
-def _load(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))
-    p, i = ctypes.c_void_p, ctypes.c_int64
-    lib.lora_shrink.argtypes = [p, i, i, p, i, i, p, i]
-    lib.lora_expand.argtypes = [p, i, i, p, i, p, i]
-    lib.lora_shrink.restype = lib.lora_expand.restype = None
-    return lib
 
 
 @dataclass(slots=True)
@@ -227,12 +122,20 @@ def expand(lib: ctypes.CDLL, y: torch.Tensor, h: torch.Tensor, args: NativeArgs)
     )  # fmt: skip
 
 
+def declare(lib: ctypes.CDLL) -> None:
+    """The loops' argument types."""
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    lib.lora_shrink.argtypes = [p, i, i, p, i, i, p, i]
+    lib.lora_expand.argtypes = [p, i, i, p, i, p, i]
+    lib.lora_shrink.restype = lib.lora_expand.restype = None
+
+
 class _Resident:
     def __init__(self, groups: list[list[LoraGroupWeights | None]]):
         self.groups = groups
 
 
-def _check(lib: ctypes.CDLL) -> None:
+def check(lib: ctypes.CDLL) -> None:
     """The library against the torch reference on a small pool: two adapters of different
     ranks, one with a target absent and a matrix in two row-chunks, a base token between."""
     gen = torch.Generator().manual_seed(0)

@@ -110,11 +110,17 @@ class StepAttention:
     def __call__(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         """q [T, H, D] -> [T, H, D] for `layer`."""
         batch, rows = self.batch, self.rows
-        if batch.groups[0].every_row and rows[0] is not None:
+        every_row = batch.groups[0].every_row
+        if every_row and rows[0] is not None:
             # a decode step without a decode kernel: its rows in, its rows out, with no
             # index copies (three a layer)
             return decode_attention(q, self.pool_rows, rows[0], layer, self.scale)
         k_cache, v_cache = self.kv_cache[:, layer, 0], self.kv_cache[:, layer, 1]
+        if every_row and self.decode_kernel is not None:  # the same with a decode kernel
+            g = batch.groups[0]
+            return self.decode_kernel(
+                q, k_cache, v_cache, g.block_tables, g.ctx_lens, self.scale, batch.sliding_window
+            )
         out = torch.empty_like(q)
         for g, step_rows, bias in zip(batch.groups, rows, self.biases, strict=True):
             if step_rows is not None:

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
 
 from loraplex.demo.assets import DemoAssets
 from loraplex.demo.synthetic import make_synthetic_assets
+from loraplex.kernels import native
 
 BASE_ADAPTER = "__base__"  # PEFT's name for "no adapter" in a mixed batch (adapter_names=)
 
@@ -56,6 +57,19 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="session")
+def cpu_loops():
+    """The compiled CPU loops (kernels/native.py); a failure where a C compiler is at hand
+    (a broken build or a check that disagrees must not pass as a skip), a skip only where
+    none is."""
+    lib = native.library()
+    if lib is None and native.compiler():
+        pytest.fail(f"a C compiler is here, yet: {native.unavailable()}")
+    if lib is None:
+        pytest.skip(f"no C compiler here: {native.unavailable()}")
+    return lib
 
 
 @pytest.fixture(scope="session")

@@ -13,9 +13,12 @@ import loraplex.replica.model.llama as llama
 from loraplex.benchmarks.engine import bench as bench_engine
 from loraplex.benchmarks.engine import prefix as engine_prefix
 from loraplex.demo.synthetic import ModelSpec
+from loraplex.kernels import native
 from loraplex.kernels.decode_attention import decode_attention
 from loraplex.kernels.dense import linear as dense_linear
 from loraplex.registry.etcd_process import find_etcd_binary
+
+attention_call = step_batch.StepAttention.__call__  # what the sections wrap and restore
 
 TINY = bench_engine.BenchShape(
     model=ModelSpec(
@@ -58,13 +61,17 @@ def test_engine_bench_serves_the_same_greedy_tokens_as_peft(tmp_path):
     # where the base step's time goes: every section of the forward pass was hit, the
     # sections and the rest add up to the step, and the wrapped functions are restored
     sections = overheads["step_sections_ms"]
-    for name in ("gemm", "attention", "attention_rows", "norm", "rope", "kv_write"):
+    for name in ("gemm", "attention", "norm", "rope", "kv_write", "silu_mul"):
         assert sections[name] > 0, name
+    # the torch path finds its key rows once a step; the compiled decode attention
+    # (kernels: auto -> native where it builds) reads them in place
+    assert (sections["attention_rows"] > 0) == (native.library() is None)
     assert sum(v for k, v in sections.items() if k != "step") == pytest.approx(sections["step"])
     # the sections do not nest: what none of them covers (sampling, scheduling) is left over
     assert sections["rest"] > 0
     assert sections["gemm"] < sections["step"]
     assert llama.linear is dense_linear and step_batch.decode_attention is decode_attention
+    assert step_batch.StepAttention.__call__ is attention_call
     serving_result = bench_engine._speedup_vs_peft(model_dir, serving, TINY, trace=None, rounds=2)
     figures = serving_result["serving"]
     assert figures["requests"] == 8 and serving_result["speedup_vs_peft"] > 0

@@ -22,7 +22,7 @@ from kernel_cases import (
     table_builder,
 )
 
-from loraplex.kernels import lora_native
+from loraplex.kernels import native
 from loraplex.kernels.attention import attention_mask, paged_attention
 from loraplex.kernels.backend import resolve_kernels
 from loraplex.kernels.lora import lora_sgmv
@@ -171,8 +171,16 @@ def test_the_cpu_reference_attends_in_fp32_whatever_the_caches_dtype(dtype):
     assert torch.equal(out, in_fp32.to(dtype))
 
 
-# (heads, kv_heads) of SmolLM2-135M at tp 1 and 3, and Llama-3-8B's at tp 8; windows
-CPU_DECODE = [((9, 3), None), ((3, 1), None), ((4, 1), 9), ((8, 8), None)]
+# (heads, kv_heads) of SmolLM2-135M at tp 1 and 3, and Llama-3-8B's at tp 8; windows; groups
+# of 8 (Llama-2-70B's) and 16, which the compiled loop leaves to the reference
+CPU_DECODE = [
+    ((9, 3), None),
+    ((3, 1), None),
+    ((4, 1), 9),
+    ((8, 8), None),
+    ((16, 2), 4),
+    ((32, 2), None),
+]
 # fp32: the same sums in another order; bf16: both round one fp32 result (one ulp apart at most)
 CPU_DECODE_TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.bfloat16: {}}
 CPU_QUERY_AND_CACHE = {
@@ -182,16 +190,19 @@ CPU_QUERY_AND_CACHE = {
 }
 
 
+@pytest.mark.parametrize("impl", ["torch", "native"])
 @pytest.mark.parametrize("dtypes", CPU_QUERY_AND_CACHE.values(), ids=CPU_QUERY_AND_CACHE.keys())
 @pytest.mark.parametrize(("heads", "window"), CPU_DECODE)
-def test_cpu_decode_attention_matches_reference(heads, window, dtypes):
-    """The CPU decode path (rows of the pool gathered once a layer into one buffer, fp32
-    matmuls) against the reference's page gather and SDPA, on every layer of a pool laid
+def test_cpu_decode_attention_matches_reference(heads, window, dtypes, impl, request):
+    """The CPU decode paths — torch ops (rows of the pool gathered once a layer into one
+    buffer, fp32 matmuls) and the compiled loop (kernels/attention_native.py, keys read in
+    place) — against the reference's page gather and SDPA, on every layer of a pool laid
     out as KVCache's (pages with slack at the end, layers interleaved, shuffled pages, the
     pages after other memory of the pool, as adapters' may be): ragged contexts of 1 token,
     a full page, several pages and one key past a page. A cache narrower than the queries
     (kv_cache_dtype bfloat16 under a float32 model) is read widened, as the reference does,
     and the output comes back in the queries' dtype."""
+    from loraplex.kernels import attention_native
     from loraplex.kernels.decode_attention import decode_attention, decode_rows
 
     dtype, kv_dtype = dtypes
@@ -210,7 +221,11 @@ def test_cpu_decode_attention_matches_reference(heads, window, dtypes):
     for layer in range(layers):
         k, v = kv_cache[:, layer, 0], kv_cache[:, layer, 1]
         expected = paged_attention(q[:, None], k, v, tables, mask, 0.125)[:, 0]
-        out = decode_attention(q, pool_rows, step, layer, 0.125)
+        if impl == "native":
+            lib = request.getfixturevalue("cpu_loops")
+            out = attention_native.decode_attention(lib, q, k, v, tables, ctx, 0.125, window)
+        else:
+            out = decode_attention(q, pool_rows, step, layer, 0.125)
         assert out.dtype == dtype
         torch.testing.assert_close(out, expected, **CPU_DECODE_TOL[dtype])
 
@@ -266,7 +281,7 @@ def test_launchers_reject_bad_inputs():
 
 def test_backend_selection():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    on_cpu = "native" if lora_native.library() else "torch"  # tests/test_lora_native.py
+    on_cpu = "native" if native.library() else "torch"  # tests/test_lora_native.py
     assert resolve_kernels("auto", cpu, {}) == on_cpu
     assert resolve_kernels("auto", cpu, {"LORAPLEX_KERNELS": "torch"}) == "torch"
     assert resolve_kernels("auto", cuda, {}) == "triton"

@@ -18,7 +18,7 @@ from kernel_cases import (
     table_builder,
 )
 
-from loraplex.kernels import lora_native
+from loraplex.kernels import lora_native, native
 from loraplex.kernels.backend import NativeBackend, TorchBackend, make_backend, resolve_kernels
 from loraplex.kernels.lora import LoraGroupWeights, LoraOut, lora_sgmv
 from loraplex.kernels.lora_tables import LoraLayout
@@ -32,16 +32,9 @@ PREFILL = [(3, None), (16, 0), (1, 1), (9, 2), (2, None), (5, 3), (4, 0)]
 CASES = [("qkv", 1), ("gate_up", 1), ("o", 1), ("down", 1), ("qkv", 4), ("down", 4)]
 
 
-@pytest.fixture(scope="module")
-def lib():
-    """The library; a failure where a C compiler is at hand (a broken build or a check that
-    disagrees must not pass as a skip), a skip only where none is."""
-    lib = lora_native.library()
-    if lib is None and lora_native.compiler():
-        pytest.fail(f"a C compiler is here, yet: {lora_native.unavailable()}")
-    if lib is None:
-        pytest.skip(f"no C compiler here: {lora_native.unavailable()}")
-    return lib
+@pytest.fixture
+def lib(cpu_loops):
+    return cpu_loops
 
 
 def _native_args(builder, runs, num_tokens, arena) -> lora_native.NativeArgs:
@@ -199,11 +192,11 @@ def test_engine_with_native_loops_matches_torch_ops(demo_assets, lib):
 def test_without_a_compiler_auto_keeps_torch_and_native_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("LORAPLEX_CACHE_DIR", str(tmp_path / "cache"))
-    lora_native.library.cache_clear()
-    lora_native._why_not.clear()
+    native.library.cache_clear()
+    native._why_not.clear()
     try:
         assert resolve_kernels("auto", torch.device("cpu"), {}) == "torch"
-        assert "no-such-cc" in (lora_native.unavailable() or "")
+        assert "no-such-cc" in (native.unavailable() or "")
         arena, layout, _ = _model_like(6)
         with pytest.raises(ValueError, match="kernels: native is unavailable here"):
             make_backend("native", layout, arena)
@@ -211,5 +204,5 @@ def test_without_a_compiler_auto_keeps_torch_and_native_says_why(monkeypatch, tm
             (tmp_path / "cache" / "native").glob("*.so")
         )
     finally:
-        lora_native.library.cache_clear()
-        lora_native._why_not.clear()
+        native.library.cache_clear()
+        native._why_not.clear()

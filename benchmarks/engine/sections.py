@@ -1,7 +1,7 @@
 """Where a decode step's time goes, for `bench engine`: the step's wall time split into the
 forward pass's sections, each timed around the function `replica/model/llama.py` or
-`replica/batch.py` calls for it, and what is left (sampling, scheduling, the SwiGLU product,
-residual adds, Python).
+`replica/batch.py` calls for it, and what is left (sampling, scheduling, LoRA, the
+embedding, Python).
 
 Wall clocks around the calls, not `torch.profiler`: the profiler's per-op cost is large
 beside these ops (it read the KV gather of SmolLM2's decode step at 470 us an op; timed
@@ -19,20 +19,25 @@ from typing import Any
 import loraplex.replica.batch as step_batch
 import loraplex.replica.model.llama as llama
 
-# section -> (module, function) called once or more per layer
+# section -> (owner, function) called once or more per layer
 SECTIONS: dict[str, tuple[Any, str]] = {
     "gemm": (llama, "linear"),
-    "attention": (step_batch, "decode_attention"),
-    "attention_rows": (step_batch, "decode_rows"),
-    "norm": (llama, "rms_norm"),
-    "rope": (llama, "rotate"),
-    "kv_write": (llama, "write_kv"),
+    # a layer's attention, whichever path the backend gives it (the torch ops' gather and
+    # products, or a decode kernel: kernels/attention_native.py)
+    "attention": (step_batch.StepAttention, "__call__"),
+    "attention_rows": (step_batch, "decode_rows"),  # once a step; 0 with a decode kernel
+    # the norms with the residual add before each, and SwiGLU's product: torch forms or
+    # the compiled loops (kernels/small_ops_native.py)
+    "norm": (llama.ForwardOps, "norm"),
+    "rope": (llama.ForwardOps, "rotate"),
+    "kv_write": (llama.ForwardOps, "write_kv"),
+    "silu_mul": (llama.ForwardOps, "silu_mul"),
 }
 
 
 @contextmanager
 def _timed(totals: dict[str, float]) -> Iterator[None]:
-    originals = {name: getattr(module, fn) for name, (module, fn) in SECTIONS.items()}
+    originals = {name: getattr(owner, fn) for name, (owner, fn) in SECTIONS.items()}
 
     def wrap(name: str, fn: Callable) -> Callable:
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -45,18 +50,18 @@ def _timed(totals: dict[str, float]) -> Iterator[None]:
         return timed
 
     try:
-        for name, (module, fn) in SECTIONS.items():
-            setattr(module, fn, wrap(name, originals[name]))
+        for name, (owner, fn) in SECTIONS.items():
+            setattr(owner, fn, wrap(name, originals[name]))
         yield
     finally:
-        for name, (module, fn) in SECTIONS.items():
-            setattr(module, fn, originals[name])
+        for name, (owner, fn) in SECTIONS.items():
+            setattr(owner, fn, originals[name])
 
 
 def step_sections_ms(step: Callable[[], object], steps: int) -> dict[str, float]:
     """Mean ms per step of each section over `steps` calls of `step`, the whole step
-    (`step`) and the rest. The step must be a base-model decode step on the torch path
-    (the sections above are what it calls)."""
+    (`step`) and the rest. The step must be a base-model decode step (the sections above
+    are what it calls)."""
     totals = dict.fromkeys(SECTIONS, 0.0)
     with _timed(totals):
         start = time.perf_counter()

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
+from loraplex.kernels import small_ops_native as small_ops
 from loraplex.kernels.attention import write_kv
 from loraplex.kernels.backend import KernelBackend, TorchBackend
 from loraplex.kernels.dense import linear, pack_in_place
@@ -41,15 +42,55 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 class ForwardOps:
     """The ops the forward pass calls, one process: LoRA through the selected kernel backend,
-    and the points where tensor parallelism (replica.parallel) sums partial outputs of
-    row-parallel layers and gathers vocab-parallel logits — nothing to do here."""
+    the step's small ops (norms, rotary embedding, KV write, SwiGLU's product) in the
+    backend's compiled loops where it has them and the activations are float32
+    (kernels/small_ops_native.py; else the torch forms here), and the points where tensor
+    parallelism (replica.parallel) sums partial outputs of row-parallel layers and gathers
+    vocab-parallel logits — nothing to do here."""
 
     def __init__(self, kernels: KernelBackend):
         self.kernels = kernels
+        self.loops = kernels.cpu_loops
 
     def lora(self, y: torch.Tensor, x: torch.Tensor, lora: list, group: int) -> None:
         """y += LoRA(x) for one group of a layer; lora: the layer's `kernels.prepare` args."""
         self.kernels.expand(y, self.kernels.shrink(x, lora[group]), lora[group])
+
+    def norm(
+        self, h: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+    ) -> torch.Tensor:
+        """h += residual (in place, where given), then rms_norm(h) as new rows."""
+        if self.loops is not None and h.dtype == torch.float32:
+            return small_ops.rms_norm(self.loops, h, weight, eps, residual)
+        if residual is not None:
+            h += residual
+        return rms_norm(h, weight, eps)
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+        """`rotate`'s result; x (a view of the fused qkv output) may be rotated in place."""
+        if self.loops is not None and x.dtype == torch.float32:
+            return small_ops.rotate_(self.loops, x, cos, signed_sin)
+        return rotate(x, cos, signed_sin)
+
+    def write_kv(
+        self,
+        rows: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_rows: torch.Tensor,
+        v_rows: torch.Tensor,
+    ) -> None:
+        if self.loops is not None:
+            small_ops.write_kv(self.loops, rows, k, v, k_rows, v_rows)
+        else:
+            write_kv(rows, k, v, k_rows, v_rows)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up, gate and up the two halves of each row."""
+        if self.loops is not None and gate_up.dtype == torch.float32:
+            return small_ops.silu_mul(self.loops, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)  # one tensor written, not two
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         return partial
@@ -128,27 +169,29 @@ class LlamaModel:
             kv_cache, kv_rows.view(-1, cfg.head_dim), cfg.num_heads, self.scale,
             ops.kernels.decode_attention,
         )  # fmt: skip
+        eps = cfg.rms_norm_eps
+        pending = None  # the last layer's output, added to h by the next norm
         for i, layer in enumerate(self.layers):
             lora = loras[i]
-            x = rms_norm(h, layer["input_norm"], cfg.rms_norm_eps)
+            x = ops.norm(h, layer["input_norm"], eps, pending)
             qkv = linear(x, layer["qkv"])
             ops.lora(qkv, x, lora, QKV)
             qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, -1, cfg.head_dim)
-            q, k = rotate(qk, cos, signed_sin).split((cfg.num_heads, cfg.num_kv_heads), dim=1)
+            q, k = ops.rotate(qk, cos, signed_sin).split((cfg.num_heads, cfg.num_kv_heads), dim=1)
             v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
-            write_kv(kv_rows, k, v, batch.kv_rows[i, 0], batch.kv_rows[i, 1])
+            ops.write_kv(kv_rows, k, v, batch.kv_rows[i, 0], batch.kv_rows[i, 1])
             attn = attention(q, i).reshape(t, cfg.q_size)
             o = linear(attn, layer["o"])
             ops.lora(o, attn, lora, OUT)
-            h += ops.reduce(o)
 
-            x = rms_norm(h, layer["post_norm"], cfg.rms_norm_eps)
+            x = ops.norm(h, layer["post_norm"], eps, ops.reduce(o))
             gate_up = linear(x, layer["gate_up"])
             ops.lora(gate_up, x, lora, GATE_UP)
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate).mul_(up)  # one tensor written, not two
+            act = ops.silu_mul(gate_up)
             down = linear(act, layer["down"])
             ops.lora(down, act, lora, DOWN)
-            h += ops.reduce(down)
-        h = rms_norm(h[batch.sample_idx], self.w["norm"], cfg.rms_norm_eps)
+            pending = ops.reduce(down)
+        if pending is not None:
+            h += pending
+        h = ops.norm(h[batch.sample_idx], self.w["norm"], eps, None)
         return ops.gather_logits(linear(h, self.w["lm_head"])).float()

@@ -1,0 +1,205 @@
+/* Paged attention, decode form, on a CPU: one query token per sequence, every key and value
+ * read where the paged pool keeps it (no gathered copy), GQA. Built and loaded with the
+ * LoRA loops (native.py); the contract is the Triton kernel's (triton_paged_attention.py):
+ *
+ *   for b < B, hq < H:  kvh = hq / (H / KVH),  p = ctx_lens[b] - 1
+ *     keys = j < ctx_lens[b] with j > p - window
+ *     out[b, hq] = softmax(q[b, hq] . K[b, keys, kvh] * scale) @ V[b, keys, kvh]
+ *
+ * One work item is a sequence and kv head: it reads each key and value once for the GQA
+ * group of query heads sharing them, in tiles of keys with a running max and sum (the
+ * softmax of the whole row without a buffer as long as the context). head_dim is taken in
+ * vectors of 16 floats (GCC/clang vector extensions: one AVX-512 register, two AVX2 ones);
+ * the group's size is a constant of each compiled body, so its accumulators stay in
+ * registers (a loop over a runtime group size kept them in memory: 3x slower). exp is a
+ * polynomial the compiler vectorises (Cephes' expf, within 2 ulp on the softmax's range).
+ * Scores, softmax and the product with V are float32; the cache is float32 or bfloat16
+ * (widened as a tile is read). */
+#include <stdint.h>
+#include <string.h>
+
+#define TILE 32      /* keys scored before their values are read */
+#define MAX_DIM 256  /* head_dim, a multiple of VEC */
+#define VEC 8
+
+typedef float vec __attribute__((vector_size(VEC * sizeof(float)), aligned(4)));
+
+static inline vec load(const float *p) {
+  vec v;
+  memcpy(&v, p, sizeof v);
+  return v;
+}
+
+static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
+
+typedef float half __attribute__((vector_size(VEC / 2 * sizeof(float))));
+
+static inline float hsum(vec v) { /* a tree of adds: halves, then four lanes */
+  half h0, h1;
+  memcpy(&h0, &v, sizeof h0);
+  memcpy(&h1, (const char *)&v + sizeof h0, sizeof h1);
+  h0 += h1;
+  return (h0[0] + h0[2]) + (h0[1] + h0[3]);
+}
+
+static inline float exp_neg(float x) { /* e^x for x <= 0; 0 below -87 */
+  int under = x < -87.0f;
+  x = under ? -87.0f : x;
+  float t = x * 1.44269504088896341f;
+  float n = (t + 12582912.0f) - 12582912.0f; /* round to nearest (default rounding) */
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  memcpy(&scale, &bits, sizeof scale);
+  return under ? 0.0f : p * scale;
+}
+
+typedef struct {
+  float *out;
+  const float *q;
+  int64_t q_sb, q_sh;
+  const void *k, *v;
+  int64_t c_sp, c_st, c_sh, bf16;
+  const int64_t *block_tables;
+  int64_t bt_stride;
+  const int32_t *ctx_lens;
+  int64_t B, H, KVH, D, block_size;
+  float scale;
+  int64_t window;
+} args_t;
+
+/* n rows of the cache as float32 pointers: in place, or widened into buf [n, D] */
+static inline void rows(const void *cache, const int64_t *off, int64_t n, int64_t bf16,
+                        int64_t D, float *buf, const float **out) {
+  for (int64_t t = 0; t < n; t++) {
+    if (!bf16) {
+      out[t] = (const float *)cache + off[t];
+      continue;
+    }
+    const uint16_t *src = (const uint16_t *)cache + off[t];
+    float *dst = buf + t * D;
+#pragma omp simd
+    for (int64_t i = 0; i < D; i++) {
+      uint32_t w = (uint32_t)src[i] << 16;
+      memcpy(&dst[i], &w, sizeof w);
+    }
+    out[t] = dst;
+  }
+}
+
+/* one sequence and kv head; G, the group's size, is a constant where this is inlined */
+static inline __attribute__((always_inline)) void item(const args_t *a, int64_t b, int64_t kvh, const int G, float *kbuf,
+                        float *vbuf) {
+  const int64_t D = a->D, nv = D / VEC, bs = a->block_size;
+  const int64_t ctx = a->ctx_lens[b], first = ctx > a->window ? ctx - a->window : 0;
+  const int64_t *pages = a->block_tables + b * a->bt_stride;
+  float qs[G][MAX_DIM], acc[G][MAX_DIM], s[G][TILE + 3], m[G], l[G];
+  for (int g = 0; g < G; g++) {
+    const float *qg = a->q + b * a->q_sb + (kvh * G + g) * a->q_sh;
+    for (int64_t d = 0; d < D; d++) qs[g][d] = qg[d] * a->scale, acc[g][d] = 0.0f;
+    m[g] = -1e30f, l[g] = 0.0f;
+  }
+  int64_t page = first / bs, tok = first % bs;
+  for (int64_t j0 = first; j0 < ctx; j0 += TILE) {
+    const int64_t n = ctx - j0 < TILE ? ctx - j0 : TILE;
+    int64_t off[TILE];
+    const float *kr[TILE + 3], *vr[TILE];
+    for (int64_t t = 0; t < n; t++) { /* the tile's rows: no division per key */
+      off[t] = pages[page] * a->c_sp + tok * a->c_st + kvh * a->c_sh;
+      if (++tok == bs) page++, tok = 0;
+    }
+    /* every line of the tile's rows asked for at once: the loads below then wait on
+     * memory together, not one row after another */
+    const int64_t row_bytes = D * (a->bf16 ? 2 : 4);
+    for (int64_t t = 0; t < n; t++)
+      for (int64_t byte = 0; byte < row_bytes; byte += 64) {
+        __builtin_prefetch((const char *)a->k + off[t] * (a->bf16 ? 2 : 4) + byte);
+        __builtin_prefetch((const char *)a->v + off[t] * (a->bf16 ? 2 : 4) + byte);
+      }
+    rows(a->k, off, n, a->bf16, D, kbuf, kr);
+    /* four keys at a time: four independent sums (one sum's chain of FMAs waited on each
+     * other and on its rows' loads) */
+    for (int64_t t = n; t % 4; t++) kr[t] = kr[0]; /* a whole last four: repeats, unused */
+    for (int64_t g = 0; g < G; g++)
+      for (int64_t t = 0; t < n; t += 4) {
+        vec d0 = {0}, d1 = {0}, d2 = {0}, d3 = {0};
+        for (int64_t c = 0; c < D; c += VEC) {
+          vec qv = load(qs[g] + c);
+          d0 += qv * load(kr[t] + c);
+          d1 += qv * load(kr[t + 1] + c);
+          d2 += qv * load(kr[t + 2] + c);
+          d3 += qv * load(kr[t + 3] + c);
+        }
+        s[g][t] = hsum(d0), s[g][t + 1] = hsum(d1), s[g][t + 2] = hsum(d2), s[g][t + 3] = hsum(d3);
+      }
+    for (int g = 0; g < G; g++) {
+      float mt = m[g], sum = 0.0f;
+      for (int64_t t = 0; t < n; t++) mt = s[g][t] > mt ? s[g][t] : mt;
+      float c = exp_neg(m[g] - mt);
+#pragma omp simd reduction(+ : sum)
+      for (int64_t t = 0; t < n; t++) {
+        s[g][t] = exp_neg(s[g][t] - mt);
+        sum += s[g][t];
+      }
+      l[g] = l[g] * c + sum, m[g] = mt;
+      for (int64_t d = 0; d < D; d++) acc[g][d] *= c;
+    }
+    rows(a->v, off, n, a->bf16, D, vbuf, vr);
+    /* four vectors of each value row at a time: four independent sums */
+    for (int64_t g = 0; g < G; g++)
+      for (int64_t c = 0; c < D; c += 4 * VEC) {
+        float *o = acc[g] + c;
+        vec o0 = load(o), o1 = load(o + VEC), o2 = load(o + 2 * VEC), o3 = load(o + 3 * VEC);
+        for (int64_t t = 0; t < n; t++) {
+          const float *vt = vr[t] + c;
+          float p = s[g][t];
+          o0 += p * load(vt), o1 += p * load(vt + VEC);
+          o2 += p * load(vt + 2 * VEC), o3 += p * load(vt + 3 * VEC);
+        }
+        store(o, o0), store(o + VEC, o1), store(o + 2 * VEC, o2), store(o + 3 * VEC, o3);
+      }
+  }
+  for (int g = 0; g < G; g++) {
+    float *og = a->out + (b * a->H + kvh * G + g) * D, inv = 1.0f / l[g];
+    for (int64_t d = 0; d < D; d++) og[d] = acc[g][d] * inv;
+  }
+}
+
+#define GROUP(N)                                                                               \
+  case N:                                                                                      \
+    item(a, b, kvh, N, kbuf, vbuf);                                                            \
+    break;
+
+/* The cache strides (page, token, head) are in elements of the cache's dtype; q's d
+ * contiguous, out [B, H, D] contiguous. Returns 0, or -1 for a shape it does not take
+ * (head_dim not a multiple of 32 or over 256, a group of more than 8 query heads). */
+int decode_attention(const args_t *a) {
+  const int64_t G = a->H / a->KVH;
+  if (a->D % (4 * VEC) || a->D > MAX_DIM || G < 1 || G > 8 || G * a->KVH != a->H) return -1;
+#pragma omp parallel
+  {
+    float kbuf[TILE * MAX_DIM], vbuf[TILE * MAX_DIM];
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < a->B * a->KVH; it++) {
+      int64_t b = it / a->KVH, kvh = it % a->KVH;
+      switch (G) {
+        GROUP(1)
+        GROUP(2)
+        GROUP(3)
+        GROUP(4)
+        GROUP(5)
+        GROUP(6)
+        GROUP(7)
+        GROUP(8)
+      }
+    }
+  }
+  return 0;
+}

@@ -1,0 +1,105 @@
+/* A decode step's small ops on a CPU, each one pass over its rows where torch runs two to
+ * six ops (each dispatched, each writing a tensor the next reads): RMSNorm with the
+ * residual add before it, SwiGLU's silu(gate) * up, the rotary embedding in place, and
+ * the KV cache write. Built and loaded with the other loops (native.py); contracts and
+ * references in small_ops_native.py. Float32 activations; the cache float32 or bfloat16. */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* rows past which the work is split over the OpenMP team: a decode step's few rows take
+ * a few microseconds alone, about what starting the team costs */
+#define PARALLEL_ELEMS (1 << 16)
+
+/* y[r] = x[r] / sqrt(mean(x[r]^2) + eps) * w; with res, x[r] += res[r] first (x written) */
+void rms_norm(float *y, int64_t y_stride, float *x, int64_t x_stride, const float *res,
+              int64_t res_stride, const float *w, int64_t rows, int64_t cols, float eps) {
+#pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_ELEMS)
+  for (int64_t r = 0; r < rows; r++) {
+    float *xr = x + r * x_stride, *yr = y + r * y_stride;
+    if (res) {
+      const float *rr = res + r * res_stride;
+#pragma omp simd
+      for (int64_t c = 0; c < cols; c++) xr[c] += rr[c];
+    }
+    float ss = 0.0f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t c = 0; c < cols; c++) ss += xr[c] * xr[c];
+    const float inv = 1.0f / sqrtf(ss / (float)cols + eps);
+#pragma omp simd
+    for (int64_t c = 0; c < cols; c++) yr[c] = xr[c] * inv * w[c];
+  }
+}
+
+static inline float exp_clamped(float x) { /* e^x, x clamped to [-87, 88] (Cephes' expf) */
+  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  float t = x * 1.44269504088896341f;
+  float n = (t + 12582912.0f) - 12582912.0f; /* round to nearest (default rounding) */
+  float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits = ((int32_t)n + 127) << 23;
+  float scale;
+  memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+/* out[r, c] = silu(gu[r, c]) * gu[r, inter + c]: gate and up side by side in one row */
+void silu_mul(float *out, int64_t out_stride, const float *gu, int64_t gu_stride, int64_t rows,
+              int64_t inter) {
+#pragma omp parallel for schedule(static) if (rows * inter >= PARALLEL_ELEMS)
+  for (int64_t r = 0; r < rows; r++) {
+    const float *g = gu + r * gu_stride, *u = g + inter;
+    float *o = out + r * out_stride;
+#pragma omp simd
+    for (int64_t c = 0; c < inter; c++) o[c] = g[c] / (1.0f + exp_clamped(-g[c])) * u[c];
+  }
+}
+
+/* x[t, h] rotated in place: halves (a, b) -> (a cos - b sin, b cos + a sin), the tables'
+ * rows [T, D] (cos, and sin with its first half negated) */
+void rope(float *x, int64_t x_st, int64_t x_sh, int64_t T, int64_t heads, int64_t D,
+          const float *cos, const float *ssin, int64_t tab_stride) {
+  const int64_t half = D / 2;
+#pragma omp parallel for schedule(static) if (T * heads * D >= PARALLEL_ELEMS)
+  for (int64_t t = 0; t < T; t++) {
+    const float *c = cos + t * tab_stride, *s = ssin + t * tab_stride;
+    for (int64_t h = 0; h < heads; h++) {
+      float *a = x + t * x_st + h * x_sh, *b = a + half;
+#pragma omp simd
+      for (int64_t i = 0; i < half; i++) {
+        float ai = a[i], bi = b[i];
+        a[i] = ai * c[i] + bi * s[i];
+        b[i] = bi * c[half + i] + ai * s[half + i];
+      }
+    }
+  }
+}
+
+/* rows of the pool: cache[k_rows[t]] = k[t] and cache[v_rows[t]] = v[t], width elements
+ * each (float32, or bfloat16 rounded to nearest even as torch converts) */
+void write_kv(void *cache, int64_t width, int64_t bf16, const float *k, int64_t k_stride,
+              const float *v, int64_t v_stride, const int64_t *k_rows, const int64_t *v_rows,
+              int64_t T) {
+  for (int64_t t = 0; t < 2 * T; t++) {
+    const float *src = t < T ? k + t * k_stride : v + (t - T) * v_stride;
+    int64_t row = t < T ? k_rows[t] : v_rows[t - T];
+    if (!bf16) {
+      memcpy((float *)cache + row * width, src, width * sizeof(float));
+      continue;
+    }
+    uint16_t *dst = (uint16_t *)cache + row * width;
+#pragma omp simd
+    for (int64_t i = 0; i < width; i++) {
+      uint32_t u;
+      memcpy(&u, &src[i], sizeof u);
+      u += 0x7fffu + ((u >> 16) & 1u);
+      dst[i] = (uint16_t)(u >> 16);
+    }
+  }
+}

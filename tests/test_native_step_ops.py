@@ -1,0 +1,116 @@
+"""The decode step's small ops in compiled loops (kernels/small_ops_native.py) against the
+torch forms the forward pass runs without them, and the compiled decode attention's
+shapes left to the reference (kernels/attention_native.py); the attention itself is
+checked beside the torch path in test_kernels.py, the whole step in test_lora_native.py
+(the engine with `kernels: native` against `torch`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loraplex.kernels import attention_native
+from loraplex.kernels import small_ops_native as small_ops
+from loraplex.kernels.attention import attention_mask, paged_attention, write_kv
+from loraplex.replica.model.rope import rotate
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def _gen() -> torch.Generator:
+    return torch.Generator().manual_seed(0)
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_rms_norm_adds_the_residual_in_place_then_normalises(cpu_loops, residual):
+    g = _gen()
+    wide = torch.randn(6, 80, generator=g) * 4
+    h = wide[:, :64]  # rows with a stride, as a view's
+    tail = wide[:, 64:].clone()
+    delta = torch.randn(6, 64, generator=g) if residual else None
+    weight = torch.randn(64, generator=g)
+    want_h = h + delta if delta is not None else h.clone()
+    got = small_ops.rms_norm(cpu_loops, h, weight, 1e-6, delta)
+    assert torch.equal(h, want_h)  # the residual add is exact, and written into h
+    torch.testing.assert_close(got, F.rms_norm(want_h, (64,), weight, 1e-6), **TOL)
+    assert torch.equal(wide[:, 64:], tail)  # nothing past the view written
+
+
+def test_silu_mul_over_gate_and_up_halves(cpu_loops):
+    gate_up = torch.randn(5, 2 * 40, generator=_gen()) * 8  # reaches exp's clamped range
+    gate_up[0, :3] = torch.tensor([-100.0, 100.0, 0.0])
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(small_ops.silu_mul(cpu_loops, gate_up), F.silu(gate) * up, **TOL)
+
+
+def test_rotate_in_place_matches_the_torch_rotation(cpu_loops):
+    g = _gen()
+    qkv = torch.randn(4, 11 * 16, generator=g)
+    qk = qkv[:, : 9 * 16].view(4, 9, 16)  # q's and k's heads of a fused qkv row, v after
+    v_before = qkv[:, 9 * 16 :].clone()
+    cos, signed_sin = torch.randn(4, 1, 16, generator=g), torch.randn(4, 1, 16, generator=g)
+    want = rotate(qk, cos, signed_sin)
+    got = small_ops.rotate_(cpu_loops, qk, cos, signed_sin)
+    assert got.data_ptr() == qk.data_ptr()
+    torch.testing.assert_close(got, want, **TOL)
+    assert torch.equal(qkv[:, 9 * 16 :], v_before)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_writes_the_rows_torch_writes(cpu_loops, cache_dtype):
+    g = _gen()
+    qkv = torch.randn(5, 7, 8, generator=g)
+    k, v = qkv[:, 3:5], qkv[:, 5:7]  # views of the fused output, as the model's
+    k_rows, v_rows = torch.tensor([0, 4, 6, 13, 2]), torch.tensor([1, 5, 7, 12, 3])
+    got = torch.zeros(14, 16, dtype=cache_dtype)
+    want = torch.zeros(14, 16, dtype=cache_dtype)
+    small_ops.write_kv(cpu_loops, got, k, v, k_rows, v_rows)
+    write_kv(want, k, v, k_rows, v_rows)
+    assert torch.equal(got, want)  # bfloat16: rounded to nearest even, as torch converts
+
+
+def test_other_dtypes_take_the_torch_forms(cpu_loops):
+    g = _gen()
+    x = torch.randn(3, 32, generator=g).bfloat16()
+    weight = torch.randn(32, generator=g).bfloat16()
+    want = F.rms_norm(x.float(), (32,), weight.float(), 1e-5).bfloat16()
+    assert torch.equal(small_ops.rms_norm(cpu_loops, x, weight, 1e-5), want)
+    gate_up = torch.randn(3, 64, generator=g).bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(small_ops.silu_mul(cpu_loops, gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "cache_dtype"),
+    [(4, 2, 48, torch.float32), (32, 2, 64, torch.float32), (4, 2, 64, torch.float16)],
+    ids=["head-dim-48", "group-of-16", "float16-cache"],
+)
+def test_decode_attention_leaves_shapes_it_does_not_take_to_the_reference(
+    cpu_loops, heads, kv_heads, head_dim, cache_dtype
+):
+    assert not attention_native.takes(heads, kv_heads, head_dim, cache_dtype)
+    g = _gen()
+    cache = torch.randn(10, 2, 4, kv_heads, head_dim, generator=g).to(cache_dtype)
+    k, v = cache[:, 0], cache[:, 1]
+    tables = torch.randperm(10, generator=g)[:6].view(2, 3).int()  # int32 tables
+    ctx = torch.tensor([9, 3], dtype=torch.int32)
+    q = torch.randn(2, heads, head_dim, generator=g)
+    mask = attention_mask(ctx.long() - 1, 1, ctx.long(), 12)
+    want = paged_attention(q[:, None], k, v, tables.long(), mask, 0.3)[:, 0]
+    got = attention_native.decode_attention(cpu_loops, q, k, v, tables, ctx, 0.3)
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_decode_attention_takes_int32_tables_and_a_batch_of_none(cpu_loops):
+    g = _gen()
+    cache = torch.randn(10, 2, 4, 1, 32, generator=g)
+    k, v = cache[:, 0], cache[:, 1]
+    tables = torch.randperm(10, generator=g)[:6].view(2, 3)
+    ctx = torch.tensor([12, 1], dtype=torch.int32)
+    q = torch.randn(2, 2, 32, generator=g)
+    want = attention_native.decode_attention(cpu_loops, q, k, v, tables, ctx, 0.3)
+    got = attention_native.decode_attention(cpu_loops, q, k, v, tables.int(), ctx, 0.3)
+    assert torch.equal(got, want)
+    none = attention_native.decode_attention(cpu_loops, q[:0], k, v, tables[:0], ctx[:0], 0.3)
+    assert none.shape == (0, 2, 32)

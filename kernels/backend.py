@@ -90,8 +90,10 @@ class TorchBackend:
 
 
 class NativeBackend(TorchBackend):
-    """The compiled CPU loops (lora_native) for steps whose segments are short (decode and
-    small prefills) on a float32 pool; the torch ops for the others. Every group of such a
+    """The compiled CPU loops (native.py): decode attention (attention_native), the step's
+    small ops (`cpu_loops`, used by the model's ForwardOps) and LoRA (lora_native) for
+    steps whose segments are short (decode and small prefills) on a float32 pool; the torch
+    ops for the others. Every group of such a
     step runs in the loops, those the torch ops would gather too: on SmolLM2's light decode
     step (8 adapters of rank 16 on q/k/v/o, 4 tokens each, whose rows the torch ops gather
     and keep) a step took 92.8-94.2 ms in the loops against 92.1-93.1 with those groups

@@ -103,3 +103,26 @@ void write_kv(void *cache, int64_t width, int64_t bf16, const float *k, int64_t 
     }
   }
 }
+
+/* out[r] = the first index of row r's largest value (of its first NaN, as torch's argmax
+ * gives): a vectorised max, then a search for its first place */
+void argmax_rows(int64_t *out, const float *x, int64_t x_stride, int64_t rows, int64_t cols) {
+#pragma omp parallel for schedule(static) if (rows * cols >= PARALLEL_ELEMS)
+  for (int64_t r = 0; r < rows; r++) {
+    const float *xr = x + r * x_stride;
+    float best = -INFINITY;
+    int nan = 0;
+#pragma omp simd reduction(max : best) reduction(| : nan)
+    for (int64_t c = 0; c < cols; c++) {
+      best = xr[c] > best ? xr[c] : best;
+      nan |= xr[c] != xr[c];
+    }
+    int64_t at = 0;
+    for (int64_t c = 0; c < cols; c++)
+      if (nan ? xr[c] != xr[c] : xr[c] == best) {
+        at = c;
+        break;
+      }
+    out[r] = at;
+  }
+}

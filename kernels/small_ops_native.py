@@ -5,6 +5,7 @@ form the forward pass otherwise runs (replica/model/llama.py `ForwardOps`):
     silu_mul(gate_up)               F.silu(gate) * up, gate and up the row's two halves
     rotate_(x, cos, signed_sin)     rope.rotate, in place
     write_kv(rows, k, v, ...)       attention.write_kv
+    argmax_rows(logits)             logits.argmax(-1).tolist() (greedy sampling)
 
 On SmolLM2's decode step (batch 32) torch takes 60-90 us a call for each of the first
 three where the data is a few tens of kilobytes: two to six ops, each dispatched and
@@ -115,6 +116,16 @@ def write_kv(
     )  # fmt: skip
 
 
+def argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> list[int]:
+    """[n, V] -> each row's argmax (the first of equal maxima; of NaNs, the first NaN).
+    torch's argmax took 1.3 ms over SmolLM2's 32 x 49,152 logits in cache, 2.1 out of it."""
+    if not _rows(logits):
+        return logits.argmax(dim=-1).tolist()
+    out = torch.empty(logits.shape[0], dtype=torch.int64)
+    lib.argmax_rows(out.data_ptr(), logits.data_ptr(), logits.stride(0), *logits.shape)
+    return out.tolist()
+
+
 def declare(lib: ctypes.CDLL) -> None:
     """The loops' argument types."""
     p, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -122,7 +133,8 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.silu_mul.argtypes = [p, i, p, i, i, i]
     lib.rope.argtypes = [p, i, i, i, i, i, p, p, i]
     lib.write_kv.argtypes = [p, i, i, p, i, p, i, p, p, i]
-    for fn in (lib.rms_norm, lib.silu_mul, lib.rope, lib.write_kv):
+    lib.argmax_rows.argtypes = [p, p, i, i, i]
+    for fn in (lib.rms_norm, lib.silu_mul, lib.rope, lib.write_kv, lib.argmax_rows):
         fn.restype = None
 
 
@@ -151,5 +163,10 @@ def check(lib: ctypes.CDLL) -> None:
         write_kv(lib, cache, k, v, k_rows, v_rows)
         torch_write_kv(want_c, k, v, k_rows, v_rows)
         ok &= torch.equal(cache, want_c)
+    logits = torch.randn(4, 37, generator=gen)
+    logits[1, 5] = logits[1, 30] = 9.0  # a tie: the first
+    logits[2, 7] = float("nan")
+    logits[3] = float("-inf")
+    ok &= argmax_rows(lib, logits) == logits.argmax(dim=-1).tolist()
     if not ok:
         raise RuntimeError("the compiled small ops disagree with their torch forms")

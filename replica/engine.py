@@ -311,7 +311,7 @@ class LLMEngine:
             self.prompt_tokens_computed += max(0, min(n, len(seq.prompt_ids) - seq.num_computed))
             seq.num_computed += n
             self.kv.commit(seq)
-        greedy = greedy_tokens(logits)
+        greedy = greedy_tokens(logits, self.model.ops.loops)
         if logits.device.type != "cpu" and any(
             not s.params.greedy or s.params.return_logits for s in batch.sampled
         ):  # sampled with each request's own generator (on the host, so a stream resumed on

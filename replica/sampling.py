@@ -8,11 +8,14 @@ checks (`check_*`), so a bad value is a 400 naming the field, never a fault in t
 
 from __future__ import annotations
 
+import ctypes
 import math
 from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from loraplex.kernels import small_ops_native as small_ops
 
 # Temperatures below this act as greedy decoding (as in vLLM's _SAMPLING_EPS): dividing
 # float32 logits by a smaller one overflows to inf and the softmax gives NaN.
@@ -123,8 +126,11 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     return logits
 
 
-def greedy_tokens(logits: torch.Tensor) -> list[int]:
-    """logits [n, V] -> the argmax of every row."""
+def greedy_tokens(logits: torch.Tensor, loops: ctypes.CDLL | None = None) -> list[int]:
+    """logits [n, V] -> the argmax of every row (in the compiled loops where given:
+    kernels/small_ops_native.py)."""
+    if loops is not None and logits.device.type == "cpu":
+        return small_ops.argmax_rows(loops, logits)
     return logits.argmax(dim=-1).tolist()
 
 

@@ -14,6 +14,7 @@ from loraplex.kernels import attention_native
 from loraplex.kernels import small_ops_native as small_ops
 from loraplex.kernels.attention import attention_mask, paged_attention, write_kv
 from loraplex.replica.model.rope import rotate
+from loraplex.replica.sampling import greedy_tokens
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 
@@ -114,3 +115,16 @@ def test_decode_attention_takes_int32_tables_and_a_batch_of_none(cpu_loops):
     assert torch.equal(got, want)
     none = attention_native.decode_attention(cpu_loops, q[:0], k, v, tables[:0], ctx[:0], 0.3)
     assert none.shape == (0, 2, 32)
+
+
+def test_argmax_rows_gives_torch_argmax_ties_nans_and_all(cpu_loops):
+    logits = torch.randn(6, 49_152, generator=_gen())
+    logits[1, [100, 40_000]] = 50.0  # a tie: the first
+    logits[2, 9] = float("nan")  # a NaN wins, as in torch
+    logits[3] = float("-inf")
+    logits[4, -1] = 60.0  # the last column
+    want = logits.argmax(dim=-1).tolist()
+    assert small_ops.argmax_rows(cpu_loops, logits) == want
+    assert greedy_tokens(logits, cpu_loops) == greedy_tokens(logits) == want
+    wide = torch.randn(3, 80, generator=_gen())
+    assert small_ops.argmax_rows(cpu_loops, wide[:, :50]) == wide[:, :50].argmax(-1).tolist()

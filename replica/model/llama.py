@@ -53,8 +53,11 @@ class ForwardOps:
         self.loops = kernels.cpu_loops
 
     def lora(self, y: torch.Tensor, x: torch.Tensor, lora: list, group: int) -> None:
-        """y += LoRA(x) for one group of a layer; lora: the layer's `kernels.prepare` args."""
-        self.kernels.expand(y, self.kernels.shrink(x, lora[group]), lora[group])
+        """y += LoRA(x) for one group of a layer; lora: the layer's `kernels.prepare` args
+        (None: no adapter of the step has the group, or none is in it)."""
+        args = lora[group]
+        if args is not None:
+            self.kernels.expand(y, self.kernels.shrink(x, args), args)
 
     def norm(
         self, h: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
@@ -169,18 +172,20 @@ class LlamaModel:
             kv_cache, kv_rows.view(-1, cfg.head_dim), cfg.num_heads, self.scale,
             ops.kernels.decode_attention,
         )  # fmt: skip
-        eps = cfg.rms_norm_eps
+        # the config's shape fields read once, not per layer (its __getattr__ costs ~1 us)
+        eps, hd, heads, kv_heads = cfg.rms_norm_eps, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        q_size, qk_size = cfg.q_size, cfg.q_size + cfg.kv_size
         pending = None  # the last layer's output, added to h by the next norm
         for i, layer in enumerate(self.layers):
             lora = loras[i]
             x = ops.norm(h, layer["input_norm"], eps, pending)
             qkv = linear(x, layer["qkv"])
             ops.lora(qkv, x, lora, QKV)
-            qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, -1, cfg.head_dim)
-            q, k = ops.rotate(qk, cos, signed_sin).split((cfg.num_heads, cfg.num_kv_heads), dim=1)
-            v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, cfg.num_kv_heads, cfg.head_dim)
+            qk = qkv[:, :qk_size].view(t, -1, hd)
+            q, k = ops.rotate(qk, cos, signed_sin).split((heads, kv_heads), dim=1)
+            v = qkv[:, qk_size:].view(t, kv_heads, hd)
             ops.write_kv(kv_rows, k, v, batch.kv_rows[i, 0], batch.kv_rows[i, 1])
-            attn = attention(q, i).reshape(t, cfg.q_size)
+            attn = attention(q, i).reshape(t, q_size)
             o = linear(attn, layer["o"])
             ops.lora(o, attn, lora, OUT)
 

@@ -16,7 +16,6 @@ shrink output between them) — and a decode attention (None: the reference path
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 from collections.abc import Callable, Mapping
 from typing import Any, Literal, Protocol
@@ -108,7 +107,7 @@ class NativeBackend(TorchBackend):
         if lib is None:
             raise ValueError(f"kernels: native is unavailable here: {native.unavailable()}")
         self.lib = lib
-        self.decode_attention = functools.partial(attention_native.decode_attention, lib)
+        self.decode_attention = attention_native.DecodeAttention(lib)
         self.cpu_loops = lib
         self.arena = arena
         self.tables = LoraTableBuilder(arena, layout)

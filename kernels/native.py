@@ -34,6 +34,7 @@ PARTS = (
     ("small_ops_cpu.c", small_ops_native),
 )
 SOURCES = tuple(Path(__file__).with_name(name) for name, _ in PARTS)
+HEADERS = (Path(__file__).with_name("cpu_math.h"),)  # included by the sources
 FLAGS = ("-O3", "-march=native", "-shared", "-fPIC")
 _why_not: list[str] = []
 
@@ -86,7 +87,7 @@ def _build() -> Path:
     flags = (*FLAGS, _openmp_flag())
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30)
     key = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES), " ".join(flags).encode()):
+    for part in (*(f.read_bytes() for f in SOURCES + HEADERS), " ".join(flags).encode()):
         key.update(part)
     key.update(version.stdout.encode())
     key.update(_cpu().encode())

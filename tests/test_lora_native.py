@@ -163,13 +163,18 @@ def test_long_segments_take_the_torch_ops(lib):
 @pytest.mark.slow
 def test_engine_with_native_loops_matches_torch_ops(demo_assets, lib):
     """The same mixed batch (prefill, then decode steps of adapters and the base model)
-    through the engine with each backend: the same tokens, logits within float error."""
+    through the engine with each backend (native: LoRA, decode attention and the step's
+    small ops in the compiled loops): the same tokens, logits within float error."""
 
     def run(kernels: str):
         engine = LLMEngine(
             EngineConfig(model=str(demo_assets.model), pool_bytes=64 << 20, kernels=kernels)
         )
         assert engine.kernels == kernels
+        # native: decode attention and the small ops in the loops too; torch: none of them
+        ops = engine.model.ops
+        assert (ops.loops is not None) == (kernels == "native")
+        assert (ops.kernels.decode_attention is not None) == (kernels == "native")
         for name in ("chat-r16", "math-r64", "sql-r8"):
             engine.add_adapter(name, demo_assets.adapters_dir / name)
         logits: list[torch.Tensor] = []

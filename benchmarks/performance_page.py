@@ -53,10 +53,10 @@ HEADLINES = [
     Headline("engine", "lora_overhead", "<= 0.15", "a base-only batch's decode step in the same engine (8 adapters r16 q/k/v/o)"),
     Headline("engine", "lora_overhead_heavy_vs_bound", "<= 1.5", "adapter weight bytes / base weight bytes"),
     Headline("engine", "gemm_efficiency", ">= 0.6", "the step's base GEMMs alone"),
-    Headline("engine", "real.speedup_vs_peft", ">= 3", "transformers + peft on SmolLM2-135M; the runs before on 2026-12-07: 3.63, 3.63 (every loop), 3.02 (LoRA's loops only; see engine below)"),
+    Headline("engine", "real.speedup_vs_peft", ">= 3", "transformers + peft on SmolLM2-135M; the runs before on 2026-12-07: 3.51, 3.63, 3.63 (every loop), 3.02 (LoRA's loops only; see engine below)"),
     Headline("engine", "real.lora_overhead", "<= 0.10", "SmolLM2's base-only batch in the same engine"),
     Headline("engine", "real.lora_overhead_heavy_vs_bound", "<= 1.0", "adapter weight bytes / base weight bytes"),
-    Headline("engine", "real.gemm_efficiency", ">= 0.75", "SmolLM2's base GEMMs alone; the runs before on 2026-12-07: 0.744, 0.690 (see engine below)"),
+    Headline("engine", "real.gemm_efficiency", ">= 0.75", "SmolLM2's base GEMMs alone; the runs before on 2026-12-07: 0.747, 0.744, 0.690 (see engine below)"),
     Headline("engine", "detok.per_token_cost_ratio", "<= 1.5", "per-token output cost at 20 tokens"),
     Headline("engine", "tp.lora_comm_ratio", "<= 0.05", "the base model's collective bytes"),
     Headline("engine", "prefix.p50_ttft_ratio", "<= 0.5", "the same engine with prefix caching off"),
@@ -116,7 +116,7 @@ weights. `tp.*`: tp = 2 over gloo beside
 tp = 1, bytes rank 0 sends. `prefix.*`: 16 tenants with long system prompts, caching on ÷
 off on the same arrivals. Under `--quick` each tenant holds the full run's two
 conversations of three turns with shorter prompts (system prompts of 128-256 tokens), in
-one round: `prefix.p50_ttft_ratio` 0.357/0.317/0.378 by round of the published run (0.319/0.335/0.297 in that of 10:40). Until
+one round: `prefix.p50_ttft_ratio` 0.371/0.331/0.362 by round of the published run (0.319/0.335/0.297 in that of 10:40). Until
 2026-12-06 the quick shape held one conversation of two turns, so every first turn, half
 the requests, met its system prompt cold (the cache is reset before each run): half the
 requests could not hit by construction, `prefill_tokens_ratio` could not fall below 0.5
@@ -126,8 +126,8 @@ on 2026-12-06 (164 s, load 0.5-1.5), read `p50_ttft_ratio` 0.142, `prefill_token
 0.218, `throughput_ratio` 2.26 and `unified_vs_split` 0.848. `detok.*`: the output path's time per token at 2,000 ÷ at 20
 output tokens.
 
-The published run (2026-12-07 13:17-13:30, the machine alone, load 0.7 before, 1.4 after)
-is the third whose decode steps run the rest of the step in compiled loops too
+The published run (2026-12-07 13:32-13:45, the machine alone, load 0.7 before, 1.5 after)
+is the fourth whose decode steps run the rest of the step in compiled loops too
 (kernels/native.py, one library): decode attention reads every key and value where the pool
 keeps them (attention_cpu.c: no gathered copy, one call a layer where the torch path ran a
 gather and ~6 ops), and the step's small ops are one pass each (small_ops_cpu.c: RMSNorm
@@ -137,26 +137,28 @@ Alternating in one engine (12:38, load 1.1-1.5, contexts growing 64 -> 140), Smo
 step took 84.3 ms with every loop against 104.0 with none, 88.9 with the attention alone
 and 92.6 with the small ops alone; the sections of a step (timed around each call, whichever
 path) read attention 13.3 ms against 28.1, norms 3.1 against 6.9, RoPE 0.9 against 2.8, the
-KV write 0.9 against 1.9. `real.gemm_efficiency` reads 0.747 (0.767/0.747/0.741): missed by
-a hair. The two runs before it read 0.744 (0.744/0.740/0.772; 13:00, before a base step's
-no-op LoRA calls were dropped, ~1 ms) and 0.690 (0.690/0.654/0.780; 12:43, before the
-argmax and the small ops' second thread): of the six rounds since the argmax, three reach
-0.75. The synthetic `gemm_efficiency` reads 0.664 (0.664/0.674/0.648; the runs before 0.645
-and 0.625): met. What is left beside the GEMMs (one round's sections, 98.6 ms: GEMMs 71.8,
-attention 10.3, norms 4.8, RoPE 1.2, KV write 1.2, SwiGLU 2.3, the rest 7.2; cProfile over
-ten steps: Python in the forward pass ~3 ms, the step's batch 0.8, sampling 0.3) is mostly
-attention, and it is memory: with a bfloat16 cache, half the bytes, the base step takes
-0.92 (0.92/0.90/0.86) of the float32 one's time in this run, where before the loop it took
+KV write 0.9 against 1.9. `real.gemm_efficiency` reads 0.745 (0.741/0.745/0.762): missed by
+a hair. The three runs before it read 0.747 (0.767/0.747/0.741; 13:17, before the loops
+shared one exp and the attention took its group size at run time, measured no slower),
+0.744 (0.744/0.740/0.772; 13:00, before a base step's no-op LoRA calls were dropped, ~1 ms)
+and 0.690 (0.690/0.654/0.780; 12:43, before the argmax and the small ops' second thread):
+of the nine rounds since the argmax, three reach 0.75, the median 0.745. The synthetic
+`gemm_efficiency` reads 0.651 (0.656/0.645/0.651; the runs before 0.664, 0.645 and 0.625):
+met. What is left beside the GEMMs (one round's sections, 86.7 ms: GEMMs 63.9, attention
+9.7, norms 3.5, RoPE 0.8, KV write 1.0, SwiGLU 1.9, the rest 6.0; cProfile over ten steps:
+Python in the forward pass ~3 ms, the step's batch 0.8, sampling 0.3) is mostly attention,
+and it is memory: with a bfloat16 cache, half the bytes, the base step takes 0.93
+(0.93/0.94/0.93) of the float32 one's time in this run, where before the loop it took
 1.0 (`real.kv_cache_bf16_step_ratio`), and the loop reads ~110 MB of keys and values a step
 at ~11 GB/s where a stream reads 22. Prefetching the next work item's first tile and
 prefetching all kv heads' rows at once (tried, 13:05-13:15) did not move it. The GEMMs
-themselves ran slower in every run of the afternoon than in the morning's (62-76 ms alone
-against 52-53), and the ratio moved less than either. `real.speedup_vs_peft` reads 3.51
-(3.57/3.43/3.51; 3.63 and 3.63 in the two runs before), the synthetic `speedup_vs_peft`
-5.07 (5.07/4.86/5.56; 5.33 and 5.00), both targets met with room now. The base step being
-shorter, LoRA's relative overheads read higher against the same LoRA work: `lora_overhead`
-0.099 (0.127/0.099/0.010), `real.lora_overhead` 0.058, the heavy steps 0.36 and 0.43 of
-their bounds.
+themselves ran slower in most runs of the afternoon than in the morning's (54-76 ms alone
+against 52-53), and the ratio moved less than either. `real.speedup_vs_peft` reads 3.44
+(3.44/3.28/3.77; 3.51, 3.63 and 3.63 in the runs before), the synthetic `speedup_vs_peft`
+5.36 (5.66/5.36/5.13; 5.07, 5.33 and 5.00), both targets met with room now. The base step
+being shorter, LoRA's relative overheads read higher against the same LoRA work:
+`lora_overhead` 0.097 (0.089/0.122/0.097; 0.099 at 13:17), `real.lora_overhead` 0.082
+(0.078/0.101/0.082), the heavy steps 0.37 and 0.40 of their bounds.
 
 The run of 2026-12-07 10:40-10:52 (the machine alone, load 0.6 before, 1.5 after)
 was the first whose decode steps run LoRA in compiled loops on this CPU (`kernels: native`,

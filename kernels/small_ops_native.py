@@ -7,12 +7,15 @@ form the forward pass otherwise runs (replica/model/llama.py `ForwardOps`):
     write_kv(rows, k, v, ...)       attention.write_kv
     argmax_rows(logits)             logits.argmax(-1).tolist() (greedy sampling)
 
+Each returns None (write_kv False) where its input is not what the loop takes — anything but
+float32 rows with their last dimension contiguous — having touched nothing; the caller
+then runs its torch form (ForwardOps, sampling.greedy_tokens), the one copy of it.
+
 On SmolLM2's decode step (batch 32) torch takes 60-90 us a call for each of the first
 three where the data is a few tens of kilobytes: two to six ops, each dispatched and
 each writing a tensor the weights have just pushed out of the cache. A loop is one pass.
 Results agree with the torch forms to float32 rounding (sums in another order, an
-expf polynomial within 2 ulp), not bit for bit. Anything but float32 rows with their last
-dimension contiguous goes to the torch form.
+expf polynomial within 2 ulp), not bit for bit.
 """
 
 from __future__ import annotations
@@ -36,13 +39,11 @@ def rms_norm(
     weight: torch.Tensor,  # [C]
     eps: float,
     residual: torch.Tensor | None = None,
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """x / sqrt(mean(x^2) + eps) * weight, new rows."""
     ok = _rows(x) and weight.dtype == torch.float32 and weight.is_contiguous()
     if not ok or (residual is not None and not _rows(residual)):
-        if residual is not None:
-            x += residual
-        return F.rms_norm(x.float(), weight.shape, weight.float(), eps).to(x.dtype)
+        return None
     y = torch.empty(x.shape, dtype=torch.float32)
     lib.rms_norm(
         y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0),
@@ -53,11 +54,10 @@ def rms_norm(
     return y
 
 
-def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor | None:
     """[T, 2I] -> [T, I]: silu(gate) * up."""
     if not _rows(gate_up):
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate).mul_(up)
+        return None
     rows, width = gate_up.shape
     out = torch.empty(rows, width // 2, dtype=torch.float32)
     lib.silu_mul(
@@ -71,7 +71,7 @@ def rotate_(
     x: torch.Tensor,  # [T, heads, D], D contiguous: rotated in place
     cos: torch.Tensor,  # [T, 1, D]
     signed_sin: torch.Tensor,  # [T, 1, D], the first half negated
-) -> torch.Tensor:
+) -> torch.Tensor | None:
     """x, rotated in place (rope.rotate's result)."""
     t, heads, dim = x.shape
     tables = all(
@@ -80,10 +80,7 @@ def rotate_(
         for tab in (cos, signed_sin)
     )  # fmt: skip
     if x.dtype != torch.float32 or x.stride(2) != 1 or dim % 2 or not tables:
-        half = dim // 2
-        swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-        x.copy_((x * cos).add_(swapped.mul_(signed_sin)))
-        return x
+        return None
     lib.rope(
         x.data_ptr(), x.stride(0), x.stride(1), t, heads, dim,
         cos.data_ptr(), signed_sin.data_ptr(), cos.stride(0),
@@ -98,8 +95,9 @@ def write_kv(
     v: torch.Tensor,
     k_rows: torch.Tensor,  # [T] int64
     v_rows: torch.Tensor,
-) -> None:
-    """attention.write_kv: cache_rows[k_rows[t]] = k[t], the same for v."""
+) -> bool:
+    """attention.write_kv: cache_rows[k_rows[t]] = k[t], the same for v; False (nothing
+    written) where the loop does not take these tensors."""
     width = cache_rows.shape[1]
     flat = all(
         t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v)
@@ -107,20 +105,20 @@ def write_kv(
     rows_ok = all(r.dtype == torch.int64 and r.is_contiguous() for r in (k_rows, v_rows))
     cache_ok = cache_rows.dtype in (torch.float32, torch.bfloat16) and cache_rows.is_contiguous()
     if not (flat and rows_ok and cache_ok) or k.shape[1] * k.shape[2] != width:
-        torch_write_kv(cache_rows, k, v, k_rows, v_rows)
-        return
+        return False
     lib.write_kv(
         cache_rows.data_ptr(), width, int(cache_rows.dtype == torch.bfloat16),
         k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
         k_rows.data_ptr(), v_rows.data_ptr(), k.shape[0],
     )  # fmt: skip
+    return True
 
 
-def argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> list[int]:
+def argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> list[int] | None:
     """[n, V] -> each row's argmax (the first of equal maxima; of NaNs, the first NaN).
     torch's argmax took 1.3 ms over SmolLM2's 32 x 49,152 logits in cache, 2.1 out of it."""
     if not _rows(logits):
-        return logits.argmax(dim=-1).tolist()
+        return None
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     lib.argmax_rows(out.data_ptr(), logits.data_ptr(), logits.stride(0), *logits.shape)
     return out.tolist()
@@ -138,6 +136,9 @@ def declare(lib: ctypes.CDLL) -> None:
         fn.restype = None
 
 
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
 def check(lib: ctypes.CDLL) -> None:
     """Each loop against its torch form on a few rows (strided where the step's are)."""
     gen = torch.Generator().manual_seed(0)
@@ -145,22 +146,23 @@ def check(lib: ctypes.CDLL) -> None:
     res, w = torch.randn(5, 48, generator=gen), torch.randn(48, generator=gen)
     want_h = x + res
     got = rms_norm(lib, x, w, 1e-5, res)
-    ok = torch.equal(x, want_h)
-    ok &= torch.allclose(got, F.rms_norm(want_h, w.shape, w, 1e-5), rtol=1e-5, atol=1e-5)
+    ok = got is not None and torch.equal(x, want_h)
+    ok &= got is not None and torch.allclose(got, F.rms_norm(want_h, w.shape, w, 1e-5), **TOL)
     gate_up = torch.randn(5, 2 * 24, generator=gen) * 6
     gate, up = gate_up.chunk(2, dim=-1)
-    ok &= torch.allclose(silu_mul(lib, gate_up), F.silu(gate) * up, rtol=1e-5, atol=1e-5)
+    act = silu_mul(lib, gate_up)
+    ok &= act is not None and torch.allclose(act, F.silu(gate) * up, **TOL)
     qkv = torch.randn(5, 7, 16, generator=gen)  # rotate the first 6 heads of 7
     cos, sin = torch.randn(5, 1, 16, generator=gen), torch.randn(5, 1, 16, generator=gen)
     swapped = torch.cat((qkv[:, :6, 8:], qkv[:, :6, :8]), dim=-1)
     want_r = qkv[:, :6] * cos + swapped * sin
-    rotate_(lib, qkv[:, :6], cos, sin)
-    ok &= torch.allclose(qkv[:, :6], want_r, rtol=1e-5, atol=1e-5)
+    ok &= rotate_(lib, qkv[:, :6], cos, sin) is not None
+    ok &= torch.allclose(qkv[:, :6], want_r, **TOL)
     for dtype in (torch.float32, torch.bfloat16):
         cache, want_c = torch.zeros(12, 32, dtype=dtype), torch.zeros(12, 32, dtype=dtype)
         k, v = qkv[:, :2].contiguous(), qkv[:, 2:4].contiguous()
         k_rows, v_rows = torch.tensor([0, 3, 4, 9, 11]), torch.tensor([1, 2, 5, 7, 10])
-        write_kv(lib, cache, k, v, k_rows, v_rows)
+        ok &= write_kv(lib, cache, k, v, k_rows, v_rows)
         torch_write_kv(want_c, k, v, k_rows, v_rows)
         ok &= torch.equal(cache, want_c)
     logits = torch.randn(4, 37, generator=gen)

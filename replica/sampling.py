@@ -130,7 +130,9 @@ def greedy_tokens(logits: torch.Tensor, loops: ctypes.CDLL | None = None) -> lis
     """logits [n, V] -> the argmax of every row (in the compiled loops where given:
     kernels/small_ops_native.py)."""
     if loops is not None and logits.device.type == "cpu":
-        return small_ops.argmax_rows(loops, logits)
+        tokens = small_ops.argmax_rows(loops, logits)
+        if tokens is not None:
+            return tokens
     return logits.argmax(dim=-1).tolist()
 
 

@@ -6,6 +6,8 @@ checked beside the torch path in test_kernels.py, the whole step in test_lora_na
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 from loraplex.kernels import attention_native
 from loraplex.kernels import small_ops_native as small_ops
 from loraplex.kernels.attention import attention_mask, paged_attention, write_kv
+from loraplex.replica.model.llama import ForwardOps
 from loraplex.replica.model.rope import rotate
 from loraplex.replica.sampling import greedy_tokens
 
@@ -72,14 +75,39 @@ def test_write_kv_writes_the_rows_torch_writes(cpu_loops, cache_dtype):
 
 
 def test_other_dtypes_take_the_torch_forms(cpu_loops):
+    """The loops refuse what they do not take, touching nothing; ForwardOps then runs its
+    torch forms (the one copy of each), the same results as without the loops."""
     g = _gen()
     x = torch.randn(3, 32, generator=g).bfloat16()
+    res = torch.randn(3, 32, generator=g).bfloat16()
     weight = torch.randn(32, generator=g).bfloat16()
-    want = F.rms_norm(x.float(), (32,), weight.float(), 1e-5).bfloat16()
-    assert torch.equal(small_ops.rms_norm(cpu_loops, x, weight, 1e-5), want)
+    x_before = x.clone()
+    assert small_ops.rms_norm(cpu_loops, x, weight, 1e-5, res) is None
+    assert torch.equal(x, x_before)  # the residual was not added
     gate_up = torch.randn(3, 64, generator=g).bfloat16()
+    assert small_ops.silu_mul(cpu_loops, gate_up) is None
+    qk = torch.randn(3, 2, 32, generator=g).bfloat16()
+    cos, signed_sin = torch.randn(3, 1, 32).bfloat16(), torch.randn(3, 1, 32).bfloat16()
+    assert small_ops.rotate_(cpu_loops, qk, cos, signed_sin) is None
+    assert small_ops.argmax_rows(cpu_loops, gate_up) is None
+    cache = torch.zeros(4, 32, dtype=torch.float16)
+    rows = torch.tensor([0, 2, 3]), torch.tensor([1, 2, 3])
+    assert not small_ops.write_kv(cpu_loops, cache, qk[:, :1], qk[:, 1:], *rows)
+    assert not cache.any()
+
+    with_loops = ForwardOps(SimpleNamespace(cpu_loops=cpu_loops))  # only its dispatch is used
+    without = ForwardOps(SimpleNamespace(cpu_loops=None))
+    h1, h2 = x.clone(), x.clone()
+    assert torch.equal(with_loops.norm(h1, weight, 1e-5, res), without.norm(h2, weight, 1e-5, res))
+    assert torch.equal(h1, h2) and torch.equal(h1, x + res)
     gate, up = gate_up.chunk(2, dim=-1)
-    assert torch.equal(small_ops.silu_mul(cpu_loops, gate_up), F.silu(gate) * up)
+    assert torch.equal(with_loops.silu_mul(gate_up), F.silu(gate) * up)
+    assert torch.equal(with_loops.rotate(qk, cos, signed_sin), rotate(qk, cos, signed_sin))
+    want = torch.zeros(4, 32, dtype=torch.float16)
+    write_kv(want, qk[:, :1], qk[:, 1:], *rows)
+    with_loops.write_kv(cache, qk[:, :1], qk[:, 1:], *rows)
+    assert torch.equal(cache, want)
+    assert greedy_tokens(gate_up.float(), cpu_loops) == gate_up.float().argmax(-1).tolist()
 
 
 @pytest.mark.parametrize(

@@ -43,8 +43,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 class ForwardOps:
     """The ops the forward pass calls, one process: LoRA through the selected kernel backend,
     the step's small ops (norms, rotary embedding, KV write, SwiGLU's product) in the
-    backend's compiled loops where it has them and the activations are float32
-    (kernels/small_ops_native.py; else the torch forms here), and the points where tensor
+    backend's compiled loops where it has them and they take the tensors (float32 rows:
+    kernels/small_ops_native.py; else the torch forms here), and the points where tensor
     parallelism (replica.parallel) sums partial outputs of row-parallel layers and gathers
     vocab-parallel logits — nothing to do here."""
 
@@ -63,16 +63,20 @@ class ForwardOps:
         self, h: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
     ) -> torch.Tensor:
         """h += residual (in place, where given), then rms_norm(h) as new rows."""
-        if self.loops is not None and h.dtype == torch.float32:
-            return small_ops.rms_norm(self.loops, h, weight, eps, residual)
+        if self.loops is not None:
+            out = small_ops.rms_norm(self.loops, h, weight, eps, residual)
+            if out is not None:
+                return out
         if residual is not None:
             h += residual
         return rms_norm(h, weight, eps)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
         """`rotate`'s result; x (a view of the fused qkv output) may be rotated in place."""
-        if self.loops is not None and x.dtype == torch.float32:
-            return small_ops.rotate_(self.loops, x, cos, signed_sin)
+        if self.loops is not None:
+            out = small_ops.rotate_(self.loops, x, cos, signed_sin)
+            if out is not None:
+                return out
         return rotate(x, cos, signed_sin)
 
     def write_kv(
@@ -83,15 +87,15 @@ class ForwardOps:
         k_rows: torch.Tensor,
         v_rows: torch.Tensor,
     ) -> None:
-        if self.loops is not None:
-            small_ops.write_kv(self.loops, rows, k, v, k_rows, v_rows)
-        else:
+        if self.loops is None or not small_ops.write_kv(self.loops, rows, k, v, k_rows, v_rows):
             write_kv(rows, k, v, k_rows, v_rows)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up, gate and up the two halves of each row."""
-        if self.loops is not None and gate_up.dtype == torch.float32:
-            return small_ops.silu_mul(self.loops, gate_up)
+        if self.loops is not None:
+            out = small_ops.silu_mul(self.loops, gate_up)
+            if out is not None:
+                return out
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate).mul_(up)  # one tensor written, not two
 

@@ -162,9 +162,13 @@ static void item(const args_t *a, int64_t b, int64_t kvh, float *kbuf, float *vb
 /* The cache strides (page, token, head) are in elements of the cache's dtype; q's d
  * contiguous, out [B, H, D] contiguous. Returns 0, or -1 for a shape it does not take
  * (head_dim not a multiple of 32 or over 256, a group of more than 8 query heads). */
-int decode_attention(const args_t *a) {
+static int takes(const args_t *a) {
   const int64_t G = a->H / a->KVH;
-  if (a->D % (4 * VEC) || a->D > MAX_DIM || G < 1 || G > MAX_GROUP || G * a->KVH != a->H) return -1;
+  return !(a->D % (4 * VEC) || a->D > MAX_DIM || G < 1 || G > MAX_GROUP || G * a->KVH != a->H);
+}
+
+int decode_attention(const args_t *a) {
+  if (!takes(a)) return -1;
 #pragma omp parallel
   {
     float kbuf[TILE * MAX_DIM], vbuf[TILE * MAX_DIM];
@@ -176,3 +180,35 @@ int decode_attention(const args_t *a) {
   }
   return 0;
 }
+
+/* small_ops_cpu.c's, in the same library */
+void rope(float *x, int64_t x_st, int64_t x_sh, int64_t T, int64_t heads, int64_t D,
+          const float *cos, const float *ssin, int64_t tab_stride);
+void write_kv(void *cache, int64_t width, int64_t bf16, const float *k, int64_t k_stride,
+              const float *v, int64_t v_stride, const int64_t *k_rows, const int64_t *v_rows,
+              int64_t T);
+
+typedef struct {
+  args_t att; /* q = the qkv rows (q_sb their stride, q_sh = D); B = the step's rows */
+  const float *cos, *ssin;
+  int64_t tab_stride;
+  void *cache_rows; /* the pool as rows of KVH * D, where k_rows and v_rows point */
+  const int64_t *k_rows, *v_rows;
+} layer_t;
+
+/* A decode layer's attention from its fused qkv rows, one call where the forward pass made
+ * three (each a Python wrapper and a ctypes call, their code and data cold after the GEMM
+ * before them): the rotary embedding on q and k in place, this step's k and v written to
+ * the cache, then decode_attention with q read from the qkv rows. Returns what it returns,
+ * -1 having written nothing. */
+int decode_layer(const layer_t *l) {
+  const args_t *a = &l->att;
+  const int64_t D = a->D, H = a->H, KVH = a->KVH;
+  float *qkv = (float *)a->q;
+  if (!takes(a) || a->q_sh != D) return -1; /* before anything is written */
+  rope(qkv, a->q_sb, D, a->B, H + KVH, D, l->cos, l->ssin, l->tab_stride);
+  write_kv(l->cache_rows, KVH * D, a->bf16, qkv + H * D, a->q_sb, qkv + (H + KVH) * D, a->q_sb,
+           l->k_rows, l->v_rows, a->B);
+  return decode_attention(a);
+}
+

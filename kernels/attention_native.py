@@ -22,7 +22,7 @@ import ctypes
 
 import torch
 
-from loraplex.kernels.attention import attention_mask, paged_attention
+from loraplex.kernels.attention import attention_mask, paged_attention, write_kv
 
 NO_WINDOW = 1 << 30
 MAX_GROUP = 8
@@ -105,31 +105,146 @@ class DecodeAttention:
         out = torch.empty(b, heads, head_dim, dtype=torch.float32)
         if b == 0:
             return out.to(dtype)
+        args = self._bind((q.stride(0), q.stride(1)), k_cache, block_tables, ctx_lens, heads)
+        args.scale, args.window = scale, sliding_window or NO_WINDOW
+        args.out, args.q = out.data_ptr(), q.data_ptr()
+        args.k, args.v = k_cache.data_ptr(), v_cache.data_ptr()
+        if self.lib.decode_attention(ctypes.byref(args)) != 0:
+            raise RuntimeError(f"decode_attention refused {heads}/{kv_heads} heads of {head_dim}")
+        return out if dtype == torch.float32 else out.to(dtype)
+
+    def _bind(
+        self,
+        q_strides: tuple[int, int],
+        k_cache: torch.Tensor,  # [num_pages, block_size, KVH, D]
+        block_tables: torch.Tensor,
+        ctx_lens: torch.Tensor,
+        heads: int,
+    ) -> Args:
+        """The loop's arguments for a step's tables and this shape: kept from the step's
+        first call (scale and window are set by the caller, the pointers per layer)."""
         step = self._step
         if step is None or step[0] is not block_tables or step[1] is not ctx_lens:
             tables = block_tables.to(torch.int64)
             tables = tables if tables.stride(1) == 1 else tables.contiguous()
             step = (block_tables, ctx_lens, tables, ctx_lens.to(torch.int32).contiguous())
             self._step, self._key = step, ()
-        key = (
-            q.stride(0), q.stride(1), k_cache.stride(), k_cache.dtype, heads, kv_heads,
-            head_dim, block_size, scale, sliding_window,
-        )  # fmt: skip
+        _, block_size, kv_heads, head_dim = k_cache.shape
+        key = (q_strides, k_cache.stride(), k_cache.dtype, heads, kv_heads, head_dim, block_size)
         args = self._args
         if args is None or key != self._key:
             tables, lens = step[2], step[3]
             args = Args(
-                0, 0, q.stride(0), q.stride(1), 0, 0, *k_cache.stride()[:3],
+                0, 0, *q_strides, 0, 0, *k_cache.stride()[:3],
                 int(k_cache.dtype == torch.bfloat16), tables.data_ptr(), tables.stride(0),
-                lens.data_ptr(), b, heads, kv_heads, head_dim, block_size, scale,
-                sliding_window or NO_WINDOW,
+                lens.data_ptr(), tables.shape[0], heads, kv_heads, head_dim, block_size,
             )  # fmt: skip
             self._args, self._key = args, key
-        args.out, args.q = out.data_ptr(), q.data_ptr()
-        args.k, args.v = k_cache.data_ptr(), v_cache.data_ptr()
-        if self.lib.decode_attention(ctypes.byref(args)) != 0:
-            raise RuntimeError(f"decode_attention refused {heads}/{kv_heads} heads of {head_dim}")
-        return out if dtype == torch.float32 else out.to(dtype)
+        return args
+
+    def layers(
+        self,
+        kv_cache: torch.Tensor,  # [num_pages, num_layers, 2, block_size, KVH, D]
+        block_tables: torch.Tensor,  # [B, max_blocks]: a decode step's, its rows all the step's
+        ctx_lens: torch.Tensor,
+        scale: float,
+        sliding_window: int | None,
+        tables: tuple[torch.Tensor, torch.Tensor],  # RoPE's cos and signed sin, [B, 1, D]
+        cache_rows: torch.Tensor,  # the pool as [rows, KVH * D]
+        kv_rows: torch.Tensor,  # [num_layers, 2, B] int64: where each layer's k and v go
+        heads: int,
+    ) -> DecodeLayers | None:
+        """The step's layers' attention with the rotary embedding and the KV write before
+        it, one call a layer (`DecodeLayers`); None where the loops do not take these
+        tensors (the caller then runs the three apart)."""
+        b = block_tables.shape[0]
+        _, _, _, block_size, kv_heads, head_dim = kv_cache.shape
+        cos, signed_sin = tables
+        ok = (
+            b > 0
+            and takes(heads, kv_heads, head_dim, kv_cache.dtype)
+            and kv_cache.stride(5) == 1
+            and cache_rows.dtype == kv_cache.dtype
+            and cache_rows.is_contiguous()
+            and cache_rows.shape[1] == kv_heads * head_dim
+            and kv_rows.dtype == torch.int64
+            and kv_rows.is_contiguous()
+            and kv_rows.shape[1:] == (2, b)
+            and all(
+                t.dtype == torch.float32 and t.shape == (b, 1, head_dim) and t.stride(2) == 1
+                and t.stride(0) == cos.stride(0)
+                for t in (cos, signed_sin)
+            )
+        )  # fmt: skip
+        if not ok:
+            return None
+        qkv_stride = (heads + 2 * kv_heads) * head_dim
+        k_cache = kv_cache[:, 0, 0]
+        args = self._bind((qkv_stride, head_dim), k_cache, block_tables, ctx_lens, heads)
+        args.scale, args.window = scale, sliding_window or NO_WINDOW
+        layer = Layer(
+            args, cos.data_ptr(), signed_sin.data_ptr(), cos.stride(0), cache_rows.data_ptr(),
+        )  # fmt: skip
+        held = (kv_cache, kv_rows, cos, signed_sin, cache_rows, self._step)
+        return DecodeLayers(self.lib, layer, held, qkv_stride, heads * head_dim)
+
+
+class Layer(ctypes.Structure):
+    """attention_cpu.c's layer_t."""
+
+    _fields_ = [  # noqa: RUF012 (ctypes reads the class attribute)
+        ("att", Args),
+        ("cos", ctypes.c_void_p),
+        ("ssin", ctypes.c_void_p),
+        ("tab_stride", ctypes.c_int64),
+        ("cache_rows", ctypes.c_void_p),
+        ("k_rows", ctypes.c_void_p),
+        ("v_rows", ctypes.c_void_p),
+    ]
+
+
+class DecodeLayers:
+    """A decode step's attention from each layer's fused qkv rows (`decode_layer` in
+    attention_cpu.c): q and k rotated in place, k and v written to the pool, then the
+    attention loop reading q where it lies. One call a layer, where the forward pass made
+    three: each a Python wrapper and a ctypes call whose code and data the GEMM before it
+    had pushed out of the cache (the first torch op after one of SmolLM2's GEMMs took
+    ~16 us where it takes ~1). Built by `DecodeAttention.layers`."""
+
+    def __init__(
+        self,
+        lib: ctypes.CDLL,
+        layer: Layer,
+        held: tuple,  # the pool, the step's rows and every other tensor `layer` points to
+        qkv_width: int,
+        out_width: int,
+    ):
+        self.lib, self.layer, self.held, self.qkv_width = lib, layer, held, qkv_width
+        kv_cache, kv_rows = held[0], held[1]
+        size = kv_cache.element_size()
+        self.k0, self.layer_bytes = kv_cache.data_ptr(), kv_cache.stride(1) * size
+        self.v_bytes = kv_cache.stride(2) * size
+        self.rows0, self.rows_layer = kv_rows.data_ptr(), kv_rows.stride(0) * 8
+        self.rows_v = kv_rows.stride(1) * 8
+        # one output for every layer: the o projection reads it before the next layer
+        self.out = torch.empty(layer.att.B, out_width, dtype=torch.float32)
+        layer.att.out = self.out.data_ptr()
+
+    def __call__(self, qkv: torch.Tensor, i: int) -> torch.Tensor | None:
+        """qkv [B, (H + 2 KVH) D], layer i -> the attention's output [B, H D] (the same
+        tensor for every layer, overwritten by the next); None (nothing touched) for rows
+        the loop does not take."""
+        layer, att = self.layer, self.layer.att
+        if qkv.dtype != torch.float32 or qkv.stride() != (self.qkv_width, 1) or len(qkv) != att.B:
+            return None
+        att.q = qkv.data_ptr()
+        att.k = self.k0 + i * self.layer_bytes
+        att.v = att.k + self.v_bytes
+        layer.k_rows = self.rows0 + i * self.rows_layer
+        layer.v_rows = layer.k_rows + self.rows_v
+        if self.lib.decode_layer(ctypes.byref(layer)) != 0:
+            raise RuntimeError(f"decode_layer refused {att.H}/{att.KVH} heads of {att.D}")
+        return self.out
 
 
 def decode_attention(
@@ -157,7 +272,9 @@ def _reference(q, k_cache, v_cache, block_tables, ctx_lens, scale, sliding_windo
 def declare(lib: ctypes.CDLL) -> None:
     """The loop's argument types."""
     lib.decode_attention.argtypes = [ctypes.POINTER(Args)]
-    lib.decode_attention.restype = ctypes.c_int
+    lib.decode_layer.argtypes = [ctypes.POINTER(Layer)]
+    for fn in (lib.decode_attention, lib.decode_layer):
+        fn.restype = ctypes.c_int
 
 
 def check(lib: ctypes.CDLL) -> None:
@@ -175,3 +292,29 @@ def check(lib: ctypes.CDLL) -> None:
         want = _reference(q, k.float(), v.float(), block_tables, ctx_lens, 0.2, window)
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
             raise RuntimeError("the compiled decode attention disagrees with the reference")
+    _check_layers(lib, gen)
+
+
+def _check_layers(lib: ctypes.CDLL, gen: torch.Generator) -> None:
+    """The layer call against RoPE, the KV write and attention apart (the torch forms)."""
+    heads, kv_heads, head_dim, block_size = 4, 2, 32, 4
+    pool = torch.randn(6, 1, 2, block_size, kv_heads, head_dim, generator=gen)
+    tables, ctx = torch.tensor([[4, 1], [0, 5]]), torch.tensor([6, 3], dtype=torch.int32)
+    slot = (ctx.long() - 1) % block_size
+    page = tables[torch.arange(2), (ctx.long() - 1) // block_size]
+    kv_rows = torch.stack([(page * 2 + kv) * block_size + slot for kv in (0, 1)])[None]
+    rope = torch.randn(2, 1, head_dim, generator=gen), torch.randn(2, 1, head_dim, generator=gen)
+    qkv = torch.randn(2, (heads + 2 * kv_heads) * head_dim, generator=gen)
+    want_pool, split = pool.clone(), (heads + kv_heads) * head_dim
+    qk, half = qkv[:, :split].view(2, -1, head_dim), head_dim // 2
+    swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)  # rope.rotate's form
+    q, k = (qk * rope[0] + swapped * rope[1]).split((heads, kv_heads), dim=1)
+    v = qkv[:, split:].view(2, kv_heads, head_dim)
+    write_kv(want_pool.view(-1, kv_heads * head_dim), k, v, kv_rows[0, 0], kv_rows[0, 1])
+    want = _reference(q, want_pool[:, 0, 0], want_pool[:, 0, 1], tables, ctx, 0.2, None)
+    rows = pool.view(-1, kv_heads * head_dim)
+    step = DecodeAttention(lib).layers(pool, tables, ctx, 0.2, None, rope, rows, kv_rows, heads)
+    got = None if step is None else step(qkv, 0)
+    ok = got is not None and torch.allclose(got, want.reshape(2, -1), rtol=1e-4, atol=1e-5)
+    if not (ok and torch.allclose(pool, want_pool, rtol=1e-5, atol=1e-5)):
+        raise RuntimeError("the compiled decode layer disagrees with its ops apart")

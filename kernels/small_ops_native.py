@@ -39,12 +39,13 @@ def rms_norm(
     weight: torch.Tensor,  # [C]
     eps: float,
     residual: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,  # [T, C] float32, contiguous: written (else new rows)
 ) -> torch.Tensor | None:
-    """x / sqrt(mean(x^2) + eps) * weight, new rows."""
+    """x / sqrt(mean(x^2) + eps) * weight."""
     ok = _rows(x) and weight.dtype == torch.float32 and weight.is_contiguous()
     if not ok or (residual is not None and not _rows(residual)):
         return None
-    y = torch.empty(x.shape, dtype=torch.float32)
+    y = torch.empty(x.shape, dtype=torch.float32) if out is None else out
     lib.rms_norm(
         y.data_ptr(), y.stride(0), x.data_ptr(), x.stride(0),
         None if residual is None else residual.data_ptr(),
@@ -54,12 +55,15 @@ def rms_norm(
     return y
 
 
-def silu_mul(lib: ctypes.CDLL, gate_up: torch.Tensor) -> torch.Tensor | None:
-    """[T, 2I] -> [T, I]: silu(gate) * up."""
+def silu_mul(
+    lib: ctypes.CDLL, gate_up: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """[T, 2I] -> [T, I]: silu(gate) * up (into `out`, [T, I] float32 contiguous, if given)."""
     if not _rows(gate_up):
         return None
     rows, width = gate_up.shape
-    out = torch.empty(rows, width // 2, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(rows, width // 2, dtype=torch.float32)
     lib.silu_mul(
         out.data_ptr(), out.stride(0), gate_up.data_ptr(), gate_up.stride(0), rows, width // 2
     )

@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from loraplex.kernels.attention import attention_bias, attention_mask, paged_attention
+from loraplex.kernels.attention_native import DecodeAttention, DecodeLayers
 from loraplex.kernels.backend import Run
 from loraplex.kernels.decode_attention import decode_attention, decode_rows
 from loraplex.replica.memory.kv_cache import KVCache
@@ -106,6 +107,23 @@ class StepAttention:
             attention_bias(g.mask) if r is None and not (g.decode and decode_kernel) else None
             for g, r in zip(batch.groups, self.rows, strict=True)
         ]
+
+    def decode_layers(
+        self,
+        tables: tuple[torch.Tensor, torch.Tensor],
+        cache_rows: torch.Tensor,
+        num_heads: int,
+    ) -> DecodeLayers | None:
+        """For a decode step whose backend runs the compiled decode attention: each layer's
+        attention with the rotary embedding (RoPE's `tables`) and the KV write before it, in
+        one call from its qkv rows (kernels/attention_native.py); else None."""
+        g = self.batch.groups[0]
+        if not (isinstance(self.decode_kernel, DecodeAttention) and g.every_row):
+            return None
+        return self.decode_kernel.layers(
+            self.kv_cache, g.block_tables, g.ctx_lens, self.scale, self.batch.sliding_window,
+            tables, cache_rows, self.batch.kv_rows, num_heads,
+        )  # fmt: skip
 
     def __call__(self, q: torch.Tensor, layer: int) -> torch.Tensor:
         """q [T, H, D] -> [T, H, D] for `layer`."""

@@ -7,18 +7,20 @@ import argparse
 import json
 
 import pytest
+import torch
 
 import loraplex.replica.batch as step_batch
 import loraplex.replica.model.llama as llama
 from loraplex.benchmarks.engine import bench as bench_engine
 from loraplex.benchmarks.engine import prefix as engine_prefix
 from loraplex.demo.synthetic import ModelSpec
-from loraplex.kernels import native
+from loraplex.kernels import attention_native, native
 from loraplex.kernels.decode_attention import decode_attention
 from loraplex.kernels.dense import linear as dense_linear
 from loraplex.registry.etcd_process import find_etcd_binary
 
 attention_call = step_batch.StepAttention.__call__  # what the sections wrap and restore
+layer_call = attention_native.DecodeLayers.__call__
 
 TINY = bench_engine.BenchShape(
     model=ModelSpec(
@@ -61,8 +63,18 @@ def test_engine_bench_serves_the_same_greedy_tokens_as_peft(tmp_path):
     # where the base step's time goes: every section of the forward pass was hit, the
     # sections and the rest add up to the step, and the wrapped functions are restored
     sections = overheads["step_sections_ms"]
-    for name in ("gemm", "attention", "norm", "rope", "kv_write", "silu_mul"):
+    for name in ("gemm", "norm", "silu_mul"):
         assert sections[name] > 0, name
+    # the compiled loops (kernels: auto -> native where they build) run a decode layer's
+    # RoPE, KV write and attention in one call where the attention loop takes the shape
+    # (not this model's head_dim of 16); else the three run apart
+    spec = TINY.model
+    head_dim = spec.hidden_size // spec.num_attention_heads
+    shape = (spec.num_attention_heads, spec.num_key_value_heads, head_dim, torch.float32)
+    fused = native.library() is not None and attention_native.takes(*shape)
+    for name in ("attention", "rope", "kv_write"):
+        assert (sections[name] > 0) != fused, name
+    assert (sections["decode_layer"] > 0) == fused
     # the torch path finds its key rows once a step; the compiled decode attention
     # (kernels: auto -> native where it builds) reads them in place
     assert (sections["attention_rows"] > 0) == (native.library() is None)
@@ -72,6 +84,7 @@ def test_engine_bench_serves_the_same_greedy_tokens_as_peft(tmp_path):
     assert sections["gemm"] < sections["step"]
     assert llama.linear is dense_linear and step_batch.decode_attention is decode_attention
     assert step_batch.StepAttention.__call__ is attention_call
+    assert attention_native.DecodeLayers.__call__ is layer_call
     serving_result = bench_engine._speedup_vs_peft(model_dir, serving, TINY, trace=None, rounds=2)
     figures = serving_result["serving"]
     assert figures["requests"] == 8 and serving_result["speedup_vs_peft"] > 0

@@ -18,7 +18,7 @@ from kernel_cases import (
     table_builder,
 )
 
-from loraplex.kernels import lora_native, native
+from loraplex.kernels import attention_native, lora_native, native
 from loraplex.kernels.backend import NativeBackend, TorchBackend, make_backend, resolve_kernels
 from loraplex.kernels.lora import LoraGroupWeights, LoraOut, lora_sgmv
 from loraplex.kernels.lora_tables import LoraLayout
@@ -161,16 +161,28 @@ def test_long_segments_take_the_torch_ops(lib):
 
 
 @pytest.mark.slow
-def test_engine_with_native_loops_matches_torch_ops(demo_assets, lib):
+def test_engine_with_native_loops_matches_torch_ops(demo_assets, lib, monkeypatch):
     """The same mixed batch (prefill, then decode steps of adapters and the base model)
     through the engine with each backend (native: LoRA, decode attention and the step's
-    small ops in the compiled loops): the same tokens, logits within float error."""
+    small ops in the compiled loops, a decode layer's RoPE, KV write and attention in one
+    call): the same tokens, logits within float error."""
+    layer_calls = []
+    real_call = attention_native.DecodeLayers.__call__
+
+    def counted(self, qkv, i):
+        out = real_call(self, qkv, i)
+        layer_calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(attention_native.DecodeLayers, "__call__", counted)
+    layers = []
 
     def run(kernels: str):
         engine = LLMEngine(
             EngineConfig(model=str(demo_assets.model), pool_bytes=64 << 20, kernels=kernels)
         )
         assert engine.kernels == kernels
+        layers.append(engine.model.cfg.num_layers)
         # native: decode attention and the small ops in the loops too; torch: none of them
         ops = engine.model.ops
         assert (ops.loops is not None) == (kernels == "native")
@@ -188,7 +200,10 @@ def test_engine_with_native_loops_matches_torch_ops(demo_assets, lib):
         return [o.token_ids for o in outs], logits
 
     tokens_native, logits_native = run("native")
+    # each layer of the five decode steps in one call
+    assert len(layer_calls) == 5 * layers[0] and all(layer_calls)
     tokens_torch, logits_torch = run("torch")
+    assert len(layer_calls) == 5 * layers[0]
     assert tokens_native == tokens_torch
     for a, b in zip(logits_native, logits_torch, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

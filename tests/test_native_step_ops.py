@@ -1,6 +1,7 @@
 """The decode step's small ops in compiled loops (kernels/small_ops_native.py) against the
-torch forms the forward pass runs without them, and the compiled decode attention's
-shapes left to the reference (kernels/attention_native.py); the attention itself is
+torch forms the forward pass runs without them, the compiled decode attention's shapes
+left to the reference and its layer call (RoPE, KV write and attention in one) against
+the three apart (kernels/attention_native.py); the attention itself is
 checked beside the torch path in test_kernels.py, the whole step in test_lora_native.py
 (the engine with `kernels: native` against `torch`)."""
 
@@ -15,7 +16,7 @@ import torch.nn.functional as F
 from loraplex.kernels import attention_native
 from loraplex.kernels import small_ops_native as small_ops
 from loraplex.kernels.attention import attention_mask, paged_attention, write_kv
-from loraplex.replica.model.llama import ForwardOps
+from loraplex.replica.model.llama import KEPT_OUTPUT_ELEMENTS, ForwardOps
 from loraplex.replica.model.rope import rotate
 from loraplex.replica.sampling import greedy_tokens
 
@@ -156,3 +157,103 @@ def test_argmax_rows_gives_torch_argmax_ties_nans_and_all(cpu_loops):
     assert greedy_tokens(logits, cpu_loops) == greedy_tokens(logits) == want
     wide = torch.randn(3, 80, generator=_gen())
     assert small_ops.argmax_rows(cpu_loops, wide[:, :50]) == wide[:, :50].argmax(-1).tolist()
+
+
+def _step_pool(g, cache_dtype, layers=2, heads=4, kv_heads=2, d=32, bs=4):
+    """A decode step's pool, tables and rows: three sequences (one of a single key), each
+    writing its newest key and value in every layer."""
+    pool = torch.randn(12, layers, 2, bs, kv_heads, d, generator=g).to(cache_dtype)
+    tables = torch.randperm(12, generator=g)[:9].view(3, 3)
+    ctx = torch.tensor([9, 1, 12], dtype=torch.int32)  # keys after this step's write
+    pos = ctx.long() - 1
+    page, slot = tables[torch.arange(3), pos // bs], pos % bs
+    kv_rows = torch.stack(
+        [torch.stack([((page * layers + i) * 2 + kv) * bs + slot for kv in (0, 1)])
+         for i in range(layers)]
+    )  # fmt: skip
+    cos, signed_sin = torch.randn(3, 1, d, generator=g), torch.randn(3, 1, d, generator=g)
+    return pool, tables, ctx, kv_rows, (cos, signed_sin), (heads, kv_heads, d)
+
+
+@pytest.mark.parametrize(
+    ("cache_dtype", "window"), [(torch.float32, None), (torch.float32, 5), (torch.bfloat16, None)]
+)
+def test_decode_layers_rotate_write_and_attend_as_the_three_ops_apart(
+    cpu_loops, cache_dtype, window
+):
+    """One call a layer (DecodeAttention.layers) against the torch forms run one after
+    another: q and k rotated in the qkv rows, v untouched, this step's k and v in each
+    layer's own rows of the pool, and the attention over them."""
+    g = _gen()
+    pool, tables, ctx, kv_rows, tables_rope, (heads, kv_heads, d) = _step_pool(g, cache_dtype)
+    want_pool = pool.clone()
+    step = attention_native.DecodeAttention(cpu_loops).layers(
+        pool, tables, ctx, 0.3, window, tables_rope, pool.view(-1, kv_heads * d), kv_rows, heads
+    )
+    assert step is not None
+    qk_width = (heads + kv_heads) * d
+    tol = TOL if cache_dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-2}
+    for i in range(2):
+        qkv = torch.randn(3, qk_width + kv_heads * d, generator=g)
+        want_qkv = qkv.clone()
+        qk = rotate(want_qkv[:, :qk_width].view(3, -1, d), *tables_rope)
+        q, k = qk.split((heads, kv_heads), dim=1)
+        v = want_qkv[:, qk_width:].view(3, kv_heads, d)
+        write_kv(want_pool.view(-1, kv_heads * d), k, v, kv_rows[i, 0], kv_rows[i, 1])
+        layer = want_pool[:, i].float()
+        want = attention_native._reference(q, layer[:, 0], layer[:, 1], tables, ctx, 0.3, window)
+
+        got = step(qkv, i)
+        assert got is not None
+        torch.testing.assert_close(got, want.reshape(3, heads * d), **tol)
+        torch.testing.assert_close(qkv[:, :qk_width], qk.reshape(3, -1), **TOL)
+        assert torch.equal(qkv[:, qk_width:], want_qkv[:, qk_width:])  # v as it was
+        torch.testing.assert_close(pool.float(), want_pool.float(), **tol)
+
+
+def test_decode_layers_refuse_what_they_do_not_take(cpu_loops):
+    """A shape the loop does not take: no step (the forward runs the three ops apart);
+    rows it does not take: None, and nothing rotated or written."""
+    g = _gen()
+    pool, tables, ctx, kv_rows, rope, (heads, kv_heads, d) = _step_pool(g, torch.float32, d=48)
+    da = attention_native.DecodeAttention(cpu_loops)
+    rows = pool.view(-1, kv_heads * d)
+    assert da.layers(pool, tables, ctx, 0.3, None, rope, rows, kv_rows, heads) is None
+    pool, tables, ctx, kv_rows, rope, (heads, kv_heads, d) = _step_pool(g, torch.float32)
+    rows = pool.view(-1, kv_heads * d)
+    half_rope = (rope[0].bfloat16(), rope[1])
+    assert da.layers(pool, tables, ctx, 0.3, None, half_rope, rows, kv_rows, heads) is None
+    step = da.layers(pool, tables, ctx, 0.3, None, rope, rows, kv_rows, heads)
+    assert step is not None
+    before = pool.clone()
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * d, generator=g)
+    for refused in (qkv.bfloat16(), qkv[:2], torch.randn(3, 2 * qkv.shape[1])[:, ::2]):
+        kept = refused.clone()
+        assert step(refused, 0) is None
+        assert torch.equal(refused, kept)
+    assert torch.equal(pool, before)
+
+
+def test_forward_ops_keep_their_outputs_while_the_shape_repeats(cpu_loops):
+    """A norm's and SwiGLU's outputs are reused while their shape repeats (the next GEMM
+    reads them before the op's next call); a new shape gets a new tensor, and one larger
+    than KEPT_OUTPUT_ELEMENTS is not kept."""
+    g = _gen()
+    ops = ForwardOps(SimpleNamespace(cpu_loops=cpu_loops))
+    weight = torch.randn(32, generator=g)
+    h = torch.randn(4, 32, generator=g)
+    first = ops.norm(h, weight, 1e-5, None)
+    torch.testing.assert_close(first, F.rms_norm(h, (32,), weight, 1e-5), **TOL)
+    again = ops.norm(h * 2, weight, 1e-5, None)
+    assert again.data_ptr() == first.data_ptr()
+    other = ops.norm(torch.randn(5, 32, generator=g), weight, 1e-5, None)
+    assert other.shape == (5, 32) and other.data_ptr() != first.data_ptr()
+    gate_up = torch.randn(4, 64, generator=g)
+    act = ops.silu_mul(gate_up)
+    assert act.data_ptr() not in (first.data_ptr(), other.data_ptr())
+    assert ops.silu_mul(gate_up).data_ptr() == act.data_ptr()
+    rows = KEPT_OUTPUT_ELEMENTS // 32 + 1
+    big = torch.randn(rows, 32, generator=g)
+    a, b = ops.norm(big, weight, 1e-5, None), ops.norm(big, weight, 1e-5, None)
+    assert a.data_ptr() != b.data_ptr()
+    torch.testing.assert_close(b, F.rms_norm(big, (32,), weight, 1e-5), **TOL)

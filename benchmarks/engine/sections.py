@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import loraplex.kernels.attention_native as attention_native
 import loraplex.replica.batch as step_batch
 import loraplex.replica.model.llama as llama
 
@@ -26,6 +27,10 @@ SECTIONS: dict[str, tuple[Any, str]] = {
     # products, or a decode kernel: kernels/attention_native.py)
     "attention": (step_batch.StepAttention, "__call__"),
     "attention_rows": (step_batch, "decode_rows"),  # once a step; 0 with a decode kernel
+    # a decode layer's RoPE, KV write and attention in one call of the compiled loops
+    # (kernels/attention_native.DecodeLayers): where it runs, attention, rope and
+    # kv_write read 0
+    "decode_layer": (attention_native.DecodeLayers, "__call__"),
     # the norms with the residual add before each, and SwiGLU's product: torch forms or
     # the compiled loops (kernels/small_ops_native.py)
     "norm": (llama.ForwardOps, "norm"),

@@ -40,6 +40,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+# the largest output of a small op kept for reuse (8 MB in float32): a decode step's are
+# well under it; a prefill's larger ones cost little beside their GEMMs
+KEPT_OUTPUT_ELEMENTS = 1 << 21
+
+
 class ForwardOps:
     """The ops the forward pass calls, one process: LoRA through the selected kernel backend,
     the step's small ops (norms, rotary embedding, KV write, SwiGLU's product) in the
@@ -51,6 +56,22 @@ class ForwardOps:
     def __init__(self, kernels: KernelBackend):
         self.kernels = kernels
         self.loops = kernels.cpu_loops
+        # the loops' outputs, one tensor an op kept for the next call of the same shape: a
+        # norm's rows and SwiGLU's product are read by the GEMM and LoRA right after them,
+        # and dead by the op's next call. A fresh tensor, the first op after a GEMM, cost
+        # ~16 us a call on SmolLM2's decode step (the allocator's code and data out of the
+        # cache); kept, the step took ~1.6 ms less (2026-12-07, paired rounds).
+        self._outputs: dict[str, torch.Tensor] = {}
+
+    def _output(self, op: str, rows: int, cols: int) -> torch.Tensor | None:
+        """`op`'s output tensor [rows, cols] float32, reused while the shape repeats (a
+        prefill's larger ones are not kept: None, the op allocates its own)."""
+        out = self._outputs.get(op)
+        if out is None or out.shape != (rows, cols):
+            if rows * cols > KEPT_OUTPUT_ELEMENTS:
+                return None
+            out = self._outputs[op] = torch.empty(rows, cols, dtype=torch.float32)
+        return out
 
     def lora(self, y: torch.Tensor, x: torch.Tensor, lora: list, group: int) -> None:
         """y += LoRA(x) for one group of a layer; lora: the layer's `kernels.prepare` args
@@ -62,9 +83,11 @@ class ForwardOps:
     def norm(
         self, h: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
     ) -> torch.Tensor:
-        """h += residual (in place, where given), then rms_norm(h) as new rows."""
+        """h += residual (in place, where given), then rms_norm(h): in the loops, rows kept
+        for the next norm of this shape (read them before it); else new rows."""
         if self.loops is not None:
-            out = small_ops.rms_norm(self.loops, h, weight, eps, residual)
+            buf = self._output("norm", *h.shape)
+            out = small_ops.rms_norm(self.loops, h, weight, eps, residual, buf)
             if out is not None:
                 return out
         if residual is not None:
@@ -91,9 +114,11 @@ class ForwardOps:
             write_kv(rows, k, v, k_rows, v_rows)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up, gate and up the two halves of each row."""
+        """silu(gate) * up, gate and up the two halves of each row (in the loops, kept as the
+        norm's output is)."""
         if self.loops is not None:
-            out = small_ops.silu_mul(self.loops, gate_up)
+            rows, width = gate_up.shape
+            out = small_ops.silu_mul(self.loops, gate_up, self._output("silu", rows, width // 2))
             if out is not None:
                 return out
         gate, up = gate_up.chunk(2, dim=-1)
@@ -179,17 +204,21 @@ class LlamaModel:
         # the config's shape fields read once, not per layer (its __getattr__ costs ~1 us)
         eps, hd, heads, kv_heads = cfg.rms_norm_eps, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         q_size, qk_size = cfg.q_size, cfg.q_size + cfg.kv_size
+        # a decode step on the compiled loops: RoPE, the KV write and attention, one call
+        fused = attention.decode_layers((cos, signed_sin), kv_rows, heads) if batch.decode else None
         pending = None  # the last layer's output, added to h by the next norm
         for i, layer in enumerate(self.layers):
             lora = loras[i]
             x = ops.norm(h, layer["input_norm"], eps, pending)
             qkv = linear(x, layer["qkv"])
             ops.lora(qkv, x, lora, QKV)
-            qk = qkv[:, :qk_size].view(t, -1, hd)
-            q, k = ops.rotate(qk, cos, signed_sin).split((heads, kv_heads), dim=1)
-            v = qkv[:, qk_size:].view(t, kv_heads, hd)
-            ops.write_kv(kv_rows, k, v, batch.kv_rows[i, 0], batch.kv_rows[i, 1])
-            attn = attention(q, i).reshape(t, q_size)
+            attn = None if fused is None else fused(qkv, i)
+            if attn is None:
+                qk = qkv[:, :qk_size].view(t, -1, hd)
+                q, k = ops.rotate(qk, cos, signed_sin).split((heads, kv_heads), dim=1)
+                v = qkv[:, qk_size:].view(t, kv_heads, hd)
+                ops.write_kv(kv_rows, k, v, batch.kv_rows[i, 0], batch.kv_rows[i, 1])
+                attn = attention(q, i).reshape(t, q_size)
             o = linear(attn, layer["o"])
             ops.lora(o, attn, lora, OUT)
 

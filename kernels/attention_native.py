@@ -14,6 +14,11 @@ whose rows are all prefetched first (one row after another, its loads waited on 
 
 Shapes it does not take (head_dim not a multiple of 32 or over 256, more than 8 query
 heads a kv head, a float16 cache) go to the torch reference.
+
+In a decode step the forward pass calls `DecodeLayers` instead: from a layer's fused qkv
+rows, the rotary embedding, the KV write and the attention in one call (`decode_layer`),
+where they were three Python wrappers and ctypes calls, each paying for code and data the
+GEMM before it had pushed out of the cache.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ import ctypes
 
 import torch
 
+from loraplex.kernels import small_ops_native as small_ops
 from loraplex.kernels.attention import attention_mask, paged_attention, write_kv
 
 NO_WINDOW = 1 << 30
@@ -170,17 +171,13 @@ class DecodeAttention:
             and takes(heads, kv_heads, head_dim, kv_cache.dtype)
             and kv_cache.stride(5) == 1
             and cache_rows.dtype == kv_cache.dtype
-            and cache_rows.is_contiguous()
+            and small_ops.cache_rows_ok(cache_rows)
             and cache_rows.shape[1] == kv_heads * head_dim
             and kv_rows.dtype == torch.int64
             and kv_rows.is_contiguous()
             and kv_rows.shape[1:] == (2, b)
-            and all(
-                t.dtype == torch.float32 and t.shape == (b, 1, head_dim) and t.stride(2) == 1
-                and t.stride(0) == cos.stride(0)
-                for t in (cos, signed_sin)
-            )
-        )  # fmt: skip
+            and small_ops.rope_tables_ok(cos, signed_sin, b, head_dim)
+        )
         if not ok:
             return None
         qkv_stride = (heads + 2 * kv_heads) * head_dim
@@ -190,8 +187,8 @@ class DecodeAttention:
         layer = Layer(
             args, cos.data_ptr(), signed_sin.data_ptr(), cos.stride(0), cache_rows.data_ptr(),
         )  # fmt: skip
-        held = (kv_cache, kv_rows, cos, signed_sin, cache_rows, self._step)
-        return DecodeLayers(self.lib, layer, held, qkv_stride, heads * head_dim)
+        held = (cos, signed_sin, cache_rows, self._step)
+        return DecodeLayers(self.lib, layer, kv_cache, kv_rows, held, qkv_stride, heads * head_dim)
 
 
 class Layer(ctypes.Structure):
@@ -220,12 +217,14 @@ class DecodeLayers:
         self,
         lib: ctypes.CDLL,
         layer: Layer,
-        held: tuple,  # the pool, the step's rows and every other tensor `layer` points to
+        kv_cache: torch.Tensor,  # [num_pages, num_layers, 2, block_size, KVH, D]
+        kv_rows: torch.Tensor,  # [num_layers, 2, B] int64
+        held: tuple,  # the other tensors `layer` points to
         qkv_width: int,
         out_width: int,
     ):
-        self.lib, self.layer, self.held, self.qkv_width = lib, layer, held, qkv_width
-        kv_cache, kv_rows = held[0], held[1]
+        self.lib, self.layer, self.qkv_width = lib, layer, qkv_width
+        self.held = (kv_cache, kv_rows, *held)  # alive while the loop reads them
         size = kv_cache.element_size()
         self.k0, self.layer_bytes = kv_cache.data_ptr(), kv_cache.stride(1) * size
         self.v_bytes = kv_cache.stride(2) * size
@@ -311,9 +310,8 @@ def _check_layers(lib: ctypes.CDLL, gen: torch.Generator) -> None:
     rope = torch.randn(2, 1, head_dim, generator=gen), torch.randn(2, 1, head_dim, generator=gen)
     qkv = torch.randn(2, (heads + 2 * kv_heads) * head_dim, generator=gen)
     want_pool, split = pool.clone(), (heads + kv_heads) * head_dim
-    qk, half = qkv[:, :split].view(2, -1, head_dim), head_dim // 2
-    swapped = torch.cat((qk[..., half:], qk[..., :half]), dim=-1)  # rope.rotate's form
-    q, k = (qk * rope[0] + swapped * rope[1]).split((heads, kv_heads), dim=1)
+    qk = small_ops.rotated(qkv[:, :split].view(2, -1, head_dim), *rope)
+    q, k = qk.split((heads, kv_heads), dim=1)
     v = qkv[:, split:].view(2, kv_heads, head_dim)
     write_kv(want_pool.view(-1, kv_heads * head_dim), k, v, kv_rows[0, 0], kv_rows[0, 1])
     want = _reference(q, want_pool[:, 0, 0], want_pool[:, 0, 1], tables, ctx, 0.2, None)

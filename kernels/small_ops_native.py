@@ -33,6 +33,27 @@ def _rows(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1
 
 
+def rope_tables_ok(cos: torch.Tensor, signed_sin: torch.Tensor, rows: int, dim: int) -> bool:
+    """RoPE's tables as the loop reads them: float32 [rows, 1, dim], dim contiguous, both
+    with one row stride."""
+    return all(
+        tab.dtype == torch.float32 and tab.shape == (rows, 1, dim) and tab.stride(2) == 1
+        and tab.stride(0) == cos.stride(0)
+        for tab in (cos, signed_sin)
+    )  # fmt: skip
+
+
+def cache_rows_ok(cache_rows: torch.Tensor) -> bool:
+    """The pool as rows the KV write takes: float32 or bfloat16, contiguous."""
+    return cache_rows.dtype in (torch.float32, torch.bfloat16) and cache_rows.is_contiguous()
+
+
+def rotated(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """rope.rotate's torch form (new rows), the loops' checks' reference."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
+
+
 def rms_norm(
     lib: ctypes.CDLL,
     x: torch.Tensor,  # [T, C] float32; with a residual, x += residual in place first
@@ -78,11 +99,7 @@ def rotate_(
 ) -> torch.Tensor | None:
     """x, rotated in place (rope.rotate's result)."""
     t, heads, dim = x.shape
-    tables = all(
-        tab.dtype == torch.float32 and tab.shape == (t, 1, dim) and tab.stride(2) == 1
-        and tab.stride(0) == cos.stride(0)
-        for tab in (cos, signed_sin)
-    )  # fmt: skip
+    tables = rope_tables_ok(cos, signed_sin, t, dim)
     if x.dtype != torch.float32 or x.stride(2) != 1 or dim % 2 or not tables:
         return None
     lib.rope(
@@ -107,8 +124,7 @@ def write_kv(
         t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v)
     )
     rows_ok = all(r.dtype == torch.int64 and r.is_contiguous() for r in (k_rows, v_rows))
-    cache_ok = cache_rows.dtype in (torch.float32, torch.bfloat16) and cache_rows.is_contiguous()
-    if not (flat and rows_ok and cache_ok) or k.shape[1] * k.shape[2] != width:
+    if not (flat and rows_ok and cache_rows_ok(cache_rows)) or k.shape[1] * k.shape[2] != width:
         return False
     lib.write_kv(
         cache_rows.data_ptr(), width, int(cache_rows.dtype == torch.bfloat16),
@@ -158,8 +174,7 @@ def check(lib: ctypes.CDLL) -> None:
     ok &= act is not None and torch.allclose(act, F.silu(gate) * up, **TOL)
     qkv = torch.randn(5, 7, 16, generator=gen)  # rotate the first 6 heads of 7
     cos, sin = torch.randn(5, 1, 16, generator=gen), torch.randn(5, 1, 16, generator=gen)
-    swapped = torch.cat((qkv[:, :6, 8:], qkv[:, :6, :8]), dim=-1)
-    want_r = qkv[:, :6] * cos + swapped * sin
+    want_r = rotated(qkv[:, :6], cos, sin)
     ok &= rotate_(lib, qkv[:, :6], cos, sin) is not None
     ok &= torch.allclose(qkv[:, :6], want_r, **TOL)
     for dtype in (torch.float32, torch.bfloat16):

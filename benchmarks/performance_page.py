@@ -728,7 +728,12 @@ day the first such ask, at 980 s, read token utilisations of 0.84, 0.92 and 0.89
 on the newest replica, which holds only the homes the walk moved to it), where square-root
 headroom at β 0.5 wants 3.16 + 0.5 sqrt(3.16) = 4.05 replicas, while the static four hold
 that peak with a p99 of 0.58 s against the 1.76 s SLO. Lowering β for this peak would be
-fitting the policy to the bench's own day.""",
+fitting the policy to the bench's own day, and does not meet the target either: the peak's
+use reads up to 3.34 on four replicas (β <= 0.36 to stay on four) where the morning's ramp
+needs more than 0.43 (at 0.43 it held 0.984), and at β 0.25 the day took 3.04 h at 0.979.
+Projecting the use's rise over a replica's start-up, or vetoing the headroom while every
+replica's p99 TTFT is under half the SLO, did not separate the two either (2026-12-07,
+3.31-3.42 h; docs/cluster.md).""",
 }
 
 

@@ -733,7 +733,7 @@ use reads up to 3.34 on four replicas (β <= 0.36 to stay on four) where the mor
 needs more than 0.43 (at 0.43 it held 0.984), and at β 0.25 the day took 3.04 h at 0.979.
 Projecting the use's rise over a replica's start-up, or vetoing the headroom while every
 replica's p99 TTFT is under half the SLO, did not separate the two either (2026-12-07,
-3.31-3.42 h; docs/cluster.md).""",
+3.29-3.45 h; docs/cluster.md).""",
 }
 
 

@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from loraplex.kernels.attention import write_kv as torch_write_kv
 
 
-def _rows(t: torch.Tensor) -> bool:
-    """float32, 2-D, the last dimension contiguous."""
+def rows_ok(t: torch.Tensor) -> bool:
+    """Rows the loops take: float32, 2-D, the last dimension contiguous."""
     return t.dtype == torch.float32 and t.dim() == 2 and t.stride(1) == 1
 
 
@@ -63,8 +63,8 @@ def rms_norm(
     out: torch.Tensor | None = None,  # [T, C] float32, contiguous: written (else new rows)
 ) -> torch.Tensor | None:
     """x / sqrt(mean(x^2) + eps) * weight."""
-    ok = _rows(x) and weight.dtype == torch.float32 and weight.is_contiguous()
-    if not ok or (residual is not None and not _rows(residual)):
+    ok = rows_ok(x) and weight.dtype == torch.float32 and weight.is_contiguous()
+    if not ok or (residual is not None and not rows_ok(residual)):
         return None
     y = torch.empty(x.shape, dtype=torch.float32) if out is None else out
     lib.rms_norm(
@@ -80,7 +80,7 @@ def silu_mul(
     lib: ctypes.CDLL, gate_up: torch.Tensor, out: torch.Tensor | None = None
 ) -> torch.Tensor | None:
     """[T, 2I] -> [T, I]: silu(gate) * up (into `out`, [T, I] float32 contiguous, if given)."""
-    if not _rows(gate_up):
+    if not rows_ok(gate_up):
         return None
     rows, width = gate_up.shape
     if out is None:
@@ -137,7 +137,7 @@ def write_kv(
 def argmax_rows(lib: ctypes.CDLL, logits: torch.Tensor) -> list[int] | None:
     """[n, V] -> each row's argmax (the first of equal maxima; of NaNs, the first NaN).
     torch's argmax took 1.3 ms over SmolLM2's 32 x 49,152 logits in cache, 2.1 out of it."""
-    if not _rows(logits):
+    if not rows_ok(logits):
         return None
     out = torch.empty(logits.shape[0], dtype=torch.int64)
     lib.argmax_rows(out.data_ptr(), logits.data_ptr(), logits.stride(0), *logits.shape)

@@ -237,7 +237,7 @@ def test_decode_layers_refuse_what_they_do_not_take(cpu_loops):
 def test_forward_ops_keep_their_outputs_while_the_shape_repeats(cpu_loops):
     """A norm's and SwiGLU's outputs are reused while their shape repeats (the next GEMM
     reads them before the op's next call); a new shape gets a new tensor, and one larger
-    than KEPT_OUTPUT_ELEMENTS is not kept."""
+    than KEPT_OUTPUT_ELEMENTS is not kept, nor one for rows the loops refuse."""
     g = _gen()
     ops = ForwardOps(SimpleNamespace(cpu_loops=cpu_loops))
     weight = torch.randn(32, generator=g)
@@ -257,3 +257,8 @@ def test_forward_ops_keep_their_outputs_while_the_shape_repeats(cpu_loops):
     a, b = ops.norm(big, weight, 1e-5, None), ops.norm(big, weight, 1e-5, None)
     assert a.data_ptr() != b.data_ptr()
     torch.testing.assert_close(b, F.rms_norm(big, (32,), weight, 1e-5), **TOL)
+    # rows the loops do not take (a bfloat16 model's) go to the torch form, nothing kept
+    kept = dict(ops._outputs)
+    half = ops.norm(h.bfloat16(), weight.bfloat16(), 1e-5, None)
+    assert half.dtype == torch.bfloat16 and ops._outputs.keys() == kept.keys()
+    assert all(ops._outputs[k] is v for k, v in kept.items())

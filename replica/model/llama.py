@@ -63,9 +63,13 @@ class ForwardOps:
         # cache); kept, the step took ~1.6 ms less (2026-12-07, paired rounds).
         self._outputs: dict[str, torch.Tensor] = {}
 
-    def _output(self, op: str, rows: int, cols: int) -> torch.Tensor | None:
-        """`op`'s output tensor [rows, cols] float32, reused while the shape repeats (a
-        prefill's larger ones are not kept: None, the op allocates its own)."""
+    def _output(self, op: str, source: torch.Tensor, cols: int) -> torch.Tensor | None:
+        """`op`'s output tensor [rows of `source`, cols] float32, reused while the shape
+        repeats; None where the op allocates its own: rows the loops do not take (a bfloat16
+        model's), or a prefill's larger ones, which are not kept."""
+        if not small_ops.rows_ok(source):
+            return None
+        rows = source.shape[0]
         out = self._outputs.get(op)
         if out is None or out.shape != (rows, cols):
             if rows * cols > KEPT_OUTPUT_ELEMENTS:
@@ -86,7 +90,7 @@ class ForwardOps:
         """h += residual (in place, where given), then rms_norm(h): in the loops, rows kept
         for the next norm of this shape (read them before it); else new rows."""
         if self.loops is not None:
-            buf = self._output("norm", *h.shape)
+            buf = self._output("norm", h, h.shape[1])
             out = small_ops.rms_norm(self.loops, h, weight, eps, residual, buf)
             if out is not None:
                 return out
@@ -117,8 +121,8 @@ class ForwardOps:
         """silu(gate) * up, gate and up the two halves of each row (in the loops, kept as the
         norm's output is)."""
         if self.loops is not None:
-            rows, width = gate_up.shape
-            out = small_ops.silu_mul(self.loops, gate_up, self._output("silu", rows, width // 2))
+            buf = self._output("silu", gate_up, gate_up.shape[1] // 2)
+            out = small_ops.silu_mul(self.loops, gate_up, buf)
             if out is not None:
                 return out
         gate, up = gate_up.chunk(2, dim=-1)

@@ -733,7 +733,11 @@ use reads up to 3.34 on four replicas (β <= 0.36 to stay on four) where the mor
 needs more than 0.43 (at 0.43 it held 0.984), and at β 0.25 the day took 3.04 h at 0.979.
 Projecting the use's rise over a replica's start-up, or vetoing the headroom while every
 replica's p99 TTFT is under half the SLO, did not separate the two either (2026-12-07,
-3.29-3.45 h; docs/cluster.md).""",
+3.29-3.45 h; docs/cluster.md); nor did Erlang C staffing, the exact queueing form of the
+square root for a few replicas (3.18-3.23 h at 0.984-0.987: its third replica 50 s late).
+As the scale-down band alone it took this day to 3.24 h at 0.9972, but on seed 27 let four
+replicas go to three in a lull of the trace on the way up (0.970), and the band that
+survives such a lull is what holds the way down.""",
 }
 
 

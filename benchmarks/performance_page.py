@@ -608,7 +608,18 @@ the flood through Serve's proxy read 89.6, 96.7, 92.7, 119.4, 113.4 and 115.2 ms
 against 109.5, 108.8, 93.7, 120.1, 102.8 and 105.4 without (medians 105 and 107; B's p99
 ratio 2.57-3.17 against 2.66-3.41), behind HAProxy 45.3-71.7 ms against 47.4-60.9
 (medians 47 and 51.5): the first set's gain did not come back in the second, and the
-collector's pauses are not what holds B's tail.""",
+collector's pauses are not what holds B's tail. Nor is the GIL of the replica's process
+or the engine's share of the cores (2026-12-07 21:26-21:44, the protected app behind
+Serve's proxy, quick shape, alternating, the machine alone, load 0.4-3.7): with the
+replica's switch interval at 0.5 ms (Python's default 5 ms: its event loop waits that long
+for the engine thread's GIL at worst) B's p99 under the flood read 128, 118 and 117 ms
+(ratios 3.26, 2.86, 2.62), with the engine thread at nice 19 127, 104 and 119 ms (2.74,
+2.90, 2.72), against 88-129 ms (2.50-3.28, median 2.83) in six runs at the defaults. The
+flood keeps 1.45 of the two cores busy (replica 0.8, ingress 0.33, proxy 0.2, client 0.13),
+so B's hops find a core free, and in one process, without Ray, the engine under A's 64
+streams delays B's first output by only 2-4 ms (p50 5.2-6.9 ms against 3.7-5.1, p99
+11.2-13.4 against 8.8-9.8; switch interval 0.5 ms the same): what is left of B's wait
+lies, by elimination, in the relay's processes and Ray's streaming between them.""",
     "fleet": """\
 `loraplex bench fleet` (`benchmarks/fleet/bench.py`): the same comparison at fleet scale in the
 simulator — 16 × H100 serving a 7B model, 2,000–10,000 adapters — whose replicas are the real

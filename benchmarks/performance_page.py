@@ -619,7 +619,22 @@ flood keeps 1.45 of the two cores busy (replica 0.8, ingress 0.33, proxy 0.2, cl
 so B's hops find a core free, and in one process, without Ray, the engine under A's 64
 streams delays B's first output by only 2-4 ms (p50 5.2-6.9 ms against 3.7-5.1, p99
 11.2-13.4 against 8.8-9.8; switch interval 0.5 ms the same): what is left of B's wait
-lies, by elimination, in the relay's processes and Ray's streaming between them.""",
+lies, by elimination, in the relay's processes and Ray's streaming between them. Timed hop
+by hop (a harness run of each path, the same day 21:45-21:50, the machine alone; B's 85
+requests a window kind; the ingress's and the replica's clocks read at a request's arrival,
+the call to the replica, the replica's start and first chunk, the ingress's first chunk),
+B's p50 / p99 under the flood against quiet, in ms: behind Serve's proxy, client to the
+ingress's handler 15.4 / 77.5 against 8.8 / 14.7 (the proxy actor and the ingress's HTTP
+side), the ingress to the replica 6.8 / 19.9 against 3.0 / 5.8 (Serve's handle), the
+replica to its first chunk 9.6 / 28.3 against 5.2 / 12.5, that chunk to the ingress 2.4 /
+13.8 against 3.1 / 8.5 and on to the client 3.1 / 14.8 against 3.2 / 6.7; in all 41.9 /
+113.6 against 24.4 / 34.1. Behind HAProxy the first hop is 5.0 / 16.3 against 3.5 / 7.6,
+and the next two much as behind the proxy actor (the ingress to the replica 7.8 / 22.6,
+the replica to its first chunk 9.8 / 42.9); in all 29.9 / 66.7 against 19.6 / 34.6. The
+client's own event loop was late by at most 2 ms at p99 under the flood, so the tail is the
+cluster's, not the harness's: Serve's proxy actor and the ingress's HTTP side are most of
+it, and behind HAProxy what is left is Serve's handle call to the replica and the
+replica's own wait for its first chunk (each 4-5 ms more at the median than quiet).""",
     "fleet": """\
 `loraplex bench fleet` (`benchmarks/fleet/bench.py`): the same comparison at fleet scale in the
 simulator — 16 × H100 serving a 7B model, 2,000–10,000 adapters — whose replicas are the real

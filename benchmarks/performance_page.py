@@ -634,7 +634,17 @@ the replica to its first chunk 9.8 / 42.9); in all 29.9 / 66.7 against 19.6 / 34
 client's own event loop was late by at most 2 ms at p99 under the flood, so the tail is the
 cluster's, not the harness's: Serve's proxy actor and the ingress's HTTP side are most of
 it, and behind HAProxy what is left is Serve's handle call to the replica and the
-replica's own wait for its first chunk (each 4-5 ms more at the median than quiet).""",
+replica's own wait for its first chunk (each 4-5 ms more at the median than quiet). A
+second pair of runs (22:21-22:23) split the first hop at the ingress's ASGI entry: behind
+Serve's proxy the ingress's own HTTP side, from there to the handler, took 3.7 / 6.4 ms
+quiet and 8.9 / 55.3 under the flood, behind HAProxy 0.8 / 1.4 and 1.1 / 11.1. Behind
+Serve's proxy the ingress does not have the request's body when it is called: it fetches
+it back from the proxy actor (Ray 2.60's `ASGIReceiveProxy`,
+ray/serve/_private/http_util.py, calling the proxy's `receive_asgi_messages`,
+ray/serve/_private/proxy.py), a second round trip through the actor that relays the
+flood; the hop before it, to the ingress's ASGI entry, read 11.8 / 46.1 under the flood
+against 3.8 / 16.2 behind HAProxy. B's totals in that pair: 53.7 / 147.4 against 28.1 /
+40.2 quiet behind Serve's proxy, 30.4 / 70.2 against 19.2 / 27.0 behind HAProxy.""",
     "fleet": """\
 `loraplex bench fleet` (`benchmarks/fleet/bench.py`): the same comparison at fleet scale in the
 simulator — 16 × H100 serving a 7B model, 2,000–10,000 adapters — whose replicas are the real

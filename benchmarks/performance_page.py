@@ -644,7 +644,11 @@ ray/serve/_private/http_util.py, calling the proxy's `receive_asgi_messages`,
 ray/serve/_private/proxy.py), a second round trip through the actor that relays the
 flood; the hop before it, to the ingress's ASGI entry, read 11.8 / 46.1 under the flood
 against 3.8 / 16.2 behind HAProxy. B's totals in that pair: 53.7 / 147.4 against 28.1 /
-40.2 quiet behind Serve's proxy, 30.4 / 70.2 against 19.2 / 27.0 behind HAProxy.""",
+40.2 quiet behind Serve's proxy, 30.4 / 70.2 against 19.2 / 27.0 behind HAProxy. Behind
+HAProxy, where the proxy actor's tail does not hide the replica's, the replica's switch
+interval at 0.5 ms did not help either (22:31-22:42, alternating, the machine alone, load
+0.9-1.7): B's p99 ratio 1.88, 2.58 and 2.43 (flood p99 66.9, 75.7 and 74.1 ms) against
+2.02, 2.07 and 2.53 (68.5, 57.1 and 78.3 ms) at the default.""",
     "fleet": """\
 `loraplex bench fleet` (`benchmarks/fleet/bench.py`): the same comparison at fleet scale in the
 simulator — 16 × H100 serving a 7B model, 2,000–10,000 adapters — whose replicas are the real
